@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.kvcache import KVPool, ReqTable
+
+
+@dataclass
+class AttentionInputs:
+    """What one step tells the attention backend (built by the engine, on the device).
+
+    B requests, T = sum(extend_lens) new tokens, request i's new tokens are rows
+    `cu_extend[i] : cu_extend[i+1]` of q/k/v, at positions `prefix_lens[i] .. seq_lens[i]-1`.
+    """
+
+    req_slots: torch.Tensor  # [B] int64, rows of the request table
+    seq_lens: torch.Tensor  # [B] int32, tokens in KV after this step
+    prefix_lens: torch.Tensor  # [B] int32, tokens already in KV before this step
+    extend_lens: torch.Tensor  # [B] int32, new tokens this step
+    cu_extend: torch.Tensor  # [B+1] int32, prefix sums of extend_lens
+    out_loc: torch.Tensor  # [T] int64, KV slot of every new token
+    is_decode: bool  # every request has exactly one new token
+    # Host copies, known when the step is built (no device sync needed to read them).
+    seq_lens_host: list[int]
+    extend_lens_host: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host)
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_lens_host)
+
+
+class AttentionBackend(ABC):
+    """Stores a step's new K/V into the paged pool and attends over each request's context.
+
+    `prepare` runs once per step before the model; `forward` once per layer. A backend never
+    changes scheduler state (the request table and the pool are written only at the new tokens'
+    KV slots).
+    """
+
+    def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
+        self.pool = pool
+        self.table = table
+        self.num_q_heads = num_q_heads
+        self.sm_scale = sm_scale
+
+    @abstractmethod
+    def prepare(self, inputs: AttentionInputs) -> object:
+        """Per-step metadata (block tables, split plans), passed back to `forward`."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_q_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        layer: int,
+        meta: object,
+    ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
+        ...

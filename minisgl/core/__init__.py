@@ -1,0 +1,16 @@
+"""Requests, batches and sampling parameters: the vocabulary every other package shares."""
+
+from minisgl.core.batch import Batch, BatchKind
+from minisgl.core.errors import InvalidRequestError
+from minisgl.core.req import FinishReason, Req, ReqStatus
+from minisgl.core.sampling import SamplingParams
+
+__all__ = [
+    "Batch",
+    "BatchKind",
+    "FinishReason",
+    "InvalidRequestError",
+    "Req",
+    "ReqStatus",
+    "SamplingParams",
+]

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.core.sampling import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS id or a stop token id or string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # the client went away or the request was cancelled
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request as the scheduler tracks it.
+
+    Token bookkeeping: `prompt_ids + output_ids` are the tokens known on the host. KV for the
+    first `num_computed` of them is in the pool. `num_sampled` counts tokens sampled by launched
+    steps, which runs ahead of `len(output_ids)` by the steps still in flight (overlap mode).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved seed: params.seed, or drawn by the front end
+    arrival: int = 0  # monotone admission order; the newest is retracted first
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    slot: int | None = None  # row in the request table while running
+    num_computed: int = 0
+    num_sampled: int = 0
+    # Prefix-cache state: the first `cache_len` tokens' pages belong to the cache and stay
+    # locked through `cache_handle`; pages after those are the request's own.
+    cache_handle: Any = None
+    cache_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Eos ids that end this request (the model's unless ignore_eos) plus stop_token_ids.
+    stop_ids: frozenset[int] = frozenset()
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens the request will hold once every launched step has landed."""
+        return self.prompt_len + self.num_sampled
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens this request may still sample (upper bound)."""
+        return self.params.max_tokens - self.num_sampled
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

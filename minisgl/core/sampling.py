@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from minisgl.core.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` and `min_p == 0` disable those
+    filters. `seed` makes a sampled request reproducible whatever else shares its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    stop: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers, keep tuples inside (hashable, immutable).
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field_name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{field_name}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if not (0 <= self.top_logprobs <= 20):
+            raise bad("top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "token ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
