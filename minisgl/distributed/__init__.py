@@ -1,0 +1,19 @@
+"""Tensor-parallel rank and size, process groups and the collectives the layers call."""
+
+from minisgl.distributed.state import (
+    TPInfo,
+    all_gather_last_dim,
+    all_reduce,
+    get_tp_info,
+    reset_tp_info,
+    set_tp_info,
+)
+
+__all__ = [
+    "TPInfo",
+    "all_gather_last_dim",
+    "all_reduce",
+    "get_tp_info",
+    "reset_tp_info",
+    "set_tp_info",
+]

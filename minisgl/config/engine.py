@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine and scheduler need; "auto" fields are resolved by `resolve`."""
+
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    load_format: str = "auto"  # auto (from the files) | dummy (random weights)
+    page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)
+    num_pages: int = 0  # 0: auto, sized from memory
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    max_context_len: int = 0  # 0: the model's max_position_embeddings
+    cache: str = "radix"  # radix | naive
+    attention_backend: str = "auto"  # auto | torch | triton
+    tp_size: int = 1
+    seed: int = 0
+    mem_fraction: float = 0.9
+    cpu_kv_gib: float = 2.0  # KV pool size on CPU when num_pages is auto
+    cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
+    overlap: bool = True  # overlap scheduling (CUDA only)
+    reserve_ratio: float = 0.5  # share of max_tokens reserved per request at admission
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
+        if self.cache not in ("radix", "naive"):
+            raise ValueError(f"cache: {self.cache!r} is not one of radix, naive")
+        if self.page_size < 0 or self.num_pages < 0:
+            raise ValueError("page_size and num_pages must be >= 0 (0 means auto)")
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        if not 0.0 < self.reserve_ratio <= 1.0:
+            raise ValueError(f"reserve_ratio: must be in (0, 1], got {self.reserve_ratio}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        assert self.device != "auto", "resolve the config first"
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        assert self.dtype != "auto", "resolve the config first"
+        return DTYPES[self.dtype]
+
+
+def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
+    """Fill in the "auto" fields that depend on the machine and the model (pure)."""
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cuda = device.startswith("cuda")
+    dtype = cfg.dtype
+    if dtype == "auto":
+        # CPUs run fp32 fastest and it matches the reference exactly; GPUs use the checkpoint's.
+        dtype = model_dtype if on_cuda and model_dtype in DTYPES else "float32"
+        if on_cuda and dtype == "float32":
+            dtype = "bfloat16"
+    page_size = cfg.page_size or (16 if on_cuda else 1)
+    backend = cfg.attention_backend
+    if backend == "auto":
+        backend = "triton" if on_cuda else "torch"
+    return replace(
+        cfg,
+        device=device,
+        dtype=dtype,
+        page_size=page_size,
+        attention_backend=backend,
+        overlap=cfg.overlap and on_cuda,
+        cuda_graph_max_bs=cfg.cuda_graph_max_bs if on_cuda else 0,
+    )

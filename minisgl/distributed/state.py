@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+
+# The one process-wide global: which tensor-parallel rank this process is. Set once at start
+# (before the model is built); tests reset it.
+_TP = TPInfo()
+
+
+def get_tp_info() -> TPInfo:
+    return _TP
+
+
+def set_tp_info(info: TPInfo) -> None:
+    global _TP
+    _TP = info
+
+
+def reset_tp_info() -> None:
+    set_tp_info(TPInfo())
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the tensor-parallel group, in place; the identity at tp=1."""
+    if _TP.size > 1:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `x` along the last dimension; the identity at tp=1."""
+    if _TP.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_TP.size)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,152 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, penalties, seeded noise.
+
+Randomness comes from a counter-based hash of (request seed, output position, token id), so a
+seeded request draws the same numbers alone or in any batch, and nothing syncs with the host.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with
+probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Req
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # MurmurHash3's finaliser on int64 tensors holding 32-bit values; products wrap mod 2^64,
+    # and the mask keeps the low 32 bits, which is all the mix needs.
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] seeds, [B] steps -> [B, vocab] uniforms in (0, 1), a pure function of its inputs."""
+    key = _fmix32((seeds & _M32) ^ _fmix32(((seeds >> 32) & _M32) + 0x9E3779B9))
+    key = _fmix32(key ^ ((steps * 0x27D4EB2F) & _M32))  # [B]
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _fmix32((key.unsqueeze(1) + idx.unsqueeze(0) * 0x165667B1) & _M32)  # [B, V]
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingInputs:
+    """Per-row sampling parameters on the device; host flags pick the work to skip."""
+
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, vocab size = off
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, index of the token being sampled in the output
+    all_greedy: bool
+    needs_sort: bool  # some row uses top-k or top-p
+    needs_min_p: bool
+    top_logprobs: int  # largest top_logprobs asked for; 0 = none
+    want_logprobs: bool
+    penalties: PenaltyInputs | None = None
+
+    @staticmethod
+    def build(reqs: list[Req], vocab: int, device: torch.device) -> SamplingInputs:
+        ps = [r.params for r in reqs]
+        greedy = [p.greedy for p in ps]
+
+        def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+
+        return SamplingInputs(
+            temperature=t([0.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32),
+            top_k=t([vocab if p.top_k < 1 else p.top_k for p in ps], torch.int64),
+            top_p=t([p.top_p for p in ps], torch.float32),
+            min_p=t([p.min_p for p in ps], torch.float32),
+            seeds=t([r.seed for r in reqs], torch.int64),
+            steps=t([r.num_sampled for r in reqs], torch.int64),
+            all_greedy=all(greedy),
+            needs_sort=any(not g and (p.top_k > 1 or p.top_p < 1.0) for p, g in zip(ps, greedy)),
+            needs_min_p=any(not g and p.min_p > 0 for p, g in zip(ps, greedy)),
+            top_logprobs=max(p.top_logprobs for p in ps),
+            want_logprobs=any(p.logprobs for p in ps),
+        )
+
+
+@dataclass
+class PenaltyInputs:
+    """Tokens seen so far per row (padded with -1) and the penalty strengths."""
+
+    prompt_tokens: torch.Tensor  # [B, Lp] int64, -1 padded
+    output_tokens: torch.Tensor  # [B, Lo] int64, -1 padded
+    presence: torch.Tensor  # [B] fp32
+    frequency: torch.Tensor  # [B] fp32
+    repetition: torch.Tensor  # [B] fp32
+
+
+def _counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(tokens.shape[0], vocab + 1, device=tokens.device)
+    idx = torch.where(tokens < 0, vocab, tokens)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyInputs) -> torch.Tensor:
+    """OpenAI presence/frequency penalties on output tokens; HF-style repetition penalty on all."""
+    vocab = logits.shape[1]
+    out_counts = _counts(pen.output_tokens, vocab)
+    seen = (out_counts + _counts(pen.prompt_tokens, vocab)) > 0
+    rep = pen.repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - pen.frequency.unsqueeze(1) * out_counts
+    return logits - pen.presence.unsqueeze(1) * (out_counts > 0).float()
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] fp32, log-softmax of the raw logits at the token
+    top_ids: torch.Tensor | None  # [B, K] int64
+    top_logprobs: torch.Tensor | None  # [B, K] fp32
+
+
+def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
+    """logits [B, V] fp32 -> next tokens, and log-probs when asked for."""
+    raw = logits
+    if inp.penalties is not None:
+        logits = apply_penalties(logits, inp.penalties)
+    greedy_tokens = logits.argmax(dim=-1)
+    if inp.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temp = inp.temperature.clamp(min=1e-5).unsqueeze(1)
+        probs = torch.softmax(logits / temp, dim=-1)
+        if inp.needs_sort:
+            probs = _top_k_top_p(probs, inp.top_k, inp.top_p)
+        if inp.needs_min_p:
+            cut = inp.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < cut, 0.0)
+        noise = -torch.log(hashed_uniform(inp.seeds, inp.steps, probs.shape[1]))
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(inp.temperature == 0, greedy_tokens, sampled)
+    if not (inp.want_logprobs or inp.top_logprobs):
+        return SampleOutput(tokens, None, None, None)
+    logp = torch.log_softmax(raw, dim=-1)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_ids = top_lp = None
+    if inp.top_logprobs:
+        top_lp, top_ids = logp.topk(inp.top_logprobs, dim=-1)
+    return SampleOutput(tokens, chosen, top_ids, top_lp)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+    # Keep a token if it is among the top k and the mass before it is below top_p.
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep = (rank < top_k.unsqueeze(1)) & (mass_before < top_p.unsqueeze(1))
+    keep[:, 0] = True
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minisgl.attention.base import AttentionBackend
+
+
+@dataclass
+class ForwardContext:
+    """What a model forward needs besides token ids and positions: passed explicitly."""
+
+    backend: AttentionBackend
+    meta: object  # the backend's per-step metadata from `prepare`
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV pool of one layer; the backend stores the new K/V."""
+
+    def __init__(self, layer: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        out = ctx.backend.forward(q, k, v, self.layer, ctx.meta)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,71 @@
+"""Rotary position embedding (neox / rotate-half layout), with llama3, linear and yarn scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from minisgl.config import RopeConfig
+
+
+def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the attention scale that the scaling kind implies."""
+    # fp32 like the reference implementation, so positions map to bit-identical angles.
+    base = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.kind in ("default", "dynamic"):
+        return base, 1.0
+    if rope.kind == "linear":
+        return base / rope.factor, 1.0
+    if rope.kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / base
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - smooth) * base / rope.factor + smooth * base
+        out = torch.where(wavelen > low_wavelen, base / rope.factor, blended)
+        out = torch.where(wavelen < high_wavelen, base, out)
+        return out, 1.0
+    if rope.kind == "yarn":
+        # YaRN (Peng et al. 2023): interpolate low frequencies, extrapolate high ones.
+        def corr_dim(rot: float) -> float:
+            return (dim * math.log(rope.original_max_position / (rot * 2 * math.pi))) / (
+                2 * math.log(rope.theta)
+            )
+
+        low = max(math.floor(corr_dim(rope.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(rope.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        out = base / rope.factor * (1 - extrapolate) + base * extrapolate
+        mscale = 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        return out, mscale
+    raise ValueError(f"rope scaling type {rope.kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq, mscale = _inv_freq(head_dim, rope)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())  # [max_position, head_dim/2]
+        cache = torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1)
+        self.register_buffer("cos_sin", cache, persistent=False)  # [max_pos, head_dim]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same dtypes)."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

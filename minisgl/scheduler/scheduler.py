@@ -1,0 +1,252 @@
+"""Continuous batching with chunked prefill, KV reservation and retraction."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from minisgl.config import EngineConfig
+from minisgl.core import Batch, FinishReason, InvalidRequestError, Req, ReqStatus
+from minisgl.engine import Engine, ForwardOutput
+from minisgl.kvcache import PageAllocator, make_prefix_cache
+from minisgl.scheduler.kv_manager import KVManager, pages_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepEvent:
+    """What one step produced for one request."""
+
+    req: Req
+    new_tokens: list[int]
+    finished: bool
+
+
+class Scheduler:
+    """Decides each step's batch and turns sampled tokens into request progress.
+
+    Every step carries one token for each decoding request plus prefill chunks (newest
+    admissions last) up to `max_prefill_tokens`. A request is admitted only when the pool can
+    hold its prompt plus `reserve_ratio` of its `max_tokens` on top of what running requests
+    reserved; when decoding still runs short, the newest request is retracted and requeued.
+    """
+
+    def __init__(self, engine: Engine, eos_ids: tuple[int, ...] = ()) -> None:
+        self.engine = engine
+        self.config: EngineConfig = engine.config
+        self.page_size = engine.page_size
+        self.max_context = engine.max_context
+        self.eos_ids = frozenset(eos_ids or engine.model_config.eos_token_ids)
+        self.num_pages = engine.num_pages
+        self.kv = KVManager(
+            PageAllocator(engine.num_pages),
+            make_prefix_cache(self.config.cache, self.page_size),
+            engine.table,
+        )
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._arrivals = 0
+        self.stats = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "cached_tokens": 0,
+                      "generated_tokens": 0, "retractions": 0}
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise InvalidRequestError if a request of this shape can never be served."""
+        if prompt_len < 1:
+            raise InvalidRequestError("prompt: must contain at least one token")
+        if prompt_len >= self.max_context:
+            raise InvalidRequestError(
+                f"prompt: {prompt_len} tokens do not fit the context of {self.max_context} "
+                "tokens (one more is needed to generate)"
+            )
+        if prompt_len + max_tokens > self.max_context:
+            raise InvalidRequestError(
+                f"max_tokens: {max_tokens} plus the prompt's {prompt_len} tokens exceed the "
+                f"context of {self.max_context} tokens; ask for at most "
+                f"{self.max_context - prompt_len}"
+            )
+        need = pages_for(prompt_len + max_tokens, self.page_size)
+        if need > self.num_pages:
+            raise InvalidRequestError(
+                f"prompt + max_tokens need {need} KV pages but the pool holds {self.num_pages}"
+            )
+
+    def add_request(self, req: Req) -> None:
+        self.check_request(req.prompt_len, req.params.max_tokens)
+        stop = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stop |= self.eos_ids
+        req.stop_ids = frozenset(stop)
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        self.stats["prompt_tokens"] += req.prompt_len
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        """Finish request `rid` with reason abort and free what it holds."""
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                self._finish(req, FinishReason.ABORT)
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def step(self) -> list[StepEvent]:
+        """Schedule, run and process one batch (the plain, non-overlapped loop)."""
+        batch = self.schedule()
+        if batch is None:
+            return []
+        return self.process(batch, self.engine.forward_batch(batch))
+
+    def schedule(self) -> Batch | None:
+        decode = [r for r in self.running if r.num_computed == r.seq_len - 1]
+        decode = self._make_room_for_decode(decode)
+        prefill = self._prefill_chunks(self.kv.available_pages - self._pages_needed(decode))
+        if not decode and not prefill and self.running:
+            # Partial prefills stuck without pages: free the newest one's and try again.
+            self._retract(max(self.running, key=lambda r: r.arrival))
+            return self.schedule()
+        reqs = decode + [r for r, _ in prefill]
+        if not reqs:
+            return None
+        prefix = [r.num_computed for r in reqs]
+        extend = [1] * len(decode) + [n for _, n in prefill]
+        sample = [p + e == r.seq_len for r, p, e in zip(reqs, prefix, extend)]
+        for r, p, e in zip(reqs, prefix, extend):
+            self.kv.grow(r, p + e)
+        for r, s in zip(reqs, sample):
+            r.num_sampled += int(s)
+        return Batch(reqs, prefix, extend, sample)
+
+    def _pages_needed(self, reqs: list[Req]) -> int:
+        """New pages the decode step of `reqs` needs."""
+        return sum(max(0, pages_for(r.seq_len, self.page_size) - len(r.pages)) for r in reqs)
+
+    def _make_room_for_decode(self, decode: list[Req]) -> list[Req]:
+        """Retract the newest requests until every decoding request has room for its token."""
+        while decode and self._pages_needed(decode) > self.kv.available_pages:
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._retract(victim)
+            decode = [r for r in decode if r is not victim]
+        return decode
+
+    def _prefill_chunks(self, room: int) -> list[tuple[Req, int]]:
+        budget = self.config.max_prefill_tokens
+        chunks: list[tuple[Req, int]] = []
+        for r in self.running:  # continue partial prefills first
+            if r.num_computed < r.seq_len - 1 and budget > 0:
+                n = min(budget, r.seq_len - r.num_computed)
+                need = pages_for(r.num_computed + n, self.page_size) - len(r.pages)
+                if need <= room:
+                    chunks.append((r, n))
+                    budget -= n
+                    room -= need
+        while self.waiting and budget > 0 and self.kv.table.num_free_slots > 0:
+            req = self.waiting[0]
+            if not self._can_admit(req):
+                break
+            self.waiting.popleft()
+            self._admit(req)
+            n = min(budget, req.seq_len - req.num_computed)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def _reserved(self, req: Req) -> int:
+        """Pages `req` may still need beyond what it holds (prompt + a share of its output)."""
+        future = int(req.remaining_tokens * self.config.reserve_ratio + 0.999)
+        return max(0, pages_for(req.seq_len + future, self.page_size) - len(req.pages))
+
+    def _can_admit(self, req: Req) -> bool:
+        reserved = sum(self._reserved(r) for r in self.running)
+        match = self.kv.cache.match_prefix(req.all_ids()[: req.seq_len - 1])
+        # Matched pages stop being evictable once locked, so they don't add room.
+        room = self.kv.available_pages - min(match.length // self.page_size,
+                                              self.kv.cache.evictable_pages)
+        need = self._reserved(req) - match.length // self.page_size
+        if not self.running:  # alone it must at least fit its prompt, or nothing ever runs
+            need = pages_for(req.seq_len + 1, self.page_size) - match.length // self.page_size
+        return reserved + need <= room
+
+    def _admit(self, req: Req) -> None:
+        self.kv.attach(req)
+        if req.num_retractions == 0:
+            req.cached_tokens = req.num_computed
+            self.stats["cached_tokens"] += req.num_computed
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting %s to free KV pages", req.rid)
+        self.stats["retractions"] += 1
+        self.running.remove(req)
+        self.kv.release(req)
+        req.num_retractions += 1
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def process(self, batch: Batch, out: ForwardOutput) -> list[StepEvent]:
+        out.wait()
+        tokens = out.tokens_host.tolist()
+        for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            if not r.finished:
+                r.num_computed = p + e
+                self.stats["computed_prompt_tokens"] += max(0, min(p + e, r.prompt_len) - p)
+        events: list[StepEvent] = []
+        for k, row in enumerate(out.sample_rows):
+            req = batch.reqs[row]
+            if req.finished:  # aborted while its step ran: the token is dropped
+                continue
+            self._append_token(req, tokens[k], out, k)
+            events.append(StepEvent(req, [tokens[k]], req.finished))
+        return events
+
+    def _append_token(self, req: Req, token: int, out: ForwardOutput, k: int) -> None:
+        req.output_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        if out.logprobs_host is not None:
+            req.output_logprobs.append(float(out.logprobs_host[k]))
+        if out.top_ids_host is not None and out.top_logprobs_host is not None:
+            n = req.params.top_logprobs
+            ids, lps = out.top_ids_host[k, :n].tolist(), out.top_logprobs_host[k, :n].tolist()
+            req.output_top_logprobs.append(list(zip(ids, lps)))
+        if token in req.stop_ids:
+            self._finish(req, FinishReason.STOP)
+        elif len(req.output_ids) >= req.params.max_tokens or req.seq_len >= self.max_context:
+            self._finish(req, FinishReason.LENGTH)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def kv_accounting(self) -> dict[str, int]:
+        held = sum(self.kv.own_pages(r) for r in self.running)
+        return {
+            "free": self.kv.allocator.num_free,
+            "held_by_requests": held,
+            "protected": self.kv.cache.protected_pages,
+            "evictable": self.kv.cache.evictable_pages,
+            "total": self.num_pages,
+        }
+
+    def check_invariants(self) -> None:
+        a = self.kv_accounting()
+        total = a["free"] + a["held_by_requests"] + a["protected"] + a["evictable"]
+        assert total == a["total"], f"KV pages leaked or double counted: {a}"
