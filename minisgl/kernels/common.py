@@ -1,0 +1,89 @@
+"""Triton building blocks shared by the attention kernels (imports Triton)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# Programs assumed per SM when sizing grids on a device that is not CUDA (the interpreter).
+_NOMINAL_NUM_SMS = 132
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when `kernel` was decorated while TRITON_INTERPRET=1 (it runs on CPU tensors)."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+@functools.cache
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a nominal H200 count off CUDA); no host sync."""
+    if device.type != "cuda":
+        return _NOMINAL_NUM_SMS
+    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"head_dim {head_dim} is not supported by the Triton attention kernels: "
+            "use a power of two between 16 and 256"
+        )
+
+
+def dot_flags(dtype: torch.dtype, kernel: object) -> tuple[bool, bool]:
+    """(IEEE, UPCAST) for `dot`: exact fp32 products (no TF32) for fp32 inputs; the CPU
+    interpreter multiplies bf16 operands wrongly, so there they are widened to fp32 first
+    (exact, and what the tensor cores accumulate in anyway)."""
+    ieee = dtype == torch.float32
+    upcast = dtype == torch.bfloat16 and is_interpreted(kernel)
+    return ieee, upcast
+
+
+@triton.jit
+def token_slots(table_row_ptr, pos, mask, PAGE_SIZE: tl.constexpr):
+    """KV slots (int64) of positions `pos` of one request whose page ids start at `table_row_ptr`.
+
+    `mask` (or None: all valid) guards the page-id gather only. The page id of a block of positions is one small gather that stays in L1; the division and
+    modulo are shifts when PAGE_SIZE is a power of two.
+    """
+    if mask is None:
+        page = tl.load(table_row_ptr + pos // PAGE_SIZE)
+    else:
+        page = tl.load(table_row_ptr + pos // PAGE_SIZE, mask=mask, other=0)
+    return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a [M, K] @ b [K, N] with fp32 accumulation."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold one key block into the running softmax (base-2 domain).
+
+    qk [M, N] fp32 scores already multiplied by sm_scale * log2(e), masked keys at -inf (every
+    row must have seen a finite score by its first block); v [N, D]; m_i, l_i [M]; acc [M, D].
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, UPCAST)
+    return m_new, l_i, acc

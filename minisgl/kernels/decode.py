@@ -1,0 +1,248 @@
+"""Paged decode attention, flash-decoding style: one query token per request.
+
+Each program owns one (request, KV head, split): it reads that split's K/V once for every query
+head of the GQA group (the group is padded to BLOCK_H rows so the scores are one `tl.dot`),
+keeps an online softmax, and writes a normalised partial output plus its base-2 log-sum-exp.
+A second kernel combines the splits. A split is a fraction of *its own request's* length, so any
+`num_splits` is correct for any `seq_lens`: the caller picks it from host-side numbers and the
+launch needs no host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.common import (
+    check_head_dim,
+    dot,
+    dot_flags,
+    num_sms,
+    online_softmax_step,
+    token_slots,
+)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning knobs of `decode_attention` (sweep them on the target GPU)."""
+
+    block_n: int = 64  # key tokens per loop step
+    num_warps: int = 4
+    num_stages: int = 2
+    # Split heuristic: aim for this many programs per SM, never splits shorter than this.
+    programs_per_sm: int = 4
+    min_split_tokens: int = 256
+    max_splits: int = 64
+
+
+def default_decode_config(head_dim: int) -> DecodeConfig:
+    # Keep one K (or V) tile at ~16 KiB for bf16 so two stages of K and V fit with room to spare.
+    return DecodeConfig(block_n=max(16, min(128, 8192 // head_dim)))
+
+
+def choose_num_splits(
+    batch_size: int, num_kv_heads: int, max_seq_len: int, sms: int, config: DecodeConfig
+) -> int:
+    """Splits per request: enough programs to fill the GPU, each split long enough to pay off."""
+    want = -(-(config.programs_per_sm * sms) // max(1, batch_size * num_kv_heads))
+    by_len = -(-max_seq_len // config.min_split_tokens)
+    return max(1, min(want, by_len, config.max_splits))
+
+
+@triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per split for a request of `seq_len` tokens: a whole number of BLOCK_N blocks."""
+    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    block_table_ptr,  # [B, P] int32
+    seq_lens_ptr,  # [B] int32
+    o_ptr,  # [B, Hq, D], written when NUM_SPLITS == 1
+    part_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, written when NUM_SPLITS > 1
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    num_q_heads,
+    scale_log2,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None],
+        other=0.0,
+    )  # [BLOCK_H, D]
+
+    table_row = block_table_ptr + b * stride_bt
+    k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        mask_n = pos < end
+        slots = token_slots(table_row, pos, mask_n, PAGE_SIZE)
+        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
+        qk = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, UPCAST)
+
+    # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
+    else:
+        # Splits past the end of a short request write nothing; the reduce skips them.
+        row = (b * num_q_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        mask = offs_h < tl.where(start < end, GROUP, 0)
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask[:, None])
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_safe), mask=mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    seq_lens_ptr,  # [B] int32
+    o_ptr,  # [B, Hq, D]
+    stride_ob,
+    stride_oh,
+    num_q_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_valid = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < num_valid
+    row = (b * num_q_heads + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
+    lse_max = tl.where(num_valid > 0, tl.max(lse, 0), 0.0)
+    w = tl.exp2(lse - lse_max)  # [BLOCK_S], 0 for unused splits
+    part = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None])
+    part = tl.where(mask_s[:, None], part, 0.0)
+    out = tl.sum(w[:, None] * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_table: torch.Tensor,  # [B, P] int32 page ids, row i = pages of request i
+    seq_lens: torch.Tensor,  # [B] int32, context length of each request (incl. the new token)
+    page_size: int,
+    sm_scale: float,
+    *,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given
+) -> torch.Tensor:  # [B, Hq, D], dtype of q
+    """Attention of each request's single query over its whole paged context.
+
+    Never syncs with the host. `num_splits` (or, when it is None, the heuristic fed with the
+    host-side `max_seq_len`, default `P * page_size`) only affects speed; a CUDA graph captures
+    one value and stays correct for every `seq_lens` it replays with.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    _check_decode_args(q, k_cache, v_cache, block_table, seq_lens)
+    cfg = config or default_decode_config(head_dim)
+    if num_splits is None:
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        num_splits = choose_num_splits(batch, num_kv_heads, max_len, num_sms(q.device), cfg)
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    if num_splits > 1:
+        part_o = q.new_empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32)
+        part_lse = q.new_empty(batch, num_q_heads, num_splits, dtype=torch.float32)
+    else:
+        part_o = part_lse = out  # unused by the kernel
+    ieee, upcast = dot_flags(q.dtype, _decode_split_kernel)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), num_q_heads, sm_scale * math.log2(math.e),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, IEEE=ieee,
+        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_q_heads,
+            HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2,
+        )  # fmt: skip
+    return out
+
+
+def _check_decode_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    check_head_dim(head_dim)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
+    assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,)
+    for t in (q, k_cache, v_cache):
+        assert t.stride(-1) == 1, "head_dim must be contiguous"

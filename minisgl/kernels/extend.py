@@ -1,0 +1,189 @@
+"""Paged extend (prefill) attention: new tokens attend to their cached prefix and causally to
+each other.
+
+The new tokens' K/V are already in the pool, so every key is read through the block table.
+Grid: (query blocks of BLOCK_M rows, query heads, requests). A program's keys split into blocks
+that lie wholly before its first query (no mask needed) and the diagonal blocks (causal mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.common import (
+    check_head_dim,
+    dot,
+    dot_flags,
+    online_softmax_step,
+    token_slots,
+)
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tuning knobs of `extend_attention` (sweep them on the target GPU)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_extend_config(head_dim: int) -> ExtendConfig:
+    if head_dim > 128:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=8)
+    return ExtendConfig()
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    block_table_ptr,  # [B, P] int32
+    seq_lens_ptr,  # [B] int32
+    extend_lens_ptr,  # [B] int32
+    cu_extend_ptr,  # [B+1] int32
+    o_ptr,  # [T, Hq, D]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    kv_head = head // GROUP
+
+    extend_len = tl.load(extend_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    first_row = tl.load(cu_extend_ptr + b).to(tl.int64)
+    prefix_len = seq_len - extend_len
+    m_start = m_block * BLOCK_M
+    active = m_start < extend_len  # blocks past a short request's end do nothing
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_m = offs_m < extend_len
+    q_pos = prefix_len + offs_m  # [BLOCK_M]
+    q_rows = first_row + offs_m
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None],
+        other=0.0,
+    )  # [BLOCK_M, D]
+
+    table_row = block_table_ptr + b * stride_bt
+    k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # Keys before this block's first query: visible to every row, no mask.
+    full_end = tl.where(active, (prefix_len + m_start) // BLOCK_N * BLOCK_N, 0)
+    for n in range(0, full_end, BLOCK_N):
+        slots = token_slots(table_row, n + offs_n, None, PAGE_SIZE)
+        k = tl.load(k_base + slots[:, None] * stride_kt)
+        qk = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2
+        v = tl.load(v_base + slots[:, None] * stride_vt)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, UPCAST)
+
+    # Diagonal blocks: key k is visible to query row r iff pos(k) <= pos(r).
+    causal_end = tl.where(active, tl.minimum(seq_len, prefix_len + m_start + BLOCK_M), 0)
+    for n in range(full_end, causal_end, BLOCK_N):
+        k_pos = n + offs_n
+        mask_n = k_pos < causal_end
+        slots = token_slots(table_row, k_pos, mask_n, PAGE_SIZE)
+        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
+        qk = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2
+        visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, UPCAST)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_dst = o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, Hq, D], request i's rows are cu_extend[i] : cu_extend[i+1]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D], already holding the new tokens' K
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_table: torch.Tensor,  # [B, P] int32 page ids
+    seq_lens: torch.Tensor,  # [B] int32, context length after this step
+    extend_lens: torch.Tensor,  # [B] int32, new tokens of each request
+    cu_extend: torch.Tensor,  # [B+1] int32, prefix sums of extend_lens
+    page_size: int,
+    sm_scale: float,
+    max_extend_len: int,  # host int >= max(extend_lens), sizes the grid
+    *,
+    config: ExtendConfig | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D], written in place if given
+) -> torch.Tensor:  # [T, Hq, D], dtype of q
+    """Causal attention of new tokens at positions `seq_len - extend_len .. seq_len - 1` over
+    their request's paged context. No host sync."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    _check_extend_args(q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend)
+    cfg = config or default_extend_config(head_dim)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0 or max_extend_len == 0:
+        return out
+    ieee, upcast = dot_flags(q.dtype, _extend_kernel)
+    grid = (triton.cdiv(max_extend_len, cfg.block_m), num_q_heads, batch)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), sm_scale * math.log2(math.e),
+        GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, IEEE=ieee, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _check_extend_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    cu_extend: torch.Tensor,
+) -> None:
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    batch = seq_lens.shape[0]
+    check_head_dim(head_dim)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
+    assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
+    for t in (seq_lens, extend_lens, cu_extend):
+        assert t.dtype == torch.int32
+    assert extend_lens.shape == (batch,) and cu_extend.shape == (batch + 1,)
+    for t in (q, k_cache, v_cache):
+        assert t.stride(-1) == 1, "head_dim must be contiguous"

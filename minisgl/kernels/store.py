@@ -1,0 +1,78 @@
+"""Scatter a step's new K/V rows into the paged KV pool."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_cache_ptr,
+    v_cache_ptr,
+    loc_ptr,
+    k_ptr,
+    v_ptr,
+    stride_ck,
+    stride_ckh,
+    stride_cv,
+    stride_cvh,
+    stride_k,
+    stride_kh,
+    stride_v,
+    stride_vh,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < NUM_HEADS)[:, None]
+    t64 = t.to(tl.int64)
+    k = tl.load(k_ptr + t64 * stride_k + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t64 * stride_v + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k_dst = k_cache_ptr + slot * stride_ck + offs_h[:, None] * stride_ckh + offs_d[None, :]
+    v_dst = v_cache_ptr + slot * stride_cv + offs_h[:, None] * stride_cvh + offs_d[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    loc: torch.Tensor,  # [T] int64, destination slot of every token
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], may be a strided view (e.g. of a fused qkv)
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+) -> None:
+    """`k_cache[loc] = k; v_cache[loc] = v` in one launch (converting to the cache dtype)."""
+    num_tokens, num_heads, head_dim = k.shape
+    assert v.shape == k.shape and loc.shape == (num_tokens,)
+    assert k_cache.shape[1:] == (num_heads, head_dim) and v_cache.shape == k_cache.shape
+    for t in (k_cache, v_cache, k, v):
+        assert t.stride(-1) == 1, "head_dim must be contiguous"
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"store_kv needs a power-of-two head_dim, got {head_dim}")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k_cache,
+        v_cache,
+        loc,
+        k,
+        v,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        NUM_HEADS=num_heads,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        HEAD_DIM=head_dim,
+        num_warps=4 if num_heads * head_dim >= 1024 else 1,
+    )
