@@ -1,0 +1,149 @@
+"""Fused MoE kernels (routing, align, grouped GEMMs) against the torch references.
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
+the kernel module is imported), so shapes stay small; with CUDA the same cases run natively.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
+
+from minisgl.kernels import moe as K  # noqa: E402
+from minisgl.layers.moe import Routing, moe_reference, select_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not isinstance(K._align_kernel, K.InterpretedFunction):
+    pytest.skip(
+        "minisgl.kernels.moe was imported before TRITON_INTERPRET=1 was set; "
+        "run with TRITON_INTERPRET=1 in the environment",
+        allow_module_level=True,
+    )
+
+# The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest), which about
+# doubles the error of each bf16 intermediate there.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2 if DEVICE == "cpu" else 1e-2}
+SMALL = K.FusedMoEConfig(16, K.GemmTile(16, 16), K.GemmTile(32, 16))
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def random_experts(
+    num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
+
+
+def skewed_ids(num_tokens: int, num_experts: int, top_k: int, seed: int) -> torch.Tensor:
+    """Distinct experts per token, drawn with a strong preference for low ids (uneven runs)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g) ** 4 * torch.arange(
+        num_experts, 0, -1
+    )
+    return scores.topk(top_k, dim=-1).indices.to(DEVICE, torch.int32)  # [T, K]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_experts", "top_k", "renormalize"), [(8, 2, True), (12, 3, False)])
+def test_topk_matches_select_experts(
+    dtype: torch.dtype, num_experts: int, top_k: int, renormalize: bool
+) -> None:
+    logits = torch.randn(7, num_experts, device=DEVICE).to(dtype)
+    weights, ids = K.fused_topk(logits, top_k, renormalize)
+    ref = select_experts(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), ref.ids)
+    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(1, 8, 2, 16), (9, 8, 2, 16), (40, 6, 3, 32), (700, 8, 2, 16)],  # 700 * 2: two chunks
+)
+def test_align_matches_reference(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int
+) -> None:
+    ids = skewed_ids(num_tokens, num_experts, top_k, seed=num_tokens)
+    got = K.moe_align(ids, num_experts, block_m)
+    want = K.align_reference(ids, num_experts, block_m)
+    n = int(want.num_padded)
+    assert int(got.num_padded) == n and n % block_m == 0
+    assert n <= got.max_blocks * block_m
+    assert torch.equal(got.sorted_ids[:n], want.sorted_ids[:n])
+    assert torch.equal(got.block_expert[: n // block_m], want.block_expert[: n // block_m])
+    # Every (token, k) pair appears exactly once, in a block of its own expert.
+    real = got.sorted_ids[:n][got.sorted_ids[:n] < ids.numel()].long()
+    assert torch.equal(real.sort().values, torch.arange(ids.numel(), device=DEVICE))
+    block_of = torch.arange(n, device=DEVICE)[got.sorted_ids[:n] < ids.numel()] // block_m
+    assert torch.equal(ids.reshape(-1)[real], got.block_expert[block_of])
+
+
+def test_align_worst_case_fits() -> None:
+    # Every token on its own expert: each run wastes block_m - 1 rows, the bound is tight.
+    ids = torch.arange(8, device=DEVICE, dtype=torch.int32).view(8, 1)
+    got = K.moe_align(ids, 8, 16)
+    assert int(got.num_padded) == 8 * 16 == got.max_blocks * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "inter"),
+    [(1, 8, 2, 32, 16), (19, 8, 2, 48, 40), (24, 6, 3, 64, 32)],  # 48, 40: ragged tiles
+)
+def test_fused_experts_matches_reference(
+    dtype: torch.dtype, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int
+) -> None:
+    w13, w2 = random_experts(num_experts, hidden, inter, dtype)
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    ids = skewed_ids(num_tokens, num_experts, top_k, seed=1)
+    weights = torch.rand(num_tokens, top_k, device=DEVICE)
+    out = K.fused_experts(x, w13, w2, weights, ids, SMALL)
+    # The truth: the same (rounded) inputs in fp32.
+    ref = moe_reference(x.float(), w13.float(), w2.float(), Routing(weights, ids.long()))
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_fused_moe_matches_layer_reference() -> None:
+    w13, w2 = random_experts(8, 32, 16, torch.float32, seed=3)
+    x = torch.randn(5, 32, device=DEVICE)
+    logits = torch.randn(5, 8, device=DEVICE)
+    big = K.FusedMoEConfig(32, K.GemmTile(32, 32), K.GemmTile(16, 16))
+    out = K.fused_moe(x, w13, w2, logits, 2, True, big)
+    ref = moe_reference(x, w13, w2, select_experts(logits, 2, True))
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
+def test_no_tokens() -> None:
+    w13, w2 = random_experts(4, 32, 16, torch.float32)
+    x = torch.empty(0, 32, device=DEVICE)
+    assert K.fused_moe(x, w13, w2, torch.empty(0, 4, device=DEVICE), 2, True).shape == (0, 32)
+
+
+def test_default_config_by_rows_per_expert() -> None:
+    decode = K.default_config(1, 8, 128)
+    prefill = K.default_config(8192, 8, 128)
+    assert decode.block_m <= prefill.block_m
+    assert decode.gate_up.block_n <= prefill.gate_up.block_n
+    sizes = [K.default_config(t, 8, 128).block_m for t in (1, 64, 256, 1024, 8192)]
+    assert sizes == sorted(sizes)
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    w13, w2 = random_experts(4, 32, 16, torch.float32)
+    x = torch.randn(3, 48, device=DEVICE)
+    ids = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit"):
+        K.fused_experts(x, w13, w2, torch.ones(3, 1, device=DEVICE), ids)
