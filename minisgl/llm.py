@@ -51,6 +51,13 @@ class LLM:
             self._tokenizer = load_tokenizer(resolve_source(self._model))
         return self._tokenizer
 
+    @property
+    def has_tokenizer(self) -> bool:
+        try:
+            return self.tokenizer is not None
+        except (OSError, ValueError):  # a weights-only directory: token-id prompts only
+            return False
+
     # ---- public API --------------------------------------------------------------------------
 
     def generate(
@@ -76,7 +83,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """Apply the model's chat template to each conversation, then generate."""
-        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        convs = (
+            [conversations]
+            if conversations and isinstance(conversations[0], dict)
+            else conversations
+        )
         prompts = [self.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -134,11 +145,13 @@ class LLM:
             req.finish_reason = FinishReason.STOP
 
     def _result(self, req: Req) -> dict[str, Any]:
-        skip = req.params.skip_special_tokens
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
-        for s in req.params.stop:
-            if s in text:
-                text = text[: text.index(s)]
+        text = None
+        if self.has_tokenizer:
+            skip = req.params.skip_special_tokens
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
+            for s in req.params.stop:
+                if s in text:
+                    text = text[: text.index(s)]
         assert req.finish_reason is not None
         out: dict[str, Any] = {
             "text": text,

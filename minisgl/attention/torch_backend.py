@@ -18,7 +18,10 @@ class TorchMeta:
 
 
 def context_slots(
-    page_table: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+    page_table: torch.Tensor,
+    req_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
     max_seq_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KV slots of positions 0..max_seq_len-1 of each request, and which are inside it."""
@@ -32,7 +35,10 @@ def context_slots(
 class TorchBackend(AttentionBackend):
     def prepare(self, inputs: AttentionInputs) -> TorchMeta:
         slots, valid = context_slots(
-            self.table.page_table, inputs.req_slots, inputs.seq_lens, self.pool.page_size,
+            self.table.page_table,
+            inputs.req_slots,
+            inputs.seq_lens,
+            self.pool.page_size,
             inputs.max_seq_len,
         )
         return TorchMeta(inputs, slots, valid)
@@ -56,8 +62,12 @@ class TorchBackend(AttentionBackend):
         vals = v_cache[meta.ctx_slots].transpose(1, 2)
         mask = meta.ctx_valid[:, None, None, :]  # [B, 1, 1, S]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
-            scale=self.sm_scale, enable_gqa=True,
+            q.unsqueeze(2),
+            keys.to(q.dtype),
+            vals.to(q.dtype),
+            attn_mask=mask,
+            scale=self.sm_scale,
+            enable_gqa=True,
         )  # [B, Hq, 1, D]
         return out.squeeze(2)
 

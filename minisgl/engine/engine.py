@@ -73,11 +73,18 @@ class Engine:
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
         num_kv_heads, num_q_heads = attn.num_kv_heads, attn.num_heads
-        self.table = ReqTable(cfg.max_running_requests, self.max_context, cfg.page_size, self.device)
+        self.table = ReqTable(
+            cfg.max_running_requests, self.max_context, cfg.page_size, self.device
+        )
         self.num_pages = cfg.num_pages or plan_num_pages(cfg, mcfg, num_kv_heads, self.max_context)
         self.pool = KVPool(
-            mcfg.num_layers, self.num_pages, cfg.page_size, num_kv_heads, mcfg.head_dim,
-            self.dtype, self.device,
+            mcfg.num_layers,
+            self.num_pages,
+            cfg.page_size,
+            num_kv_heads,
+            mcfg.head_dim,
+            self.dtype,
+            self.device,
         )
         self.backend = make_backend(
             cfg.attention_backend, self.pool, self.table, num_q_heads, mcfg.head_dim**-0.5
@@ -144,7 +151,7 @@ class Engine:
             return ForwardOutput(rows, empty.to(self.device), empty, None, None, None, None)
         last = inputs.cu_extend[1:].long() - 1  # [B] row of each request's last new token
         row_idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[last[row_idx]])  # [S, V]
+        logits = self.model.compute_logits(hidden[last[row_idx]])  # type: ignore[operator]
         reqs = [batch.reqs[i] for i in rows]
         sin = SamplingInputs.build(reqs, self.model_config.vocab_size, self.device)
         if any(r.params.has_penalties for r in reqs):

@@ -53,25 +53,25 @@ def moe_reference(
 ) -> torch.Tensor:  # [T, H] in x.dtype
     """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids_k.
 
-    One matmul pair per expert that has tokens; products in x.dtype, the sum in fp32.
+    One matmul pair per expert that has tokens; products in x.dtype, the sum over k in fp32.
     """
     num_tokens, top_k = routing.ids.shape
     flat_ids = routing.ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat_ids, stable=True)  # [T*K] (token, k) pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: reference
     flat_weights = routing.weights.reshape(-1)  # [T*K]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    # Every pair is written once; a buffer per pair avoids index_add_, which is slow on CPU.
+    per_pair = torch.empty(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         rows = order[start : start + n]  # [n] indices into the flattened (token, k) pairs
         start += n
         if n == 0:
             continue
-        tokens = rows // top_k  # [n]
-        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)  # [n, I] each
+        gate, up = F.linear(x[rows // top_k], w13[e]).chunk(2, dim=-1)  # [n, I] each
         h = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
-        out.index_add_(0, tokens, h.float() * flat_weights[rows, None])
-    return out.to(x.dtype)
+        per_pair[rows] = h.float() * flat_weights[rows, None]
+    return per_pair.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def _reference_impl(

@@ -40,7 +40,7 @@ def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
         low = max(math.floor(corr_dim(rope.beta_fast)), 0)
         high = min(math.ceil(corr_dim(rope.beta_slow)), dim - 1)
         if low == high:
-            high += 0.001
+            high = high + 0.001  # type: ignore[assignment]
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrapolate = 1 - ramp
         out = base / rope.factor * (1 - extrapolate) + base * extrapolate
@@ -62,7 +62,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same dtypes)."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
+        cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

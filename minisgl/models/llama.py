@@ -3,7 +3,7 @@ Qwen3 (q/k RMSNorm), SmolLM2 (tied embeddings). Pure math: inputs come in as arg
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
             param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
             if shard is None:
                 loader(param, tensor)
             else:

