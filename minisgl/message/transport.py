@@ -1,0 +1,93 @@
+"""ZMQ PUSH/PULL pipes between the server's processes, over ipc:// sockets in one directory.
+
+Each pipe is bound by the one process that reads it and connected to by its writers, so a
+writer may start first: ZMQ queues what it sends until the reader binds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from minisgl.message.codec import decode, encode
+
+
+@dataclass(frozen=True)
+class IpcPaths:
+    """The address each process reads from."""
+
+    tokenizer: str
+    scheduler: str
+    detokenizer: str
+    api: str
+
+    @staticmethod
+    def in_dir(directory: str | Path) -> IpcPaths:
+        d = Path(directory)
+        return IpcPaths(*(f"ipc://{d / name}" for name in ("tok", "sched", "detok", "api")))
+
+
+def _configure(sock: zmq.Socket) -> None:
+    # Unbounded queues: a full queue would block the scheduler loop or drop requests.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+
+
+class Sender:
+    """The writing end of a pipe. Sends never block (queues are unbounded)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+        self._sock: zmq.Socket = ctx.socket(zmq.PUSH)
+        _configure(self._sock)
+        self._sock.connect(addr)
+
+    def send(self, msg: Any) -> None:
+        self._sock.send(encode(msg), copy=False)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Receiver:
+    """The reading end of a pipe (blocking, for the worker processes)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+        self._sock: zmq.Socket = ctx.socket(zmq.PULL)
+        _configure(self._sock)
+        self._sock.bind(addr)
+
+    def recv(self) -> Any:
+        """Wait for the next message."""
+        return decode(self._sock.recv(copy=True))
+
+    def drain(self) -> list[Any]:
+        """Every message that has arrived, without waiting."""
+        out = []
+        while True:
+            try:
+                out.append(decode(self._sock.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return out
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class AsyncReceiver:
+    """The reading end of a pipe for an asyncio event loop (the API server)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
+        self._sock: zmq.asyncio.Socket = ctx.socket(zmq.PULL)
+        _configure(self._sock)
+        self._sock.bind(addr)
+
+    async def recv(self) -> Any:
+        return decode(await self._sock.recv())
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,159 @@
+"""The messages that cross process boundaries, in the order a request meets them.
+
+API server -> tokenizer: `GenerateReq`, `AbortReq`
+tokenizer -> scheduler: `TokenizedReq`, `AbortReq` (aborts follow their request down one pipe)
+detokenizer -> scheduler: `AbortReq` (a stop string matched)
+scheduler -> detokenizer: `SchedulerOut` (one per step: `TokenOut`s plus `SchedulerStats`)
+detokenizer -> API server: `DetokOut` (`StrOut`s plus the stats it was given)
+tokenizer -> API server: `RequestError` (the request was refused before reaching the scheduler)
+
+Every field is a plain value, list or another message, so `codec` packs them with msgpack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minisgl.core import SamplingParams
+
+
+@dataclass
+class ChatMessage:
+    role: str  # system | user | assistant
+    content: str
+
+
+@dataclass
+class GenerateReq:
+    """One prompt and the choices (`rids`, one per `n`) to generate for it.
+
+    Exactly one of `text`, `input_ids`, `messages` is set. `params.max_tokens` is replaced by
+    `max_tokens`, or, when that is None, by every token the context leaves after the prompt
+    (only the tokenizer knows the prompt's length).
+    """
+
+    rids: list[str]
+    seeds: list[int]  # choice i samples with seeds[i]
+    params: SamplingParams
+    max_tokens: int | None
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.text, self.input_ids, self.messages)]
+        assert sum(given) == 1, "GenerateReq: set exactly one of text, input_ids, messages"
+        assert len(self.rids) == len(self.seeds) >= 1
+
+
+@dataclass
+class TokenizedReq:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class TokenOut:
+    """New tokens of one request from one step (none when it was aborted or refused)."""
+
+    rid: str
+    new_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # a FinishReason value once finished
+    prompt_tokens: int
+    cached_tokens: int
+    # The detokenizer needs these to cut stop strings; they ride along so it keeps no table.
+    stop: list[str]
+    skip_special_tokens: bool
+    # Per new token, when the request asked for them: log-softmax of the raw logits.
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    error: str | None = None  # the scheduler refused the request (should not happen)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot taken after a step; token counts are totals since start."""
+
+    running: int
+    waiting: int
+    kv_free: int
+    kv_held: int  # pages owned by running requests
+    kv_protected: int  # cache pages locked by running requests
+    kv_evictable: int  # cache pages nobody uses
+    kv_total: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+
+
+@dataclass
+class SchedulerOut:
+    outputs: list[TokenOut]
+    stats: SchedulerStats
+
+
+@dataclass
+class TopLogprob:
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass
+class StrOut:
+    """New text of one request. `text` may lag `new_ids`: incomplete UTF-8 and possible stop
+    string prefixes are held back until they resolve."""
+
+    rid: str
+    text: str
+    new_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int  # total so far
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class DetokOut:
+    outputs: list[StrOut]
+    stats: SchedulerStats
+
+
+@dataclass
+class RequestError:
+    """The tokenizer refused a request: the user must change `param`."""
+
+    rids: list[str]
+    message: str
+    param: str | None
+    status: int  # the HTTP status to answer with: 400 for the user's mistake, 500 for ours
+
+
+@dataclass
+class EngineInfo:
+    """What the scheduler process reports once its model is loaded."""
+
+    model_name: str
+    max_context: int
+    num_pages: int
+    page_size: int
+    vocab_size: int

@@ -1,0 +1,148 @@
+"""The scheduler process: tokenized requests and aborts in over ZMQ, token outputs out.
+
+The loop blocks on its inbox while the scheduler has nothing to do, and otherwise drains the
+inbox without waiting before every step, so new requests join the next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from minisgl.config import EngineConfig
+from minisgl.core import InvalidRequestError, Req
+from minisgl.engine import Engine
+from minisgl.message import (
+    AbortReq,
+    EngineInfo,
+    SchedulerOut,
+    SchedulerStats,
+    TokenizedReq,
+    TokenOut,
+)
+from minisgl.message.child import ChildReady, run_child
+from minisgl.message.transport import IpcPaths, Receiver, Sender
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.weights import resolve_source
+
+logger = logging.getLogger(__name__)
+
+
+def token_out(req: Req, new_ids: list[int], error: str | None = None) -> TokenOut:
+    """What the detokenizer needs to know about `req` after it gained `new_ids`."""
+    p, n = req.params, len(new_ids)
+    out = TokenOut(
+        rid=req.rid,
+        new_ids=new_ids,
+        finished=req.finished or error is not None,
+        finish_reason=req.finish_reason.value if req.finish_reason else None,
+        prompt_tokens=req.prompt_len,
+        cached_tokens=req.cached_tokens,
+        stop=list(p.stop),
+        skip_special_tokens=p.skip_special_tokens,
+        error=error,
+    )
+    if n and p.logprobs:
+        out.logprobs = req.output_logprobs[-n:]
+    if n and p.top_logprobs:
+        top = req.output_top_logprobs[-n:]
+        out.top_ids = [[t for t, _ in row] for row in top]
+        out.top_logprobs = [[lp for _, lp in row] for row in top]
+    return out
+
+
+class SchedulerProcess:
+    """Feeds a `Scheduler` from its inbox and publishes one `SchedulerOut` per iteration."""
+
+    def __init__(self, scheduler: Scheduler, inbox: Receiver, outbox: Sender) -> None:
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.outbox = outbox
+        self.pending: list[TokenOut] = []  # outputs produced outside a step (aborts, refusals)
+
+    def recv_messages(self, block: bool) -> list[Any]:
+        """Every new request and abort; waits for the first one when `block`.
+
+        With tensor parallelism, rank 0 receives here and hands the same list to every rank,
+        so all ranks schedule identical inputs.
+        """
+        first = [self.inbox.recv()] if block else []
+        return first + self.inbox.drain()
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedReq):
+            self._add(msg)
+        elif isinstance(msg, AbortReq):
+            self._abort(msg.rid)
+        else:
+            raise TypeError(f"scheduler: unexpected message {type(msg).__name__}")
+
+    def _add(self, msg: TokenizedReq) -> None:
+        req = Req(rid=msg.rid, prompt_ids=msg.input_ids, params=msg.params, seed=msg.seed)
+        try:
+            self.scheduler.add_request(req)
+        except InvalidRequestError as e:
+            # The tokenizer checks the same limits first; this only guards a mismatch.
+            self.pending.append(token_out(req, [], error=str(e)))
+
+    def _abort(self, rid: str) -> None:
+        req = self.scheduler.abort(rid)
+        if req is not None:  # None: it finished already, and that output went out
+            self.pending.append(token_out(req, []))
+
+    def run_once(self) -> None:
+        for msg in self.recv_messages(block=not self.scheduler.has_work):
+            self.handle(msg)
+        outputs, self.pending = self.pending, []
+        if self.scheduler.has_work:
+            outputs += [token_out(ev.req, ev.new_tokens) for ev in self.scheduler.step()]
+        self.outbox.send(SchedulerOut(outputs, self.stats()))
+
+    def run_forever(self) -> None:
+        while True:
+            self.run_once()
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        kv, st = s.kv_accounting(), s.stats
+        return SchedulerStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_free=kv["free"],
+            kv_held=kv["held_by_requests"],
+            kv_protected=kv["protected"],
+            kv_evictable=kv["evictable"],
+            kv_total=kv["total"],
+            prompt_tokens=st["prompt_tokens"],
+            cached_tokens=st["cached_tokens"],
+            generated_tokens=st["generated_tokens"],
+        )
+
+
+def _start(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> SchedulerProcess:
+    engine = Engine(config)
+    scheduler = Scheduler(engine)
+    ctx = zmq.Context()
+    proc = SchedulerProcess(scheduler, Receiver(ctx, ipc.scheduler), Sender(ctx, ipc.detokenizer))
+    info = EngineInfo(
+        model_name=resolve_source(config.model).name,
+        max_context=scheduler.max_context,
+        num_pages=scheduler.num_pages,
+        page_size=scheduler.page_size,
+        vocab_size=engine.model_config.vocab_size,
+    )
+    conn.send(ChildReady(info))
+    logger.info("scheduler ready: %s", info)
+    return proc
+
+
+def scheduler_main(
+    config: EngineConfig, ipc: IpcPaths, conn: Connection, parent_pid: int, log_level: str
+) -> None:
+    """Entry point of the scheduler process (spawned by the launcher)."""
+    run_child(
+        "scheduler", conn, parent_pid, log_level, lambda c: _start(config, ipc, c).run_forever
+    )

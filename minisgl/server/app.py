@@ -1,0 +1,137 @@
+"""The FastAPI application: routes, authentication and the link to the engine processes."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from minisgl.message import EngineInfo
+from minisgl.message.transport import IpcPaths
+from minisgl.server import native_api, openai_api
+from minisgl.server.engine_client import EngineClient
+from minisgl.server.errors import error_body, error_response, install_error_handlers
+from minisgl.server.metrics import Metrics
+from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+SUPERVISE_PERIOD_S = 0.2
+
+
+@dataclass
+class ServerState:
+    info: EngineInfo
+    ipc: IpcPaths
+    # Why the engine cannot serve (a worker process died), or None while all are alive.
+    check_workers: Callable[[], str | None]
+    api_key: str | None = None
+    metrics: Metrics | None = None
+    client: EngineClient | None = None
+
+
+class BearerAuth:
+    """Every path but /health needs `Authorization: Bearer <key>`."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            401,
+            "missing or wrong API key: send `Authorization: Bearer "
+            "<key>` with the key the server was started with",
+        )
+        await response(scope, receive, send)
+
+
+async def supervise(state: ServerState, client: EngineClient) -> None:
+    """Fail every request in flight, and every later one, once a worker process dies."""
+    while True:
+        reason = state.check_workers()
+        if reason is not None:
+            client.fail_all(reason)
+            return
+        await asyncio.sleep(SUPERVISE_PERIOD_S)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    metrics = state.metrics = state.metrics or Metrics()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client = state.client = EngineClient(state.ipc, metrics)
+        client.start()
+        watch = asyncio.create_task(supervise(state, client))
+        try:
+            yield
+        finally:
+            watch.cancel()
+            await client.stop()
+
+    app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    if state.api_key is not None:
+        app.add_middleware(BearerAuth, key=state.api_key)
+    _add_routes(app, state, metrics)
+    return app
+
+
+def _client(state: ServerState) -> EngineClient:
+    assert state.client is not None, "the app's lifespan creates the client"
+    return state.client
+
+
+def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
+    model = state.info.model_name
+    started = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await openai_api.chat_completions(request, body, _client(state), model)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await openai_api.completions(request, body, _client(state), model)
+
+    @app.post("/generate")
+    async def generate(request: Request, body: GenerateRequest) -> Response:
+        return await native_api.generate(request, body, _client(state))
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {
+            "id": model,
+            "object": "model",
+            "created": started,
+            "owned_by": "minisgl",
+            "max_model_len": state.info.max_context,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        client = _client(state)
+        reason = state.check_workers() or client.failure
+        if reason is not None:
+            return JSONResponse(error_body(503, reason), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,156 @@
+"""Command-line flags of `python -m minisgl` and the frozen config they resolve to."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from minisgl.config import DTYPES, EngineConfig
+from minisgl.kvcache import CACHE_KINDS
+from minisgl.weights import resolve_source
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 1919
+    api_key: str | None = None  # None: no authentication
+    shell: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
+        if self.api_key == "":
+            raise ValueError("api_key: must not be empty (leave it out to disable authentication)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minisgl",
+        description="Serve a model over an OpenAI-compatible HTTP API, or chat with it (--shell).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+    )
+    m.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="weight and activation dtype; auto: float32 on CPU, the checkpoint's on GPU",
+    )
+    m.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="auto: read the weights; dummy: random weights (benchmarks)",
+    )
+    m.add_argument(
+        "--device", default="auto", help="auto, cpu, cuda or cuda:N; auto picks cuda when available"
+    )
+    m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
+    m.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed (dummy weights; requests without a seed draw their own)",
+    )
+    s = p.add_argument_group("scheduling and memory")
+    s.add_argument(
+        "--cache",
+        default="radix",
+        choices=CACHE_KINDS,
+        help="prefix cache: radix shares KV of common prefixes, naive shares none",
+    )
+    s.add_argument(
+        "--page-size", type=int, default=0, help="tokens per KV page; 0: auto (1 on CPU, 16 on GPU)"
+    )
+    s.add_argument(
+        "--num-pages",
+        type=int,
+        default=0,
+        help="KV pool size in pages; 0: auto, sized from free memory",
+    )
+    s.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=8192,
+        help="prompt tokens computed per step at most (longer prompts are chunked)",
+    )
+    s.add_argument(
+        "--max-running-requests", type=int, default=256, help="requests decoded together at most"
+    )
+    s.add_argument(
+        "--max-context-len",
+        type=int,
+        default=0,
+        help="longest prompt + output in tokens; 0: the model's maximum",
+    )
+    h = p.add_argument_group("serving")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    h.add_argument("--port", type=int, default=1919, help="port to listen on")
+    h.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every endpoint but /health",
+    )
+    h.add_argument(
+        "--shell",
+        action="store_true",
+        help="chat with the model in this terminal instead of serving HTTP",
+    )
+    h.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging verbosity")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Raises ValueError naming the flag to change."""
+    if args.tp_size != 1:
+        raise ValueError(
+            "--tp-size: the server runs one scheduler process for now; tensor-parallel "
+            "serving is not available yet"
+        )
+    resolve_source(args.model)  # fail here, not after the workers started, on a bad path
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_context_len=args.max_context_len,
+        cache=args.cache,
+        tp_size=args.tp_size,
+        seed=args.seed,
+        show_progress=False,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        shell=args.shell,
+        log_level=args.log_level,
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
+    """Flags to config; a bad value exits with the parser's usage message."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,205 @@
+"""The API server's side of the pipes: submit requests, receive their text, abort them.
+
+One receive task reads every output of the detokenizer (and refusals from the tokenizer) and
+routes each to the `RequestStream` of the API request it belongs to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from minisgl.message import AbortReq, DetokOut, GenerateReq, RequestError, SchedulerStats, StrOut
+from minisgl.message.transport import AsyncReceiver, IpcPaths, Sender
+from minisgl.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(Exception):
+    """The tokenizer or scheduler refused a request (its message names the field)."""
+
+    def __init__(self, message: str, param: str | None, status: int) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class EngineUnavailable(Exception):
+    """A worker process died or the server is shutting down: no answer will come."""
+
+
+@dataclass
+class _Choice:
+    index: int
+    started: float
+    last_token: float | None = None
+
+
+@dataclass
+class ChoiceOutput:
+    """Everything one choice produced since the last batch (consecutive outputs merged)."""
+
+    index: int
+    out: StrOut
+
+
+@dataclass
+class RequestStream:
+    """Outputs of every choice of one API request, in arrival order."""
+
+    client: EngineClient
+    choices: dict[str, _Choice]
+    queue: asyncio.Queue[StrOut | Exception] = field(default_factory=asyncio.Queue)
+
+    @property
+    def finished(self) -> bool:
+        return not self.choices
+
+    async def next_batch(self) -> list[ChoiceOutput]:
+        """Wait for output, then take all that has arrived; raises `RequestRejected` or
+        `EngineUnavailable`. Call only while not `finished`."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        batch: list[ChoiceOutput] = []
+        for item in items:
+            if isinstance(item, Exception):
+                raise item
+            self._take(item, batch)
+        return batch
+
+    def _take(self, out: StrOut, batch: list[ChoiceOutput]) -> None:
+        choice = self.choices[out.rid]
+        if out.finished:
+            del self.choices[out.rid]
+        if batch and batch[-1].index == choice.index:
+            batch[-1].out = merge(batch[-1].out, out)
+        else:
+            batch.append(ChoiceOutput(choice.index, out))
+
+    async def __aiter__(self) -> AsyncIterator[list[ChoiceOutput]]:
+        while not self.finished:
+            yield await self.next_batch()
+
+    def close(self) -> None:
+        """Abort every choice still running (the client went away or an error ended it)."""
+        for rid in list(self.choices):
+            self.client.abort(rid)
+        self.choices.clear()
+
+
+def merge(a: StrOut, b: StrOut) -> StrOut:
+    """`a` followed by `b` of the same request as one output."""
+    return StrOut(
+        rid=b.rid,
+        text=a.text + b.text,
+        new_ids=a.new_ids + b.new_ids,
+        finished=b.finished,
+        finish_reason=b.finish_reason,
+        prompt_tokens=b.prompt_tokens,
+        cached_tokens=b.cached_tokens,
+        completion_tokens=b.completion_tokens,
+        logprobs=a.logprobs + b.logprobs,
+        error=b.error,
+    )
+
+
+class EngineClient:
+    def __init__(self, ipc: IpcPaths, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._actx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
+        self._receiver = AsyncReceiver(self._actx, ipc.api)
+        self._tokenizer = Sender(self._ctx, ipc.tokenizer)
+        self._streams: dict[str, RequestStream] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.failure: str | None = None  # why no request can be served any more
+        self.stats: SchedulerStats | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    async def stop(self) -> None:
+        self.fail_all("the server is shutting down")
+        if self._task is not None:
+            self._task.cancel()
+        self._receiver.close()
+        self._tokenizer.close()
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    def submit(self, reqs: list[GenerateReq]) -> RequestStream:
+        """Send the prompts of one API request; choices are numbered in order over all rids."""
+        if self.failure is not None:
+            raise EngineUnavailable(self.failure)
+        now = time.perf_counter()
+        rids = [rid for r in reqs for rid in r.rids]
+        stream = RequestStream(self, {rid: _Choice(i, now) for i, rid in enumerate(rids)})
+        for rid in rids:
+            self._streams[rid] = stream
+        for r in reqs:
+            self._tokenizer.send(r)
+        return stream
+
+    def abort(self, rid: str) -> None:
+        if self._streams.pop(rid, None) is not None and self.failure is None:
+            self._tokenizer.send(AbortReq(rid))
+
+    def fail_all(self, reason: str) -> None:
+        """End every live request with `EngineUnavailable`; later submits fail the same way."""
+        if self.failure is None:
+            self.failure = reason
+        for stream in set(self._streams.values()):
+            stream.queue.put_nowait(EngineUnavailable(reason))
+        self._streams.clear()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = await self._receiver.recv()
+            if isinstance(msg, DetokOut):
+                self.stats = msg.stats
+                self.metrics.set_scheduler_stats(msg.stats)
+                for out in msg.outputs:
+                    self._deliver(out)
+            elif isinstance(msg, RequestError):
+                for rid in msg.rids:
+                    stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        stream.choices.pop(rid, None)
+                        stream.queue.put_nowait(RequestRejected(msg.message, msg.param, msg.status))
+            else:
+                logger.error("API server: unexpected message %s", type(msg).__name__)
+
+    def _deliver(self, out: StrOut) -> None:
+        stream = self._streams.get(out.rid)
+        if stream is None:  # aborted: its last outputs are still on their way
+            return
+        if out.error is not None:
+            del self._streams[out.rid]
+            stream.choices.pop(out.rid, None)
+            stream.queue.put_nowait(RequestRejected(out.error, None, 400))
+            return
+        self._record(stream.choices[out.rid], out)
+        if out.finished:
+            del self._streams[out.rid]
+        stream.queue.put_nowait(out)
+
+    def _record(self, choice: _Choice, out: StrOut) -> None:
+        now = time.perf_counter()
+        if out.new_ids:
+            if choice.last_token is None:
+                self.metrics.ttft.observe(now - choice.started)
+            else:
+                self.metrics.itl.observe((now - choice.last_token) / len(out.new_ids))
+            choice.last_token = now
+        if out.finished:
+            self.metrics.on_finished(out, now - choice.started)

@@ -1,0 +1,96 @@
+"""OpenAI-style error bodies for every error the HTTP API answers with."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from minisgl.core import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An answer other than 2xx; `param` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @staticmethod
+    def from_invalid(e: InvalidRequestError) -> ApiError:
+        # InvalidRequestError messages start with the field's name: "top_p: must be ...".
+        field, sep, _ = str(e).partition(":")
+        return ApiError(400, str(e), field if sep and " " not in field else None)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready (nobody reads the response)."""
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{param or 'body'}: {msg}{more}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, *_validation_message(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
+        return error_response(499, "client disconnected")
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,159 @@
+"""Start the worker processes, wait until they are ready, watch them, stop them.
+
+Start order: the scheduler and the tokenizer load in parallel; the detokenizer starts once the
+tokenizer has saved a fast-loading copy of the tokenizer; the tokenizer gets the scheduler's
+limits (context, pool size) before it reports ready. The HTTP server runs in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from minisgl.message import EngineInfo
+from minisgl.message.child import ChildFailed, ChildReady
+from minisgl.message.transport import IpcPaths
+from minisgl.scheduler.process import scheduler_main
+from minisgl.server.args import ServerConfig
+from minisgl.tokenizer.workers import detokenizer_main, tokenizer_main
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0
+
+
+class StartupError(RuntimeError):
+    """A worker process failed while loading; the message carries its traceback."""
+
+
+@dataclass
+class Child:
+    name: str
+    process: BaseProcess
+    conn: Connection
+
+
+class Workers:
+    """The tokenizer, scheduler and detokenizer processes of one server."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="minisgl-"))
+        self.ipc = IpcPaths.in_dir(self.tmpdir)
+        self.children: dict[str, Child] = {}
+        self._mp = mp.get_context("spawn")
+
+    def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> Child:
+        parent_conn, child_conn = self._mp.Pipe()
+        proc = self._mp.Process(
+            target=target,
+            args=(*args, child_conn, os.getpid(), self.config.log_level),
+            name=f"minisgl-{name}",
+        )
+        proc.start()
+        child_conn.close()
+        child = self.children[name] = Child(name, proc, parent_conn)
+        return child
+
+    def start(self) -> EngineInfo:
+        """Start every worker and return once all are ready (or raise StartupError)."""
+        engine = self.config.engine
+        tokenizer_dir = self.tmpdir / "tokenizer"
+        sched = self._spawn("scheduler", scheduler_main, engine, self.ipc)
+        tok = self._spawn("tokenizer", tokenizer_main, engine.model, tokenizer_dir, self.ipc)
+        self._await_ready(tok)  # the tokenizer is saved
+        detok = self._spawn("detokenizer", detokenizer_main, tokenizer_dir, self.ipc)
+        info = self._await_ready(sched).payload
+        assert isinstance(info, EngineInfo)
+        tok.conn.send(info)
+        self._await_ready(tok)
+        self._await_ready(detok)
+        logger.info("all workers ready: %s", info)
+        return info
+
+    def _await_ready(self, child: Child) -> ChildReady:
+        while True:
+            sentinels = {c.process.sentinel: c for c in self.children.values()}
+            ready = wait([child.conn, *sentinels])
+            if child.conn in ready:
+                try:
+                    msg = child.conn.recv()
+                except EOFError:  # it exited; its sentinel tells how
+                    msg = None
+                if isinstance(msg, ChildFailed):
+                    raise StartupError(f"the {child.name} process failed to start:\n{msg.error}")
+                if isinstance(msg, ChildReady):
+                    return msg
+            reason = self.failure()
+            if reason is not None:
+                raise StartupError(reason)
+
+    def failure(self) -> str | None:
+        """Why the server cannot serve (a worker exited), or None while all run."""
+        for c in self.children.values():
+            if not c.process.is_alive():
+                return f"the {c.name} process exited (exit code {c.process.exitcode})"
+        return None
+
+    def stop(self) -> None:
+        """Terminate every worker (SIGTERM, then SIGKILL after a grace period)."""
+        for c in self.children.values():
+            if c.process.is_alive():
+                c.process.terminate()
+        for c in self.children.values():
+            c.process.join(STOP_GRACE_S)
+            if c.process.is_alive():
+                logger.warning("%s did not stop in %.0f s; killing it", c.name, STOP_GRACE_S)
+                c.process.kill()
+                c.process.join()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def running_workers(config: ServerConfig) -> Iterator[tuple[Workers, EngineInfo]]:
+    """Workers started and ready for the body; stopped afterwards, also on SIGTERM."""
+    # SIGTERM's default would end this process at once and leave the workers to notice by
+    # themselves; as an exception it runs the cleanup below.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    workers = Workers(config)
+    try:
+        yield workers, workers.start()
+    finally:
+        workers.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_server(config: ServerConfig) -> None:
+    import uvicorn
+
+    from minisgl.server.app import ServerState, build_app
+
+    with running_workers(config) as (workers, info):
+        state = ServerState(info, workers.ipc, workers.failure, api_key=config.api_key)
+        app = build_app(state)
+        logger.info("serving %s on http://%s:%d", info.model_name, config.host, config.port)
+        # uvicorn handles SIGINT / SIGTERM itself: it stops serving, then re-raises the
+        # signal, which lands in `running_workers`' cleanup.
+        uvicorn.run(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=3,
+        )

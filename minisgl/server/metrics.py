@@ -1,0 +1,103 @@
+"""Prometheus metrics of one server (own registry, so several servers can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from minisgl.message import SchedulerStats, StrOut
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    60.0,
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("minisgl_num_running_reqs", "Requests being decoded", registry=r)
+        self.waiting = Gauge(
+            "minisgl_num_waiting_reqs", "Requests queued for admission", registry=r
+        )
+        self.kv_usage = Gauge(
+            "minisgl_kv_cache_usage", "Share of KV pages held by running requests", registry=r
+        )
+        self.kv_pages = Gauge(
+            "minisgl_kv_pages",
+            "KV pages by state: free, held (by requests), "
+            "protected (cached, in use), evictable (cached, unused), total",
+            ["state"],
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "minisgl_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens, since start",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "minisgl_generation_tokens", "Tokens generated for finished requests", registry=r
+        )
+        self.requests = Counter(
+            "minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "minisgl_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "minisgl_inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minisgl_e2e_request_latency_seconds",
+            "Request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def set_scheduler_stats(self, s: SchedulerStats) -> None:
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        in_use = s.kv_held + s.kv_protected
+        self.kv_usage.set(in_use / s.kv_total if s.kv_total else 0.0)
+        for state, pages in (
+            ("free", s.kv_free),
+            ("held", s.kv_held),
+            ("protected", s.kv_protected),
+            ("evictable", s.kv_evictable),
+            ("total", s.kv_total),
+        ):
+            self.kv_pages.labels(state).set(pages)
+        self.prefix_hit_rate.set(s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+
+    def on_finished(self, out: StrOut, latency: float) -> None:
+        self.prompt_tokens.inc(out.prompt_tokens)
+        self.generation_tokens.inc(out.completion_tokens)
+        self.requests.labels(out.finish_reason or "error").inc()
+        self.e2e.observe(latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

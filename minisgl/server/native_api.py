@@ -1,0 +1,93 @@
+"""`/generate`: the native endpoint (text or token ids in; text, ids and meta out)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.message import GenerateReq, StrOut
+from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
+from minisgl.server.openai_api import ChoiceResult, choice_seeds, collect, new_rid, sampling_params
+from minisgl.server.protocol import GenerateRequest
+from minisgl.server.streaming import (
+    DONE,
+    EventStreamResponse,
+    api_error,
+    first_batch,
+    sse,
+    submit,
+    until_disconnect,
+)
+
+
+def _request(body: GenerateRequest) -> GenerateReq:
+    sp = body.sampling_params
+    params = sampling_params(sp, sp.logprobs or sp.top_logprobs > 0, sp.top_logprobs)
+    return GenerateReq(
+        rids=[new_rid()],
+        seeds=choice_seeds(sp.seed, 1),
+        params=params,
+        max_tokens=sp.max_new_tokens,
+        text=body.text,
+        input_ids=body.input_ids,
+    )
+
+
+def _meta(rid: str, r: ChoiceResult | StrOut, logprobs: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": r.finish_reason,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cached_tokens": r.cached_tokens,
+    }
+    if logprobs:
+        meta["output_token_logprobs"] = [
+            {
+                "token_id": t.token_id,
+                "token": t.token,
+                "logprob": t.logprob,
+                "top_logprobs": [{"token": x.token, "logprob": x.logprob} for x in t.top],
+            }
+            for t in r.logprobs
+        ]
+    return meta
+
+
+async def generate(request: Request, body: GenerateRequest, client: EngineClient) -> Response:
+    req = _request(body)
+    rid, want_lp = req.rids[0], req.params.logprobs
+    stream = submit(client, [req])
+    if body.stream:
+        first = await first_batch(request, stream)
+        return EventStreamResponse(_events(stream, first, rid, want_lp), stream)
+    try:
+        results = await until_disconnect(request, collect(stream, 1))
+    except Exception as e:
+        raise api_error(e) from e
+    finally:
+        stream.close()
+    r = results[0]
+    return JSONResponse({"text": r.text, "output_ids": r.ids, "meta_info": _meta(rid, r, want_lp)})
+
+
+async def _events(
+    stream: RequestStream, first: list[ChoiceOutput], rid: str, want_lp: bool
+) -> AsyncIterator[bytes]:
+    batch = first
+    while True:
+        for co in batch:
+            yield sse(
+                {
+                    "text": co.out.text,
+                    "output_ids": co.out.new_ids,
+                    "meta_info": _meta(rid, co.out, want_lp),
+                }
+            )
+        if stream.finished:
+            break
+        batch = await stream.next_batch()
+    yield DONE

@@ -1,0 +1,393 @@
+"""`/v1/chat/completions` and `/v1/completions`: OpenAI requests to engine requests, and
+engine outputs to OpenAI responses (JSON or server-sent events)."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.core import InvalidRequestError, SamplingParams
+from minisgl.message import ChatMessage, GenerateReq, StrOut, TokenLogprob
+from minisgl.server.engine_client import (
+    ChoiceOutput,
+    EngineClient,
+    RequestStream,
+)
+from minisgl.server.errors import ApiError
+from minisgl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeSamplingParams,
+    _SamplingFields,
+)
+from minisgl.server.streaming import (
+    DONE,
+    EventStreamResponse,
+    api_error,
+    first_batch,
+    sse,
+    submit,
+    until_disconnect,
+)
+
+MAX_STOPS = 16
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int]:
+    """Choice i samples with seed + i (wrapped to int64), or with a fresh random seed."""
+    if seed is None:
+        return [random.getrandbits(63) for _ in range(n)]
+    return [(seed + i + 2**63) % 2**64 - 2**63 for i in range(n)]
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop: stop strings must not be empty", "stop")
+    return stops
+
+
+def sampling_params(
+    body: _SamplingFields | NativeSamplingParams, logprobs: bool, top_logprobs: int
+) -> SamplingParams:
+    """The body's sampling fields checked by `SamplingParams` (`max_tokens` travels apart,
+    since the default depends on the prompt's length)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    try:
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            stop=stop_strings(body.stop),
+        )
+    except InvalidRequestError as e:
+        raise ApiError.from_invalid(e) from e
+
+
+def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    bad = body.unsupported()
+    if bad:
+        raise ApiError(
+            400,
+            f"{bad[0]}: not supported by this server yet; remove it (a server that ignored it "
+            "would answer in a different shape than you asked for)",
+            bad[0],
+        )
+
+
+def chat_request(body: ChatCompletionRequest) -> GenerateReq:
+    check_supported(body)
+    top = body.top_logprobs or 0
+    if top and not body.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+    params = sampling_params(body, body.logprobs, top)
+    base = new_rid()
+    return GenerateReq(
+        rids=[f"{base}-{i}" for i in range(body.n)],
+        seeds=choice_seeds(body.seed, body.n),
+        params=params,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        messages=[ChatMessage(m.role, m.text) for m in body.messages],
+    )
+
+
+def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
+    check_supported(body)
+    prompts = body.prompts()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ApiError(400, "prompt: must not be empty", "prompt")
+    k = body.logprobs
+    params = sampling_params(body, k is not None, k or 0)
+    reqs = []
+    for prompt in prompts:
+        base = new_rid()
+        reqs.append(
+            GenerateReq(
+                rids=[f"{base}-{i}" for i in range(body.n)],
+                seeds=choice_seeds(body.seed, body.n),
+                params=params,
+                max_tokens=body.max_tokens or 16,  # OpenAI's documented default
+                text=prompt if isinstance(prompt, str) else None,
+                input_ids=None if isinstance(prompt, str) else prompt,
+            )
+        )
+    return reqs
+
+
+# ---- results -------------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceResult:
+    """One choice accumulated from its outputs."""
+
+    parts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: StrOut) -> None:
+        self.parts.append(out.text)
+        self.ids += out.new_ids
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason
+        self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def usage(results: list[ChoiceResult], n: int) -> dict[str, Any]:
+    """Prompts count once however many choices share them."""
+    firsts = results[::n]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+    }
+
+
+async def collect(stream: RequestStream, num_choices: int) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async for batch in stream:
+        for co in batch:
+            results[co.index].add(co.out)
+    return results
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8"))
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": t.token,
+                "logprob": t.logprob,
+                "bytes": _bytes(t.token),
+                "top_logprobs": [
+                    {"token": x.token, "logprob": x.logprob, "bytes": _bytes(x.token)}
+                    for x in t.top
+                ],
+            }
+            for t in lps
+        ]
+    }
+
+
+def completion_logprobs(lps: list[TokenLogprob], offset: int, top: bool) -> dict[str, Any]:
+    offsets = []
+    for t in lps:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in lps],
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [{x.token: x.logprob for x in t.top} for t in lps] if top else None,
+        "text_offset": offsets,
+    }
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    id: str
+    created: int
+    model: str
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+
+# ---- endpoints -----------------------------------------------------------------------------
+
+
+async def _run(
+    request: Request,
+    client: EngineClient,
+    reqs: list[GenerateReq],
+    num_choices: int,
+    respond: Callable[[list[ChoiceResult]], dict[str, Any]],
+) -> Response:
+    stream = submit(client, reqs)
+    try:
+        results = await until_disconnect(request, collect(stream, num_choices))
+    except Exception as e:
+        raise api_error(e) from e
+    finally:
+        stream.close()
+    return JSONResponse(respond(results))
+
+
+async def chat_completions(
+    request: Request, body: ChatCompletionRequest, client: EngineClient, model: str
+) -> Response:
+    req = chat_request(body)
+    meta = ResponseMeta(f"chatcmpl-{new_rid()}", int(time.time()), model)
+    if body.stream:
+        include = body.stream_options is not None and body.stream_options.include_usage
+        stream = submit(client, [req])
+        first = await first_batch(request, stream)
+        events = _chat_events(stream, first, meta, body.n, body.logprobs, include)
+        return EventStreamResponse(events, stream)
+
+    def respond(results: list[ChoiceResult]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
+                "finish_reason": r.finish_reason,
+            }
+            for i, r in enumerate(results)
+        ]
+        return {**meta.envelope("chat.completion", choices), "usage": usage(results, body.n)}
+
+    return await _run(request, client, [req], body.n, respond)
+
+
+async def completions(
+    request: Request, body: CompletionRequest, client: EngineClient, model: str
+) -> Response:
+    reqs = completion_requests(body)
+    meta = ResponseMeta(f"cmpl-{new_rid()}", int(time.time()), model)
+    num_choices = len(reqs) * body.n
+    want_lp, top = body.logprobs is not None, bool(body.logprobs)
+    if body.stream:
+        include = body.stream_options is not None and body.stream_options.include_usage
+        stream = submit(client, reqs)
+        first = await first_batch(request, stream)
+        events = _completion_events(stream, first, meta, num_choices, body.n, want_lp, top, include)
+        return EventStreamResponse(events, stream)
+
+    def respond(results: list[ChoiceResult]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "text": r.text,
+                "logprobs": completion_logprobs(r.logprobs, 0, top) if want_lp else None,
+                "finish_reason": r.finish_reason,
+            }
+            for i, r in enumerate(results)
+        ]
+        return {**meta.envelope("text_completion", choices), "usage": usage(results, body.n)}
+
+    return await _run(request, client, reqs, num_choices, respond)
+
+
+async def _batches(
+    stream: RequestStream, first: list[ChoiceOutput]
+) -> AsyncIterator[list[ChoiceOutput]]:
+    yield first
+    async for batch in stream:
+        yield batch
+
+
+async def _chat_events(
+    stream: RequestStream,
+    first: list[ChoiceOutput],
+    meta: ResponseMeta,
+    n: int,
+    logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    def chunk(index: int, delta: dict[str, Any], lps: Any, reason: str | None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        body = meta.envelope("chat.completion.chunk", [choice])
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    results = [ChoiceResult() for _ in range(n)]
+    yield b"".join(chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(n))
+    async for batch in _batches(stream, first):
+        events = []
+        for co in batch:
+            out = co.out
+            results[co.index].add(out)
+            if out.text or out.logprobs:
+                lps = chat_logprobs(out.logprobs) if logprobs else None
+                events.append(chunk(co.index, {"content": out.text}, lps, None))
+            if out.finished:
+                events.append(chunk(co.index, {}, None, out.finish_reason))
+        yield b"".join(events)
+    if include_usage:
+        yield sse({**meta.envelope("chat.completion.chunk", []), "usage": usage(results, n)})
+    yield DONE
+
+
+async def _completion_events(
+    stream: RequestStream,
+    first: list[ChoiceOutput],
+    meta: ResponseMeta,
+    num_choices: int,
+    n: int,
+    want_lp: bool,
+    top: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    results = [ChoiceResult() for _ in range(num_choices)]
+    offsets = [0] * num_choices
+    async for batch in _batches(stream, first):
+        events = []
+        for co in batch:
+            out, i = co.out, co.index
+            results[i].add(out)
+            lps = completion_logprobs(out.logprobs, offsets[i], top) if want_lp else None
+            offsets[i] += sum(len(t.token) for t in out.logprobs)
+            choice = {
+                "index": i,
+                "text": out.text,
+                "logprobs": lps,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+            body = meta.envelope("text_completion", [choice])
+            if include_usage:
+                body["usage"] = None
+            events.append(sse(body))
+        yield b"".join(events)
+    if include_usage:
+        yield sse({**meta.envelope("text_completion", []), "usage": usage(results, n)})
+    yield DONE

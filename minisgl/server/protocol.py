@@ -1,0 +1,186 @@
+"""Request bodies of the HTTP API (OpenAI's fields plus a few extensions), as pydantic models.
+
+They check shapes and ranges; whatever they let through is still checked by `SamplingParams`
+and, for lengths, by the tokenizer. Unknown fields are refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16
+MAX_TOKEN_ID = 2**31 - 1
+# Limits that keep every number representable in msgpack and tensors; the engine's own limits
+# (context length, vocabulary) are checked later with messages that name them.
+MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def _check_utf8(value: Any, path: str) -> None:
+    # JSON can spell lone surrogates ("\ud800"), which no UTF-8 encoder accepts.
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{path or 'body'}: invalid UTF-8 ({e.reason})") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(k, path)
+            _check_utf8(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_utf8(v, f"{path}.{i}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        _check_utf8(data, "")
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class _SamplingFields(_Strict):
+    """Fields both OpenAI endpoints share."""
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    # Extensions (vLLM / SGLang spelling).
+    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    # Known but unsupported: refused with a message when set to anything but "off".
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[str]:
+        """The fields set to something this server cannot honour yet."""
+        return ["logit_bias"] if self.logit_bias else []
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        bad += [f for f in ("tools", "functions") if getattr(self, f)]
+        bad += [
+            f for f in ("tool_choice", "function_call") if getattr(self, f) not in (None, "none")
+        ]
+        if self.response_format is not None and self.response_format.type != "text":
+            bad.append("response_format")
+        return bad
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (a batch), each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class NativeSamplingParams(_Strict):
+    max_new_tokens: MaxTokens | None = 128
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    skip_special_tokens: bool = True
+
+
+class GenerateRequest(_Strict):
+    """The native endpoint: one prompt as text or token ids."""
+
+    text: str | None = None
+    input_ids: list[TokenId] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` and `input_ids`")
+        return self

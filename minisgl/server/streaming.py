@@ -1,0 +1,110 @@
+"""What every generating endpoint shares: waiting for output while watching the client, and
+server-sent events whose end (normal, error or disconnect) aborts what is still running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from minisgl.message import GenerateReq
+from minisgl.server.engine_client import (
+    ChoiceOutput,
+    EngineClient,
+    EngineUnavailable,
+    RequestRejected,
+    RequestStream,
+)
+from minisgl.server.errors import ApiError, ClientDisconnected, error_body
+
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def api_error(e: Exception) -> ApiError:
+    """The HTTP answer for an exception a request stream raised."""
+    if isinstance(e, RequestRejected):
+        return ApiError(e.status, str(e), e.param)
+    if isinstance(e, EngineUnavailable):
+        return ApiError(503, f"the engine is unavailable: {e}")
+    raise e
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is read already, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `ClientDisconnected` (with `work` cancelled) if the client leaves
+    first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def submit(client: EngineClient, reqs: list[GenerateReq]) -> RequestStream:
+    try:
+        return client.submit(reqs)
+    except EngineUnavailable as e:
+        raise api_error(e) from e
+
+
+async def first_batch(request: Request, stream: RequestStream) -> list[ChoiceOutput]:
+    """Wait for a stream's first output so that a refused request still gets a 4xx status
+    (an SSE response commits to 200 when it starts). Closes the stream if that fails."""
+    try:
+        return await until_disconnect(request, stream.next_batch())
+    except (RequestRejected, EngineUnavailable) as e:
+        stream.close()
+        raise api_error(e) from e
+    except BaseException:
+        stream.close()
+        raise
+
+
+async def with_errors(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`events`, ending with an error event instead of `[DONE]` when the request fails."""
+    try:
+        async for event in events:
+            yield event
+    except (RequestRejected, EngineUnavailable) as e:
+        err = api_error(e)
+        yield sse(error_body(err.status, err.message, err.param))
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE that aborts its request's unfinished choices however the response ends."""
+
+    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream) -> None:
+        super().__init__(
+            with_errors(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()

@@ -1,0 +1,96 @@
+"""`python -m minisgl --shell`: chat with the model in the terminal.
+
+The shell runs the same worker processes as the server and talks to them directly (no HTTP).
+The conversation is kept and resent each turn; `/reset` forgets it, `/exit` (or end of input)
+quits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import TextIO
+
+from minisgl.core import SamplingParams
+from minisgl.message import ChatMessage, EngineInfo, GenerateReq
+from minisgl.server.app import ServerState, supervise
+from minisgl.server.args import ServerConfig
+from minisgl.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
+from minisgl.server.launch import Workers, running_workers
+from minisgl.server.metrics import Metrics
+from minisgl.server.openai_api import choice_seeds, new_rid
+
+HELP = "Type a message. /reset clears the conversation, /exit quits."
+PROMPT = ">>> "
+
+
+class Shell:
+    def __init__(self, client: EngineClient, out: TextIO) -> None:
+        self.client = client
+        self.out = out
+        self.history: list[ChatMessage] = []
+        # Greedy: a small model rambles when sampled, and answers repeat from run to run.
+        self.params = SamplingParams(temperature=0.0)
+
+    async def reply(self, text: str) -> str:
+        """Send one user turn; stream the answer to `out` and keep both in the history."""
+        self.history.append(ChatMessage("user", text))
+        req = GenerateReq(
+            [new_rid()], choice_seeds(None, 1), self.params, None, messages=list(self.history)
+        )
+        stream = self.client.submit([req])
+        parts: list[str] = []
+        try:
+            async for batch in stream:
+                for co in batch:
+                    parts.append(co.out.text)
+                    self.out.write(co.out.text)
+                    self.out.flush()
+        except RequestRejected as e:
+            self.history.pop()
+            self.out.write(f"[refused: {e}]")
+        finally:
+            stream.close()
+        self.out.write("\n")
+        answer = "".join(parts)
+        if parts:
+            self.history.append(ChatMessage("assistant", answer))
+        return answer
+
+    async def run(self, inp: TextIO) -> None:
+        self.out.write(HELP + "\n")
+        while True:
+            self.out.write(PROMPT)
+            self.out.flush()
+            line = await asyncio.to_thread(inp.readline)
+            if not line:  # end of input
+                self.out.write("\n")
+                return
+            text = line.strip()
+            if text == "/exit":
+                return
+            if text == "/reset":
+                self.history.clear()
+                self.out.write("(conversation cleared)\n")
+            elif text:
+                await self.reply(text)
+
+
+async def _main(workers: Workers, info: EngineInfo) -> None:
+    client = EngineClient(workers.ipc, Metrics())
+    client.start()
+    state = ServerState(info, workers.ipc, workers.failure)
+    watch = asyncio.create_task(supervise(state, client))
+    try:
+        print(f"minisgl shell: {info.model_name}", file=sys.stdout)
+        await Shell(client, sys.stdout).run(sys.stdin)
+    except EngineUnavailable as e:
+        print(f"\nminisgl: the engine stopped: {e}", file=sys.stderr)
+    finally:
+        watch.cancel()
+        await client.stop()
+
+
+def run_shell(config: ServerConfig) -> None:
+    with running_workers(config) as (workers, info):
+        asyncio.run(_main(workers, info))

@@ -1,0 +1,61 @@
+"""A GenerateReq becomes one TokenizedReq per choice, or an error naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from minisgl.core import InvalidRequestError, SamplingParams
+from minisgl.message import ChatMessage, EngineInfo, GenerateReq
+from minisgl.tokenizer.tokenize import RequestTokenizer, resolve_max_tokens
+
+INFO = EngineInfo("m", max_context=64, num_pages=100, page_size=1, vocab_size=49152)
+
+
+def test_max_tokens_defaults_to_the_room_left() -> None:
+    assert resolve_max_tokens(10, None, INFO) == 54
+    assert resolve_max_tokens(10, 54, INFO) == 54
+    small_pool = EngineInfo("m", max_context=64, num_pages=5, page_size=8, vocab_size=10)
+    assert resolve_max_tokens(10, None, small_pool) == 30  # the pool is the tighter limit
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "field"),
+    [(0, 1, "prompt"), (64, None, "prompt"), (70, 1, "prompt"), (10, 55, "max_tokens")],
+)
+def test_what_cannot_fit_is_refused(prompt_len: int, max_tokens: int | None, field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"^{field}:"):
+        resolve_max_tokens(prompt_len, max_tokens, INFO)
+
+
+def req(**prompt: Any) -> GenerateReq:
+    return GenerateReq(["a", "b"], [7, 8], SamplingParams(temperature=0.5), None, **prompt)
+
+
+def test_choices_share_the_prompt_with_their_own_seeds(tokenizer: Any) -> None:
+    out = RequestTokenizer(tokenizer, INFO).tokenize(req(text="Hello world"))
+    assert [r.rid for r in out] == ["a", "b"] and [r.seed for r in out] == [7, 8]
+    ids = tokenizer("Hello world")["input_ids"]
+    assert all(r.input_ids == ids for r in out)
+    assert all(r.params.max_tokens == 64 - len(ids) for r in out)
+    assert out[0].params.temperature == 0.5
+
+
+def test_chat_uses_the_template(tokenizer: Any) -> None:
+    out = RequestTokenizer(tokenizer, INFO).tokenize(req(messages=[ChatMessage("user", "Hi")]))
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True
+    )
+    expected = expected["input_ids"] if not isinstance(expected, list) else expected
+    assert out[0].input_ids == list(expected)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tokenizer: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="^prompt:"):
+        RequestTokenizer(tokenizer, INFO).tokenize(req(input_ids=[1, 49152]))
+
+
+def test_too_long_prompt_is_refused(tokenizer: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="^prompt:.*context of 64"):
+        RequestTokenizer(tokenizer, INFO).tokenize(req(text="word " * 100))
