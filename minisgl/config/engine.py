@@ -24,6 +24,12 @@ class EngineConfig:
     cache: str = "radix"  # radix | naive
     attention_backend: str = "auto"  # auto | torch | triton
     tp_size: int = 1
+    # Tensor-parallel ranks spread evenly over `nnodes` hosts; node 0 holds rank 0, which takes
+    # the requests. `dist_init_addr` (host:port) is rank 0's rendezvous; None picks a free
+    # local port, which only a single node can find.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     seed: int = 0
     mem_fraction: float = 0.9
     cpu_kv_gib: float = 2.0  # KV pool size on CPU when num_pages is auto
@@ -47,6 +53,24 @@ class EngineConfig:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if not 0.0 < self.reserve_ratio <= 1.0:
             raise ValueError(f"reserve_ratio: must be in (0, 1], got {self.reserve_ratio}")
+        self._check_distributed()
+
+    def _check_distributed(self) -> None:
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(
+                f"nnodes: {self.nnodes} nodes cannot hold tp_size {self.tp_size} ranks evenly; "
+                "pass a divisor of tp_size"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr: several nodes need rank 0's host:port to meet at")
+        if self.dist_init_addr is not None:
+            split_host_port(self.dist_init_addr)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def torch_device(self) -> torch.device:
@@ -57,6 +81,14 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         assert self.dtype != "auto", "resolve the config first"
         return DTYPES[self.dtype]
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """Split `host:port`; raises ValueError naming the field when malformed."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"dist_init_addr: expected host:port, got {addr!r}")
+    return host, int(port)
 
 
 def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:

@@ -7,6 +7,7 @@ from minisgl.distributed.state import (
     get_tp_info,
     reset_tp_info,
     set_tp_info,
+    tp_size_one,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "get_tp_info",
     "reset_tp_info",
     "set_tp_info",
+    "tp_size_one",
 ]

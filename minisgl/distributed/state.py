@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,17 @@ def set_tp_info(info: TPInfo) -> None:
 
 def reset_tp_info() -> None:
     set_tp_info(TPInfo())
+
+
+@contextlib.contextmanager
+def tp_size_one() -> Iterator[None]:
+    """Act as a lone rank inside the block (to learn a model's unsharded shapes), then restore."""
+    saved = _TP
+    set_tp_info(TPInfo())
+    try:
+        yield
+    finally:
+        set_tp_info(saved)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

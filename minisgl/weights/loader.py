@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -10,6 +11,8 @@ from torch import nn
 from tqdm import tqdm
 
 from minisgl.config import ModelConfig
+from minisgl.distributed import tp_size_one
+from minisgl.layers import default_weight_loader
 from minisgl.weights.source import ModelNotFoundError, ModelSource
 
 # GGUF's standard tensor names -> HF checkpoint names (per block: `blk.N.<gguf>`).
@@ -104,10 +107,35 @@ def load_weights(model: nn.Module, src: ModelSource, cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights from the config alone (benchmarks): small normal values, unit norms."""
-    for i, (name, p) in enumerate(model.named_parameters()):
+    """Random weights from the config alone (benchmarks): small normal values, unit norms.
+
+    Each parameter's values are drawn for its full, unsharded shape from a generator seeded by
+    its name, and its own weight loader takes this rank's shard, so every tensor-parallel size
+    builds the same model. Drawing the full tensor costs tp_size times the random numbers of a
+    shard, which is negligible next to a checkpoint read.
+    """
+    full_shapes = _unsharded_shapes(model)
+    for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
             continue
-        gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
-        p.normal_(0.0, 0.02, generator=gen)
+        gen = torch.Generator(device=p.device).manual_seed(_param_seed(seed, name))
+        full = torch.empty(full_shapes[name], dtype=p.dtype, device=p.device)
+        full.normal_(0.0, 0.02, generator=gen)
+        loader = getattr(p, "weight_loader", default_weight_loader)
+        loader(p, full)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # crc32, unlike hash(), is the same in every process.
+    return seed * 4_294_967_311 + zlib.crc32(name.encode())
+
+
+def _unsharded_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Every parameter's shape at tp=1, from a copy of the model built on the meta device."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__} has no `config`; dummy weights need one")
+    with tp_size_one(), torch.device("meta"):
+        unsharded = type(model)(config)
+    return {name: p.shape for name, p in unsharded.named_parameters()}
