@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, FinishReason, InvalidRequestError, Req, ReqStatus
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import PageAllocator, make_prefix_cache
 from minisgl.scheduler.kv_manager import KVManager, pages_for
+
+if TYPE_CHECKING:
+    from minisgl.distributed.sync import RequestSync
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +37,12 @@ class Scheduler:
     reserved; when decoding still runs short, the newest request is retracted and requeued.
     """
 
-    def __init__(self, engine: Engine, eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, engine: Engine, eos_ids: tuple[int, ...] = (), sync: RequestSync | None = None
+    ) -> None:
         self.engine = engine
+        # Tensor parallelism: rank 0's requests and aborts replayed on every rank each step.
+        self.sync = sync
         self.config: EngineConfig = engine.config
         self.page_size = engine.page_size
         self.max_context = engine.max_context
@@ -89,9 +97,13 @@ class Scheduler:
         self._arrivals += 1
         self.stats["prompt_tokens"] += req.prompt_len
         self.waiting.append(req)
+        if self.sync is not None:
+            self.sync.publish_add(req)
 
     def abort(self, rid: str) -> Req | None:
         """Finish request `rid` with reason abort and free what it holds."""
+        if self.sync is not None:
+            self.sync.publish_abort(rid)
         for req in list(self.waiting) + self.running:
             if req.rid == rid:
                 self._finish(req, FinishReason.ABORT)
@@ -106,6 +118,8 @@ class Scheduler:
 
     def step(self) -> list[StepEvent]:
         """Schedule, run and process one batch (the plain, non-overlapped loop)."""
+        if self.sync is not None:  # take in what rank 0 received (tensor parallelism)
+            self.sync.exchange(self)
         batch = self.schedule()
         if batch is None:
             return []
