@@ -366,7 +366,7 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-def _launch_gate_up(
+def gate_up_gemm(
     x: torch.Tensor, w13: torch.Tensor, rows: AlignedRows, top_k: int, tile: GemmTile
 ) -> torch.Tensor:  # [max_blocks * block_m, I]
     inter = w13.shape[1] // 2
@@ -383,7 +383,7 @@ def _launch_gate_up(
     return act
 
 
-def _launch_down(
+def down_gemm(
     act: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -427,8 +427,8 @@ def fused_experts(
     cfg = config or default_config(num_tokens, top_k, num_experts)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     rows = moe_align(topk_ids.contiguous(), num_experts, cfg.block_m)
-    act = _launch_gate_up(x, w13, rows, top_k, cfg.gate_up)
-    out = _launch_down(act, w2, topk_weights.float().contiguous(), rows, cfg.down)
+    act = gate_up_gemm(x, w13, rows, top_k, cfg.gate_up)
+    out = down_gemm(act, w2, topk_weights.float().contiguous(), rows, cfg.down)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
