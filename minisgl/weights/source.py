@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+@functools.lru_cache(maxsize=8)  # parsing a GGUF's metadata takes seconds; configs are frozen
 def load_model_config(src: ModelSource) -> ModelConfig:
     if src.is_gguf:
         from transformers import AutoConfig
