@@ -3,9 +3,10 @@ that the server runs (in-process: no HTTP, no ZMQ)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -14,6 +15,9 @@ from minisgl.core import FinishReason, InvalidRequestError, Req, SamplingParams
 from minisgl.engine import Engine
 from minisgl.scheduler import Scheduler
 from minisgl.weights import load_tokenizer, resolve_source
+
+if TYPE_CHECKING:
+    from minisgl.distributed.launch import TPLaunch
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
@@ -32,17 +36,41 @@ class LLM:
         if unknown:
             raise ValueError(f"LLM: unknown options {sorted(unknown)}")
         config = EngineConfig(model=model, **options)
+        self._tp: TPLaunch | None = None
         if config.tp_size > 1:
-            from minisgl.distributed.launch import TPEngine
+            from minisgl.distributed.launch import TPLaunch
 
-            self.engine: Engine = TPEngine(config)  # type: ignore[assignment]
+            # This process is rank 0; ranks 1..N-1 run in processes of their own.
+            self._tp = TPLaunch.start(config)
+            try:
+                self.scheduler = self._tp.build_scheduler()
+            except BaseException:
+                self.close()
+                raise
         else:
-            self.engine = Engine(config)
-        self.scheduler = Scheduler(self.engine)
+            self.scheduler = Scheduler(Engine(config))
+        self.engine: Engine = self.scheduler.engine
         self._model = model
         self._tokenizer: Any = None
         self._rng = random.Random(config.seed)
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, after which the LLM cannot generate (nothing
+        to do at tp=1). Also runs at garbage collection and at interpreter exit."""
+        tp, self._tp = getattr(self, "_tp", None), None
+        if tp is not None:
+            tp.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -1,0 +1,152 @@
+"""Keep every tensor-parallel rank's scheduler fed with the same requests and aborts.
+
+Rank 0 alone takes requests and aborts; its scheduler applies them at once and records them
+here. At the top of every step each rank calls `exchange`: rank 0 broadcasts what it recorded
+since the last step and the other ranks apply it to their own schedulers, in the same order.
+Every scheduler then holds the same state and makes the same decisions, so the ranks meet in
+the model's collectives without ever waiting on each other for anything else.
+
+The bytes travel over a gloo group of their own (also when the model's group is NCCL): they are
+tiny, live on the host, and the group's timeout must allow rank 0 to sit idle for hours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from minisgl.core import Req, SamplingParams
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or cannot be reached; the engine cannot go on."""
+
+
+class EngineStopped(Exception):
+    """Raised on ranks 1..N-1 inside a step when rank 0 has shut the engine down."""
+
+
+class RequestSink(Protocol):
+    """What `exchange` applies the recorded operations to (the `Scheduler`)."""
+
+    def add_request(self, req: Req) -> None: ...
+
+    def abort(self, rid: str) -> Req | None: ...
+
+
+# One recorded operation: ["add", rid, prompt_ids, params, seed] | ["abort", rid] | ["stop"].
+Op = list[Any]
+
+
+def encode_req(req: Req) -> Op:
+    return ["add", req.rid, list(req.prompt_ids), dataclasses.asdict(req.params), req.seed]
+
+
+def decode_req(op: Op) -> Req:
+    _, rid, prompt_ids, params, seed = op
+    return Req(rid=rid, prompt_ids=prompt_ids, params=SamplingParams(**params), seed=seed)
+
+
+class RequestSync:
+    """Rank 0 records requests and aborts; `exchange` replays them on every other rank.
+
+    `health` (rank 0) is called before each broadcast and raises RankFailedError when a rank is
+    known to be gone, so a dead rank is reported at once rather than at the next collective.
+    """
+
+    def __init__(self, group: Any, rank: int, health: Callable[[], None] | None = None) -> None:
+        self.group = group
+        self.rank = rank
+        self.health = health
+        self._ops: list[Op] = []
+        self._replaying = False
+        self._failure: str | None = None
+
+    # ---- rank 0: record --------------------------------------------------------------------
+
+    def publish_add(self, req: Req) -> None:
+        if self.rank == 0:
+            self._ops.append(encode_req(req))
+        else:
+            self._check_replaying()
+
+    def publish_abort(self, rid: str) -> None:
+        if self.rank == 0:
+            self._ops.append(["abort", rid])
+        else:
+            self._check_replaying()
+
+    def _check_replaying(self) -> None:
+        assert self._replaying, f"rank {self.rank} takes requests only from rank 0"
+
+    def stop(self) -> None:
+        """Rank 0: tell the other ranks to leave their loops (at their next `exchange`)."""
+        assert self.rank == 0
+        self._ops.append(["stop"])
+        try:
+            self._broadcast()
+        finally:
+            self._failure = "this engine was closed; create a new one"
+
+    # ---- every rank: once per step -----------------------------------------------------------
+
+    def exchange(self, sink: RequestSink) -> None:
+        """Rank 0 sends what it recorded; the others apply it to `sink` (their scheduler)."""
+        if self.rank == 0:
+            self._broadcast()
+            return
+        ops = msgpack.unpackb(self._broadcast(), use_list=True)
+        self._replaying = True
+        try:
+            for op in ops:
+                self._apply(op, sink)
+        finally:
+            self._replaying = False
+
+    @staticmethod
+    def _apply(op: Op, sink: RequestSink) -> None:
+        kind = op[0]
+        if kind == "add":
+            sink.add_request(decode_req(op))
+        elif kind == "abort":
+            sink.abort(op[1])
+        elif kind == "stop":
+            raise EngineStopped
+        else:
+            raise AssertionError(f"unknown sync operation {kind!r}")
+
+    def _broadcast(self) -> bytes:
+        """Rank 0's recorded operations, packed, on every rank; a length, then the bytes."""
+        if self._failure is not None:
+            raise RankFailedError(self._failure)
+        try:
+            if self.health is not None:
+                self.health()
+            return self._send_or_receive()
+        except RankFailedError as e:
+            self._failure = str(e)
+            raise
+        except RuntimeError as e:  # gloo reports a peer that went away as a RuntimeError
+            peer = "a tensor-parallel rank" if self.rank == 0 else "rank 0"
+            self._failure = f"lost contact with {peer}: {e}"
+            raise RankFailedError(self._failure) from e
+
+    def _send_or_receive(self) -> bytes:
+        payload = msgpack.packb(self._ops) if self.rank == 0 and self._ops else b""
+        self._ops = []
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        n = int(size.item())
+        if n == 0:
+            return msgpack.packb([])
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.group)
+        return buf.numpy().tobytes()
