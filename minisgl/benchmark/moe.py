@@ -50,6 +50,7 @@ DECODE_BATCHES = (1, 64, 256)
 PROMPT_LEN = 256
 DECODE_STEPS = 128
 COUNT_STEPS = 16
+PAGE_SIZE = 16  # of the expert-counting engine
 DEVICE = "cuda"
 
 Row = dict[str, Any]
@@ -157,6 +158,11 @@ def expert_bytes(ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> int:
     return distinct * per_expert
 
 
+def mismatched_rows(ids: torch.Tensor, ref_ids: torch.Tensor) -> int:
+    """Tokens whose expert sets differ (near-ties may break apart in the two softmaxes)."""
+    return int((ids.long().sort(-1).values != ref_ids.sort(-1).values).any(-1).sum())
+
+
 def run_kernel_case(inp: MoEInputs, copy_bw: float, time_reference: bool) -> Row:
     from minisgl.kernels.moe import fused_experts, fused_moe, fused_topk
 
@@ -177,9 +183,7 @@ def run_kernel_case(inp: MoEInputs, copy_bw: float, time_reference: bool) -> Row
         "inter": inp.w2.shape[2],
         "rel_err": rel_err(fused, truth),
         "ref_bf16_rel_err": rel_err(ref, truth),
-        "topk_mismatch": int(
-            (topk_ids.long().sort(-1).values != routing.ids.sort(-1).values).any(-1).sum()
-        ),
+        "topk_mismatch": mismatched_rows(topk_ids, routing.ids),
         "fused_us": seconds * 1e6,
         "bw_fraction": nbytes / seconds / copy_bw,
         "tflops": flops / seconds / 1e12,
@@ -220,8 +224,11 @@ class ExpertCounter:
         self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self.batch: int | None = None  # record only steps of exactly this many tokens
         self.counts: list[torch.Tensor] = []  # [] int64 per (step, layer), on the device
-        for block in self.blocks:
-            block.gate.register_forward_hook(self._hook)
+        self._handles = [block.gate.register_forward_hook(self._hook) for block in self.blocks]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
     def _hook(self, module: torch.nn.Module, args: object, logits: torch.Tensor) -> None:
         if self.batch is None or logits.shape[0] != self.batch:
@@ -271,7 +278,9 @@ def model_bytes(llm: Any) -> ModelBytes:
     )
 
 
-def make_llm(batch: int, eager: bool) -> Any:
+def make_llm(batch: int, eager: bool, attention_backend: str) -> Any:
+    """The engine for the decode runs. The eager one (for counting experts) gets a KV pool just
+    big enough, so that little is lost should its memory not come back before the next one."""
     from minisgl.llm import LLM
 
     options: dict[str, Any] = dict(
@@ -280,16 +289,23 @@ def make_llm(batch: int, eager: bool) -> Any:
         device=DEVICE,
         max_running_requests=batch,
         max_context_len=PROMPT_LEN + DECODE_STEPS + 64,
+        attention_backend=attention_backend,
     )
     if eager:
-        options.update(cuda_graph_max_bs=0, overlap=False)
+        pages = batch * (math.ceil((PROMPT_LEN + COUNT_STEPS + 2) / PAGE_SIZE) + 1)
+        options |= dict(cuda_graph_max_bs=0, overlap=False, cache="naive", page_size=PAGE_SIZE,
+                        num_pages=pages)  # fmt: skip
     return LLM(str(MODEL_DIR), **options)
 
 
 def release_memory() -> None:
-    """Give the dropped engine's memory back before the next one sizes its KV pool."""
+    """Give a dropped engine's memory back before the next one sizes its KV pool."""
     gc.collect()
     torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()
+    if held > 1 << 30:
+        print(f"warning: {held / 2**30:.1f} GiB still allocated after dropping an engine",
+              file=sys.stderr)  # fmt: skip
 
 
 def submit(llm: Any, batch: int, max_tokens: int, seed: int) -> list[Any]:
@@ -321,9 +337,11 @@ def run_to_end(llm: Any) -> int:
     return steps
 
 
-def count_experts(batches: Sequence[int], seed: int) -> dict[int, ExpertCount]:
+def count_experts(
+    batches: Sequence[int], seed: int, attention_backend: str
+) -> dict[int, ExpertCount]:
     """Distinct experts per decode step (summed over layers), from an eager engine."""
-    llm = make_llm(max(batches), eager=True)
+    llm = make_llm(max(batches), eager=True, attention_backend=attention_backend)
     counter = ExpertCounter(llm.engine.model)
     result = {}
     for batch in batches:
@@ -333,6 +351,7 @@ def count_experts(batches: Sequence[int], seed: int) -> dict[int, ExpertCount]:
         run_to_end(llm)
         counter.batch = None
         result[batch] = counter.result()
+    counter.close()
     del llm, counter
     release_memory()
     return result
@@ -368,6 +387,8 @@ def decode_row(
     floor_s = floor_bytes / copy_bw
     return {
         "batch": batch,
+        "prompt_len": PROMPT_LEN,
+        "decode_steps": steps,
         "tok_per_s": tokens / seconds,
         "step_ms": step_s * 1e3,
         "experts_per_layer": experts.per_step / experts.moe_layers,
@@ -378,9 +399,9 @@ def decode_row(
     }
 
 
-def run_decode(copy_bw: float, seed: int) -> list[Row]:
-    experts = count_experts(DECODE_BATCHES, seed)
-    llm = make_llm(max(DECODE_BATCHES), eager=False)
+def run_decode(copy_bw: float, seed: int, attention_backend: str = "auto") -> list[Row]:
+    experts = count_experts(DECODE_BATCHES, seed, attention_backend)
+    llm = make_llm(max(DECODE_BATCHES), eager=False, attention_backend=attention_backend)
     mb = model_bytes(llm)
     rows = []
     for batch in DECODE_BATCHES:
@@ -415,7 +436,7 @@ def best_tile(launch: Callable[[GemmTile], object]) -> tuple[GemmTile, float]:
 
     best: tuple[GemmTile, float] | None = None
     for bn, bk, (warps, stages) in itertools.product(
-        (32, 64, 128), (64, 128, 256), TUNE_WARPS_STAGES
+        (16, 32, 64, 128), (64, 128, 256), TUNE_WARPS_STAGES
     ):
         tile = GemmTile(bn, bk, warps, stages)
         try:
@@ -510,6 +531,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-decode", action="store_true", help="no engine decode table")
     ap.add_argument("--tune", action="store_true", help="only the tile sweep (several minutes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
     return ap.parse_args(argv)
 
 
@@ -534,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["kernels"] = run_kernels(copy_bw, args.seed)
             print_table("fused MoE vs torch reference (bf16)", result["kernels"], KERNEL_COLUMNS)
         if not args.skip_decode:
-            result["decode"] = run_decode(copy_bw, args.seed)
+            result["decode"] = run_decode(copy_bw, args.seed, args.attention_backend)
             print_table("decode, Qwen3-30B-A3B shape, dummy weights", result["decode"],
                         DECODE_COLUMNS)  # fmt: skip
         result["summary"] = summary(result)
