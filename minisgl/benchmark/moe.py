@@ -416,28 +416,32 @@ def run_decode(copy_bw: float, seed: int, attention_backend: str = "auto") -> li
 
 TUNE_TOKENS = (1, 8, 64, 256, 1024, 4096, 8192)
 TUNE_BLOCK_M = (16, 32, 64, 128)
-TUNE_WARPS_STAGES = ((4, 3), (4, 4), (8, 3))
+# (block_n, block_k, num_warps, num_stages) candidates: narrow tiles for memory-bound short
+# blocks, wide ones for compute-bound tall blocks.
+TUNE_TILES_SHORT = tuple(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+TUNE_TILES_TALL = tuple(itertools.product((64, 128), (64, 128), (4, 8), (3,))) + (
+    (128, 64, 4, 4),
+    (64, 64, 4, 4),
+)
 
 
 def tune_block_ms(tokens: int) -> list[int]:
     """Block heights worth trying: up to twice the rows an expert gets on average."""
     rows_per_expert = tokens * TOP_K / NUM_EXPERTS
-    limit = max(16, 2 * triton_next_pow2(math.ceil(rows_per_expert)))
+    limit = max(16, 2 * next_pow2(math.ceil(rows_per_expert)))
     return [m for m in TUNE_BLOCK_M if m <= limit]
 
 
-def triton_next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def best_tile(launch: Callable[[GemmTile], object]) -> tuple[GemmTile, float]:
+def best_tile(launch: Callable[[GemmTile], object], block_m: int) -> tuple[GemmTile, float]:
     """The fastest tile for `launch(tile)`; tiles that do not fit the GPU are skipped."""
     from minisgl.kernels.moe import GemmTile
 
     best: tuple[GemmTile, float] | None = None
-    for bn, bk, (warps, stages) in itertools.product(
-        (16, 32, 64, 128), (64, 128, 256), TUNE_WARPS_STAGES
-    ):
+    for bn, bk, warps, stages in TUNE_TILES_SHORT if block_m <= 32 else TUNE_TILES_TALL:
         tile = GemmTile(bn, bk, warps, stages)
         try:
             seconds = time_graph(functools.partial(launch, tile), replays=5)
@@ -457,19 +461,19 @@ def tune_block_m(inp: MoEInputs, block_m: int) -> Row:
 
     topk_weights, ids = fused_topk(inp.logits, inp.top_k, True)
     rows = moe_align(ids, inp.w13.shape[0], block_m)
-    gu, gu_s = best_tile(lambda t: gate_up_gemm(inp.x, inp.w13, rows, inp.top_k, t))
+    gu, gu_s = best_tile(lambda t: gate_up_gemm(inp.x, inp.w13, rows, inp.top_k, t), block_m)
     act = gate_up_gemm(inp.x, inp.w13, rows, inp.top_k, gu)
-    dn, dn_s = best_tile(lambda t: down_gemm(act, inp.w2, topk_weights, rows, t))
+    dn, dn_s = best_tile(lambda t: down_gemm(act, inp.w2, topk_weights, rows, t), block_m)
     return {
         "tokens": inp.x.shape[0], "block_m": block_m, "gate_up": gu, "gate_up_us": gu_s * 1e6,
         "down": dn, "down_us": dn_s * 1e6, "total_us": (gu_s + dn_s) * 1e6,
     }  # fmt: skip
 
 
-def tune(seed: int) -> list[Row]:
+def tune(seed: int, token_counts: Sequence[int]) -> list[Row]:
     weights = random_weights(NUM_EXPERTS, HIDDEN, INTER, seed)
     rows = []
-    for tokens in TUNE_TOKENS:
+    for tokens in token_counts:
         inp = random_inputs(tokens, weights, TOP_K, seed + tokens)
         for block_m in tune_block_ms(tokens):
             rows.append(tune_block_m(inp, block_m))
@@ -530,6 +534,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-kernels", action="store_true", help="no kernel-vs-reference table")
     ap.add_argument("--skip-decode", action="store_true", help="no engine decode table")
     ap.add_argument("--tune", action="store_true", help="only the tile sweep (several minutes)")
+    ap.add_argument(
+        "--tune-tokens",
+        type=lambda v: [int(t) for t in v.split(",")],
+        default=list(TUNE_TOKENS),
+        help="token counts of the sweep, comma-separated",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
     return ap.parse_args(argv)
@@ -547,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
     if args.tune:
-        result["tune"] = tune(args.seed)
+        result["tune"] = tune(args.seed, args.tune_tokens)
         result["tune_best"] = best_per_tokens(result["tune"])
         print_table("tile sweep: best per block_m", result["tune"], TUNE_COLUMNS)
         print_table("tile sweep: best per token count", result["tune_best"], TUNE_COLUMNS)
