@@ -133,28 +133,31 @@ def test_sparse_step_places_moe_layers():
     assert [moe.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
 
 
-def test_expert_checkpoint_names():
-    cfg = model_config_from_dict(
-        tiny_config().to_dict() | {"num_experts": 8, "architectures": ["Qwen3MoeForCausalLM"]}
+def tiny_model_config() -> Any:
+    d = tiny_config().to_dict() | {"num_experts": 8, "architectures": ["Qwen3MoeForCausalLM"]}
+    return model_config_from_dict(d)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "ours"),
+    [
+        ("L.mlp.experts.5.gate_proj.weight", ("L.mlp.experts.gate_up_proj", (5, 0))),
+        ("L.mlp.experts.5.up_proj.weight", ("L.mlp.experts.gate_up_proj", (5, 1))),
+        ("L.mlp.experts.7.down_proj.weight", ("L.mlp.experts.down_proj", 7)),
+        ("L.mlp.experts.gate_up_proj", ("L.mlp.experts.gate_up_proj", None)),  # stacked
+        ("L.mlp.gate.weight", ("L.mlp.gate.weight", None)),  # the router
+        ("L.self_attn.k_proj.weight", ("L.self_attn.qkv_proj.weight", "k")),
+    ],
+)
+def test_checkpoint_names(checkpoint, ours):
+    model = Qwen3MoeForCausalLM(tiny_model_config())
+    layer = "model.layers.1"
+    name, shard = ours
+    assert model.checkpoint_name(checkpoint.replace("L", layer)) == (
+        name.replace("L", layer),
+        shard,
     )
-    model = Qwen3MoeForCausalLM(cfg)
-    p = "model.layers.1.mlp"
-    assert model.checkpoint_name(f"{p}.experts.5.gate_proj.weight") == (
-        f"{p}.experts.gate_up_proj",
-        (5, 0),
-    )
-    assert model.checkpoint_name(f"{p}.experts.5.up_proj.weight") == (
-        f"{p}.experts.gate_up_proj",
-        (5, 1),
-    )
-    assert model.checkpoint_name(f"{p}.experts.7.down_proj.weight") == (f"{p}.experts.down_proj", 7)
-    assert model.checkpoint_name(f"{p}.gate.weight") == (f"{p}.gate.weight", None)
-    assert model.checkpoint_name("model.layers.0.self_attn.k_proj.weight") == (
-        "model.layers.0.self_attn.qkv_proj.weight",
-        "k",
-    )
-    names = {n for n, _ in model.named_parameters()}
-    assert f"{p}.experts.gate_up_proj" in names and f"{p}.gate.weight" in names
+    assert name.replace("L", layer) in dict(model.named_parameters())
 
 
 def hf_block(seed: int, **overrides: Any) -> Any:
@@ -236,7 +239,7 @@ def test_reference_routing_renormalises():
 
 def test_dummy_weights_run(tmp_path):
     cfg = tiny_config().to_dict() | {"num_experts": 8, "architectures": ["Qwen3MoeForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # no weights
     save_word_tokenizer(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", num_pages=256, load_format="dummy")
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
@@ -248,13 +251,8 @@ def test_benchmark_config_is_qwen3_30b_a3b():
 
     path = Path(__file__).parents[2] / "minisgl/benchmark/models/qwen3-30b-a3b"
     cfg = model_config_from_dict(json.loads((path / "config.json").read_text()))
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        48,
-        2048,
-        32,
-        4,
-        128,
-    )
+    shape = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert shape == (48, 2048, 32, 4, 128)
     assert cfg.moe is not None
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (128, 8, 768)
     assert cfg.moe.norm_topk_prob and cfg.vocab_size == 151936 and cfg.dtype == "bfloat16"
