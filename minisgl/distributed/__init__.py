@@ -1,5 +1,6 @@
 """Tensor-parallel rank and size, process groups and the collectives the layers call."""
 
+from minisgl.distributed.errors import EngineStopped, RankFailedError
 from minisgl.distributed.state import (
     TPInfo,
     all_gather_last_dim,
@@ -11,6 +12,8 @@ from minisgl.distributed.state import (
 )
 
 __all__ = [
+    "EngineStopped",
+    "RankFailedError",
     "TPInfo",
     "all_gather_last_dim",
     "all_reduce",

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from minisgl.config import EngineConfig
 from minisgl.config.engine import split_host_port
+from minisgl.distributed.errors import RankFailedError
 from minisgl.distributed.state import TPInfo, reset_tp_info, set_tp_info
-from minisgl.distributed.sync import RankFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.config import EngineConfig
+from minisgl.distributed.errors import EngineStopped, RankFailedError
 from minisgl.distributed.group import (
     agree_on_min,
     connect_store,
@@ -46,7 +47,7 @@ from minisgl.distributed.group import (
     store_address,
     wait_for_ranks,
 )
-from minisgl.distributed.sync import EngineStopped, RankFailedError, RequestSync
+from minisgl.distributed.sync import RequestSync
 from minisgl.engine import Engine
 from minisgl.scheduler import Scheduler
 

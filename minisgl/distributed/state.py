@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.distributed.errors import RankFailedError
+
 
 @dataclass(frozen=True)
 class TPInfo:
@@ -49,7 +51,8 @@ def tp_size_one() -> Iterator[None]:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the tensor-parallel group, in place; the identity at tp=1."""
     if _TP.size > 1:
-        torch.distributed.all_reduce(x)
+        with _peers_reachable("all-reduce"):
+            torch.distributed.all_reduce(x)
     return x
 
 
@@ -58,5 +61,17 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _TP.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
-    torch.distributed.all_gather(parts, x.contiguous())
+    with _peers_reachable("all-gather"):
+        torch.distributed.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+@contextlib.contextmanager
+def _peers_reachable(what: str) -> Iterator[None]:
+    # gloo reports a peer that died mid-step as a bare socket error; say what it means.
+    try:
+        yield
+    except RuntimeError as e:
+        raise RankFailedError(
+            f"{what} across {_TP.size} tensor-parallel ranks failed, a rank is likely gone: {e}"
+        ) from e

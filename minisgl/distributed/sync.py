@@ -13,6 +13,7 @@ tiny, live on the host, and the group's timeout must allow rank 0 to sit idle fo
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -21,14 +22,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.core import Req, SamplingParams
-
-
-class RankFailedError(RuntimeError):
-    """A tensor-parallel rank died or cannot be reached; the engine cannot go on."""
-
-
-class EngineStopped(Exception):
-    """Raised on ranks 1..N-1 inside a step when rank 0 has shut the engine down."""
+from minisgl.distributed.errors import EngineStopped, RankFailedError
 
 
 class RequestSink(Protocol):
@@ -38,6 +32,8 @@ class RequestSink(Protocol):
 
     def abort(self, rid: str) -> Req | None: ...
 
+
+BLAME_WAIT_S = 1.0
 
 # One recorded operation: ["add", rid, prompt_ids, params, seed] | ["abort", rid] | ["stop"].
 Op = list[Any]
@@ -132,9 +128,24 @@ class RequestSync:
             self._failure = str(e)
             raise
         except RuntimeError as e:  # gloo reports a peer that went away as a RuntimeError
-            peer = "a tensor-parallel rank" if self.rank == 0 else "rank 0"
-            self._failure = f"lost contact with {peer}: {e}"
+            self._failure = self._blame() or f"lost contact with {self._peer}: {e}"
             raise RankFailedError(self._failure) from e
+
+    @property
+    def _peer(self) -> str:
+        return "a tensor-parallel rank" if self.rank == 0 else "rank 0"
+
+    def _blame(self) -> str | None:
+        """Which rank died, if a local one did: its sockets close a moment before the
+        process can be reaped, so give `health` that moment."""
+        deadline = time.monotonic() + BLAME_WAIT_S
+        while self.health is not None and time.monotonic() < deadline:
+            try:
+                self.health()
+            except RankFailedError as e:
+                return str(e)
+            time.sleep(0.02)
+        return None
 
     def _send_or_receive(self) -> bytes:
         payload = msgpack.packb(self._ops) if self.rank == 0 and self._ops else b""
