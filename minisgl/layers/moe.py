@@ -133,11 +133,11 @@ class MoEExperts(nn.Module):
         self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None
     ) -> None:
         n, full = self.local, self.local * self.tp_size
-        if shard_id is None:  # the whole stack [E, 2I, H]
+        if shard_id is None:  # the whole stack [E, 2I, H]: gate rows, then up rows
             self._check("gate_up", loaded, (self.num_experts, 2 * full, self.hidden))
-            for e in range(self.num_experts):
-                for part in (0, 1):
-                    self._load_gate_up(param, loaded[e, part * full : (part + 1) * full], (e, part))
+            for part in (0, 1):
+                rows = loaded.narrow(1, part * full + self.tp_rank * n, n)  # [E, I_local, H]
+                param.data[:, part * n : (part + 1) * n].copy_(rows)
             return
         expert, part = shard_id
         self._check("gate/up", loaded, (full, self.hidden))  # [I, H]
@@ -149,8 +149,7 @@ class MoEExperts(nn.Module):
         n, full = self.local, self.local * self.tp_size
         if shard_id is None:  # the whole stack [E, H, I]
             self._check("down", loaded, (self.num_experts, self.hidden, full))
-            for e in range(self.num_experts):
-                self._load_down(param, loaded[e], e)
+            param.data.copy_(loaded.narrow(2, self.tp_rank * n, n))
             return
         self._check("down", loaded, (self.hidden, full))  # [H, I]
         param.data[shard_id].copy_(loaded.narrow(1, self.tp_rank * n, n))

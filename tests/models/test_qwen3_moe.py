@@ -206,6 +206,11 @@ def test_sharded_experts_sum_to_the_whole():
             experts.gate_up_proj.weight_loader(experts.gate_up_proj, gate, (e, 0))
             experts.gate_up_proj.weight_loader(experts.gate_up_proj, up, (e, 1))
             experts.down_proj.weight_loader(experts.down_proj, down[e], e)
+        stacked = MoEExperts(8, 64, 32)  # the whole stacks, as dummy weights and HF 5 give them
+        stacked.gate_up_proj.weight_loader(stacked.gate_up_proj, gate_up)
+        stacked.down_proj.weight_loader(stacked.down_proj, down)
+        assert torch.equal(stacked.gate_up_proj, experts.gate_up_proj)
+        assert torch.equal(stacked.down_proj, experts.down_proj)
         half = slice(rank * 16, (rank + 1) * 16)
         torch.testing.assert_close(experts.gate_up_proj[3, :16], gate_up[3, :32][half])
         torch.testing.assert_close(experts.gate_up_proj[3, 16:], gate_up[3, 32:][half])
