@@ -39,12 +39,15 @@ def check_head_dim(head_dim: int) -> None:
 
 
 def dot_flags(dtype: torch.dtype, kernel: object) -> tuple[bool, bool]:
-    """(IEEE, UPCAST) for `dot`: exact fp32 products (no TF32) for fp32 inputs; the CPU
-    interpreter multiplies bf16 operands wrongly, so there they are widened to fp32 first
-    (exact, and what the tensor cores accumulate in anyway)."""
+    """(IEEE, EMULATE_BF16) flags: exact fp32 products (no TF32) for fp32 inputs, and a
+    workaround for the CPU interpreter's bf16 (triton 3.9), which multiplies bf16 operands wrongly
+    and truncates fp32 -> bf16 casts. Under it, bf16 operands are widened to fp32 before `tl.dot`
+    (exact, and what the tensor cores accumulate in) and roundings to bf16 go through
+    `round_bf16`, so the interpreter reproduces the GPU's numerics. Off the interpreter
+    EMULATE_BF16 is always False and costs nothing."""
     ieee = dtype == torch.float32
-    upcast = dtype == torch.bfloat16 and is_interpreted(kernel)
-    return ieee, upcast
+    emulate_bf16 = dtype == torch.bfloat16 and is_interpreted(kernel)
+    return ieee, emulate_bf16
 
 
 @triton.jit
@@ -62,9 +65,17 @@ def token_slots(table_row_ptr, pos, mask, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """a [M, K] @ b [K, N] with fp32 accumulation."""
-    if UPCAST:
+    if EMULATE_BF16:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if IEEE:
@@ -75,7 +86,7 @@ def dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """Fold one key block into the running softmax (base-2 domain).
 
     qk [M, N] fp32 scores already multiplied by sm_scale * log2(e), masked keys at -inf (every
@@ -85,5 +96,9 @@ def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr, UPCAST: tl.con
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, UPCAST)
+    if EMULATE_BF16:
+        pv = dot(round_bf16(p), v, IEEE, EMULATE_BF16)
+    else:
+        pv = dot(p.to(v.dtype), v, IEEE, EMULATE_BF16)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc

@@ -23,6 +23,7 @@ from minisgl.kernels.common import (
     dot_flags,
     num_sms,
     online_softmax_step,
+    round_bf16,
     token_slots,
 )
 
@@ -89,7 +90,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -122,15 +123,17 @@ def _decode_split_kernel(
         mask_n = pos < end
         slots = token_slots(table_row, pos, mask_n, PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        qk = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2  # [BLOCK_H, BLOCK_N]
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, UPCAST)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
+        if EMULATE_BF16:
+            out = round_bf16(out)
         o_dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
@@ -154,6 +157,7 @@ def _decode_reduce_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -170,6 +174,8 @@ def _decode_reduce_kernel(
     part = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None])
     part = tl.where(mask_s[:, None], part, 0.0)
     out = tl.sum(w[:, None] * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    if EMULATE_BF16:
+        out = round_bf16(out)
     tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
@@ -202,6 +208,7 @@ def decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, max_len, num_sms(q.device), cfg)
     if out is None:
         out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -210,7 +217,7 @@ def decode_attention(
         part_lse = q.new_empty(batch, num_q_heads, num_splits, dtype=torch.float32)
     else:
         part_o = part_lse = out  # unused by the kernel
-    ieee, upcast = dot_flags(q.dtype, _decode_split_kernel)
+    ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -218,13 +225,14 @@ def decode_attention(
         out.stride(0), out.stride(1), num_q_heads, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, IEEE=ieee,
-        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_q_heads,
             HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if head_dim >= 128 else 2,
+            BLOCK_S=triton.next_power_of_2(num_splits), EMULATE_BF16=emulate_bf16,
+            num_warps=4 if head_dim >= 128 else 2,
         )  # fmt: skip
     return out
 

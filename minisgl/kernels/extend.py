@@ -20,6 +20,7 @@ from minisgl.kernels.common import (
     dot,
     dot_flags,
     online_softmax_step,
+    round_bf16,
     token_slots,
 )
 
@@ -66,7 +67,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -104,9 +105,9 @@ def _extend_kernel(
     for n in range(0, full_end, BLOCK_N):
         slots = token_slots(table_row, n + offs_n, None, PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt)
-        qk = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2
         v = tl.load(v_base + slots[:, None] * stride_vt)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, UPCAST)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     # Diagonal blocks: key k is visible to query row r iff pos(k) <= pos(r).
     causal_end = tl.where(active, tl.minimum(seq_len, prefix_len + m_start + BLOCK_M), 0)
@@ -115,13 +116,15 @@ def _extend_kernel(
         mask_n = k_pos < causal_end
         slots = token_slots(table_row, k_pos, mask_n, PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        qk = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2
         visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, UPCAST)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if EMULATE_BF16:
+        out = round_bf16(out)
     o_dst = o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
 
@@ -149,9 +152,10 @@ def extend_attention(
     cfg = config or default_extend_config(head_dim)
     if out is None:
         out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0 or batch == 0 or max_extend_len == 0:
         return out
-    ieee, upcast = dot_flags(q.dtype, _extend_kernel)
+    ieee, emulate_bf16 = dot_flags(q.dtype, _extend_kernel)
     grid = (triton.cdiv(max_extend_len, cfg.block_m), num_q_heads, batch)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend, out,
@@ -159,7 +163,7 @@ def extend_attention(
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), sm_scale * math.log2(math.e),
         GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, IEEE=ieee, UPCAST=upcast,
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, IEEE=ieee, EMULATE_BF16=emulate_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
