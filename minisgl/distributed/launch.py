@@ -257,7 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rank is not None:
         run_worker(args.rank, args.dist_init_addr, os.getppid())
-        return
+        # Stopped in order, groups left: skip the interpreter's second of tearing torch down,
+        # which rank 0's `close` would otherwise wait for.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     logging.basicConfig(level=logging.INFO)
     raise SystemExit(run_node(args.dist_init_addr, args.node_rank, args.nnodes))
 

@@ -1,0 +1,128 @@
+"""Tensor parallelism on the CPU (gloo): tp=2 and tp=4 give tp=1's log-probs and greedy tokens,
+on tiny models whose KV heads are fewer than the ranks and whose vocab does not divide by them;
+also over two "nodes", with dummy weights, and when a rank dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import random_prompts, randomize, tiny_hf_config
+
+from minisgl import LLM, SamplingParams
+from minisgl.distributed import RankFailedError
+
+VOCAB = 385  # divides by neither 2 nor 4: the last vocab shard is padded
+ATOL = 1e-5  # fp32: tp changes only the order of the sums
+# A small pool: every rank allocates one, and the CPU's default is 2 GiB.
+OPTS: dict[str, Any] = {"num_pages": 2048, "max_running_requests": 16}
+GREEDY = SamplingParams(
+    temperature=0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=20
+)
+
+
+def save_model(arch: str, path: Path) -> Path:
+    """A tiny random HF model: 4 query heads, 2 KV heads (replicated at tp=4)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(arch, vocab=VOCAB))
+    randomize(model, seed=1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {a: save_model(a, tmp_path_factory.mktemp(a)) for a in ("llama3", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(4, VOCAB, seed=5, lo=3, hi=30)
+
+
+def generate(model: Path | str, prompts: list[list[int]], **options: Any) -> list[dict[str, Any]]:
+    with LLM(str(model), **OPTS, **options) as llm:
+        return llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def reference(models: dict[str, Path], prompts: list[list[int]]) -> dict[str, list[dict]]:
+    """tp=1 outputs per architecture."""
+    return {arch: generate(path, prompts) for arch, path in models.items()}
+
+
+def assert_same_outputs(ref: list[dict[str, Any]], out: list[dict[str, Any]]) -> None:
+    """Identical greedy tokens; every step's top-20 log-probs within ATOL of the reference."""
+    for r, o in zip(ref, out):
+        assert o["token_ids"] == r["token_ids"]
+        assert max(abs(a - b) for a, b in zip(r["logprobs"], o["logprobs"])) <= ATOL
+        for top_r, top_o in zip(r["top_logprobs"], o["top_logprobs"]):
+            # Compare by token id: two nearly equal log-probs may swap places.
+            ref_lp, out_lp = dict(top_r), dict(top_o)
+            shared = ref_lp.keys() & out_lp.keys()
+            assert len(shared) >= 19
+            assert max(abs(ref_lp[t] - out_lp[t]) for t in shared) <= ATOL
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_tp_matches_tp1(
+    arch: str,
+    tp: int,
+    models: dict[str, Path],
+    prompts: list[list[int]],
+    reference: dict[str, list[dict]],
+) -> None:
+    assert_same_outputs(reference[arch], generate(models[arch], prompts, tp_size=tp))
+
+
+def test_dummy_weights_same_at_tp2(models: dict[str, Path], prompts: list[list[int]]) -> None:
+    ref = generate(models["llama3"], prompts, load_format="dummy", seed=3)
+    assert_same_outputs(
+        ref, generate(models["llama3"], prompts, load_format="dummy", seed=3, tp_size=2)
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes(
+    models: dict[str, Path], prompts: list[list[int]], reference: dict[str, list[dict]]
+) -> None:
+    """Rank 0 here (node 0); node 1 is a separate launcher holding rank 1, met over TCP."""
+    addr = f"127.0.0.1:{_free_port()}"
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "minisgl.distributed.launch", "--dist-init-addr", addr]
+        + ["--node-rank", "1", "--nnodes", "2"]
+    )
+    try:
+        out = generate(models["llama3"], prompts, tp_size=2, nnodes=2, dist_init_addr=addr)
+        assert node1.wait(timeout=30) == 0  # closing rank 0 stops the other node
+    finally:
+        node1.kill()
+    assert_same_outputs(reference["llama3"], out)
+
+
+def test_dead_rank_raises(models: dict[str, Path], prompts: list[list[int]]) -> None:
+    with LLM(str(models["llama3"]), tp_size=2, **OPTS) as llm:
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        worker = llm._tp.procs[1]  # type: ignore[union-attr]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match=r"rank 1 .*exit code -9"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 5
+        with pytest.raises(RankFailedError):  # and it stays broken, without hanging
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
