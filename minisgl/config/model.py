@@ -121,7 +121,7 @@ def model_config_from_dict(d: dict[str, Any], generation_eos: Any = None) -> Mod
     moe = None
     if arch == "Qwen3MoeForCausalLM":
         moe = MoEConfig(
-            num_experts=int(d["num_experts"]),
+            num_experts=int(d.get("num_experts") or d["num_local_experts"]),
             top_k=int(d["num_experts_per_tok"]),
             intermediate_size=int(d["moe_intermediate_size"]),
             norm_topk_prob=bool(d.get("norm_topk_prob", True)),

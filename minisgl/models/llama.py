@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] in fp32."""
         return self.lm_head(hidden).float()
 
-    def checkpoint_name(self, name: str) -> tuple[str, str | int | None] | None:
+    def checkpoint_name(self, name: str) -> tuple[str, str | int | tuple[int, int] | None] | None:
         """Map a checkpoint tensor name to (our parameter name, shard id); None to skip it."""
         if "rotary_emb.inv_freq" in name:
             return None

@@ -40,7 +40,7 @@ class Qwen3MoeModel(LlamaModel):
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     model_class = Qwen3MoeModel
 
-    def checkpoint_name(self, name: str) -> tuple[str, ShardId | None] | None:  # type: ignore[override]
+    def checkpoint_name(self, name: str) -> tuple[str, ShardId | None] | None:
         """Per-expert tensors land in the layer's stacked expert parameters; the rest as Llama.
 
         Shard ids: `(expert, 0 | 1)` for gate | up, `expert` for down (see `MoEExperts`).
