@@ -19,11 +19,12 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,8 @@ def _setup_worker(rank: int, config: EngineConfig, parent_pid: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s"
     )
+    # Ctrl-C reaches every process of the terminal's group; rank 0 alone decides when to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not config.device.startswith("cuda"):
         # The node's cores are shared by its ranks; more threads than that only thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
@@ -210,6 +213,22 @@ class TPLaunch:
                     f"tensor-parallel rank {rank} (pid {proc.pid}) stopped ({why}); this engine "
                     "cannot continue: create a new one"
                 )
+
+    def watch(self, on_failure: Callable[[str], None], interval_s: float = 0.5) -> None:
+        """Call `on_failure(reason)` from a background thread once a rank of this node exits
+        (a server must go down even while it waits idle for requests)."""
+
+        def loop() -> None:
+            while not self._closed:
+                try:
+                    self.check_health()
+                except RankFailedError as e:
+                    if not self._closed:  # not one of the ranks `close` is stopping
+                        on_failure(str(e))
+                    return
+                time.sleep(interval_s)
+
+        threading.Thread(target=loop, name="minisgl-tp-watch", daemon=True).start()
 
     def close(self) -> None:
         """Tell the ranks to stop, wait for them (kill them if they hang), leave the groups."""

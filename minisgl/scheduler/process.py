@@ -7,6 +7,7 @@ inbox without waiting before every step, so new requests join the next batch.
 from __future__ import annotations
 
 import logging
+import os
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -122,9 +123,26 @@ class SchedulerProcess:
         )
 
 
+def _make_scheduler(config: EngineConfig) -> Scheduler:
+    """At tp > 1 this process is rank 0: it starts ranks 1..N-1, which stop when it exits."""
+    if config.tp_size == 1:
+        return Scheduler(Engine(config))
+    from minisgl.distributed.launch import TPLaunch
+
+    tp = TPLaunch.start(config)
+    tp.watch(_exit_on_rank_failure)
+    return tp.build_scheduler()
+
+
+def _exit_on_rank_failure(reason: str) -> None:
+    # The engine cannot go on without a rank; the launcher sees this process exit.
+    logger.critical("%s", reason)
+    os._exit(1)
+
+
 def _start(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> SchedulerProcess:
-    engine = Engine(config)
-    scheduler = Scheduler(engine)
+    scheduler = _make_scheduler(config)
+    engine = scheduler.engine
     ctx = zmq.Context()
     proc = SchedulerProcess(scheduler, Receiver(ctx, ipc.scheduler), Sender(ctx, ipc.detokenizer))
     info = EngineInfo(
