@@ -51,16 +51,14 @@ def dot_flags(dtype: torch.dtype, kernel: object) -> tuple[bool, bool]:
 
 
 @triton.jit
-def token_slots(table_row_ptr, pos, mask, PAGE_SIZE: tl.constexpr):
+def token_slots(table_row_ptr, pos, PAGE_SIZE: tl.constexpr):
     """KV slots (int64) of positions `pos` of one request whose page ids start at `table_row_ptr`.
 
-    `mask` (or None: all valid) guards the page-id gather only. The page id of a block of positions is one small gather that stays in L1; the division and
-    modulo are shifts when PAGE_SIZE is a power of two.
+    Every `pos` must lie inside the request's pages (clamp positions past its end). The page
+    id of a block of positions is one small gather that stays in L1; the division and modulo
+    are shifts when PAGE_SIZE is a power of two.
     """
-    if mask is None:
-        page = tl.load(table_row_ptr + pos // PAGE_SIZE)
-    else:
-        page = tl.load(table_row_ptr + pos // PAGE_SIZE, mask=mask, other=0)
+    page = tl.load(table_row_ptr + pos // PAGE_SIZE)
     return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
 
 

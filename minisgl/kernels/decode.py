@@ -49,8 +49,9 @@ def default_decode_config(head_dim: int) -> DecodeConfig:
 def choose_num_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, sms: int, config: DecodeConfig
 ) -> int:
-    """Splits per request: enough programs to fill the GPU, each split long enough to pay off."""
-    want = -(-(config.programs_per_sm * sms) // max(1, batch_size * num_kv_heads))
+    """Splits per request: about `programs_per_sm` programs per SM (one wave, if that many fit
+    on an SM at once), each split at least `min_split_tokens` long."""
+    want = config.programs_per_sm * sms // max(1, batch_size * num_kv_heads)
     by_len = -(-max_seq_len // config.min_split_tokens)
     return max(1, min(want, by_len, config.max_splits))
 
@@ -92,8 +93,10 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # KV heads vary fastest: CTAs launched together read neighbouring 256-byte head slices of
+    # the same tokens, so DRAM sees whole token rows (and whole pages) rather than scattered bits.
+    kv_head = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -121,7 +124,7 @@ def _decode_split_kernel(
     for n in range(start, end, BLOCK_N):
         pos = n + offs_n
         mask_n = pos < end
-        slots = token_slots(table_row, pos, mask_n, PAGE_SIZE)
+        slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
         qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -218,7 +221,7 @@ def decode_attention(
     else:
         part_o = part_lse = out  # unused by the kernel
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),

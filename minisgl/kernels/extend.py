@@ -69,7 +69,8 @@ def _extend_kernel(
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
+    # The last query blocks see the most keys: launch them first so the tail is short.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
     kv_head = head // GROUP
@@ -103,7 +104,7 @@ def _extend_kernel(
     # Keys before this block's first query: visible to every row, no mask.
     full_end = tl.where(active, (prefix_len + m_start) // BLOCK_N * BLOCK_N, 0)
     for n in range(0, full_end, BLOCK_N):
-        slots = token_slots(table_row, n + offs_n, None, PAGE_SIZE)
+        slots = token_slots(table_row, n + offs_n, PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt)
         qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2
         v = tl.load(v_base + slots[:, None] * stride_vt)
@@ -114,7 +115,7 @@ def _extend_kernel(
     for n in range(full_end, causal_end, BLOCK_N):
         k_pos = n + offs_n
         mask_n = k_pos < causal_end
-        slots = token_slots(table_row, k_pos, mask_n, PAGE_SIZE)
+        slots = token_slots(table_row, tl.minimum(k_pos, causal_end - 1), PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
         qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2
         visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]

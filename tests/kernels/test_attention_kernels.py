@@ -126,7 +126,7 @@ def test_decode_default_config() -> None:
 def test_choose_num_splits() -> None:
     cfg = DecodeConfig(programs_per_sm=4, min_split_tokens=256, max_splits=64)
     assert choose_num_splits(256, 8, 4096, 132, cfg) == 1  # batch alone fills the GPU
-    assert choose_num_splits(32, 8, 4096, 132, cfg) == 3
+    assert choose_num_splits(32, 8, 4096, 132, cfg) == 2
     assert choose_num_splits(1, 8, 32768, 132, cfg) == 64  # capped
     assert choose_num_splits(1, 8, 512, 132, cfg) == 2  # short context: few splits
     assert choose_num_splits(1, 8, 1, 132, cfg) == 1
