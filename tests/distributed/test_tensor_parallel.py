@@ -17,6 +17,8 @@ import pytest
 from helpers import random_prompts, randomize, tiny_hf_config
 
 from minisgl import LLM, SamplingParams
+from minisgl.config import EngineConfig
+from minisgl.core import Req
 from minisgl.distributed import RankFailedError
 
 VOCAB = 385  # divides by neither 2 nor 4: the last vocab shard is padded
@@ -126,3 +128,52 @@ def test_dead_rank_raises(models: dict[str, Path], prompts: list[list[int]]) -> 
         assert time.monotonic() - start < 5
         with pytest.raises(RankFailedError):  # and it stays broken, without hanging
             llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+
+
+def drive(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """More requests than the pool holds (retractions), one aborted mid-way and two added
+    late: rank 0's adds and aborts must reach every rank at the same step."""
+    sched = llm.scheduler
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reqs = [Req(f"r{i}", p, params, seed=i) for i, p in enumerate(prompts)]
+    for r in reqs[:4]:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_work:
+        sched.step()
+        steps += 1
+        if steps == 3:
+            sched.abort("r1")
+        if steps == 5:
+            for r in reqs[4:]:
+                sched.add_request(r)
+    return [r.output_ids for r in reqs], sched.stats["retractions"]
+
+
+def test_aborts_and_retractions_stay_in_step(models: dict[str, Path]) -> None:
+    prompts = random_prompts(6, VOCAB, seed=9, lo=15, hi=25)
+    opts = {**OPTS, "num_pages": 96}
+    with LLM(str(models["llama3"]), **opts) as llm:
+        ref, retractions = drive(llm, prompts)
+    assert retractions > 0 and len(ref[1]) < 24
+    with LLM(str(models["llama3"]), tp_size=2, **opts) as llm:
+        assert drive(llm, prompts) == (ref, retractions)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tp_size": 4, "nnodes": 3}, "nnodes: 3 nodes cannot hold tp_size 4"),
+        ({"tp_size": 2, "nnodes": 2}, "dist_init_addr: several nodes need"),
+        ({"tp_size": 2, "nnodes": 2, "node_rank": 2}, "node_rank: must be in"),
+        ({"tp_size": 2, "dist_init_addr": "localhost"}, "expected host:port"),
+    ],
+)
+def test_bad_distributed_options(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_rank0_must_run_on_node0(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="node_rank: rank 0 runs on node 0"):
+        LLM(str(models["llama3"]), tp_size=2, nnodes=2, node_rank=1, dist_init_addr="h:1")
