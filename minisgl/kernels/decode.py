@@ -57,9 +57,9 @@ def choose_num_splits(
 
 
 @triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split for a request of `seq_len` tokens: a whole number of BLOCK_N blocks."""
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    per_split = tl.cdiv(seq_len, num_splits)
     return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
@@ -70,9 +70,9 @@ def _decode_split_kernel(
     v_ptr,  # [slots, Hkv, D]
     block_table_ptr,  # [B, P] int32
     seq_lens_ptr,  # [B] int32
-    o_ptr,  # [B, Hq, D], written when NUM_SPLITS == 1
-    part_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, written when NUM_SPLITS > 1
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    o_ptr,  # [B, Hq, D], written when SINGLE_SPLIT
+    part_o_ptr,  # [B, Hq, num_splits, D] fp32, written otherwise
+    part_lse_ptr,  # [B, Hq, num_splits] fp32
     stride_qb,
     stride_qh,
     stride_kt,
@@ -83,13 +83,14 @@ def _decode_split_kernel(
     stride_ob,
     stride_oh,
     num_q_heads,
+    num_splits,
     scale_log2,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
@@ -100,7 +101,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -134,14 +135,14 @@ def _decode_split_kernel(
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         if EMULATE_BF16:
             out = round_bf16(out)
         o_dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
         # Splits past the end of a short request write nothing; the reduce skips them.
-        row = (b * num_q_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        row = (b * num_q_heads + heads) * num_splits + split  # [BLOCK_H]
         mask = offs_h < tl.where(start < end, GROUP, 0)
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask[:, None])
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_safe), mask=mask)
@@ -149,34 +150,38 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    part_o_ptr,  # [B, Hq, num_splits, D] fp32
+    part_lse_ptr,  # [B, Hq, num_splits] fp32
     seq_lens_ptr,  # [B] int32
     o_ptr,  # [B, Hq, D]
     stride_ob,
     stride_oh,
     num_q_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    b = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_valid = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
-
-    offs_s = tl.arange(0, BLOCK_S)
+    # Splits past the end of a short request were not written: stop before them.
+    num_valid = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
+    row = (b * num_q_heads + head) * num_splits
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < num_valid
-    row = (b * num_q_heads + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
-    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))
-    lse_max = tl.where(num_valid > 0, tl.max(lse, 0), 0.0)
-    w = tl.exp2(lse - lse_max)  # [BLOCK_S], 0 for unused splits
-    part = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None])
-    part = tl.where(mask_s[:, None], part, 0.0)
-    out = tl.sum(w[:, None] * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    m = tl.full([1], float("-inf"), tl.float32)
+    weight = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s in range(0, num_valid):
+        lse = tl.load(part_lse_ptr + row + s + tl.arange(0, 1))  # [1]
+        part = tl.load(part_o_ptr + (row + s) * HEAD_DIM + offs_d)  # [D]
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + w * part
+        weight = weight * alpha + w
+        m = m_new
+    out = acc / tl.where(weight > 0, weight, 1.0)  # an empty request gets zeros
     if EMULATE_BF16:
         out = round_bf16(out)
     tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
@@ -225,17 +230,16 @@ def decode_attention(
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), num_q_heads, sm_scale * math.log2(math.e),
+        out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, IEEE=ieee,
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_q_heads)](
+        _decode_reduce_kernel[(num_q_heads, batch)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_q_heads,
-            HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), EMULATE_BF16=emulate_bf16,
-            num_warps=4 if head_dim >= 128 else 2,
+            num_splits, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, EMULATE_BF16=emulate_bf16,
+            num_warps=1 if head_dim <= 64 else 2,
         )  # fmt: skip
     return out
 

@@ -20,10 +20,10 @@ import pytest
 
 # (name, kernel, dtype, constexprs, num_warps, num_stages)
 DECODE = [
-    ("decode bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=1), 4, 2),
-    ("decode bf16 d64 g3 ps1 s4", "bf16", dict(GROUP=3, HEAD_DIM=64, BLOCK_N=128, PAGE_SIZE=1, NUM_SPLITS=4), 4, 3),
-    ("decode fp32 d128 g1 ps16 s2", "fp32", dict(GROUP=1, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, NUM_SPLITS=2), 4, 2),
-    ("decode fp16 d256 g8 ps64", "fp16", dict(GROUP=8, HEAD_DIM=256, BLOCK_N=32, PAGE_SIZE=64, NUM_SPLITS=1), 4, 2),
+    ("decode bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=True), 4, 2),
+    ("decode bf16 d64 g3 ps1 split", "bf16", dict(GROUP=3, HEAD_DIM=64, BLOCK_N=128, PAGE_SIZE=1, SINGLE_SPLIT=False), 4, 3),
+    ("decode fp32 d128 g1 ps16 split", "fp32", dict(GROUP=1, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False), 4, 2),
+    ("decode fp16 d256 g8 ps64", "fp16", dict(GROUP=8, HEAD_DIM=256, BLOCK_N=32, PAGE_SIZE=64, SINGLE_SPLIT=True), 4, 2),
 ]  # fmt: skip
 EXTEND = [
     ("extend bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16), 8, 2),
@@ -84,9 +84,9 @@ def _compile_all() -> list[dict[str, Any]]:
         c = c | dict(IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_extend_kernel, types, c, warps, stages)})
     types = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_lens_ptr": "*i32"}
-    c = dict(HEAD_DIM=128, BLOCK_N=64, NUM_SPLITS=8, BLOCK_S=8, EMULATE_BF16=False)
+    c = dict(HEAD_DIM=128, BLOCK_N=64, EMULATE_BF16=False)
     reduce = _compile(_decode_reduce_kernel, types | {"o_ptr": "*bf16"}, c, 4, 1)
-    results.append({"name": "decode reduce d128 s8", **reduce})
+    results.append({"name": "decode reduce d128", **reduce})
     types = {n: "*bf16" for n in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
     c = dict(NUM_HEADS=8, BLOCK_H=8, HEAD_DIM=128)
     store = _compile(_store_kv_kernel, types | {"loc_ptr": "*i64"}, c, 4, 1)
