@@ -40,6 +40,10 @@ class DecodeConfig:
     min_split_tokens: int = 256
     max_splits: int = 64
 
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {self.block_n}")
+
 
 def default_decode_config(head_dim: int) -> DecodeConfig:
     # Keep one K (or V) tile at ~16 KiB for bf16 so two stages of K and V fit with room to spare.
@@ -261,3 +265,5 @@ def _check_decode_args(
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,)
     for t in (q, k_cache, v_cache):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
+    assert block_table.stride(1) == 1
+    assert seq_lens.is_contiguous()

@@ -34,6 +34,12 @@ class ExtendConfig:
     num_warps: int = 8
     num_stages: int = 2
 
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+
 
 def default_extend_config(head_dim: int) -> ExtendConfig:
     if head_dim > 128:
@@ -192,3 +198,5 @@ def _check_extend_args(
     assert extend_lens.shape == (batch,) and cu_extend.shape == (batch + 1,)
     for t in (q, k_cache, v_cache):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
+    assert block_table.stride(1) == 1
+    assert all(t.is_contiguous() for t in (seq_lens, extend_lens, cu_extend))

@@ -234,6 +234,13 @@ def test_rejects_unsupported_head_dim() -> None:
         decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 1, 1.0)
 
 
+def test_rejects_tiles_tl_dot_cannot_use() -> None:
+    with pytest.raises(ValueError, match="block_n"):
+        DecodeConfig(block_n=8)
+    with pytest.raises(ValueError, match="block_m"):
+        ExtendConfig(block_m=48)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_larger(dtype: torch.dtype) -> None:
