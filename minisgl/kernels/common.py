@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-# Programs assumed per SM when sizing grids on a device that is not CUDA (the interpreter).
+# SM count assumed when sizing grids off CUDA (the interpreter): an H100/H200's.
 _NOMINAL_NUM_SMS = 132
 
 
