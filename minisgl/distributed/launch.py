@@ -97,10 +97,10 @@ def run_worker(rank: int, dist_init_addr: str, parent_pid: int) -> None:
     """Entry point of tensor-parallel rank `rank` >= 1, in a process of its own."""
     store = connect_store(dist_init_addr)
     try:
-        config = fetch_config(store)  # rank 0's: every rank must build the same engine
-        _setup_worker(rank, config, parent_pid)
+        # Rank 0's config: every rank must build the same engine.
+        cfg = rank_config(fetch_config(store), rank)
+        _setup_worker(rank, cfg, parent_pid)
         mark_joined(store, rank)
-        cfg = rank_config(config, rank)
         control = init_groups(cfg, store, rank)
         run_steps(build_scheduler(cfg, rank, control, RequestSync(control, rank)))
     except BaseException as e:
@@ -197,12 +197,15 @@ class TPLaunch:
 
     def build_scheduler(self) -> Scheduler:
         """Rank 0's engine and scheduler, whose requests reach every rank."""
-        self.sync = RequestSync(self.control, 0, self.check_health)
+        sync = RequestSync(self.control, 0, self.check_health)
         try:
-            return build_scheduler(rank_config(self.config, 0), 0, self.control, self.sync)
+            scheduler = build_scheduler(rank_config(self.config, 0), 0, self.control, sync)
         except RuntimeError as e:  # a rank failed while loading: say which, and why
             self.check_health()
             raise RankFailedError(f"a tensor-parallel rank failed while loading: {e}") from e
+        # Only now can `close` ask the ranks to stop: before, they may still be loading.
+        self.sync = sync
+        return scheduler
 
     def check_health(self) -> None:
         """Raise RankFailedError if a rank of this node has exited."""

@@ -96,7 +96,8 @@ class RequestSync:
         if self.rank == 0:
             self._broadcast()
             return
-        ops = msgpack.unpackb(self._broadcast(), use_list=True)
+        data = self._broadcast()
+        ops = msgpack.unpackb(data) if data else []
         self._replaying = True
         try:
             for op in ops:
@@ -117,7 +118,8 @@ class RequestSync:
             raise AssertionError(f"unknown sync operation {kind!r}")
 
     def _broadcast(self) -> bytes:
-        """Rank 0's recorded operations, packed, on every rank; a length, then the bytes."""
+        """Rank 0's recorded operations, packed, on every rank (b"" for none); a length, then
+        the bytes."""
         if self._failure is not None:
             raise RankFailedError(self._failure)
         try:
@@ -154,7 +156,7 @@ class RequestSync:
         dist.broadcast(size, src=0, group=self.group)
         n = int(size.item())
         if n == 0:
-            return msgpack.packb([])
+            return b""
         if self.rank == 0:
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         else:

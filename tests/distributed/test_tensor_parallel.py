@@ -84,6 +84,7 @@ def test_tp_matches_tp1(
     reference: dict[str, list[dict]],
 ) -> None:
     assert_same_outputs(reference[arch], generate(models[arch], prompts, tp_size=tp))
+    assert rank_processes() == []  # closing the LLM stopped its ranks
 
 
 def test_dummy_weights_same_at_tp2(models: dict[str, Path], prompts: list[list[int]]) -> None:
@@ -120,6 +121,7 @@ def test_dead_rank_raises(models: dict[str, Path], prompts: list[list[int]]) -> 
     with LLM(str(models["llama3"]), tp_size=2, **OPTS) as llm:
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         worker = llm._tp.procs[1]  # type: ignore[union-attr]
+        assert rank_processes() == [worker.pid]
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
         start = time.monotonic()
@@ -128,6 +130,7 @@ def test_dead_rank_raises(models: dict[str, Path], prompts: list[list[int]]) -> 
         assert time.monotonic() - start < 5
         with pytest.raises(RankFailedError):  # and it stays broken, without hanging
             llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert rank_processes() == []
 
 
 def drive(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
@@ -177,3 +180,25 @@ def test_bad_distributed_options(options: dict[str, Any], message: str) -> None:
 def test_rank0_must_run_on_node0(models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="node_rank: rank 0 runs on node 0"):
         LLM(str(models["llama3"]), tp_size=2, nnodes=2, node_rank=1, dist_init_addr="h:1")
+
+
+def rank_processes() -> list[int]:
+    """Live tensor-parallel ranks started by this process."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # not a process, or it just went
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"--rank" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_heads_that_do_not_divide(models: dict[str, Path]) -> None:
+    """Every rank refuses the model; rank 0 says why and leaves no process behind."""
+    with pytest.raises(ValueError, match="4 attention heads do not divide by tp size 3"):
+        LLM(str(models["llama3"]), tp_size=3, **OPTS)
+    assert rank_processes() == []
