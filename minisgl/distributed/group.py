@@ -51,7 +51,8 @@ def store_address(store: dist.Store) -> str:
 
 
 def publish_config(store: dist.Store, config: EngineConfig) -> None:
-    """Rank 0's config, for the ranks on other nodes: every rank must build the same engine."""
+    """Rank 0's config for the other ranks, which start from its address alone and must all
+    build the same engine."""
     store.set("minisgl/config", json.dumps(asdict(config)))
 
 

@@ -286,7 +286,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.flush()
         os._exit(0)
     logging.basicConfig(level=logging.INFO)
-    raise SystemExit(run_node(args.dist_init_addr, args.node_rank, args.nnodes))
+    try:
+        code = run_node(args.dist_init_addr, args.node_rank, args.nnodes)
+    except ValueError as e:  # a flag that does not fit rank 0's engine
+        parser.error(str(e))
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
