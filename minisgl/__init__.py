@@ -1,6 +1,11 @@
 """minisgl: a compact, high-performance LLM inference and serving engine."""
 
+from typing import TYPE_CHECKING
+
 from minisgl.core import SamplingParams
+
+if TYPE_CHECKING:
+    from minisgl.llm import LLM
 
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"

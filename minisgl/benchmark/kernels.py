@@ -74,11 +74,10 @@ def _l2_bytes() -> int:
 
 
 def measure_copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read + bytes written."""
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
-    dst = torch.empty_like(src)
-    seconds = timer(lambda _: dst.copy_(src), 1)
-    return 2 * nbytes / seconds
+    """Bytes/s of a large device-to-device copy (SM-driven; see `bandwidth.py`)."""
+    from minisgl.benchmark.bandwidth import measure_copy_bandwidth as measure
+
+    return measure(nbytes)
 
 
 def measure_matmul_rate(timer: Timer, n: int = 8192) -> float:

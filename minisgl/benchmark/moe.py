@@ -99,10 +99,10 @@ def time_eager(fn: Callable[[], object], repeats: int = 3) -> float:
 
 
 def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read + bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / time_graph(lambda: dst.copy_(src))
+    """Bytes/s of a large device-to-device copy (SM-driven; see `bandwidth.py`)."""
+    from minisgl.benchmark.bandwidth import measure_copy_bandwidth as measure
+
+    return measure(nbytes)
 
 
 # ---- 2. kernels ----------------------------------------------------------------------------------

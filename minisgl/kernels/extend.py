@@ -29,10 +29,11 @@ from minisgl.kernels.common import (
 class ExtendConfig:
     """Tuning knobs of `extend_attention` (sweep them on the target GPU)."""
 
+    # Best of the H200 sweep (docs/benchmarks.md, W3): 0.43 of the bf16 matmul rate at 1 x 8192.
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
