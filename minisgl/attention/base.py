@@ -46,7 +46,13 @@ class AttentionBackend(ABC):
     `prepare` runs once per step before the model; `forward` once per layer. A backend never
     changes scheduler state (the request table and the pool are written only at the new tokens'
     KV slots).
+
+    A backend that sets `supports_cuda_graph` promises that `prepare` and `forward` of a decode
+    step never sync with the host and read only device tensors and the host-side upper bounds in
+    `AttentionInputs`, so the engine may capture a decode step and replay it with new lengths.
     """
+
+    supports_cuda_graph: bool = False
 
     def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
         self.pool = pool

@@ -2,22 +2,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl.attention import AttentionInputs, make_backend
 from minisgl.config import EngineConfig, ModelConfig, resolve_engine_config
-from minisgl.core import Batch
-from minisgl.engine.memory import plan_num_pages
-from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample
+from minisgl.core import Batch, Req
+from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
+from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample, to_device
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
 from minisgl.models import build_model
 from minisgl.weights import init_dummy_weights, load_model_config, load_weights, resolve_source
 
+if TYPE_CHECKING:
+    from minisgl.engine.cuda_graph import CudaGraphRunner
+
 logger = logging.getLogger(__name__)
+
+# Environment switches (for benchmarks and bisecting): "1" turns the feature off.
+ENV_DISABLE_OVERLAP = "MINISGL_DISABLE_OVERLAP"
+ENV_DISABLE_CUDA_GRAPH = "MINISGL_DISABLE_CUDA_GRAPH"
 
 
 @dataclass
@@ -37,6 +46,15 @@ class ForwardOutput:
             self.ready.synchronize()
 
 
+@dataclass
+class StepRows:
+    """Where the sampled rows of a step live: their hidden states and request-table cells."""
+
+    hidden: torch.Tensor  # [S, hidden] final hidden state of each sampling row's last token
+    req_slots: torch.Tensor  # [S] int64
+    seq_lens: torch.Tensor  # [S] int64, the sampled token's position in the token table
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -47,135 +65,209 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
+    """`MINISGL_DISABLE_OVERLAP=1` / `MINISGL_DISABLE_CUDA_GRAPH=1` turn those features off."""
+    if os.environ.get(ENV_DISABLE_OVERLAP) == "1":
+        cfg = replace(cfg, overlap=False)
+    if os.environ.get(ENV_DISABLE_CUDA_GRAPH) == "1":
+        cfg = replace(cfg, cuda_graph_max_bs=0)
+    return cfg
+
+
 class Engine:
     """Owns the model, the KV pool and the request table; runs one batch per call.
 
     The scheduler builds a `Batch`, calls `forward_batch`, and reads back `ForwardOutput`.
+    Every device operation of a step (input gathers, the model, sampling, the token-table write)
+    and every host-to-device table write goes to one CUDA stream, in the order the host issues
+    them. So the host may free a page or a request slot while a step that uses it still runs:
+    whatever reuses it is enqueued later and runs after that step.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         src = resolve_source(config.model)
         self.model_config: ModelConfig = load_model_config(src)
-        self.config = resolve_engine_config(config, self.model_config.dtype)
+        self.config = apply_env_switches(resolve_engine_config(config, self.model_config.dtype))
         cfg, mcfg = self.config, self.model_config
         self.device = cfg.torch_device
         self.dtype = cfg.torch_dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(cfg.seed)
+        self._build_model(src)
+        self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
+        self._build_kv()
+        self.graphs = self._capture_graphs()
+
+    def _build_model(self, src: object) -> None:
+        cfg = self.config
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = build_model(mcfg)
+            self.model = build_model(self.model_config)
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
         else:
-            load_weights(self.model, src, mcfg)
+            load_weights(self.model, src, self.model_config)  # type: ignore[arg-type]
         self.model.eval()
-        self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
+
+    def _build_kv(self) -> None:
+        cfg, mcfg = self.config, self.model_config
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
         num_kv_heads, num_q_heads = attn.num_kv_heads, attn.num_heads
         self.table = ReqTable(
             cfg.max_running_requests, self.max_context, cfg.page_size, self.device
         )
-        self.num_pages = cfg.num_pages or plan_num_pages(cfg, mcfg, num_kv_heads, self.max_context)
+        reserve = graph_reserve_bytes(cfg, mcfg, self.max_context) if self._wants_graphs() else 0
+        self.num_pages = cfg.num_pages or plan_num_pages(
+            cfg, mcfg, num_kv_heads, self.max_context, reserve
+        )
+        # One page more than the scheduler hands out: padding rows of a CUDA-graph batch write
+        # their K/V there, never into a request's page.
         self.pool = KVPool(
             mcfg.num_layers,
-            self.num_pages,
+            self.num_pages + 1,
             cfg.page_size,
             num_kv_heads,
             mcfg.head_dim,
             self.dtype,
             self.device,
         )
+        self.dummy_loc = self.num_pages * cfg.page_size
         self.backend = make_backend(
             cfg.attention_backend, self.pool, self.table, num_q_heads, mcfg.head_dim**-0.5
         )
         logger.info("KV pool: %d pages of %d tokens", self.num_pages, cfg.page_size)
 
+    def _wants_graphs(self) -> bool:
+        """Decode CUDA graphs: on CUDA, unless disabled, with a backend that can be captured."""
+        cfg = self.config
+        on_cuda = self.device.type == "cuda"
+        return cfg.cuda_graph_max_bs > 0 and on_cuda and cfg.attention_backend == "triton"
+
+    def _capture_graphs(self) -> CudaGraphRunner | None:
+        if not (self._wants_graphs() and self.backend.supports_cuda_graph):
+            return None
+        from minisgl.engine.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner(self)
+
     @property
     def page_size(self) -> int:
         return self.config.page_size
 
+    # ---- one step ----------------------------------------------------------------------------
+
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> ForwardOutput:
-        inputs = self._attention_inputs(batch)
-        positions = self._positions(batch)
+        rows: StepRows | None
+        if self.graphs is not None and self.graphs.can_run(batch):
+            rows = self.graphs.run(batch)
+        else:
+            rows = self._run_eager(batch)
+        return self._sample(batch, rows)
+
+    def _run_eager(self, batch: Batch) -> StepRows | None:
+        inputs, positions = self._step_inputs(batch)
         slot_of_token = torch.repeat_interleave(
             inputs.req_slots, inputs.extend_lens.long(), output_size=batch.num_tokens
         )
         input_ids = self.table.token_table[slot_of_token, positions]  # [T]
-        ps = self.page_size
-        pages = self.table.page_table[slot_of_token, positions // ps].long()
-        inputs.out_loc = pages * ps + positions % ps  # [T]
+        inputs.out_loc = self.token_locations(slot_of_token, positions)
         ctx = ForwardContext(self.backend, self.backend.prepare(inputs))
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        return self._sample(batch, inputs, hidden)
-
-    def _attention_inputs(self, batch: Batch) -> AttentionInputs:
-        dev = self.device
-        seq_lens = batch.seq_lens
-        ext = batch.extend_lens
-        cu = [0]
-        for e in ext:
-            cu.append(cu[-1] + e)
-
-        def t(vals: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(vals, dtype=dtype).to(dev, non_blocking=True)
-
-        slots = [r.slot for r in batch.reqs]
-        assert all(s is not None for s in slots)
-        return AttentionInputs(
-            req_slots=t(slots, torch.int64),  # type: ignore[arg-type]
-            seq_lens=t(seq_lens, torch.int32),
-            prefix_lens=t(batch.prefix_lens, torch.int32),
-            extend_lens=t(ext, torch.int32),
-            cu_extend=t(cu, torch.int32),
-            out_loc=torch.empty(0, dtype=torch.int64, device=dev),
-            is_decode=all(e == 1 for e in ext),
-            seq_lens_host=seq_lens,
-            extend_lens_host=list(ext),
-        )
-
-    def _positions(self, batch: Batch) -> torch.Tensor:
-        if all(e == 1 for e in batch.extend_lens):
-            pos = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-        else:
-            pos = torch.cat(
-                [torch.arange(p, p + e) for p, e in zip(batch.prefix_lens, batch.extend_lens)]
-            )
-        return pos.to(self.device, non_blocking=True)
-
-    def _sample(self, batch: Batch, inputs: AttentionInputs, hidden: torch.Tensor) -> ForwardOutput:
         rows = [i for i, s in enumerate(batch.sample) if s]
         if not rows:
-            empty = torch.empty(0, dtype=torch.int64)
-            return ForwardOutput(rows, empty.to(self.device), empty, None, None, None, None)
+            return None
         last = inputs.cu_extend[1:].long() - 1  # [B] row of each request's last new token
-        row_idx = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[last[row_idx]])  # type: ignore[operator]
-        reqs = [batch.reqs[i] for i in rows]
+        seq_lens = inputs.seq_lens.long()
+        if len(rows) < batch.size:
+            idx = to_device(rows, torch.int64, self.device)
+            last, slots, seq_lens = last[idx], inputs.req_slots[idx], seq_lens[idx]
+        else:
+            slots = inputs.req_slots
+        return StepRows(hidden[last], slots, seq_lens)
+
+    def token_locations(self, req_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T] request slots, [T] positions -> [T] int64 KV slots (through the page table)."""
+        ps = self.page_size
+        pages = self.table.page_table[req_slots, positions // ps].long()
+        return pages * ps + positions % ps
+
+    def _step_inputs(self, batch: Batch) -> tuple[AttentionInputs, torch.Tensor]:
+        """Attention inputs (without `out_loc`) and [T] int64 positions, in one host-to-device
+        copy of every per-request number of the step."""
+        b, t = batch.size, batch.num_tokens
+        cu = [0]
+        for e in batch.extend_lens:
+            cu.append(cu[-1] + e)
+        slots = [r.slot for r in batch.reqs]
+        assert all(s is not None for s in slots)
+        positions: list[int] = []
+        if t == b:
+            positions = batch.prefix_lens
+        else:
+            for p, e in zip(batch.prefix_lens, batch.extend_lens):
+                positions.extend(range(p, p + e))
+        host = slots + batch.seq_lens + batch.prefix_lens + batch.extend_lens + cu + positions
+        packed = to_device(host, torch.int64, self.device)  # type: ignore[arg-type]
+        req_slots, seq_lens, prefix, ext, cu_t, pos = packed.split([b, b, b, b, b + 1, t])
+        inputs = AttentionInputs(
+            req_slots=req_slots,
+            seq_lens=seq_lens.int(),
+            prefix_lens=prefix.int(),
+            extend_lens=ext.int(),
+            cu_extend=cu_t.int(),
+            out_loc=torch.empty(0, dtype=torch.int64, device=self.device),
+            is_decode=t == b,
+            seq_lens_host=batch.seq_lens,
+            extend_lens_host=list(batch.extend_lens),
+        )
+        return inputs, pos
+
+    def _attention_inputs(self, batch: Batch) -> AttentionInputs:
+        return self._step_inputs(batch)[0]
+
+    def _positions(self, batch: Batch) -> torch.Tensor:
+        return self._step_inputs(batch)[1]
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def _sample(self, batch: Batch, rows: StepRows | None) -> ForwardOutput:
+        sample_rows = [i for i, s in enumerate(batch.sample) if s]
+        if rows is None or not sample_rows:
+            empty = torch.empty(0, dtype=torch.int64)
+            return ForwardOutput([], empty.to(self.device), empty, None, None, None, None)
+        logits = self.model.compute_logits(rows.hidden)  # type: ignore[operator]  # [S, V] fp32
+        reqs = [batch.reqs[i] for i in sample_rows]
         sin = SamplingInputs.build(reqs, self.model_config.vocab_size, self.device)
         if any(r.params.has_penalties for r in reqs):
-            sin.penalties = self._penalties(reqs)
+            sin.penalties = self._penalties(reqs, rows)
         out = sample(logits, sin)
         # The sampled token becomes the input of the request's next step.
-        seq_lens = inputs.seq_lens[row_idx].long()
-        self.table.token_table[inputs.req_slots[row_idx], seq_lens] = out.tokens.int()
-        return self._to_host(rows, out)
+        self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()
+        return self._to_host(sample_rows, out)
 
-    def _penalties(self, reqs: list) -> PenaltyInputs:
-        def pad(rows: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(r) for r in rows))
-            t = torch.full((len(rows), width), -1, dtype=torch.int64)
-            for i, r in enumerate(rows):
-                t[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-            return t.to(self.device, non_blocking=True)
+    def _penalties(self, reqs: list[Req], rows: StepRows) -> PenaltyInputs:
+        """Prompt and earlier output tokens, read from the token table on the device: with
+        overlap scheduling the host does not know the previous step's token yet."""
+        prompt_lens = [r.prompt_len for r in reqs]
+        num_out = [r.num_sampled - 1 for r in reqs]  # outputs before the one being sampled
+        plen = to_device(prompt_lens, torch.int64, self.device)
+
+        def gather(start: torch.Tensor, lens: list[int]) -> torch.Tensor:
+            width = max(1, max(lens))
+            cols = start.unsqueeze(1) + torch.arange(width, device=self.device)  # [S, W]
+            n = to_device(lens, torch.int64, self.device).unsqueeze(1)
+            valid = cols < start.unsqueeze(1) + n
+            cols = cols.clamp(max=self.table.token_table.shape[1] - 1)
+            ids = self.table.token_table[rows.req_slots.unsqueeze(1), cols].long()
+            return torch.where(valid, ids, -1)
 
         def f(vals: list[float]) -> torch.Tensor:
-            return torch.tensor(vals, dtype=torch.float32).to(self.device, non_blocking=True)
+            return to_device(vals, torch.float32, self.device)
 
         return PenaltyInputs(
-            prompt_tokens=pad([r.prompt_ids for r in reqs]),
-            output_tokens=pad([r.output_ids for r in reqs]),
+            prompt_tokens=gather(torch.zeros_like(plen), prompt_lens),
+            output_tokens=gather(plen, num_out),
             presence=f([r.params.presence_penalty for r in reqs]),
             frequency=f([r.params.frequency_penalty for r in reqs]),
             repetition=f([r.params.repetition_penalty for r in reqs]),

@@ -27,13 +27,39 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def host_row_key(seed: int, step: int) -> int:
+    """The per-row key of `hashed_uniform`, computed on the host (the same bits as the device
+    code, which works on int64 that never overflow before masking)."""
+
+    def fmix(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & _M32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & _M32
+        return h ^ (h >> 16)
+
+    key = fmix((seed & _M32) ^ fmix(((seed >> 32) & _M32) + 0x9E3779B9))
+    return fmix(key ^ ((step * 0x27D4EB2F) & _M32))
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] seeds, [B] steps -> [B] int64 keys in [0, 2^32)."""
+    key = _fmix32((seeds & _M32) ^ _fmix32(((seeds >> 32) & _M32) + 0x9E3779B9))
+    return _fmix32(key ^ ((steps * 0x27D4EB2F) & _M32))
+
+
+def uniform_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] keys -> [B, vocab] uniforms in (0, 1)."""
+    idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    h = _fmix32((keys.unsqueeze(1) + idx.unsqueeze(0) * 0x165667B1) & _M32)  # [B, V]
+    # 23 bits, so that the largest value stays below 1.0 in fp32 (24 bits would round the top
+    # one up to 1.0, and -log(1) = 0 would make that token win the race whatever its weight).
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B] seeds, [B] steps -> [B, vocab] uniforms in (0, 1), a pure function of its inputs."""
-    key = _fmix32((seeds & _M32) ^ _fmix32(((seeds >> 32) & _M32) + 0x9E3779B9))
-    key = _fmix32(key ^ ((steps * 0x27D4EB2F) & _M32))  # [B]
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _fmix32((key.unsqueeze(1) + idx.unsqueeze(0) * 0x165667B1) & _M32)  # [B, V]
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return uniform_from_keys(row_keys(seeds, steps), vocab)
 
 
 @dataclass
@@ -52,28 +78,43 @@ class SamplingInputs:
     top_logprobs: int  # largest top_logprobs asked for; 0 = none
     want_logprobs: bool
     penalties: PenaltyInputs | None = None
+    keys: torch.Tensor | None = None  # [B] int64 `row_keys(seeds, steps)`, mixed on the host
 
     @staticmethod
     def build(reqs: list[Req], vocab: int, device: torch.device) -> SamplingInputs:
         ps = [r.params for r in reqs]
         greedy = [p.greedy for p in ps]
-
-        def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
-
+        temps = [0.0 if g else p.temperature for p, g in zip(ps, greedy)]
+        seeds = [r.seed for r in reqs]
+        steps = [r.num_sampled for r in reqs]
+        keys = [host_row_key(s, t) for s, t in zip(seeds, steps)]
+        n = len(reqs)
+        # Two host-to-device copies per step: one of floats, one of integers.
+        floats = to_device(
+            temps + [p.top_p for p in ps] + [p.min_p for p in ps], torch.float32, device
+        )
+        top_k = [vocab if p.top_k < 1 else p.top_k for p in ps]
+        ints = to_device(top_k + seeds + steps + keys, torch.int64, device)
         return SamplingInputs(
-            temperature=t([0.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32),
-            top_k=t([vocab if p.top_k < 1 else p.top_k for p in ps], torch.int64),
-            top_p=t([p.top_p for p in ps], torch.float32),
-            min_p=t([p.min_p for p in ps], torch.float32),
-            seeds=t([r.seed for r in reqs], torch.int64),
-            steps=t([r.num_sampled for r in reqs], torch.int64),
+            temperature=floats[:n],
+            top_k=ints[:n],
+            top_p=floats[n : 2 * n],
+            min_p=floats[2 * n :],
+            seeds=ints[n : 2 * n],
+            steps=ints[2 * n : 3 * n],
             all_greedy=all(greedy),
             needs_sort=any(not g and (p.top_k > 1 or p.top_p < 1.0) for p, g in zip(ps, greedy)),
             needs_min_p=any(not g and p.min_p > 0 for p, g in zip(ps, greedy)),
             top_logprobs=max(p.top_logprobs for p in ps),
             want_logprobs=any(p.logprobs for p in ps),
+            keys=ints[3 * n :],
         )
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a host sync (through pinned memory on CUDA)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 @dataclass
@@ -118,10 +159,15 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     raw = logits
     if inp.penalties is not None:
         logits = apply_penalties(logits, inp.penalties)
-    greedy_tokens = logits.argmax(dim=-1)
     if inp.all_greedy:
-        tokens = greedy_tokens
+        tokens = logits.argmax(dim=-1)
+    elif _use_fused(logits, inp):
+        from minisgl.engine.sample_kernel import gumbel_argmax
+
+        assert inp.keys is not None
+        tokens = gumbel_argmax(logits, inp.temperature, inp.keys)
     else:
+        greedy_tokens = logits.argmax(dim=-1)
         temp = inp.temperature.clamp(min=1e-5).unsqueeze(1)
         probs = torch.softmax(logits / temp, dim=-1)
         if inp.needs_sort:
@@ -140,6 +186,11 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     if inp.top_logprobs:
         top_lp, top_ids = logp.topk(inp.top_logprobs, dim=-1)
     return SampleOutput(tokens, chosen, top_ids, top_lp)
+
+
+def _use_fused(logits: torch.Tensor, inp: SamplingInputs) -> bool:
+    """Plain temperature sampling on CUDA runs as one Triton pass (`sample_kernel`)."""
+    return logits.is_cuda and inp.keys is not None and not (inp.needs_sort or inp.needs_min_p)
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

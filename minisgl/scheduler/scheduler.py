@@ -38,9 +38,16 @@ class Scheduler:
     """
 
     def __init__(
-        self, engine: Engine, eos_ids: tuple[int, ...] = (), sync: RequestSync | None = None
+        self,
+        engine: Engine,
+        eos_ids: tuple[int, ...] = (),
+        sync: RequestSync | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self.engine = engine
+        # Overlap scheduling (on by default on CUDA); `overlap=True` forces it anywhere (tests).
+        self.overlap = engine.config.overlap if overlap is None else overlap
+        self._in_flight: tuple[Batch, ForwardOutput] | None = None
         # Tensor parallelism: rank 0's requests and aborts replayed on every rank each step.
         self.sync = sync
         self.config: EngineConfig = engine.config
@@ -112,26 +119,45 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     # ---- one step --------------------------------------------------------------------------
 
     def step(self) -> list[StepEvent]:
-        """Schedule, run and process one batch (the plain, non-overlapped loop)."""
+        """Run one step: `run_overlapped` when overlap scheduling is on, else `run_normal`."""
         if self.sync is not None:  # take in what rank 0 received (tensor parallelism)
             self.sync.exchange(self)
+        return self.run_overlapped() if self.overlap else self.run_normal()
+
+    def run_normal(self) -> list[StepEvent]:
+        """Schedule, run and process one batch; the step's tokens come back in this call."""
         batch = self.schedule()
         if batch is None:
             return []
         return self.process(batch, self.engine.forward_batch(batch))
 
+    def run_overlapped(self) -> list[StepEvent]:
+        """Launch the next batch, then process the previous one while the device runs it.
+
+        The new batch is scheduled before the previous step's tokens are known: its input ids
+        come from the device token table, and a request that the previous step finishes (EOS)
+        has at most one extra step in flight, whose token is dropped. Pages and slots freed
+        here may still be written by the launched step; anything that reuses them runs after
+        it on the same stream (see `Engine`).
+        """
+        batch = self.schedule()
+        launched = None if batch is None else (batch, self.engine.forward_batch(batch))
+        prev, self._in_flight = self._in_flight, launched
+        return [] if prev is None else self.process(*prev)
+
     def schedule(self) -> Batch | None:
-        decode = [r for r in self.running if r.num_computed == r.seq_len - 1]
+        decode = [r for r in self.running if self._ready_to_decode(r)]
         decode = self._make_room_for_decode(decode)
         prefill = self._prefill_chunks(self.kv.available_pages - self._pages_needed(decode))
-        if not decode and not prefill and self.running:
+        stuck = [r for r in self.running if self._needs_step(r)]
+        if not decode and not prefill and stuck:
             # Partial prefills stuck without pages: free the newest one's and try again.
-            self._retract(max(self.running, key=lambda r: r.arrival))
+            self._retract(max(stuck, key=lambda r: r.arrival))
             return self.schedule()
         reqs = decode + [r for r, _ in prefill]
         if not reqs:
@@ -141,9 +167,24 @@ class Scheduler:
         sample = [p + e == r.seq_len for r, p, e in zip(reqs, prefix, extend)]
         for r, p, e in zip(reqs, prefix, extend):
             self.kv.grow(r, p + e)
+            # Counted as computed once launched: the next step may be scheduled before this
+            # one's results are processed (overlap), and must start where this one ends.
+            r.num_computed = p + e
+            self.stats["computed_prompt_tokens"] += max(0, min(p + e, r.prompt_len) - p)
         for r, s in zip(reqs, sample):
             r.num_sampled += int(s)
         return Batch(reqs, prefix, extend, sample)
+
+    def _can_sample_more(self, r: Req) -> bool:
+        """False once the launched steps have sampled every token `r` may get."""
+        return r.num_sampled < r.params.max_tokens and r.seq_len < self.max_context
+
+    def _ready_to_decode(self, r: Req) -> bool:
+        return r.num_computed == r.seq_len - 1 and self._can_sample_more(r)
+
+    def _needs_step(self, r: Req) -> bool:
+        """Prefilling or decoding; not a request only waiting for its last token to land."""
+        return r.num_computed < r.seq_len - 1 or self._ready_to_decode(r)
 
     def _pages_needed(self, reqs: list[Req]) -> int:
         """New pages the decode step of `reqs` needs."""
@@ -152,7 +193,7 @@ class Scheduler:
     def _make_room_for_decode(self, decode: list[Req]) -> list[Req]:
         """Retract the newest requests until every decoding request has room for its token."""
         while decode and self._pages_needed(decode) > self.kv.available_pages:
-            victim = max(self.running, key=lambda r: r.arrival)
+            victim = max((r for r in self.running if self._needs_step(r)), key=lambda r: r.arrival)
             self._retract(victim)
             decode = [r for r in decode if r is not victim]
         return decode
@@ -170,6 +211,8 @@ class Scheduler:
                     room -= need
         while self.waiting and budget > 0 and self.kv.table.num_free_slots > 0:
             req = self.waiting[0]
+            if len(req.output_ids) != req.num_sampled:
+                break  # retracted with a token still in flight: its ids are not all known yet
             if not self._can_admit(req):
                 break
             self.waiting.popleft()
@@ -216,21 +259,27 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------
 
     def process(self, batch: Batch, out: ForwardOutput) -> list[StepEvent]:
+        """Turn a step's sampled tokens into request progress (waits for them to land).
+
+        With overlap, requests of `batch` may have finished, been aborted or been retracted
+        since it was launched: a finished one drops its token; a retracted one keeps it (it
+        was sampled from a complete context, and `num_sampled` already counts it).
+        """
         out.wait()
         tokens = out.tokens_host.tolist()
-        for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            if not r.finished:
-                r.num_computed = p + e
-                self.stats["computed_prompt_tokens"] += max(0, min(p + e, r.prompt_len) - p)
-                if e > 1:  # a prefill chunk: share its pages with requests admitted later
-                    self.kv.cache_prefix(r)
         events: list[StepEvent] = []
         for k, row in enumerate(out.sample_rows):
             req = batch.reqs[row]
-            if req.finished:  # aborted while its step ran: the token is dropped
+            if req.finished:  # finished or aborted while its step ran: the token is dropped
                 continue
             self._append_token(req, tokens[k], out, k)
             events.append(StepEvent(req, [tokens[k]], req.finished))
+        # After the tokens: a request's next step (in flight) may already count the KV of the
+        # token just appended, and the cache needs the ids of every page it takes.
+        for r, e in zip(batch.reqs, batch.extend_lens):
+            if e > 1 and r.status is ReqStatus.RUNNING:
+                # A prefill chunk: share its pages with requests admitted later.
+                self.kv.cache_prefix(r)
         return events
 
     def _append_token(self, req: Req, token: int, out: ForwardOutput, k: int) -> None:
@@ -242,9 +291,13 @@ class Scheduler:
             n = req.params.top_logprobs
             ids, lps = out.top_ids_host[k, :n].tolist(), out.top_logprobs_host[k, :n].tolist()
             req.output_top_logprobs.append(list(zip(ids, lps)))
+        # Lengths the host knows: with overlap, `seq_len` already counts tokens in flight.
         if token in req.stop_ids:
             self._finish(req, FinishReason.STOP)
-        elif len(req.output_ids) >= req.params.max_tokens or req.seq_len >= self.max_context:
+        elif (
+            len(req.output_ids) >= req.params.max_tokens
+            or req.prompt_len + len(req.output_ids) >= self.max_context
+        ):
             self._finish(req, FinishReason.LENGTH)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:

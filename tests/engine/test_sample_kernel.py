@@ -1,0 +1,79 @@
+"""The fused Gumbel-max sampling kernel against the torch sampler's noise and math.
+
+Without CUDA the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
+the kernel module is imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
+
+from minisgl.engine.sampler import host_row_key, row_keys, uniform_from_keys  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernel():
+    from minisgl.engine import sample_kernel
+
+    if DEVICE == "cpu" and "Interpreted" not in type(sample_kernel._gumbel_argmax_kernel).__name__:
+        pytest.skip("sample_kernel was imported before TRITON_INTERPRET=1 was set")
+    return sample_kernel
+
+
+def test_host_row_key_matches_the_device_hash():
+    seeds = [0, 1, 5, 2**40 + 3, 2**63 - 1, 123456789012345]
+    steps = [0, 1, 7, 1000, 3, 2**20]
+    got = [host_row_key(s, t) for s, t in zip(seeds, steps)]
+    want = row_keys(torch.tensor(seeds), torch.tensor(steps)).tolist()
+    assert got == want
+    assert all(0 <= k < 2**32 for k in got)
+
+
+def _gumbel_ref(logits: torch.Tensor, temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    u = uniform_from_keys(keys, logits.shape[1])
+    scores = logits.float() / temp.clamp(min=1e-5).unsqueeze(1) - torch.log(-torch.log(u))
+    return torch.where(temp == 0, logits.float().argmax(dim=1), scores.argmax(dim=1))
+
+
+@pytest.mark.parametrize("vocab,block", [(1000, 256), (5000, 4096), (300, 128)])
+def test_kernel_matches_torch_gumbel_max(vocab: int, block: int):
+    sk = _kernel()
+    gen = torch.Generator().manual_seed(vocab)
+    batch = 6
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(DEVICE)
+    temp = torch.tensor([0.6, 1.0, 0.0, 2.0, 0.3, 0.0], device=DEVICE)
+    keys = torch.tensor([host_row_key(7 * i + 1, i) for i in range(batch)], device=DEVICE)
+    got = sk.gumbel_argmax(logits, temp, keys, block=block)
+    assert torch.equal(got.cpu(), _gumbel_ref(logits, temp, keys).cpu())
+    greedy = logits.argmax(dim=1)
+    assert got[2] == greedy[2] and got[5] == greedy[5]
+
+
+def test_kernel_samples_the_softmax_distribution():
+    sk = _kernel()
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n = 4000
+    keys = torch.tensor([host_row_key(i * 7919 + 11, 0) for i in range(n)])
+    temp = torch.full((n,), 0.7)
+    tokens = sk.gumbel_argmax(logits.repeat(n, 1).to(DEVICE), temp.to(DEVICE), keys.to(DEVICE))
+    got = torch.bincount(tokens.cpu(), minlength=8).double() / n
+    expected = torch.softmax(logits.double() / 0.7, dim=0)
+    sigma = torch.sqrt(expected * (1 - expected) / n)
+    assert torch.all((got - expected).abs() <= 5 * sigma + 1e-9), (got, expected)
+
+
+def test_uniforms_stay_strictly_inside_the_unit_interval():
+    # The extreme hash values must not round to 0 or 1 in fp32.
+    keys = torch.tensor([host_row_key(s, 0) for s in range(64)])
+    u = uniform_from_keys(keys, 1 << 16)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    top = ((torch.tensor([(1 << 32) - 1]) >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    assert float(top) < 1.0
