@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.layers.fused import fused_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float) -> None:
@@ -14,6 +16,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the sum is the next residual."""
+        fused = fused_kernels(x)
+        if fused is not None and _fusable(x, residual):
+            return fused.rms_norm(x, self.weight, self.eps, residual)  # type: ignore[no-any-return]
         if residual is not None:
             x = x + residual
         residual = x
@@ -24,3 +29,11 @@ class RMSNorm(nn.Module):
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)[0]
+
+
+def _fusable(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    if x.stride(-1) != 1 or x.dim() not in (2, 3):
+        return False
+    return residual is None or (
+        x.dim() == 2 and residual.shape == x.shape and residual.is_contiguous()
+    )

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from minisgl.config import RopeConfig
+from minisgl.layers.fused import fused_kernels
 
 
 def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -63,8 +64,21 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same dtypes)."""
         table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
+        fused = fused_kernels(q)
+        if fused is not None and _fusable(fused, q, k, table):
+            return fused.rotary(positions, q, k, table)  # type: ignore[no-any-return]
         cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _fusable(fused: object, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> bool:
+    return (
+        fused.rotary_supported(q.shape[-1])  # type: ignore[attr-defined]
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and table.dtype == torch.float32
+        and table.is_contiguous()
+    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

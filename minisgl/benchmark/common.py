@@ -1,0 +1,150 @@
+"""Shared pieces of the engine benchmarks: bandwidth, the roofline floor, tables and the JSON.
+
+The floor (BENCHMARKS.md): a decode step cannot beat (weight bytes + KV bytes read) / memory
+bandwidth. Weights are every parameter once per step with the LM head included and the input
+embedding table excluded (a step reads only its rows) unless it is tied to the LM head; a token
+decoded at context length c reads c tokens of KV.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from minisgl.config import ModelConfig
+
+Row = dict[str, Any]
+
+
+# ---- bandwidth ---------------------------------------------------------------------------------
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes/s (read + written) of a large device-to-device copy on `device`."""
+    if device.type == "cuda":
+        from minisgl.benchmark.bandwidth import measure_copy_bandwidth
+
+        with torch.cuda.device(device):
+            return measure_copy_bandwidth(device=str(device))
+    return _cpu_copy_bandwidth()
+
+
+def _cpu_copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+# ---- the floor ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """What one decode step of a model reads, in bytes."""
+
+    weights: int  # per step: every parameter once, LM head included, untied embedding excluded
+    all_params: int  # every parameter once, embedding included
+    kv_per_token: int  # K and V of one token, all layers
+
+    @staticmethod
+    def of(model: nn.Module, mcfg: ModelConfig, dtype: torch.dtype) -> ModelBytes:
+        weights = everything = 0
+        for name, p in model.named_parameters():  # tied parameters are listed once
+            nbytes = p.numel() * p.element_size()
+            everything += nbytes
+            if "embed_tokens" not in name or mcfg.tie_word_embeddings:
+                weights += nbytes
+        elem = torch.empty((), dtype=dtype).element_size()
+        kv = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * elem
+        return ModelBytes(weights, everything, kv)
+
+
+@dataclass(frozen=True)
+class Floor:
+    weight_bytes: int
+    kv_bytes: int
+    bandwidth: float  # bytes/s
+
+    @property
+    def seconds(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / self.bandwidth
+
+    def as_dict(self) -> Row:
+        return {
+            "floor_weight_bytes": self.weight_bytes,
+            "floor_kv_bytes": self.kv_bytes,
+            "floor_s": self.seconds,
+        }
+
+
+def decode_floor(
+    prompt_lens: Sequence[int], output_lens: Sequence[int], mb: ModelBytes, bandwidth: float
+) -> Floor:
+    """Floor of generating `output_lens[i]` tokens after `prompt_lens[i]`, all requests at once.
+
+    Token j (1-based) of a request is produced at context length prompt + j - 1 and reads that
+    much KV; the steps number max(output_lens), each reading the weights once.
+    """
+    kv_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
+    steps = max(output_lens, default=0)
+    return Floor(steps * mb.weights, kv_tokens * mb.kv_per_token, bandwidth)
+
+
+# ---- output ------------------------------------------------------------------------------------
+
+
+def device_info(device: torch.device) -> Row:
+    info: Row = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.4e}"
+    return str(v)
+
+
+def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None:
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print(f"\n{title}")
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def print_pairs(title: str, pairs: Row) -> None:
+    print(f"\n{title}")
+    width = max(len(k) for k in pairs)
+    for k, v in pairs.items():
+        print(f"  {k.ljust(width)}  {fmt(v)}")
+
+
+def emit_json(result: Row) -> None:
+    """The benchmark's last line: one JSON object with every figure."""
+    print(json.dumps(result, default=str), flush=True)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

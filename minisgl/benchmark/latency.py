@@ -1,0 +1,152 @@
+"""W2, single-stream decode latency (BENCHMARKS.md): `python -m minisgl.benchmark.latency`.
+
+Batch 1, a 128-token prompt, 256 greedy output tokens (`ignore_eos`), dummy weights of the
+Llama-3-8B shape. The scheduler loop runs as the server runs it; a token's time is when it
+reaches the host, and the inter-token latency is the gap between consecutive tokens (255 per
+run), median and p99 over `--runs` runs after a warm-up run. The floor is one read of every
+weight per token at the copy bandwidth measured in the same run: BENCHMARKS.md counts every
+parameter (16.06 GB for this shape); `floor_strict_ms` follows the roofline's letter instead
+(input embedding table not read, KV at the mean context added). Prints a table, then one JSON
+object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl.benchmark.common import (
+    ModelBytes,
+    Row,
+    device_info,
+    emit_json,
+    measure_bandwidth,
+    print_pairs,
+)
+from minisgl.benchmark.offline import TokenIdLLM
+from minisgl.core import Req, SamplingParams
+from minisgl.llm import LLM
+
+DEFAULT_MODEL = Path(__file__).parent / "models" / "llama-3-8b"
+
+
+def run_once(llm: LLM, prompt: list[int], output_len: int, rid: str) -> tuple[float, list[float]]:
+    """(start time, arrival time of every token) of one request alone in the engine."""
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    sched.add_request(Req(rid=rid, prompt_ids=prompt, params=params, seed=0))
+    arrivals: list[float] = []
+    start = time.perf_counter()
+    while sched.has_work:
+        for ev in sched.step():
+            arrivals.extend(time.perf_counter() for _ in ev.new_tokens)
+    assert len(arrivals) == output_len, f"got {len(arrivals)} tokens, expected {output_len}"
+    return start, arrivals
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def make_llm(args: argparse.Namespace) -> LLM:
+    options: dict[str, Any] = dict(
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        max_running_requests=4,
+        max_context_len=args.prompt_len + args.output_len + 64,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        attention_backend=args.attention_backend,
+        show_progress=False,
+    )
+    if args.disable_overlap:
+        options["overlap"] = False
+    return TokenIdLLM(str(args.model), **options)
+
+
+def measure(args: argparse.Namespace, llm: LLM) -> tuple[list[float], list[float]]:
+    """Inter-token gaps of `--runs` runs, and each run's time to first token (seconds)."""
+    vocab = min(10000, llm.engine.model_config.vocab_size)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.runs + 1)]
+    run_once(llm, prompts[0], min(args.output_len, 32), "warm-up")
+    gaps: list[float] = []
+    ttft: list[float] = []
+    for i, prompt in enumerate(prompts[1:]):
+        start, arrivals = run_once(llm, prompt, args.output_len, f"run-{i}")
+        ttft.append(arrivals[0] - start)
+        gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return gaps, ttft
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--page-size", type=int, default=0)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=4)
+    p.add_argument("--disable-overlap", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device if args.device != "auto" else auto)
+    bandwidth = measure_bandwidth(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    llm = make_llm(args)
+    gaps, ttft = measure(args, llm)
+    engine = llm.engine
+    mb = ModelBytes.of(engine.model, engine.model_config, engine.dtype)
+    mean_context = args.prompt_len + args.output_len / 2
+    floor_s = mb.all_params / bandwidth
+    strict_s = (mb.weights + mean_context * mb.kv_per_token) / bandwidth
+    median = statistics.median(gaps)
+    row: Row = {
+        "runs": args.runs,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "median_itl_ms": median * 1e3,
+        "p99_itl_ms": percentile(gaps, 99) * 1e3,
+        "mean_itl_ms": statistics.fmean(gaps) * 1e3,
+        "min_itl_ms": min(gaps) * 1e3,
+        "ttft_ms": statistics.median(ttft) * 1e3,
+        "floor_bytes": mb.all_params,
+        "floor_s": floor_s,
+        "floor_ms": floor_s * 1e3,
+        "fraction_of_floor": floor_s / median,
+        "itl_over_floor": median / floor_s,
+        "floor_strict_ms": strict_s * 1e3,
+        "fraction_of_strict_floor": strict_s / median,
+        "tok_per_s": 1 / median,
+        "page_size": engine.config.page_size,
+        "cuda_graphs": engine.graphs is not None,
+        "overlap": llm.scheduler.overlap,
+    }
+    info = {"workload": "W2", "model": args.model.name, **device_info(device)}
+    print(f"W2 single-stream decode latency: {args.model.name} on {info['device']}, copy "
+          f"bandwidth {bandwidth / 1e12:.3f} TB/s")  # fmt: skip
+    print_pairs("minisgl", row)
+    emit_json({**info, "bandwidth_bytes_per_s": bandwidth, "measured_s": median, **row})
+
+
+if __name__ == "__main__":
+    main()

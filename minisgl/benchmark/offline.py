@@ -1,0 +1,425 @@
+"""W1, offline throughput (BENCHMARKS.md): `python -m minisgl.benchmark.offline`.
+
+256 requests drawn exactly as nano-vllm's bench draws them (`random.seed(0)`; prompt lengths
+and token ids first, then the output lengths), temperature 0.6, `ignore_eos`; dummy weights of
+the Qwen3-0.6B shape by default. After a warm-up, the whole `LLM.generate` call is timed. The
+copy bandwidth is measured in the same run and gives the floor (common.py).
+
+`--engine hf` runs the first `--hf-requests` requests through minisgl and then through Hugging
+Face transformers' continuous batching, in the same process, and prints the ratio of output
+tokens/s (the full W1 takes transformers minutes). `--profile` adds a torch-profiler table of a
+short run. A per-step breakdown (decode steps by batch size against their own floor) shows
+where the time goes. Prints tables, then one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl.benchmark.common import (
+    Floor,
+    ModelBytes,
+    Row,
+    decode_floor,
+    device_info,
+    emit_json,
+    measure_bandwidth,
+    print_pairs,
+    print_table,
+    synchronize,
+)
+from minisgl.core import Batch, SamplingParams
+from minisgl.llm import LLM
+
+DEFAULT_MODEL = Path(__file__).parent / "models" / "qwen3-0.6b"
+W1_INPUT_TOKENS, W1_OUTPUT_TOKENS = 142_827, 133_966
+TEMPERATURE = 0.6
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def head(self, n: int) -> Workload:
+        return Workload(self.prompts[:n], self.max_tokens[:n])
+
+
+def w1_workload(num_requests: int = 256, length_scale: float = 1.0, vocab: int = 10001) -> Workload:
+    """W1; `length_scale` < 1 and a small `vocab` shrink it for smoke tests on tiny models."""
+    rng = random.Random(0)  # the same sequence as `random.seed(0)`
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)
+    ]
+    max_tokens = [rng.randint(100, 1024) for _ in range(num_requests)]
+    if num_requests == 256 and length_scale == 1.0:
+        assert sum(map(len, prompts)) == W1_INPUT_TOKENS, "W1 prompts differ from BENCHMARKS.md"
+        assert sum(max_tokens) == W1_OUTPUT_TOKENS, "W1 output lengths differ from BENCHMARKS.md"
+    if length_scale != 1.0 or vocab <= 10000:
+        prompts = [[t % vocab for t in p[: max(1, int(len(p) * length_scale))]] for p in prompts]
+        max_tokens = [max(1, int(m * length_scale)) for m in max_tokens]
+    return Workload(prompts, max_tokens)
+
+
+class TokenIdLLM(LLM):
+    """Token ids in, token ids out: dummy-weight directories have no tokenizer to look for."""
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return False
+
+
+# ---- minisgl -----------------------------------------------------------------------------------
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = dict(
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        mem_fraction=args.mem_fraction,
+        attention_backend=args.attention_backend,
+        show_progress=False,
+    )
+    if args.cuda_graph_max_bs is not None:
+        options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    if args.disable_overlap:
+        options["overlap"] = False
+    return options
+
+
+def sampling_params(wl: Workload) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True) for m in wl.max_tokens]  # fmt: skip
+
+
+def time_generate(llm: LLM, wl: Workload) -> tuple[float, int]:
+    """(seconds, output tokens) of one `generate` call over the workload."""
+    device = llm.engine.device
+    synchronize(device)
+    start = time.perf_counter()
+    outs = llm.generate(wl.prompts, sampling_params(wl), use_tqdm=False)
+    synchronize(device)
+    return time.perf_counter() - start, sum(len(o["token_ids"]) for o in outs)
+
+
+def warm_up(llm: LLM, wl: Workload) -> None:
+    """Compile the kernels and grow the allocator: long prefills (chunked), a few decodes.
+
+    The prompts have the workload's lengths but other tokens: the prefix cache must not serve
+    the timed run's prompts.
+    """
+    rng = random.Random(12345)
+    vocab = min(10000, llm.engine.model_config.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in p] for p in wl.prompts[:16]]
+    time_generate(llm, Workload(prompts, [min(8, m) for m in wl.max_tokens[:16]]))
+
+
+class StepRecorder:
+    """Wraps `engine.forward_batch` to log each step's shape and launch time; the period
+    between launches is the step time the loop sustains (device- or host-bound)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.original = llm.engine.forward_batch
+        self.steps: list[tuple[float, int, int, int]] = []  # (time, batch, tokens, sum seq_lens)
+
+    def __enter__(self) -> StepRecorder:
+        def record(batch: Batch) -> Any:
+            self.steps.append(
+                (time.perf_counter(), batch.size, batch.num_tokens, sum(batch.seq_lens))
+            )
+            return self.original(batch)
+
+        self.engine.forward_batch = record  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.forward_batch = self.original  # type: ignore[method-assign]
+
+    def breakdown(self, end: float, mb: ModelBytes, bandwidth: float) -> list[Row]:
+        """Steps grouped as mixed (some prefill) or decode by batch size: count, mean period,
+        mean floor of the step's own work (weights + the KV its requests read)."""
+        buckets: dict[str, list[float]] = {}  # name -> [steps, seconds, floor seconds, rows]
+        times = [s[0] for s in self.steps] + [end]
+        for (start, b, t, ctx), stop in zip(self.steps, times[1:]):
+            name = "mixed" if t != b else _bucket(b)
+            acc = buckets.setdefault(name, [0, 0.0, 0.0, 0])
+            acc[0] += 1
+            acc[1] += stop - start
+            acc[2] += (mb.weights + ctx * mb.kv_per_token) / bandwidth
+            acc[3] += b
+        order = ["mixed", *[_bucket(b) for b in (1, 9, 33, 129, 257)]]
+        rows = []
+        for name in order:
+            if name not in buckets:
+                continue
+            n, seconds, floor, batch = buckets[name]
+            rows.append({
+                "kind": name,
+                "steps": int(n),
+                "mean_batch": batch / n,
+                "total_s": seconds,
+                "step_ms": seconds / n * 1e3,
+                "floor_ms": floor / n * 1e3,
+                "fraction_of_floor": floor / seconds if seconds else 0.0,
+            })  # fmt: skip
+        return rows
+
+
+def _bucket(batch: int) -> str:
+    for lo, hi in ((1, 8), (9, 32), (33, 128), (129, 256)):
+        if lo <= batch <= hi:
+            return f"decode {lo}-{hi}"
+    return "decode >256"
+
+
+def run_minisgl(args: argparse.Namespace, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
+    llm = TokenIdLLM(str(args.model), **engine_options(args))
+    warm_up(llm, wl)
+    with StepRecorder(llm) as rec:
+        seconds, tokens = time_generate(llm, wl)
+        end = time.perf_counter()
+    engine = llm.engine
+    mb = ModelBytes.of(engine.model, engine.model_config, engine.dtype)
+    floor = decode_floor([len(p) for p in wl.prompts], wl.max_tokens, mb, bandwidth)
+    row = result_row(wl, seconds, tokens, floor)
+    row["config"] = {
+        k: getattr(engine.config, k)
+        for k in ("page_size", "cuda_graph_max_bs", "overlap", "attention_backend", "dtype")
+    }
+    row["num_pages"] = engine.num_pages
+    row["steps"] = rec.breakdown(end, mb, bandwidth)
+    return row, llm
+
+
+def result_row(wl: Workload, seconds: float, tokens: int, floor: Floor) -> Row:
+    return {
+        "requests": len(wl.prompts),
+        "input_tokens": wl.input_tokens,
+        "output_tokens": tokens,
+        "measured_s": seconds,
+        "output_tok_per_s": tokens / seconds,
+        **floor.as_dict(),
+        "floor_tok_per_s": tokens / floor.seconds if floor.seconds else 0.0,
+        "fraction_of_floor": floor.seconds / seconds,
+    }
+
+
+def profile(llm: LLM, wl: Workload) -> None:
+    """Top kernels of a short run (64 requests x 64 tokens) under torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    short = Workload(wl.prompts[:64], [min(64, m) for m in wl.max_tokens[:64]])
+    activities = [ProfilerActivity.CPU]
+    if llm.engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        seconds, tokens = time_generate(llm, short)
+    print(f"\nprofile: {tokens} tokens in {seconds:.3f} s (profiler overhead included)")
+    for key in ("device_time_total", "cuda_time_total", "cpu_time_total"):
+        try:
+            print(prof.key_averages().table(sort_by=key, row_limit=25))
+            return
+        except (AttributeError, KeyError, ValueError, RuntimeError):
+            continue
+
+
+# ---- transformers ------------------------------------------------------------------------------
+
+
+def run_hf(args: argparse.Namespace, wl: Workload) -> Row:
+    """The same requests through transformers' continuous batching (sdpa), dummy weights."""
+    try:
+        import transformers
+    except ImportError as e:
+        return {"hf_error": f"transformers missing: {e}"}
+    row: Row = {"hf_transformers": transformers.__version__, "hf_requests": len(wl.prompts)}
+    try:
+        model = _hf_model(args)
+        row.update(_hf_manager_run(model, wl, args.hf_timeout))
+    except Exception as e:  # transformers' API moves between versions: report, do not crash
+        row["hf_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def _hf_model(args: argparse.Namespace) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(args.model))
+    device = torch.device(args.device if args.device != "auto" else _auto_device())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        try:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation="sdpa"
+            )
+        except TypeError:
+            model = AutoModelForCausalLM.from_config(
+                config, torch_dtype=dtype, attn_implementation="sdpa"
+            )
+    return model.eval()
+
+
+def _hf_generation_config(max_new_tokens: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def _hf_manager_run(model: Any, wl: Workload, timeout_s: float) -> Row:
+    """Per-request max_new_tokens through the continuous-batching manager, timed from the
+    first request added to the last result, after a two-request warm-up."""
+    gen = _hf_generation_config(max(wl.max_tokens))
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        _hf_collect(manager, [p[:64] for p in wl.prompts[:2]], [4, 4], "warm", 300.0)
+        start = time.perf_counter()
+        tokens, done = _hf_collect(manager, wl.prompts, wl.max_tokens, "req", timeout_s)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+    return {
+        "hf_api": "init_continuous_batching",
+        "hf_output_tokens": tokens,
+        "hf_finished_requests": done,
+        "hf_complete": done == len(wl.prompts),
+        "hf_seconds": seconds,
+        "hf_output_tok_per_s": tokens / seconds if seconds else 0.0,
+    }
+
+
+def _hf_collect(
+    manager: Any,
+    prompts: Sequence[list[int]],
+    max_tokens: Sequence[int],
+    tag: str,
+    timeout_s: float,
+) -> tuple[int, int]:
+    """Add the requests, wait for their results; (output tokens, finished requests)."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p, m in zip(ids, prompts, max_tokens):
+        manager.add_request(list(p), request_id=rid, max_new_tokens=m)
+    pending, tokens = set(ids), 0
+    deadline = time.perf_counter() + timeout_s
+    while pending and time.perf_counter() < deadline:
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if hasattr(manager, "is_running") and not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped")
+            continue
+        finished = result.is_finished() if hasattr(result, "is_finished") else True
+        if finished and result.request_id in pending:
+            pending.discard(result.request_id)
+            tokens += len(result.generated_tokens)
+    return tokens, len(ids) - len(pending)
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def _auto_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def release_memory() -> None:
+    """Give a dropped engine's device memory back (its graphs and caches hold cycles)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
+    p.add_argument("--engine", default="minisgl", choices=["minisgl", "hf"])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--length-scale", type=float, default=1.0, help="shrink lengths (smoke tests)")
+    p.add_argument("--hf-requests", type=int, default=32, help="--engine hf: requests run")
+    p.add_argument("--hf-timeout", type=float, default=150.0, help="seconds for the HF run")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--page-size", type=int, default=0)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--mem-fraction", type=float, default=0.9)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also profile a short run")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device if args.device != "auto" else _auto_device())
+    vocab = _vocab_size(args.model)
+    wl = w1_workload(args.num_requests, args.length_scale, vocab)
+    if args.engine == "hf":
+        wl = wl.head(args.hf_requests)
+    bandwidth = measure_bandwidth(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    info = {"workload": "W1", "model": args.model.name, **device_info(device)}
+    print(f"W1 offline throughput: {args.model.name} on {info['device']}, {len(wl.prompts)} "
+          f"requests, {wl.input_tokens} input / {wl.output_tokens} output tokens; copy "
+          f"bandwidth {bandwidth / 1e12:.3f} TB/s")  # fmt: skip
+    row, llm = run_minisgl(args, wl, bandwidth)
+    if args.profile:
+        profile(llm, wl)
+    steps = row.pop("steps")
+    print_table("minisgl steps (period between launches vs the step's own floor)", steps,
+                ["kind", "steps", "mean_batch", "total_s", "step_ms", "floor_ms",
+                 "fraction_of_floor"])  # fmt: skip
+    result: Row = {**info, "bandwidth_bytes_per_s": bandwidth, **row, "steps": steps}
+    print_pairs("minisgl", {k: v for k, v in row.items() if not isinstance(v, dict)})
+    if args.engine == "hf":
+        llm.close()
+        del llm
+        release_memory()
+        hf = run_hf(args, wl)
+        if hf.get("hf_output_tok_per_s"):
+            hf["minisgl_over_hf"] = row["output_tok_per_s"] / hf["hf_output_tok_per_s"]
+        print_pairs("transformers continuous batching (same requests)", hf)
+        result.update(hf)
+    emit_json(result)
+
+
+def _vocab_size(model: Path) -> int:
+    from minisgl.weights import load_model_config, resolve_source
+
+    return load_model_config(resolve_source(str(model))).vocab_size
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Fused elementwise kernels (RMSNorm + residual, rotary, SiLU-and-mul) against the torch
+layers they replace on CUDA. Without CUDA they run in Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
+
+from minisgl.config import RopeConfig  # noqa: E402
+from minisgl.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 matches to rounding; bf16 within a couple of bf16 ulps (the interpreter rounds bf16
+# casts its own way, and the reduction order differs).
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+TOL_KW = {d: {"atol": a, "rtol": r} for d, (a, r) in TOL.items()}
+
+
+def _fused():
+    from minisgl.kernels import fused
+    from minisgl.kernels.common import is_interpreted
+
+    if DEVICE == "cpu" and not is_interpreted(fused._rms_norm_kernel):
+        pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
+    return fused
+
+
+def _ref_layers(module: torch.nn.Module, fn, *args):
+    """Run the torch reference of a layer (on the CPU, where layers never fuse)."""
+    cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    return fn(module.cpu(), *cpu_args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype):
+    fused = _fused()
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
+    res = torch.randn(7, 96, generator=gen).to(dtype)
+    atol, rtol = TOL[dtype]
+    for residual in (None, res):
+        want_out, want_res = _ref_layers(norm, lambda m, a, r: m(a, r), x, residual)
+        got_out, got_res = fused.rms_norm(
+            x.to(DEVICE), norm.weight.to(DEVICE), 1e-6, None if residual is None else res.to(DEVICE)
+        )
+        torch.testing.assert_close(got_out.cpu(), want_out, atol=atol, rtol=rtol)
+        # The residual sum is one rounding: exact, except that the interpreter truncates bf16.
+        exact = DEVICE == "cuda" or dtype == torch.float32
+        torch.testing.assert_close(
+            got_res.cpu(), want_res, **({"atol": 0, "rtol": 0} if exact else TOL_KW[dtype])
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_of_heads_in_a_fused_projection(dtype):
+    fused = _fused()
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 4 * 32 + 2 * 2 * 32, generator=gen).to(dtype)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)  # strided rows, like the model's q
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(32, generator=gen)).to(dtype)
+    want = norm.norm(q)
+    got = fused.rms_norm(q.to(DEVICE), norm.weight.to(DEVICE), 1e-6)[0]
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_with_strided_positions_and_heads(dtype):
+    fused = _fused()
+    gen = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(64, 256, RopeConfig(theta=10000.0))
+    qkv = torch.randn(6, (4 + 2 + 2) * 64, generator=gen).to(dtype)
+    q = qkv[:, : 4 * 64].view(6, 4, 64)
+    k = qkv[:, 4 * 64 : 6 * 64].view(6, 2, 64)
+    packed = torch.tensor([[3, 17, 0], [0, 200, 1], [1, 5, 2], [2, 255, 3], [9, 0, 4], [4, 64, 5]])
+    positions = packed[:, 1]  # a strided column, like the CUDA-graph inputs
+    want_q, want_k = rope(positions, q, k)
+    table = rope.cos_sin.to(DEVICE)
+    got_q, got_k = fused.rotary(positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got_q.cpu(), want_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got_k.cpu(), want_k, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    from minisgl.layers import silu_and_mul
+
+    fused = _fused()
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(9, 2 * 1500, generator=gen) * 2).to(dtype)
+    want = silu_and_mul(x)
+    got = fused.silu_and_mul(x.to(DEVICE))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol)
