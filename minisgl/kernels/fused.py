@@ -1,5 +1,5 @@
-"""Fused elementwise kernels for the decoder layers: RMSNorm (with the residual add), rotary
-embedding, SiLU-and-multiply. One launch each instead of the 5-10 small torch kernels the
+"""Fused elementwise kernels for the decoder layers: RMSNorm (with the residual add), q/k RMSNorm
+with rotary embedding, SiLU-and-multiply. One launch each instead of the 5-10 small torch kernels the
 reference layers issue; in a decode step at small batch those launches, not bytes, set the
 time. Numerics follow the torch layers (`minisgl.layers`): fp32 math, roundings to the model
 dtype at the same points (the residual sum, the normalised value before the weight, the SiLU
@@ -80,60 +80,110 @@ def rms_norm(
 
 
 @triton.jit
-def _rotary_kernel(
-    x_ptr,  # [T, H, D] view, last dim contiguous
-    out_ptr,  # [T, H, D] contiguous
+def _norm_rope_heads(
+    x_ptr,  # this token's first head, [H, D] with head stride `stride_h`
+    out_ptr,  # this token's first head in the contiguous output
+    w_ptr,  # [D] RMSNorm weight (HAS_NORM)
+    stride_h,
+    num_heads,
+    cos,  # [1, HALF] fp32
+    sin,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < num_heads)[:, None]
+    src = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    if HAS_NORM:  # per-head RMSNorm, rounded to the model dtype like the torch layer's output
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        x1 = (w1 * (f1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (f2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    dst = out_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,  # [T, Hq, D] view, last dim contiguous
+    k_ptr,  # [T, Hkv, D] view
+    q_out_ptr,  # [T, Hq, D] contiguous
+    k_out_ptr,  # [T, Hkv, D] contiguous
+    q_w_ptr,  # [D] (HAS_NORM)
+    k_w_ptr,  # [D] (HAS_NORM)
     pos_ptr,  # [T] int64 (any stride)
     cos_sin_ptr,  # [max_pos, D] fp32: cos in the first half, sin in the second
-    stride_t,
-    stride_h,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
     stride_pos,
-    num_heads,
+    num_q_heads,
+    num_kv_heads,
+    eps,
+    HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * stride_pos)
-    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
-    mask = (offs_h < num_heads)[:, None]
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs_d)[None, :]
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs_d)[None, :]
-    src = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = out_ptr + (t * num_heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
-    dtype = out_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
-
-
-def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    tokens, heads, dim = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if tokens == 0:
-        return out
-    _rotary_kernel[(tokens,)](
-        x, out, positions, cos_sin, x.stride(0), x.stride(1), positions.stride(0), heads,
-        HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads), num_warps=4,
-    )  # fmt: skip
-    return out
+    if tl.program_id(1) == 0:
+        _norm_rope_heads(
+            q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * (2 * HALF), q_w_ptr, stride_qh,
+            num_q_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+        )  # fmt: skip
+    else:
+        _norm_rope_heads(
+            k_ptr + t * stride_kt, k_out_ptr + t * num_kv_heads * (2 * HALF), k_w_ptr, stride_kh,
+            num_kv_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+        )  # fmt: skip
 
 
 def rotary_supported(head_dim: int) -> bool:
     return head_dim >= 4 and head_dim & (head_dim - 1) == 0
 
 
-def rotary(
-    positions: torch.Tensor,  # [T] int64
+def qk_norm_rope(
+    positions: torch.Tensor,  # [T] int64, any stride
     q: torch.Tensor,  # [T, Hq, D], last dim contiguous
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin: torch.Tensor,  # [max_pos, D] fp32 contiguous
+    q_weight: torch.Tensor | None = None,  # [D] per-head RMSNorm weights (Qwen3), or None
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half (neox) rotary embedding of q and k; new contiguous tensors."""
+    """Optional per-head RMSNorm of q and k, then rotate-half (neox) rotary embedding, in one
+    launch; new contiguous tensors."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.is_contiguous()
-    assert cos_sin.dtype == torch.float32 and cos_sin.shape[1] == q.shape[2]
-    return _rotate(q, positions, cos_sin), _rotate(k, positions, cos_sin)
+    assert cos_sin.dtype == torch.float32 and cos_sin.shape[1] == dim == k.shape[2]
+    has_norm = q_weight is not None
+    assert has_norm == (k_weight is not None)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    _qk_norm_rope_kernel[(tokens, 2)](
+        q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k,
+        positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        positions.stride(0), q_heads, kv_heads, eps, HAS_NORM=has_norm, HALF=dim // 2,
+        BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)), num_warps=4,
+    )  # fmt: skip
+    return q_out, k_out
 
 
 @triton.jit

@@ -40,10 +40,15 @@ class ReqTable:
     def write_pages(self, slot: int, start: int, pages: list[int]) -> None:
         """Set page ids `start .. start+len(pages)` of `slot` (host→device copy)."""
         if pages:
-            src = torch.tensor(pages, dtype=torch.int32)
+            src = self._host(pages)
             self.page_table[slot, start : start + len(pages)].copy_(src, non_blocking=True)
 
     def write_tokens(self, slot: int, start: int, ids: list[int]) -> None:
         if ids:
-            src = torch.tensor(ids, dtype=torch.int32)
+            src = self._host(ids)
             self.token_table[slot, start : start + len(ids)].copy_(src, non_blocking=True)
+
+    def _host(self, values: list[int]) -> torch.Tensor:
+        # Pinned on CUDA: a copy from pageable memory may wait for the stream to drain, which
+        # would stall the host while an overlapped step runs.
+        return torch.tensor(values, dtype=torch.int32, pin_memory=self.device.type == "cuda")

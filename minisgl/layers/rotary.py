@@ -9,6 +9,7 @@ from torch import nn
 
 from minisgl.config import RopeConfig
 from minisgl.layers.fused import fused_kernels
+from minisgl.layers.norm import RMSNorm
 
 
 def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -60,18 +61,41 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", cache, persistent=False)  # [max_pos, head_dim]
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same dtypes)."""
+        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same dtypes). With
+        `q_norm` and `k_norm` (Qwen3) each head is RMS-normalised first; on CUDA the norms and
+        the rotation are one fused kernel."""
         table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
         fused = fused_kernels(q)
-        if fused is not None and _fusable(fused, q, k, table):
-            return fused.rotary(positions, q, k, table)  # type: ignore[no-any-return]
+        if fused is not None and _fusable(fused, q, k, table, q_norm, k_norm):
+            qw = None if q_norm is None else q_norm.weight
+            kw = None if k_norm is None else k_norm.weight
+            eps = 0.0 if q_norm is None else q_norm.eps
+            return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps)  # type: ignore[no-any-return]
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm.norm(q), k_norm.norm(k)
         cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _fusable(fused: object, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> bool:
+def _fusable(
+    fused: object,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    table: torch.Tensor,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+) -> bool:
+    if (q_norm is None) != (k_norm is None):
+        return False
+    if q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps:
+        return False
     return (
         fused.rotary_supported(q.shape[-1])  # type: ignore[attr-defined]
         and q.stride(-1) == 1

@@ -46,9 +46,8 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary(positions, q, k)
+        # Qwen3's per-head q/k RMSNorm goes with the rotation (one fused kernel on CUDA).
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 

@@ -32,7 +32,7 @@ def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], war
 
 def _compile_all() -> list[dict[str, Any]]:
     from minisgl.engine.sample_kernel import _gumbel_argmax_kernel
-    from minisgl.kernels.fused import _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
+    from minisgl.kernels.fused import _qk_norm_rope_kernel, _rms_norm_kernel, _silu_and_mul_kernel
 
     out = []
     types = {"logits_ptr": "*fp32", "temperature_ptr": "*fp32", "keys_ptr": "*i64"}
@@ -45,9 +45,12 @@ def _compile_all() -> list[dict[str, Any]]:
         for res in (True, False):
             c = dict(HAS_RESIDUAL=res, BLOCK=1024)
             out.append((f"rms_norm {dt} res={res}", _compile(_rms_norm_kernel, types, c, 4)))
-        types = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32"}
-        c = dict(HALF=64, BLOCK_H=16)
-        out.append((f"rotary {dt}", _compile(_rotary_kernel, types, c, 4)))
+        types = {n: f"*{dt}" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
+        types |= {"q_w_ptr": f"*{dt}", "k_w_ptr": f"*{dt}", "pos_ptr": "*i64"}
+        types |= {"cos_sin_ptr": "*fp32", "eps": "fp32"}
+        for norm in (True, False):
+            c = dict(HAS_NORM=norm, HALF=64, BLOCK_H=16)
+            out.append((f"qk_norm_rope {dt} norm={norm}", _compile(_qk_norm_rope_kernel, types, c, 4)))  # fmt: skip
         types = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}"}
         out.append((f"silu_and_mul {dt}", _compile(_silu_and_mul_kernel, types, {"BLOCK": 1024}, 4)))  # fmt: skip
     return [{"name": n, "shared": s} for n, s in out]
@@ -65,7 +68,7 @@ def test_engine_kernels_compile_for_sm90() -> None:
         pytest.skip("this triton build has no bundled ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 9, results
+    assert len(results) == 11, results
 
 
 if __name__ == "__main__":

@@ -109,10 +109,21 @@ PARAMS = SamplingParams(
 )
 
 
+def reference_generate(ps: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
+    """The reference path end to end: torch attention and torch layers (no fused kernels),
+    eager, plain loop."""
+    from minisgl.layers.fused import set_fused_enabled
+
+    set_fused_enabled(False)
+    try:
+        return make_llm(fast=False).generate(ps, params, use_tqdm=False)
+    finally:
+        set_fused_enabled(True)
+
+
 @functools.cache
 def reference(seed: int = 0) -> tuple[tuple[int, ...], ...]:
-    llm = make_llm(fast=False)
-    outs = llm.generate(prompts(seed=seed), PARAMS, use_tqdm=False)
+    outs = reference_generate(prompts(seed=seed), PARAMS)
     _REF_OUTS[seed] = outs
     return tuple(tuple(o["token_ids"]) for o in outs)
 
@@ -181,7 +192,7 @@ def test_shared_prefixes_hit_the_cache() -> None:
     llm = make_llm(fast=True, page_size=16, cache="radix")
     base = prompts(1, seed=5)[0][:45]
     ps = [base + p for p in prompts(8, seed=6)]
-    ref = make_llm(fast=False).generate(ps, PARAMS, use_tqdm=False)
+    ref = reference_generate(ps, PARAMS)
     got = llm.generate(ps, PARAMS, use_tqdm=False)
     worst, _ = compare(ref, got)
     assert worst <= TOL
@@ -272,7 +283,10 @@ def test_sampling_kernel_matches_torch_noise() -> None:
 
 
 def test_fused_layers_match_torch_on_gpu() -> None:
+    from minisgl.config import RopeConfig
     from minisgl.kernels import fused
+    from minisgl.layers import RMSNorm, RotaryEmbedding
+    from minisgl.layers.fused import set_fused_enabled
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(300, 1024, device="cuda", generator=gen).bfloat16()
@@ -289,6 +303,24 @@ def test_fused_layers_match_torch_on_gpu() -> None:
     torch.testing.assert_close(
         fused.silu_and_mul(g), torch.nn.functional.silu(gate) * up, atol=2e-2, rtol=2e-2
     )
+    # q/k norm + rotary through the layer, fused against the torch code (Qwen3 and Llama).
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(128, 4096, RopeConfig(theta=1e6))
+        norms = [RMSNorm(128, 1e-6), RMSNorm(128, 1e-6)]
+    for n in norms:
+        n.weight.data = (1 + 0.1 * torch.randn(128, device="cuda", generator=gen)).bfloat16()
+    qkv = torch.randn(77, (16 + 8 + 8) * 128, device="cuda", generator=gen).bfloat16()
+    q, k = qkv[:, : 16 * 128].view(77, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(77, 8, 128)
+    pos = torch.randint(0, 4096, (77,), device="cuda", generator=gen)
+    for args in (norms, [None, None]):
+        got = rope(pos, q, k, *args)
+        set_fused_enabled(False)
+        try:
+            want = rope(pos, q, k, *args)
+        finally:
+            set_fused_enabled(True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 def test_qwen3_06b_shape_with_graphs_and_overlap() -> None:

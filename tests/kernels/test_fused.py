@@ -74,18 +74,27 @@ def test_rms_norm_of_heads_in_a_fused_projection(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_with_strided_positions_and_heads(dtype):
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm+rope"])
+def test_qk_norm_rope_with_strided_positions_and_heads(dtype, with_norm):
     fused = _fused()
     gen = torch.Generator().manual_seed(2)
     rope = RotaryEmbedding(64, 256, RopeConfig(theta=10000.0))
-    qkv = torch.randn(6, (4 + 2 + 2) * 64, generator=gen).to(dtype)
-    q = qkv[:, : 4 * 64].view(6, 4, 64)
+    qkv = (torch.randn(6, (4 + 2 + 2) * 64, generator=gen) * 2).to(dtype)
+    q = qkv[:, : 4 * 64].view(6, 4, 64)  # strided rows, like the model's q and k
     k = qkv[:, 4 * 64 : 6 * 64].view(6, 2, 64)
     packed = torch.tensor([[3, 17, 0], [0, 200, 1], [1, 5, 2], [2, 255, 3], [9, 0, 4], [4, 64, 5]])
     positions = packed[:, 1]  # a strided column, like the CUDA-graph inputs
-    want_q, want_k = rope(positions, q, k)
+    norms = [None, None]
+    if with_norm:
+        norms = [RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)]
+        for n in norms:
+            n.weight.data = (1 + 0.2 * torch.randn(64, generator=gen)).to(dtype)
+    want_q, want_k = rope(positions, q, k, *norms)
     table = rope.cos_sin.to(DEVICE)
-    got_q, got_k = fused.rotary(positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table)
+    weights = [None if n is None else n.weight.to(DEVICE) for n in norms]
+    got_q, got_k = fused.qk_norm_rope(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table, *weights, eps=1e-6
+    )
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got_q.cpu(), want_q, atol=atol, rtol=rtol)
     torch.testing.assert_close(got_k.cpu(), want_k, atol=atol, rtol=rtol)
