@@ -52,10 +52,10 @@ run() {
 
 M=minisgl/benchmark/models
 if "$PY" -c "import pytest" 2> /dev/null; then
-  run tests 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfEs
+  run tests 210 "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider -rfE --durations=15
 else
   echo "(pytest is not installed: running tests/gpu/test_engine_gpu.py with its own runner)"
-  run tests 200 "$PY" tests/gpu/test_engine_gpu.py
+  run tests 210 "$PY" tests/gpu/test_engine_gpu.py
 fi
 run w1 150 "$PY" -m minisgl.benchmark.offline --model $M/qwen3-0.6b --load-format dummy
 run w2 100 "$PY" -m minisgl.benchmark.latency --model $M/llama-3-8b --load-format dummy
@@ -100,9 +100,13 @@ for name, (rc, secs) in status.items():
 tests = (log_dir / "tests.log")
 if tests.exists():
     text = tests.read_text(errors="replace")
-    counts = re.findall(r"(\d+) (passed|failed|skipped|errors?)", text)
-    rows.append(("tests", "", "", ", ".join(f"{n} {k}" for n, k in counts[-4:])))
-    rows += [("  FAIL", "", "", l[:110]) for l in text.splitlines() if l.startswith(("FAILED", "FAIL ", "ERROR"))][:12]
+    verdicts = re.findall(r"::(\S+) (PASSED|FAILED|ERROR|SKIPPED)", text)
+    verdicts += [(n, "PASSED" if v == "PASS" else "FAILED") for v, n in re.findall(r"^(PASS|FAIL) (\S+)", text, re.M)]
+    tally = {}
+    for _, v in verdicts:
+        tally[v] = tally.get(v, 0) + 1
+    rows.append(("tests", "", "", ", ".join(f"{n} {k.lower()}" for k, n in tally.items()) or "no results"))
+    rows += [("  FAILED", "", "", n[:110]) for n, v in verdicts if v in ("FAILED", "ERROR")][:15]
 w1 = last_json("w1")
 if w1:
     rows.append(("W1", f"{f(w1.get('output_tok_per_s'), 5)} tok/s", f"{f(w1.get('measured_s'))} s",

@@ -217,7 +217,7 @@ def tokens_agree(ref: dict[str, Any], tokens: list[int]) -> bool:
 
 
 def test_abort_in_flight_then_reuse_the_slot() -> None:
-    reference()
+    reference(0)
     ref = _REF_OUTS[0]
     llm = make_llm(fast=True)
     sched = llm.scheduler
