@@ -1,8 +1,8 @@
 """`python -m minisgl --shell`: chat with the model in the terminal.
 
 The shell runs the same worker processes as the server and talks to them directly (no HTTP).
-The conversation is kept and resent each turn; `/reset` forgets it, `/exit` (or end of input)
-quits.
+The conversation is kept and resent each turn; `/history` shows it, `/reset` forgets it, `/exit`
+(or end of input) quits.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import TextIO
 
 from minisgl.core import SamplingParams
 from minisgl.message import ChatMessage, EngineInfo, GenerateReq
-from minisgl.server.app import ServerState, supervise
+from minisgl.server.app import ServerState, start_supervisor
 from minisgl.server.args import ServerConfig
 from minisgl.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from minisgl.server.launch import Workers, running_workers
 from minisgl.server.metrics import Metrics
 from minisgl.server.openai_api import choice_seeds, new_rid
 
-HELP = "Type a message. /reset clears the conversation, /exit quits."
+HELP = "Type a message. /history shows the conversation, /reset clears it, /exit quits."
 PROMPT = ">>> "
 
 
@@ -72,15 +72,23 @@ class Shell:
             if text == "/reset":
                 self.history.clear()
                 self.out.write("(conversation cleared)\n")
+            elif text == "/history":
+                self.show_history()
             elif text:
                 await self.reply(text)
+
+    def show_history(self) -> None:
+        if not self.history:
+            self.out.write("(no conversation yet)\n")
+        for m in self.history:
+            self.out.write(f"{m.role}: {m.content}\n")
 
 
 async def _main(workers: Workers, info: EngineInfo) -> None:
     client = EngineClient(workers.ipc, Metrics())
     client.start()
     state = ServerState(info, workers.ipc, workers.failure)
-    watch = asyncio.create_task(supervise(state, client))
+    watch = start_supervisor(state, client)
     try:
         print(f"minisgl shell: {info.model_name}", file=sys.stdout)
         await Shell(client, sys.stdout).run(sys.stdin)

@@ -6,6 +6,7 @@ writer may start first: ZMQ queues what it sends until the reader binds.
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,14 @@ class IpcPaths:
     def in_dir(directory: str | Path) -> IpcPaths:
         d = Path(directory)
         return IpcPaths(*(f"ipc://{d / name}" for name in ("tok", "sched", "detok", "api")))
+
+
+def worker_context() -> zmq.Context:
+    """A context for a worker process, destroyed (sockets closed, nothing lingering) at exit,
+    so that exiting never waits on a peer that is gone."""
+    ctx = zmq.Context()
+    atexit.register(ctx.destroy, linger=0)
+    return ctx
 
 
 def _configure(sock: zmq.Socket) -> None:

@@ -11,8 +11,6 @@ import os
 from multiprocessing.connection import Connection
 from typing import Any
 
-import zmq
-
 from minisgl.config import EngineConfig
 from minisgl.core import InvalidRequestError, Req
 from minisgl.engine import Engine
@@ -25,7 +23,7 @@ from minisgl.message import (
     TokenOut,
 )
 from minisgl.message.child import ChildReady, run_child
-from minisgl.message.transport import IpcPaths, Receiver, Sender
+from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.weights import resolve_source
 
@@ -143,7 +141,7 @@ def _exit_on_rank_failure(reason: str) -> None:
 def _start(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> SchedulerProcess:
     scheduler = _make_scheduler(config)
     engine = scheduler.engine
-    ctx = zmq.Context()
+    ctx = worker_context()
     proc = SchedulerProcess(scheduler, Receiver(ctx, ipc.scheduler), Sender(ctx, ipc.detokenizer))
     info = EngineInfo(
         model_name=resolve_source(config.model).name,

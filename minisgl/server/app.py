@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,8 @@ from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import error_body, error_response, install_error_handlers
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+logger = logging.getLogger(__name__)
 
 SUPERVISE_PERIOD_S = 0.2
 
@@ -65,9 +68,22 @@ async def supervise(state: ServerState, client: EngineClient) -> None:
     while True:
         reason = state.check_workers()
         if reason is not None:
+            logger.error("%s; failing every request", reason)
             client.fail_all(reason)
             return
         await asyncio.sleep(SUPERVISE_PERIOD_S)
+
+
+def start_supervisor(state: ServerState, client: EngineClient) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(supervise(state, client))
+    task.add_done_callback(_log_crash)
+    return task
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    # A supervisor that died silently would leave requests hanging when a worker dies.
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("the worker supervisor crashed", exc_info=task.exception())
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -77,7 +93,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         client = state.client = EngineClient(state.ipc, metrics)
         client.start()
-        watch = asyncio.create_task(supervise(state, client))
+        watch = start_supervisor(state, client)
         try:
             yield
         finally:

@@ -50,7 +50,7 @@ class ChoiceOutput:
     out: StrOut
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: streams are kept in sets and dict values
 class RequestStream:
     """Outputs of every choice of one API request, in arrival order."""
 
@@ -125,6 +125,13 @@ class EngineClient:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
+        self._task.add_done_callback(self._receive_loop_ended)
+
+    def _receive_loop_ended(self, task: asyncio.Task[None]) -> None:
+        # Without the loop no output is routed: end every request rather than let them hang.
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("the API server's receive loop crashed", exc_info=task.exception())
+            self.fail_all(f"internal error: {task.exception()!r}")
 
     async def stop(self) -> None:
         self.fail_all("the server is shutting down")
@@ -151,7 +158,10 @@ class EngineClient:
         return stream
 
     def abort(self, rid: str) -> None:
-        if self._streams.pop(rid, None) is not None and self.failure is None:
+        if self._streams.pop(rid, None) is None:
+            return  # finished, refused or failed already
+        self.metrics.requests.labels("abort").inc()
+        if self.failure is None:
             self._tokenizer.send(AbortReq(rid))
 
     def fail_all(self, reason: str) -> None:

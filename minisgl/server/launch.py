@@ -64,6 +64,7 @@ class Workers:
         )
         proc.start()
         child_conn.close()
+        logger.info("started the %s process (pid %d)", name, proc.pid)
         child = self.children[name] = Child(name, proc, parent_conn)
         return child
 

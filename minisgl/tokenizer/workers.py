@@ -8,8 +8,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from minisgl.core import InvalidRequestError
 from minisgl.message import (
     AbortReq,
@@ -21,7 +19,7 @@ from minisgl.message import (
     StrOut,
 )
 from minisgl.message.child import ChildReady, run_child
-from minisgl.message.transport import IpcPaths, Receiver, Sender
+from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
 from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.loading import load_and_save, load_saved
 from minisgl.tokenizer.tokenize import RequestTokenizer
@@ -99,7 +97,7 @@ def _start_tokenizer(
     conn.send(ChildReady(str(tokenizer_dir)))  # the detokenizer can start loading now
     info = conn.recv()  # the launcher passes on the scheduler's limits
     assert isinstance(info, EngineInfo)
-    ctx = zmq.Context()
+    ctx = worker_context()
     worker = TokenizerWorker(
         RequestTokenizer(tokenizer, info),
         Receiver(ctx, ipc.tokenizer),
@@ -111,7 +109,7 @@ def _start_tokenizer(
 
 
 def _start_detokenizer(tokenizer_dir: Path, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
-    ctx = zmq.Context()
+    ctx = worker_context()
     worker = DetokenizerWorker(
         Detokenizer(load_saved(tokenizer_dir)),
         Receiver(ctx, ipc.detokenizer),

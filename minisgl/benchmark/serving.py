@@ -1,0 +1,294 @@
+"""W4, online serving (BENCHMARKS.md), CPU variant: `python -m minisgl.benchmark.serving`.
+
+The default SmolLM2 model on this machine. Workload: `random.Random(seed)` draws every prompt's
+length (32-256 tokens), then its token ids (0-9999), then every output length (16-96 tokens);
+temperature 0.6 with a per-request seed, `ignore_eos`. In one run:
+
+1. offline: `LLM.generate` on all prompts at once (the throughput the server should approach);
+2. online: a server process (`python -m minisgl`) fed through the `openai` client, streaming,
+   with Poisson arrivals at each request rate (`inf` sends everything at once: saturation).
+
+Reports request throughput, output tokens/s, TTFT, inter-token latency (gaps between streamed
+chunks) and time per output token, p50/p90/p99; and `server_vs_offline`, the saturated server's
+output tokens/s over the offline figure (target >= 0.85). Prints a table, then one JSON object
+as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_RATES = ("1", "2", "4", "inf")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @staticmethod
+    def draw(
+        n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
+    ) -> Workload:
+        rng = random.Random(seed)
+        lens = [rng.randint(*prompt_range) for _ in range(n)]
+        prompts = [[rng.randint(0, 9999) for _ in range(k)] for k in lens]
+        return Workload(prompts, [rng.randint(*output_range) for _ in range(n)])
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+TEMPERATURE = 0.6
+
+
+# ---- offline ---------------------------------------------------------------------------------
+
+
+def run_offline(work: Workload, model: str | None) -> dict[str, float]:
+    import gc
+
+    from minisgl import LLM, SamplingParams
+
+    llm = LLM(model)
+    params = [
+        SamplingParams(max_tokens=m, temperature=TEMPERATURE, seed=i, ignore_eos=True)
+        for i, m in enumerate(work.output_lens)
+    ]
+    llm.generate(work.prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    llm.scheduler.kv.cache.reset()  # no prefix reuse from the warm-up
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o["token_ids"]) for o in outs)
+    del llm
+    gc.collect()
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
+
+
+# ---- online ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestTrace:
+    sent: float
+    first: float | None = None
+    chunks: list[float] = field(default_factory=list)
+    done: float = 0.0
+    completion_tokens: int = 0
+
+
+async def one_request(
+    client: Any, prompt: list[int], max_tokens: int, seed: int, sent: float
+) -> RequestTrace:
+    trace = RequestTrace(sent)
+    stream = await client.completions.create(
+        model="default",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=TEMPERATURE,
+        seed=seed,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            trace.first = trace.first or now
+            trace.chunks.append(now)
+        if chunk.usage is not None:
+            trace.completion_tokens = chunk.usage.completion_tokens
+    trace.done = time.perf_counter()
+    return trace
+
+
+async def run_rate(url: str, work: Workload, rate: float, seed: int) -> list[RequestTrace]:
+    import openai
+
+    rng = random.Random(seed)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    tasks = []
+    async with client:
+        for i, (prompt, m) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+            tasks.append(
+                asyncio.create_task(one_request(client, prompt, m, i, time.perf_counter()))
+            )
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+        return list(await asyncio.gather(*tasks))
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if len(values) < 2:
+        v = values[0] if values else float("nan")
+        return {"p50": v, "p90": v, "p99": v}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def summarize(traces: list[RequestTrace]) -> dict[str, Any]:
+    start = min(t.sent for t in traces)
+    seconds = max(t.done for t in traces) - start
+    tokens = sum(t.completion_tokens for t in traces)
+    ttft = [(t.first - t.sent) * 1e3 for t in traces if t.first is not None]
+    itl = [(b - a) * 1e3 for t in traces for a, b in zip(t.chunks, t.chunks[1:])]
+    tpot = [
+        (t.done - t.first) * 1e3 / (t.completion_tokens - 1)
+        for t in traces
+        if t.first is not None and t.completion_tokens > 1
+    ]
+    return {
+        "seconds": seconds,
+        "requests": len(traces),
+        "output_tokens": tokens,
+        "request_s": len(traces) / seconds,
+        "output_tok_s": tokens / seconds,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "tpot_ms": percentiles(tpot),
+    }
+
+
+class ServerProcess:
+    """`python -m minisgl` on a free port, for the duration of a `with` block."""
+
+    def __init__(self, model: str | None, log_path: str) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        argv = [sys.executable, "-m", "minisgl", "--port", str(self.port), "--log-level", "warning"]
+        if model:
+            argv += ["--model", model]
+        self.log_path = log_path
+        with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not ready in {timeout} s; see {self.log_path}")
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def run_online(work: Workload, url: str, rates: list[float], seed: int) -> dict[str, Any]:
+    warm = Workload(work.prompts[:4], [4] * 4)
+    asyncio.run(run_rate(url, warm, float("inf"), seed))
+    return {str(r): summarize(asyncio.run(run_rate(url, work, r, seed))) for r in rates}
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def print_table(offline: dict[str, float] | None, online: dict[str, Any]) -> None:
+    head = (
+        f"{'rate req/s':>10} {'req/s':>7} {'out tok/s':>9} "
+        f"{'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>22} {'TPOT p50 ms':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+
+    def trio(p: dict[str, float]) -> str:
+        return f"{p['p50']:.0f}/{p['p90']:.0f}/{p['p99']:.0f}"
+
+    for rate, s in online.items():
+        print(
+            f"{rate:>10} {s['request_s']:>7.2f} {s['output_tok_s']:>9.1f} "
+            f"{trio(s['ttft_ms']):>22} {trio(s['itl_ms']):>22} {s['tpot_ms']['p50']:>11.0f}"
+        )
+    if offline is not None:
+        print(
+            f"{'offline':>10} {'':>7} {offline['output_tok_s']:>9.1f}   (LLM.generate, "
+            f"{offline['output_tokens']} tokens in {offline['seconds']:.1f} s)"
+        )
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split("-"))
+    return lo, hi
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--prompt-len", type=parse_range, default=(32, 256), help="lo-hi tokens")
+    p.add_argument("--output-len", type=parse_range, default=(16, 96), help="lo-hi tokens")
+    p.add_argument(
+        "--rates",
+        default=",".join(DEFAULT_RATES),
+        help="comma-separated requests/s; inf sends all at once",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", default=None, help="use a running server instead of starting one")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--server-log", default="minisgl-bench-server.log")
+    args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    work = Workload.draw(args.num_requests, args.seed, args.prompt_len, args.output_len)
+    # Offline first and alone: the two must not share the CPU while measured.
+    offline = None if args.skip_offline else run_offline(work, args.model)
+    if args.url:
+        online = run_online(work, args.url, rates, args.seed)
+    else:
+        with ServerProcess(args.model, args.server_log) as server:
+            server.wait_ready()
+            online = run_online(work, server.url, rates, args.seed)
+    print_table(offline, online)
+    saturated = online.get("inf")
+    ratio = (
+        saturated["output_tok_s"] / offline["output_tok_s"]
+        if saturated is not None and offline is not None
+        else None
+    )
+    if ratio is not None:
+        print(f"server at saturation / offline: {ratio:.3f} (target >= 0.85)")
+    print(
+        json.dumps(
+            {
+                "workload": "W4-cpu",
+                "num_requests": args.num_requests,
+                "prompt_tokens": sum(len(x) for x in work.prompts),
+                "output_tokens": work.output_tokens,
+                "offline": offline,
+                "online": online,
+                "server_vs_offline": ratio,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

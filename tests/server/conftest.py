@@ -1,0 +1,163 @@
+"""Real server processes on 127.0.0.1 for the tests of this package."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses; fields resume after the last ')'.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    api_key: str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def http(self, timeout: float = 120) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+    def openai(self, timeout: float = 120) -> object:
+        import openai
+
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=self.api_key or "none",
+            max_retries=0,
+            timeout=timeout,
+        )
+
+    def async_openai(self, timeout: float = 300) -> object:
+        import openai
+
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=self.api_key or "none",
+            max_retries=0,
+            timeout=timeout,
+        )
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def worker_pid(self, name: str) -> int:
+        """The pid the launcher logged for its `name` worker."""
+        for line in self.log_text().splitlines():
+            if f"started the {name} process" in line:
+                return int(line.rsplit("pid ", 1)[1].strip(") "))
+        raise AssertionError(f"no pid logged for {name}:\n{self.log_text()[-3000:]}")
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited during startup:\n{self.log_text()[-5000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.log_text()[-5000:]}")
+
+    def terminate(self, timeout: float = 30) -> list[int]:
+        """SIGTERM the launcher, wait for it, and return the processes it left behind."""
+        children = descendants(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in children):
+            time.sleep(0.1)
+        left = [p for p in children if _alive(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        return left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
+
+
+def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Server:
+    """Start `python -m minisgl` on a free port (without waiting for it to be ready)."""
+    port = free_port()
+    log = log_dir / f"server-{port}.log"
+    argv = [sys.executable, "-m", "minisgl", "--port", str(port), *args]
+    if api_key:
+        argv += ["--api-key", api_key]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return Server(proc, port, log, api_key)
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """Servers started through this list are terminated at the end of the module."""
+    started: list[Server] = []
+    yield started
+    for s in started:
+        if s.proc.poll() is None:
+            s.terminate()
+
+
+def new_server(
+    started: list[Server], log_dir: Path, *args: str, api_key: str | None = None
+) -> Server:
+    s = start_server(log_dir, *args, api_key=api_key)
+    started.append(s)
+    return s

@@ -1,0 +1,614 @@
+"""The HTTP API of a real server process on 127.0.0.1 (default SmolLM2 model, API key on),
+driven with the `openai` client and raw HTTP, against the offline LLM and transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import Server, start_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from minisgl import LLM, SamplingParams
+from minisgl.weights import default_model_path
+
+API_KEY = "test-key"
+COUNT = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+]
+
+
+@dataclass
+class Stack:
+    server: Server
+    llm: Any
+    hf: Any
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # The references load while the server starts (both take tens of seconds).
+    server = start_server(tmp_path_factory.mktemp("logs"), api_key=API_KEY)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        llm = LLM()
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        server.wait_ready()
+        yield Stack(server, llm, hf)
+    finally:
+        left = server.terminate()
+    assert not left, f"SIGTERM left processes behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def server(stack: Stack) -> Server:
+    return stack.server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return server.openai()  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with server.http() as c:
+        yield c
+
+
+def chat(client: openai.OpenAI, messages: Any = COUNT, **kw: Any) -> Any:
+    kw.setdefault("max_tokens", 16)
+    return client.chat.completions.create(model="default", messages=messages, **kw)
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + "".join(f"[{v}]" for v in s.labels.values())
+            out[key] = s.value
+    return out
+
+
+# ---- basics ----------------------------------------------------------------------------------
+
+
+def test_health_is_open_and_the_rest_needs_the_key(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/generate"),
+    ]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            r = httpx.request(method, f"{server.url}{path}", headers=headers, json={})
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["type"] == "authentication_error"
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1"]
+
+
+# ---- every field changes the answer as it should ---------------------------------------------
+
+
+def test_greedy_chat_equals_the_offline_llm(client: openai.OpenAI, stack: Stack) -> None:
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    expected = stack.llm.chat(convs, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    for conv, exp in zip(convs, expected, strict=True):
+        r = chat(client, conv, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == exp["text"]
+        assert r.choices[0].finish_reason == exp["finish_reason"]
+        assert r.usage.completion_tokens == exp["completion_tokens"]
+        assert r.usage.prompt_tokens == exp["prompt_tokens"]
+
+
+def test_greedy_ids_equal_the_offline_llm(http: httpx.Client, stack: Stack) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3,"]
+    expected = stack.llm.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+    )
+    for prompt, exp in zip(prompts, expected, strict=True):
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        r = http.post("/generate", json=body).json()
+        assert r["output_ids"] == exp["token_ids"]
+        assert r["text"] == exp["text"]
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits(
+    http: httpx.Client, stack: Stack
+) -> None:
+    prompt = stack.llm.apply_chat_template(FRANCE)
+    sp = {"max_new_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    r = http.post("/generate", json={"input_ids": prompt, "sampling_params": sp}).json()
+    out, lps = r["output_ids"], r["meta_info"]["output_token_logprobs"]
+    with torch.no_grad():
+        logits = stack.hf(torch.tensor([prompt + out])).logits[0].float()
+    ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [len(out), vocab]
+    for j, (tok, lp) in enumerate(zip(out, lps, strict=True)):
+        assert lp["token_id"] == tok
+        assert abs(lp["logprob"] - ref[j, tok].item()) < 1e-4
+        top_vals, top_ids = ref[j].topk(5)
+        got = [t["logprob"] for t in lp["top_logprobs"]]
+        assert torch.allclose(torch.tensor(got), top_vals, atol=1e-4)
+        assert [t["token"] for t in lp["top_logprobs"]] == [
+            stack.llm.tokenizer.decode([i]) for i in top_ids.tolist()
+        ]
+
+
+def test_chat_logprobs_match_the_native_ones(
+    client: openai.OpenAI, http: httpx.Client, stack: Stack
+) -> None:
+    r = chat(client, FRANCE, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    prompt = stack.llm.apply_chat_template(FRANCE)
+    sp = {"max_new_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    native = http.post("/generate", json={"input_ids": prompt, "sampling_params": sp}).json()
+    ref = native["meta_info"]["output_token_logprobs"]
+    assert [c.token for c in content] == [t["token"] for t in ref[: len(content)]]
+    assert all(abs(c.logprob - t["logprob"]) < 1e-5 for c, t in zip(content, ref, strict=False))
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+    assert chat(client, FRANCE, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model="m", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    assert all(
+        max(t.values()) == pytest.approx(v)
+        for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )  # greedy picks the top
+
+
+def test_n_gives_n_choices_and_counts_the_prompt_once(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"max_tokens": 6, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    one = chat(client, seed=1, **kw)
+    r = chat(client, n=3, seed=1, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * 6
+    assert r.choices[0].message.content == one.choices[0].message.content  # seed + 0
+    assert len({c.message.content for c in r.choices}) > 1  # three different samples
+
+
+def test_seeded_sampling_repeats(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"max_tokens": 8, "temperature": 1.0, "top_p": 0.95}
+    a = chat(client, seed=123, **kw).choices[0].message.content
+    assert chat(client, seed=123, **kw).choices[0].message.content == a
+    assert chat(client, seed=124, **kw).choices[0].message.content != a
+    # Choice i of a seeded request samples with seed + i.
+    two = chat(client, seed=122, n=2, **kw)
+    assert two.choices[1].message.content == a
+
+
+def test_temperature_zero_and_top_k_one_are_greedy(client: openai.OpenAI, counting: str) -> None:
+    top1 = chat(client, temperature=1.5, max_tokens=24, extra_body={"top_k": 1})
+    assert top1.choices[0].message.content == counting
+
+
+@pytest.fixture(scope="module")
+def counting(client: openai.OpenAI) -> str:
+    """The greedy answer to COUNT: "1, 2, 3, ..." (each number is three tokens)."""
+    text = str(chat(client, temperature=0, max_tokens=24).choices[0].message.content)
+    assert text.startswith("1, 2, 3, 4, 5, 6, 7")
+    return text
+
+
+def test_stop_strings_cut_the_answer(client: openai.OpenAI, counting: str) -> None:
+    for stop in ["5", [", 5", "xyz"], ", 6, 7"]:  # the last spans several tokens
+        r = chat(client, temperature=0, max_tokens=24, stop=stop)
+        first = stop if isinstance(stop, str) else stop[0]
+        assert r.choices[0].message.content == counting[: counting.index(first)]
+        assert r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens < 24
+
+
+def test_stop_strings_while_streaming(client: openai.OpenAI, counting: str) -> None:
+    full = counting
+    stream = chat(client, temperature=0, max_tokens=24, stop=", 6", stream=True)
+    parts, reasons = [], []
+    for chunk in stream:
+        parts.append(chunk.choices[0].delta.content or "")
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(parts) == full[: full.index(", 6")]
+    assert reasons[-1] == "stop" and all(r is None for r in reasons[:-1])
+
+
+def test_stop_token_ids_and_ignore_eos(client: openai.OpenAI, stack: Stack) -> None:
+    comma = stack.llm.tokenizer.convert_tokens_to_ids(",")
+    r = chat(client, temperature=0, max_tokens=8, extra_body={"stop_token_ids": [comma]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "1"
+    short = chat(client, FRANCE, temperature=0, max_tokens=12)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 12
+    r = chat(client, FRANCE, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+
+
+def test_max_tokens_and_max_completion_tokens(client: openai.OpenAI) -> None:
+    r = chat(client, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = chat(client, max_tokens=None, max_completion_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_penalties_change_the_answer(client: openai.OpenAI) -> None:
+    def complete(**kw: Any) -> str:
+        r = client.completions.create(
+            model="m", prompt="hello hello hello hello", max_tokens=10, temperature=0, **kw
+        )
+        return str(r.choices[0].text)
+
+    base = complete()
+    for kw in [
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"extra_body": {"repetition_penalty": 2.0}},
+    ]:
+        assert complete(**kw) != base, kw
+
+
+def test_system_messages_and_text_parts(client: openai.OpenAI) -> None:
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital "},
+                {"type": "text", "text": "of France?"},
+            ],
+        }
+    ]
+    assert (
+        chat(client, parts, temperature=0, max_tokens=8).choices[0].message.content
+        == chat(client, FRANCE, temperature=0, max_tokens=8).choices[0].message.content
+    )
+    # SmolLM2's template adds its own system prompt unless the conversation brings one.
+    sys_msg = [{"role": "system", "content": "Be brief."}, *FRANCE]
+    assert (
+        chat(client, sys_msg, max_tokens=1).usage.prompt_tokens
+        != chat(client, FRANCE, max_tokens=1).usage.prompt_tokens
+    )
+
+
+def test_completions_with_several_prompts(client: openai.OpenAI, stack: Stack) -> None:
+    ids = stack.llm.tokenizer("The capital of France is")["input_ids"]
+    r = client.completions.create(
+        model="m", prompt=["The capital of France is", "1, 2, 3,"], max_tokens=5, temperature=0, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text  # greedy
+    by_ids = client.completions.create(model="m", prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert r.usage.prompt_tokens == len(ids) + len(stack.llm.tokenizer("1, 2, 3,")["input_ids"])
+    assert r.usage.completion_tokens == 20
+
+
+def test_streaming_chat_chunks_and_usage(client: openai.OpenAI, http: httpx.Client) -> None:
+    expected = chat(client, temperature=0, max_tokens=10)
+    stream = chat(
+        client, temperature=0, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == expected.usage.prompt_tokens
+    body = {"messages": COUNT, "max_tokens": 3, "stream": True}
+    raw = http.post("/v1/chat/completions", json=body).text
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_streaming_completions(client: openai.OpenAI) -> None:
+    expected = client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=8, temperature=0
+    )
+    chunks = list(
+        client.completions.create(
+            model="m",
+            prompt="Once upon a time",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_cached_tokens_are_reported(client: openai.OpenAI) -> None:
+    long_conv = [{"role": "user", "content": "Remember this: " + "apple banana cherry " * 30}]
+    chat(client, long_conv, max_tokens=1)
+    r = chat(client, long_conv, max_tokens=1)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert r.usage.prompt_tokens - 2 <= cached < r.usage.prompt_tokens  # radix: all but the last
+
+
+def test_native_generate(http: httpx.Client) -> None:
+    r = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
+    body = r.json()
+    assert len(body["output_ids"]) == 4 and body["meta_info"]["finish_reason"] == "length"
+    assert body["meta_info"]["completion_tokens"] == 4
+    req = {
+        "input_ids": [504, 3575],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+    }
+    events = [e for e in http.post("/generate", json=req).text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    outs = [json.loads(e[6:]) for e in events[:-1]]
+    assert sum(len(o["output_ids"]) for o in outs) == 3
+    assert outs[-1]["meta_info"]["finish_reason"] == "length"
+
+
+# ---- load, disconnects, metrics --------------------------------------------------------------
+
+
+def test_64_concurrent_streams_complete_with_correct_usage(server: Server, stack: Stack) -> None:
+    convs = [
+        [{"role": "user", "content": f"Tell me a fact about the number {i}."}] for i in range(64)
+    ]
+    prompt_lens = [len(stack.llm.apply_chat_template(c)) for c in convs]
+
+    async def one(c: openai.AsyncOpenAI, conv: Any) -> tuple[str, Any, str | None]:
+        stream = await c.chat.completions.create(
+            model="m",
+            messages=conv,
+            max_tokens=8,
+            temperature=0.7,
+            seed=len(conv[0]["content"]),
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage, reason = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        return text, usage, reason
+
+    async def run() -> list[tuple[str, Any, str | None]]:
+        async with server.async_openai() as c:  # type: ignore[attr-defined]
+            return await asyncio.gather(*(one(c, conv) for conv in convs))
+
+    results = asyncio.run(run())
+    for (text, usage, reason), plen in zip(results, prompt_lens, strict=True):
+        assert reason == "length" and text
+        assert usage.completion_tokens == 8 and usage.prompt_tokens == plen
+        assert usage.total_tokens == plen + 8
+
+
+def wait_idle(http: httpx.Client, timeout: float = 60) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = metrics(http)
+        if m["minisgl_num_running_reqs"] == 0 and m["minisgl_num_waiting_reqs"] == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"requests still running after {timeout} s: {m}")
+
+
+def assert_pool_clean(m: dict[str, float]) -> None:
+    pages = {
+        k: m[f"minisgl_kv_pages[{k}]"] for k in ("free", "held", "protected", "evictable", "total")
+    }
+    assert pages["held"] == 0 and pages["protected"] == 0, pages
+    assert pages["free"] + pages["evictable"] == pages["total"], pages
+
+
+def test_clients_that_disconnect_free_everything(
+    server: Server, http: httpx.Client, client: openai.OpenAI
+) -> None:
+    before = wait_idle(http)
+    assert_pool_clean(before)
+    body = {"messages": COUNT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0.8}
+
+    async def leave_mid_stream(c: httpx.AsyncClient, i: int) -> int:
+        chunks = 0
+        async with c.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True, "seed": i}
+        ) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break  # closing the response drops the connection
+        return chunks
+
+    async def leave_while_waiting(c: httpx.AsyncClient) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post("/v1/chat/completions", json=body, timeout=3)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as c:
+            await asyncio.gather(
+                *(leave_mid_stream(c, i) for i in range(20)),
+                *(leave_while_waiting(c) for _ in range(4)),
+            )
+
+    asyncio.run(run())
+    after = wait_idle(http, timeout=30)  # 2000-token requests would run for minutes
+    assert_pool_clean(after)
+    assert after["minisgl_kv_pages[total]"] == before["minisgl_kv_pages[total]"]
+    assert (
+        after["minisgl_requests_total[abort]"] - before.get("minisgl_requests_total[abort]", 0)
+        == 24
+    )
+    assert chat(client, max_tokens=2).usage.completion_tokens == 2  # still serving
+
+
+def test_metrics(http: httpx.Client, client: openai.OpenAI) -> None:
+    before = metrics(http)
+    chat(client, max_tokens=5, temperature=0)
+    m = metrics(http)
+    assert m["minisgl_generation_tokens_total"] - before["minisgl_generation_tokens_total"] == 5
+    assert m["minisgl_prompt_tokens_total"] > before["minisgl_prompt_tokens_total"]
+    assert (
+        m["minisgl_time_to_first_token_seconds_count"]
+        > before["minisgl_time_to_first_token_seconds_count"]
+    )
+    assert (
+        m["minisgl_inter_token_latency_seconds_count"]
+        >= before["minisgl_inter_token_latency_seconds_count"] + 4
+    )
+    assert 0 < m["minisgl_prefix_cache_hit_rate"] < 1
+    assert "minisgl_kv_cache_usage" in m and "minisgl_e2e_request_latency_seconds_count" in m
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+MSG = {"messages": FRANCE}
+BAD = [
+    ("chat", b'{"messages": [', "malformed JSON"),
+    ("chat", b'{"model": "m"}', "missing messages"),
+    ("completions", b'{"model": "m"}', "missing prompt"),
+    ("chat", {"messages": "hello"}, "messages of the wrong type"),
+    ("chat", {**MSG, "max_tokens": "ten"}, "max_tokens of the wrong type"),
+    ("chat", {**MSG, "temperature": "hot"}, "temperature of the wrong type"),
+    ("chat", {**MSG, "stop": 5}, "stop of the wrong type"),
+    ("completions", {"prompt": "hello " * 9000}, "prompt longer than the context"),
+    ("completions", {"prompt": [5] * 8192}, "token prompt longer than the context"),
+    ("completions", {"prompt": [49152]}, "token id outside the vocabulary"),
+    ("completions", {"prompt": ""}, "empty prompt"),
+    ("chat", {**MSG, "max_tokens": 0}, "max_tokens < 1"),
+    ("chat", {**MSG, "max_tokens": 9000}, "max_tokens beyond the context"),
+    ("chat", {**MSG, "max_tokens": 2**80}, "max_tokens beyond any integer"),
+    ("chat", {**MSG, "n": 0}, "n too small"),
+    ("chat", {**MSG, "n": 17}, "n too large"),
+    ("chat", {**MSG, "temperature": -0.5}, "negative temperature"),
+    ("chat", {**MSG, "top_p": 0}, "top_p of 0"),
+    ("chat", {**MSG, "top_p": 1.5}, "top_p above 1"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "unknown role"),
+    ("completions", b'{"prompt": "caf\xe9 \xff"}', "invalid UTF-8 bytes"),
+    ("completions", b'{"prompt": "\\ud800"}', "a lone surrogate"),
+    ("chat", {**MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {**MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {**MSG, "top_logprobs": 2}, "top_logprobs without logprobs"),
+    ("chat", {**MSG, "frobnicate": 1}, "an unknown field"),
+    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("generate", {"text": "a", "input_ids": [1]}, "two prompts"),
+]
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
+
+
+@pytest.mark.parametrize(("endpoint", "body", "why"), BAD, ids=[b[2] for b in BAD])
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(
+    http: httpx.Client, endpoint: str, body: Any, why: str
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post(PATHS[endpoint], content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
+    ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_unknown_paths_and_methods(http: httpx.Client) -> None:
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_openai_client_sees_bad_requests(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=100_000)
+    assert e.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):  # refused before the stream starts
+        chat(client, max_tokens=100_000, stream=True)
+
+
+# ---- schemathesis ----------------------------------------------------------------------------
+
+SCHEMA_EXAMPLES = 10
+
+
+def cap_generation(path: str, body: Any) -> None:
+    """Keep generated requests cheap: at most 2 new tokens and 2 choices each (the shapes are
+    what is tested here, not long generations)."""
+    if not isinstance(body, dict):
+        return
+    target = body.get("sampling_params") if path == "/generate" else body
+    if path == "/generate" and target is None:
+        target = body["sampling_params"] = {}
+    if not isinstance(target, dict):
+        return
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
+    for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
+        value = target.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 2:
+            target[key] = 2
+    if path == "/generate":
+        target.setdefault("max_new_tokens", 2)
+    elif "max_tokens" not in target and "max_completion_tokens" not in target:
+        target["max_tokens"] = 2
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_errors(server: Server, http: httpx.Client) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_dict(http.get("/openapi.json").json())
+    failures: list[str] = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        # Operations without parameters or body have no invalid inputs to generate.
+        has_body = op.method.upper() == "POST"
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)[: 1 + has_body]:
+
+            @settings(
+                max_examples=SCHEMA_EXAMPLES,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                phases=[Phase.generate],
+            )
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case: Any) -> None:
+                cap_generation(case.path, case.body)
+                r = case.call(base_url=server.url, headers=server.headers, timeout=600)
+                if r.status_code >= 500:
+                    failures.append(f"{case.method} {case.path} {case.body!r}: {r.text[:300]}")
+
+            check()
+    assert not failures, "\n".join(failures[:10])
+    assert http.get("/health").status_code == 200
