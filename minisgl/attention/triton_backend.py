@@ -39,7 +39,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
         super().__init__(pool, table, num_q_heads, sm_scale)
         self.decode_config: DecodeConfig = default_decode_config(pool.head_dim)
-        self.extend_config: ExtendConfig = default_extend_config(pool.head_dim)
+        self.extend_config: ExtendConfig = default_extend_config(
+            pool.head_dim, torch.empty((), dtype=pool.dtype).element_size()
+        )
         self.num_sms = num_sms(pool.device)
 
     def prepare(self, inputs: AttentionInputs) -> TritonMeta:

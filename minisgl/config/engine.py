@@ -96,6 +96,8 @@ def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # name the index: torch.cuda.set_device refuses a bare "cuda"
+        device = f"cuda:{torch.cuda.current_device()}"
     on_cuda = device.startswith("cuda")
     dtype = cfg.dtype
     if dtype == "auto":

@@ -42,9 +42,13 @@ class ExtendConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
 
 
-def default_extend_config(head_dim: int) -> ExtendConfig:
+def default_extend_config(head_dim: int, elem_size: int = 2) -> ExtendConfig:
+    # The tuned tiles need ~224 KiB of shared memory at head_dim 128 in 16-bit types; wider
+    # heads or fp32 inputs get tiles that fit the 227 KiB an H100/H200 block may use.
     if head_dim > 128:
-        return ExtendConfig(block_m=64, block_n=32, num_warps=8)
+        return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    if head_dim * elem_size > 256:
+        return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     return ExtendConfig()
 
 
@@ -157,7 +161,7 @@ def extend_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     _check_extend_args(q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend)
-    cfg = config or default_extend_config(head_dim)
+    cfg = config or default_extend_config(head_dim, q.element_size())
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
