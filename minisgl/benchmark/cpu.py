@@ -90,19 +90,25 @@ def main() -> None:
     single = make_prompts(1, seed=1)[0][:128] + [7] * max(0, 128 - len(make_prompts(1, 1)[0]))
     ours = run_minisgl(prompts, single, args.output_len)
     ref = None if args.skip_hf else run_hf(prompts, single, args.output_len)
-    print(f"W6 CPU ({torch.get_num_threads()} threads), SmolLM2-135M fp32, "
-          f"{args.requests} requests x {args.output_len} tokens")
+    print(
+        f"W6 CPU ({torch.get_num_threads()} threads), SmolLM2-135M fp32, "
+        f"{args.requests} requests x {args.output_len} tokens"
+    )
     print(f"{'engine':<14}{'batch tok/s':>14}{'batch s':>10}{'single tok/s':>15}")
     for name, r in (("minisgl", ours), ("transformers", ref)):
         if r is not None:
-            print(f"{name:<14}{r['batch_tok_s']:>14.1f}{r['batch_s']:>10.2f}"
-                  f"{r['single_tok_s']:>15.1f}")
+            print(
+                f"{name:<14}{r['batch_tok_s']:>14.1f}{r['batch_s']:>10.2f}"
+                f"{r['single_tok_s']:>15.1f}"
+            )
     result: dict[str, Any] = {"workload": "W6", "minisgl": ours, "transformers": ref}
     if ref is not None:
         result["batch_speedup"] = ours["batch_tok_s"] / ref["batch_tok_s"]
         result["single_speedup"] = ours["single_tok_s"] / ref["single_tok_s"]
-        print(f"speedup: batch {result['batch_speedup']:.1f}x, "
-              f"single stream {result['single_speedup']:.1f}x")
+        print(
+            f"speedup: batch {result['batch_speedup']:.1f}x, "
+            f"single stream {result['single_speedup']:.1f}x"
+        )
     print(json.dumps(result))
 
 

@@ -68,6 +68,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
         show_progress=False,
+        tp_size=args.tp_size,
     )
     if args.disable_overlap:
         options["overlap"] = False
@@ -102,6 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=4)
     p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     return p.parse_args(argv)
 
 

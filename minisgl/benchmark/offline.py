@@ -100,6 +100,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         mem_fraction=args.mem_fraction,
         attention_backend=args.attention_backend,
         show_progress=False,
+        tp_size=args.tp_size,
     )
     if args.cuda_graph_max_bs is not None:
         options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
@@ -376,6 +377,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument("--profile", action="store_true", help="also profile a short run")
     return p.parse_args(argv)
 
