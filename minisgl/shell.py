@@ -18,7 +18,7 @@ from minisgl.server.args import ServerConfig
 from minisgl.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from minisgl.server.launch import Workers, running_workers
 from minisgl.server.metrics import Metrics
-from minisgl.server.openai_api import choice_seeds, new_rid
+from minisgl.server.sampling import choice_seeds, new_rid
 
 HELP = "Type a message. /history shows the conversation, /reset clears it, /exit quits."
 PROMPT = ">>> "

@@ -14,6 +14,7 @@ from minisgl.message.types import (
     ChatMessage,
     DetokOut,
     EngineInfo,
+    FlushCacheReq,
     GenerateReq,
     RequestError,
     SchedulerOut,
@@ -41,6 +42,7 @@ _TYPES: tuple[type, ...] = (
     DetokOut,
     RequestError,
     EngineInfo,
+    FlushCacheReq,
 )
 _CODES = {cls: code for code, cls in enumerate(_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES}

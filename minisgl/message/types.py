@@ -1,7 +1,8 @@
 """The messages that cross process boundaries, in the order a request meets them.
 
-API server -> tokenizer: `GenerateReq`, `AbortReq`
-tokenizer -> scheduler: `TokenizedReq`, `AbortReq` (aborts follow their request down one pipe)
+API server -> tokenizer: `GenerateReq`, `AbortReq`, `FlushCacheReq`
+tokenizer -> scheduler: `TokenizedReq`, `AbortReq` (aborts follow their request down one pipe),
+    `FlushCacheReq`
 detokenizer -> scheduler: `AbortReq` (a stop string matched)
 scheduler -> detokenizer: `SchedulerOut` (one per step: `TokenOut`s plus `SchedulerStats`)
 detokenizer -> API server: `DetokOut` (`StrOut`s plus the stats it was given)
@@ -57,6 +58,11 @@ class TokenizedReq:
 @dataclass
 class AbortReq:
     rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    """Drop every prefix-cache entry nobody uses (benchmarks start each run cold with it)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from minisgl.engine import Engine
 from minisgl.message import (
     AbortReq,
     EngineInfo,
+    FlushCacheReq,
     SchedulerOut,
     SchedulerStats,
     TokenizedReq,
@@ -76,6 +77,8 @@ class SchedulerProcess:
             self._add(msg)
         elif isinstance(msg, AbortReq):
             self._abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            self._flush_cache()
         else:
             raise TypeError(f"scheduler: unexpected message {type(msg).__name__}")
 
@@ -91,6 +94,16 @@ class SchedulerProcess:
         req = self.scheduler.abort(rid)
         if req is not None:  # None: it finished already, and that output went out
             self.pending.append(token_out(req, []))
+
+    def _flush_cache(self) -> None:
+        s = self.scheduler
+        if s.has_work:  # running requests hold cache pages; flushing half of it helps nobody
+            logger.warning(
+                "flush_cache ignored: %d requests are in flight", len(s.running) + len(s.waiting)
+            )
+            return
+        s.kv.allocator.free(s.kv.cache.reset())
+        logger.info("prefix cache flushed")
 
     def run_once(self) -> None:
         for msg in self.recv_messages(block=not self.scheduler.has_work):

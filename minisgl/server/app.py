@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
-from minisgl.server.engine_client import EngineClient
+from minisgl.server.engine_client import EngineClient, EngineUnavailable
 from minisgl.server.errors import error_body, error_response, install_error_handlers
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -139,6 +139,15 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
             "max_model_len": state.info.max_context,
         }
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> JSONResponse:
+        """Drop the prefix cache's unused entries once no request is in flight (benchmarks)."""
+        try:
+            _client(state).flush_cache()
+        except EngineUnavailable as e:
+            return error_response(503, f"the engine is unavailable: {e}")
+        return JSONResponse({"status": "flush requested"})
 
     @app.get("/health")
     async def health() -> JSONResponse:

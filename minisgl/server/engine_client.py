@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from minisgl.message import AbortReq, DetokOut, GenerateReq, RequestError, SchedulerStats, StrOut
+from minisgl.message import (
+    AbortReq,
+    DetokOut,
+    FlushCacheReq,
+    GenerateReq,
+    RequestError,
+    SchedulerStats,
+    StrOut,
+)
 from minisgl.message.transport import AsyncReceiver, IpcPaths, Sender
 from minisgl.server.metrics import Metrics
 
@@ -163,6 +171,12 @@ class EngineClient:
         self.metrics.requests.labels("abort").inc()
         if self.failure is None:
             self._tokenizer.send(AbortReq(rid))
+
+    def flush_cache(self) -> None:
+        """Ask the scheduler to drop unused prefix-cache entries (ignored while it is busy)."""
+        if self.failure is not None:
+            raise EngineUnavailable(self.failure)
+        self._tokenizer.send(FlushCacheReq())
 
     def fail_all(self, reason: str) -> None:
         """End every live request with `EngineUnavailable`; later submits fail the same way."""

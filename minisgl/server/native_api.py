@@ -10,16 +10,16 @@ from fastapi.responses import JSONResponse, Response
 
 from minisgl.message import GenerateReq, StrOut
 from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
-from minisgl.server.openai_api import ChoiceResult, choice_seeds, collect, new_rid, sampling_params
 from minisgl.server.protocol import GenerateRequest
+from minisgl.server.sampling import choice_seeds, new_rid, sampling_params
 from minisgl.server.streaming import (
     DONE,
+    ChoiceResult,
     EventStreamResponse,
-    api_error,
     first_batch,
+    run_to_completion,
     sse,
     submit,
-    until_disconnect,
 )
 
 
@@ -60,17 +60,11 @@ def _meta(rid: str, r: ChoiceResult | StrOut, logprobs: bool) -> dict[str, Any]:
 async def generate(request: Request, body: GenerateRequest, client: EngineClient) -> Response:
     req = _request(body)
     rid, want_lp = req.rids[0], req.params.logprobs
-    stream = submit(client, [req])
     if body.stream:
+        stream = submit(client, [req])
         first = await first_batch(request, stream)
         return EventStreamResponse(_events(stream, first, rid, want_lp), stream)
-    try:
-        results = await until_disconnect(request, collect(stream, 1))
-    except Exception as e:
-        raise api_error(e) from e
-    finally:
-        stream.close()
-    r = results[0]
+    r = (await run_to_completion(request, client, [req], 1))[0]
     return JSONResponse({"text": r.text, "output_ids": r.ids, "meta_info": _meta(rid, r, want_lp)})
 
 

@@ -3,92 +3,30 @@ engine outputs to OpenAI responses (JSON or server-sent events)."""
 
 from __future__ import annotations
 
-import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from minisgl.core import InvalidRequestError, SamplingParams
-from minisgl.message import ChatMessage, GenerateReq, StrOut, TokenLogprob
-from minisgl.server.engine_client import (
-    ChoiceOutput,
-    EngineClient,
-    RequestStream,
-)
+from minisgl.message import ChatMessage, GenerateReq, TokenLogprob
+from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
 from minisgl.server.errors import ApiError
-from minisgl.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    NativeSamplingParams,
-    _SamplingFields,
-)
+from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
+from minisgl.server.sampling import choice_seeds, new_rid, sampling_params
 from minisgl.server.streaming import (
     DONE,
+    ChoiceResult,
     EventStreamResponse,
-    api_error,
     first_batch,
+    run_to_completion,
     sse,
     submit,
-    until_disconnect,
 )
 
-MAX_STOPS = 16
-
-
 # ---- requests ------------------------------------------------------------------------------
-
-
-def new_rid() -> str:
-    return uuid.uuid4().hex
-
-
-def choice_seeds(seed: int | None, n: int) -> list[int]:
-    """Choice i samples with seed + i (wrapped to int64), or with a fresh random seed."""
-    if seed is None:
-        return [random.getrandbits(63) for _ in range(n)]
-    return [(seed + i + 2**63) % 2**64 - 2**63 for i in range(n)]
-
-
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stops) > MAX_STOPS:
-        raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings, got {len(stops)}", "stop")
-    if any(not s for s in stops):
-        raise ApiError(400, "stop: stop strings must not be empty", "stop")
-    return stops
-
-
-def sampling_params(
-    body: _SamplingFields | NativeSamplingParams, logprobs: bool, top_logprobs: int
-) -> SamplingParams:
-    """The body's sampling fields checked by `SamplingParams` (`max_tokens` travels apart,
-    since the default depends on the prompt's length)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
-    try:
-        return SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            skip_special_tokens=body.skip_special_tokens,
-            stop=stop_strings(body.stop),
-        )
-    except InvalidRequestError as e:
-        raise ApiError.from_invalid(e) from e
 
 
 def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -144,32 +82,6 @@ def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
 # ---- results -------------------------------------------------------------------------------
 
 
-@dataclass
-class ChoiceResult:
-    """One choice accumulated from its outputs."""
-
-    parts: list[str] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-    def add(self, out: StrOut) -> None:
-        self.parts.append(out.text)
-        self.ids += out.new_ids
-        self.logprobs += out.logprobs
-        self.finish_reason = out.finish_reason
-        self.prompt_tokens = out.prompt_tokens
-        self.cached_tokens = out.cached_tokens
-        self.completion_tokens = out.completion_tokens
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
 def usage(results: list[ChoiceResult], n: int) -> dict[str, Any]:
     """Prompts count once however many choices share them."""
     firsts = results[::n]
@@ -181,14 +93,6 @@ def usage(results: list[ChoiceResult], n: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
     }
-
-
-async def collect(stream: RequestStream, num_choices: int) -> list[ChoiceResult]:
-    results = [ChoiceResult() for _ in range(num_choices)]
-    async for batch in stream:
-        for co in batch:
-            results[co.index].add(co.out)
-    return results
 
 
 def _bytes(s: str) -> list[int]:
@@ -251,14 +155,7 @@ async def _run(
     num_choices: int,
     respond: Callable[[list[ChoiceResult]], dict[str, Any]],
 ) -> Response:
-    stream = submit(client, reqs)
-    try:
-        results = await until_disconnect(request, collect(stream, num_choices))
-    except Exception as e:
-        raise api_error(e) from e
-    finally:
-        stream.close()
-    return JSONResponse(respond(results))
+    return JSONResponse(respond(await run_to_completion(request, client, reqs, num_choices)))
 
 
 async def chat_completions(

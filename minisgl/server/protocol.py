@@ -70,7 +70,7 @@ class ResponseFormat(_Strict):
     json_schema: dict[str, Any] | None = None
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields both OpenAI endpoints share."""
 
     model: str | None = None
@@ -100,7 +100,7 @@ class _SamplingFields(_Strict):
         return ["logit_bias"] if self.logit_bias else []
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
@@ -126,7 +126,7 @@ class ChatCompletionRequest(_SamplingFields):
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Prompt
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False

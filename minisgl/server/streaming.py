@@ -1,18 +1,20 @@
-"""What every generating endpoint shares: waiting for output while watching the client, and
-server-sent events whose end (normal, error or disconnect) aborts what is still running."""
+"""What every generating endpoint shares: waiting for output while watching the client,
+collecting whole answers, and server-sent events whose end (normal, error or disconnect)
+aborts what is still running."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from minisgl.message import GenerateReq
+from minisgl.message import GenerateReq, StrOut, TokenLogprob
 from minisgl.server.engine_client import (
     ChoiceOutput,
     EngineClient,
@@ -108,3 +110,50 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.close()
+
+
+@dataclass
+class ChoiceResult:
+    """One choice accumulated from its outputs."""
+
+    parts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: StrOut) -> None:
+        self.parts.append(out.text)
+        self.ids += out.new_ids
+        self.logprobs += out.logprobs
+        self.finish_reason = out.finish_reason
+        self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def collect(stream: RequestStream, num_choices: int) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async for batch in stream:
+        for co in batch:
+            results[co.index].add(co.out)
+    return results
+
+
+async def run_to_completion(
+    request: Request, client: EngineClient, reqs: list[GenerateReq], num_choices: int
+) -> list[ChoiceResult]:
+    """Every choice's whole answer (a non-streaming request); aborted if the client leaves."""
+    stream = submit(client, reqs)
+    try:
+        return await until_disconnect(request, collect(stream, num_choices))
+    except (RequestRejected, EngineUnavailable) as e:
+        raise api_error(e) from e
+    finally:
+        stream.close()

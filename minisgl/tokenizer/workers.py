@@ -13,6 +13,7 @@ from minisgl.message import (
     AbortReq,
     DetokOut,
     EngineInfo,
+    FlushCacheReq,
     GenerateReq,
     RequestError,
     SchedulerOut,
@@ -40,7 +41,7 @@ class TokenizerWorker:
         self.api = api
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, AbortReq):
+        if isinstance(msg, (AbortReq, FlushCacheReq)):
             self.scheduler.send(msg)
         elif isinstance(msg, GenerateReq):
             self._generate(msg)

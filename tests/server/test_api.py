@@ -472,6 +472,18 @@ def test_clients_that_disconnect_free_everything(
     assert chat(client, max_tokens=2).usage.completion_tokens == 2  # still serving
 
 
+def test_flush_cache_empties_the_prefix_cache(http: httpx.Client, client: openai.OpenAI) -> None:
+    chat(client, max_tokens=2)
+    assert wait_idle(http)["minisgl_kv_pages[evictable]"] > 0
+    assert http.post("/flush_cache").json() == {"status": "flush requested"}
+    deadline = time.monotonic() + 30
+    while metrics(http)["minisgl_kv_pages[evictable]"] > 0:
+        assert time.monotonic() < deadline, "the cache was not flushed"
+        time.sleep(0.2)
+    m = metrics(http)
+    assert m["minisgl_kv_pages[free]"] == m["minisgl_kv_pages[total]"]
+
+
 def test_metrics(http: httpx.Client, client: openai.OpenAI) -> None:
     before = metrics(http)
     chat(client, max_tokens=5, temperature=0)
