@@ -19,7 +19,14 @@ TOL = 5e-2
 
 
 def run(model: str, tp: int, prompts: list[list[int]], n: int) -> list[dict]:
-    llm = LLM(model, load_format="dummy", tp_size=tp, max_context_len=512, show_progress=False)
+    llm = LLM(
+        model,
+        load_format="dummy",
+        tp_size=tp,
+        max_context_len=512,
+        num_pages=512,
+        show_progress=False,
+    )
     params = SamplingParams(
         max_tokens=n, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
     )
