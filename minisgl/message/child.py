@@ -37,8 +37,15 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+EXIT_GRACE_S = 2.0
+
+
 def _exit(signum: int, frame: FrameType | None) -> None:
-    # Leave through the interpreter's normal shutdown, which releases what the process holds.
+    # Leave through the interpreter's normal shutdown, which releases what the process holds;
+    # should that stall (a library thread or exit hook that never returns), leave anyway.
+    timer = threading.Timer(EXIT_GRACE_S, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
     sys.exit(0)
 
 

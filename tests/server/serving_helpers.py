@@ -1,4 +1,5 @@
-"""Real server processes on 127.0.0.1 for the tests of this package."""
+"""Real server processes on 127.0.0.1 for the tests of this package (a module with a name of
+its own: every test directory has a conftest)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 
 STARTUP_TIMEOUT_S = 300
 
@@ -143,21 +142,3 @@ def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Serve
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return Server(proc, port, log, api_key)
-
-
-@pytest.fixture(scope="module")
-def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    """Servers started through this list are terminated at the end of the module."""
-    started: list[Server] = []
-    yield started
-    for s in started:
-        if s.proc.poll() is None:
-            s.terminate()
-
-
-def new_server(
-    started: list[Server], log_dir: Path, *args: str, api_key: str | None = None
-) -> Server:
-    s = start_server(log_dir, *args, api_key=api_key)
-    started.append(s)
-    return s

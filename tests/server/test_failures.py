@@ -16,7 +16,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import Server, start_server
+from serving_helpers import Server, start_server
+
+# Each module starts a real server (about 30 s of model loading on a 2-core CPU).
+pytestmark = pytest.mark.slow
 
 LONG = {"max_tokens": 2000, "extra_body": {"ignore_eos": True}}
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]

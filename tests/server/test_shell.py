@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Each module starts a real server (about 30 s of model loading on a 2-core CPU).
+pytestmark = pytest.mark.slow
+
 
 def test_shell_chats_keeps_history_resets_and_exits() -> None:
     script = (
