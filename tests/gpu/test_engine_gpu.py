@@ -78,8 +78,11 @@ def model_dir() -> Path:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif "embed" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
-            else:  # unit-variance outputs; the LM head a little hotter (peaked distributions)
-                scale = (2.0 if "lm_head" in name else 1.0) / p.shape[1] ** 0.5
+            else:  # unit-variance outputs
+                # A hotter LM head (2x) made bf16 rounding alone move top-1 log-probs by 0.079
+                # on the H200 (scripts/gpu_noise.py: bf16 reference path vs fp32), more than the
+                # 5e-2 budget, whatever the fast path does; unit scale keeps that noise inside.
+                scale = 1.0 / p.shape[1] ** 0.5
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     path = Path(tempfile.mkdtemp(prefix="minisgl-gpu-test-"))
     model.save_pretrained(path, safe_serialization=True)
