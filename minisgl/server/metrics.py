@@ -50,6 +50,12 @@ class Metrics:
             "Prompt tokens served from the prefix cache / prompt tokens, since start",
             registry=r,
         )
+        self.engine_generated = Gauge(
+            "minisgl_engine_generated_tokens",
+            "Tokens the engine sampled since start, also those dropped after a stop string "
+            "matched or the request was aborted",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -92,6 +98,7 @@ class Metrics:
         ):
             self.kv_pages.labels(state).set(pages)
         self.prefix_hit_rate.set(s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+        self.engine_generated.set(s.generated_tokens)
 
     def on_finished(self, out: StrOut, latency: float) -> None:
         self.prompt_tokens.inc(out.prompt_tokens)

@@ -236,6 +236,15 @@ def test_stop_strings_cut_the_answer(client: openai.OpenAI, counting: str) -> No
         assert r.usage.completion_tokens < 24
 
 
+def test_a_stop_string_stops_the_engine(http: httpx.Client, client: openai.OpenAI) -> None:
+    before = wait_idle(http)["minisgl_engine_generated_tokens"]
+    r = chat(client, temperature=0, max_tokens=500, stop=", 4", extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    sampled = wait_idle(http)["minisgl_engine_generated_tokens"] - before
+    # The abort reaches the scheduler a step or two after the match, not 500 tokens later.
+    assert r.usage.completion_tokens <= sampled <= r.usage.completion_tokens + 4
+
+
 def test_stop_strings_while_streaming(client: openai.OpenAI, counting: str) -> None:
     full = counting
     stream = chat(client, temperature=0, max_tokens=24, stop=", 6", stream=True)
