@@ -46,7 +46,8 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert len(ids) == 10 and free[0]["finish_reason"] == "length"
     stop_at = ids[4]
     out = llm.generate(
-        [prompt], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]),
+        [prompt],
+        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]),
         use_tqdm=False,
     )[0]
     assert out["finish_reason"] == "stop"
@@ -56,7 +57,8 @@ def test_stop_token_ids_and_max_tokens(llm):
 def test_logprobs_are_consistent(llm):
     prompt = random_prompts(1, 384, seed=6)[0]
     out = llm.generate(
-        [prompt], SamplingParams(max_tokens=5, temperature=0, logprobs=True, top_logprobs=3),
+        [prompt],
+        SamplingParams(max_tokens=5, temperature=0, logprobs=True, top_logprobs=3),
         use_tqdm=False,
     )[0]
     assert len(out["logprobs"]) == 5 and len(out["top_logprobs"]) == 5
