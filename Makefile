@@ -26,8 +26,8 @@ run: $(STAMP)
 	$(PY) -m minisgl $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check minisgl tests
-	$(VENV)/bin/ruff format --check minisgl tests
+	$(VENV)/bin/ruff check minisgl tests scripts
+	$(VENV)/bin/ruff format --check minisgl tests scripts
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy minisgl
