@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minisgl.benchmark.common import print_table
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 if TYPE_CHECKING:
@@ -500,20 +501,6 @@ DECODE_COLUMNS = (
     "floor_tok_per_s", "fraction_of_floor",
 )  # fmt: skip
 TUNE_COLUMNS = ("tokens", "block_m", "gate_up", "gate_up_us", "down", "down_us", "total_us")
-
-
-def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print(f"\n{title}")
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
 def summary(result: Row) -> Row:
