@@ -58,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--device", default="auto", help="auto, cpu, cuda or cuda:N; auto picks cuda when available"
     )
-    m.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
+    m.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (GPUs); the server runs 1 for now",
+    )
     m.add_argument(
         "--seed",
         type=int,
