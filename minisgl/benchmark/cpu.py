@@ -38,10 +38,10 @@ def run_minisgl(prompts: list[list[int]], single: list[int], out_len: int) -> di
     llm = LLM()
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    llm.scheduler.kv.cache.reset()  # no prefix reuse from the warm-up
+    llm.scheduler.flush_cache()  # no prefix reuse from the warm-up
     outs, batch_s = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     tokens = sum(len(o["token_ids"]) for o in outs)
-    llm.scheduler.kv.cache.reset()
+    llm.scheduler.flush_cache()
     single_out, single_s = timed(lambda: llm.generate([single], params, use_tqdm=False))
     return {
         "batch_tokens": tokens,

@@ -27,7 +27,7 @@ def run(cache: str, prompts: list[list[int]], out_len: int, options: dict[str, A
     llm = LLM(options.pop("model", None), cache=cache, **options)
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     llm.generate([prompts[0][-64:]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    llm.scheduler.kv.cache.reset()
+    llm.scheduler.flush_cache()
     before = dict(llm.scheduler.stats)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

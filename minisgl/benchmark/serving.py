@@ -72,8 +72,7 @@ def load_offline(model: str | None) -> Any:
 def run_offline(llm: Any, work: Workload) -> dict[str, float]:
     from minisgl import SamplingParams
 
-    kv = llm.scheduler.kv
-    kv.allocator.free(kv.cache.reset())  # start cold, like the server runs
+    llm.scheduler.flush_cache()  # start cold, like the server runs
     params = [
         SamplingParams(max_tokens=m, temperature=TEMPERATURE, seed=i, ignore_eos=True)
         for i, m in enumerate(work.output_lens)

@@ -102,7 +102,7 @@ class SchedulerProcess:
                 "flush_cache ignored: %d requests are in flight", len(s.running) + len(s.waiting)
             )
             return
-        s.kv.allocator.free(s.kv.cache.reset())
+        s.flush_cache()
         logger.info("prefix cache flushed")
 
     def run_once(self) -> None:

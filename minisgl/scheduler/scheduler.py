@@ -117,6 +117,12 @@ class Scheduler:
                 return req
         return None
 
+    def flush_cache(self) -> int:
+        """Drop every prefix-cache entry no running request holds; returns the pages freed."""
+        pages = self.kv.cache.reset()
+        self.kv.allocator.free(pages)
+        return len(pages)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._in_flight)

@@ -120,11 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError naming the flag to change."""
-    if args.tp_size != 1:
-        raise ValueError(
-            "--tp-size: the server runs one scheduler process for now; tensor-parallel "
-            "serving is not available yet"
-        )
     resolve_source(args.model)  # fail here, not after the workers started, on a bad path
     engine = EngineConfig(
         model=args.model,

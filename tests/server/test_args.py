@@ -100,7 +100,7 @@ def test_flags_map_onto_the_engine_config() -> None:
         ["--cache", "lru"],
         ["--port", "70000"],
         ["--model", "/no/such/model"],
-        ["--tp-size", "2"],
+        ["--tp-size", "0"],
         ["--max-running-requests", "0"],
         ["--api-key", ""],
     ],
