@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend, AttentionInputs
 
+_QUERY_BLOCK = 512
+
 
 @dataclass
 class TorchMeta:
@@ -82,12 +84,25 @@ class TorchBackend(AttentionBackend):
             keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
             vals = v_cache[slots].transpose(0, 1).to(q.dtype)
             qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-            # Query j sits at position seq_len - n + j and sees positions up to itself.
-            qpos = torch.arange(seq_len - n, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(
-                qi, keys, vals, attn_mask=mask, scale=self.sm_scale, enable_gqa=True
-            )
-            out[start : start + n] = o.transpose(0, 1)
+            out[start : start + n] = self._causal(qi, keys, vals).transpose(0, 1)
             start += n
+        return out
+
+    def _causal(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """q [Hq, n, D] are the last n of S positions; keys/vals [Hkv, S, D] -> [Hq, n, D]."""
+        n, seq_len = q.shape[1], keys.shape[1]
+        if n == seq_len:  # no cached prefix: the fused causal kernel, no [n, S] mask in memory
+            return F.scaled_dot_product_attention(
+                q, keys, vals, is_causal=True, scale=self.sm_scale, enable_gqa=True
+            )
+        out = torch.empty_like(q)
+        # Long extends over a prefix go in query blocks, so the mask stays [block, S].
+        for lo in range(0, n, _QUERY_BLOCK):
+            hi = min(n, lo + _QUERY_BLOCK)
+            # Query j sits at position seq_len - n + j and sees positions up to itself.
+            qpos = torch.arange(seq_len - n + lo, seq_len - n + hi, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
+            out[:, lo:hi] = F.scaled_dot_product_attention(
+                q[:, lo:hi], keys, vals, attn_mask=mask, scale=self.sm_scale, enable_gqa=True
+            )
         return out
