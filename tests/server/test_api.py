@@ -583,11 +583,25 @@ def test_openai_client_sees_bad_requests(client: openai.OpenAI) -> None:
 SCHEMA_EXAMPLES = 25
 
 
+def _shorten(value: Any, limit: int = 400) -> Any:
+    """Long generated strings become long prompts, whose CPU prefill is slow and tests nothing
+    here (too-long prompts have their own test); keep every string short."""
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, list):
+        return [_shorten(v, limit) for v in value[:16]]
+    if isinstance(value, dict):
+        return {k: _shorten(v, limit) for k, v in value.items()}
+    return value
+
+
 def cap_generation(path: str, body: Any) -> None:
-    """Keep generated requests cheap: at most 2 new tokens and 2 choices each (the shapes are
-    what is tested here, not long generations)."""
+    """Keep generated requests cheap: at most 2 new tokens and 2 choices each, short strings
+    (the shapes are what is tested here, not long generations)."""
     if not isinstance(body, dict):
         return
+    for key, value in list(body.items()):
+        body[key] = _shorten(value)
     target = body.get("sampling_params") if path == "/generate" else body
     if path == "/generate" and target is None:
         target = body["sampling_params"] = {}
