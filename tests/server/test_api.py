@@ -613,9 +613,11 @@ def cap_generation(path: str, body: Any) -> None:
         value = target.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 2:
             target[key] = 2
+    # A missing or null limit means "the rest of the context" (thousands of CPU decode steps).
     if path == "/generate":
-        target.setdefault("max_new_tokens", 2)
-    elif "max_tokens" not in target and "max_completion_tokens" not in target:
+        if target.get("max_new_tokens") is None:
+            target["max_new_tokens"] = 2
+    elif target.get("max_tokens") is None and target.get("max_completion_tokens") is None:
         target["max_tokens"] = 2
 
 
