@@ -1,0 +1,220 @@
+"""Where a GPU step's time goes: host phases of the scheduler loop, and the kernels of a step.
+
+PYTHONPATH=. python3 scripts/gpu_profile.py [--parts w1,mixed,decode,w2]
+
+- w1: the W1 workload (Qwen3-0.6B shape, dummy weights) with each scheduler phase timed on the
+  host: `schedule`, `forward_batch` (until it returns: input copies, graph replay or eager
+  launches, sampling launches), `process` split into waiting for the step's tokens and the
+  Python work after. Mean ms per step by step kind, against the step period.
+- mixed: torch.profiler over one mixed step (an ~8k-token prefill chunk plus ~200 decodes),
+  top kernels by device time.
+- decode: torch.profiler over 20 decode steps at batch 256, top kernels per step.
+- w2: torch.profiler over 20 decode steps at batch 1 of the Llama-3-8B shape: per-step kernel
+  time, kernel count and the sum of gaps, against the measured step period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl.benchmark.offline import TokenIdLLM, sampling_params, w1_workload
+from minisgl.core import Req, SamplingParams
+
+MODELS = Path(
+    os.environ.get("PROFILE_MODELS")
+    or Path(__file__).resolve().parent.parent / "minisgl" / "benchmark" / "models"
+)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Wraps scheduler/engine methods with host timers; groups by the step's kind."""
+
+    def __init__(self, llm: Any) -> None:
+        self.sched, self.engine = llm.scheduler, llm.engine
+        self.acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.kind = "idle"
+        self.launches: list[tuple[float, str]] = []
+        s, e = self.sched, self.engine
+        self.orig = (s.schedule, e.forward_batch, s.process)
+
+        def schedule() -> Any:
+            t = time.perf_counter()
+            b = self.orig[0]()
+            self.acc["_sched"]["schedule"] += time.perf_counter() - t
+            return b
+
+        def forward(batch: Any) -> Any:
+            kind = "mixed" if batch.num_tokens != batch.size else _bucket(batch.size)
+            t = time.perf_counter()
+            self.launches.append((t, kind))
+            out = self.orig[1](batch)
+            self.acc[kind]["forward_host"] += time.perf_counter() - t
+            self.acc[kind]["steps"] += 1
+            self.kind = kind
+            return out
+
+        def process(batch: Any, out: Any) -> Any:
+            t = time.perf_counter()
+            out.wait()
+            t1 = time.perf_counter()
+            ev = self.orig[2](batch, out)
+            kind = "mixed" if batch.num_tokens != batch.size else _bucket(batch.size)
+            self.acc[kind]["wait"] += t1 - t
+            self.acc[kind]["process_py"] += time.perf_counter() - t1
+            return ev
+
+        s.schedule, e.forward_batch, s.process = schedule, forward, process
+
+    def table(self, end: float) -> None:
+        periods: dict[str, float] = defaultdict(float)
+        times = self.launches + [(end, "")]
+        for (t0, k), (t1, _) in zip(times, times[1:]):
+            periods[k] += t1 - t0
+        print(f"{'kind':<16}{'steps':>7}{'period':>9}{'fwd_host':>10}{'wait':>8}{'proc_py':>9}")
+        for k in sorted(periods, key=lambda k: (k != "mixed", k)):
+            a = self.acc[k]
+            n = max(1, a["steps"])
+            print(
+                f"{k:<16}{int(a['steps']):>7}{periods[k] / n * 1e3:>9.2f}"
+                f"{a['forward_host'] / n * 1e3:>10.2f}{a['wait'] / n * 1e3:>8.2f}"
+                f"{a['process_py'] / n * 1e3:>9.2f}"
+            )
+        steps = sum(a["steps"] for k, a in self.acc.items() if k != "_sched")
+        print(f"schedule(): {self.acc['_sched']['schedule'] / max(1, steps) * 1e3:.2f} ms/step")
+
+
+def _bucket(b: int) -> str:
+    for lo, hi in ((1, 8), (9, 32), (33, 128), (129, 256)):
+        if lo <= b <= hi:
+            return f"decode {lo}-{hi}"
+    return "decode >256"
+
+
+def kernel_table(prof: Any, steps: int, top: int = 18) -> None:
+    rows = []
+    for e in prof.key_averages():
+        dt = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if dt > 0 and e.device_type.name == "CUDA":
+            rows.append((dt, e.count, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    count = sum(r[1] for r in rows)
+    print(f"device time per step {total / steps / 1e3:.3f} ms, {count / steps:.0f} kernels/step")
+    for dt, n, key in rows[:top]:
+        print(f"  {dt / steps / 1e3:8.3f} ms  {n / steps:6.1f}x  {key[:90]}")
+
+
+def run_w1(scale: float) -> None:
+    wl = w1_workload(256, scale)
+    llm = TokenIdLLM(
+        str(MODELS / "qwen3-0.6b"),
+        load_format="dummy",
+        show_progress=False,
+        max_prefill_tokens=8192,
+    )
+    rng_prompts = [[(t * 7 + 3) % 10000 for t in p] for p in wl.prompts[:16]]
+    llm.generate(rng_prompts, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    timer = PhaseTimer(llm)
+    sync()
+    t = time.perf_counter()
+    llm.generate(wl.prompts, sampling_params(wl), use_tqdm=False)
+    sync()
+    end = time.perf_counter()
+    print(f"\n== w1 (scale {scale}): {end - t:.2f} s, phases in ms per step")
+    timer.table(end)
+    run_mixed_and_decode(llm)
+
+
+def run_mixed_and_decode(llm: Any) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=2000, temperature=0.6, ignore_eos=True)
+    for i in range(200):
+        sched.add_request(Req(rid=f"d{i}", prompt_ids=[(i * 31 + j) % 9000 for j in range(300)],
+                              params=params, seed=i))  # fmt: skip
+    for _ in range(40):  # prefill them all, settle into decode
+        sched.step()
+    for i in range(14):
+        sched.add_request(Req(rid=f"p{i}", prompt_ids=[(i * 17 + j) % 9000 for j in range(585)],
+                              params=params, seed=i))  # fmt: skip
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sched.step()
+        sched.step()
+        sync()
+    print("\n== mixed step (200 decodes + ~8k prefill tokens; 2 steps profiled)")
+    kernel_table(prof, 1)
+    for _ in range(5):
+        sched.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            sched.step()
+        sync()
+    print(f"\n== decode, batch {len(sched.running)}: 20 steps")
+    kernel_table(prof, 20)
+    for r in list(sched.running) + list(sched.waiting):
+        sched.abort(r.rid)
+    while sched.has_work:
+        sched.step()
+
+
+def run_w2() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = TokenIdLLM(
+        str(MODELS / "llama-3-8b"), load_format="dummy", show_progress=False,
+        max_running_requests=4, max_context_len=512, cuda_graph_max_bs=4,
+    )  # fmt: skip
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    sched.add_request(Req(rid="w2", prompt_ids=list(range(1, 129)), params=params, seed=0))
+    for _ in range(30):
+        sched.step()
+    sync()
+    gaps = []
+    t = time.perf_counter()
+    for _ in range(50):
+        sched.step()
+        t1 = time.perf_counter()
+        gaps.append(t1 - t)
+        t = t1
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            sched.step()
+        sync()
+    print(f"\n== w2 Llama-3-8B bs 1: median step period {statistics.median(gaps) * 1e3:.3f} ms")
+    kernel_table(prof, 20, top=25)
+    sched.abort("w2")
+    while sched.has_work:
+        sched.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="w1,w2")
+    ap.add_argument("--scale", type=float, default=1.0)
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    if "w1" in parts:
+        run_w1(args.scale)
+    if "w2" in parts:
+        run_w2()
+
+
+if __name__ == "__main__":
+    main()
