@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.offline import TokenIdLLM, sampling_params, w1_workload
+from minisgl.benchmark.offline import TokenIdLLM, release_memory, sampling_params, w1_workload
 from minisgl.core import Req, SamplingParams
 
 MODELS = Path(
@@ -212,6 +212,7 @@ def main() -> None:
     parts = args.parts.split(",")
     if "w1" in parts:
         run_w1(args.scale)
+        release_memory()
     if "w2" in parts:
         run_w2()
 

@@ -26,11 +26,25 @@ from minisgl.kvcache import KVPool, ReqTable
 
 
 @dataclass
+class ExtendPart:
+    """The rows of a mixed step after its leading one-token rows, rebased to start at 0."""
+
+    first_token: int  # row of q where this part starts (= the number of leading decode rows)
+    block_table: torch.Tensor  # [Be, P] int32
+    seq_lens: torch.Tensor  # [Be] int32
+    extend_lens: torch.Tensor  # [Be] int32
+    cu_extend: torch.Tensor  # [Be+1] int32, from 0
+    max_extend_len: int  # sizes the grid
+
+
+@dataclass
 class TritonMeta:
     inputs: AttentionInputs
-    block_table: torch.Tensor  # [B, P] int32, the pages of each request of the step
+    block_table: torch.Tensor  # [Bd, P] int32, the pages of the decode rows
+    seq_lens: torch.Tensor  # [Bd] int32, context lengths of the decode rows
+    num_decode: int  # leading rows with one new token: the decode kernel takes them
     num_splits: int  # decode: splits per request (fixed for a captured batch size)
-    max_extend_len: int  # extend: sizes the grid
+    extend: ExtendPart | None  # the remaining rows: the extend kernel takes them
 
 
 class TritonBackend(AttentionBackend):
@@ -45,19 +59,30 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms(pool.device)
 
     def prepare(self, inputs: AttentionInputs) -> TritonMeta:
+        """A mixed step's leading one-token rows (the scheduler puts decodes first) go to the
+        decode kernel, which reads each KV head once for its whole query group; an extend
+        tile would spend a BLOCK_M-row tile and a KV read per query head on each of them."""
         ps = self.pool.page_size
         width = min(-(-inputs.max_seq_len // ps), self.table.max_pages_per_req)
         block_table = self.table.page_table[inputs.req_slots, :width]  # [B, P] gather
-        num_splits = 1
-        if inputs.is_decode:
+        ext = inputs.extend_lens_host
+        nd = inputs.batch_size if inputs.is_decode else _leading_ones(ext)
+        num_splits, extend = 1, None
+        if nd:
+            max_dec = inputs.max_seq_len if inputs.is_decode else max(inputs.seq_lens_host[:nd])
             num_splits = choose_num_splits(
-                inputs.batch_size,
-                self.pool.num_kv_heads,
-                inputs.max_seq_len,
-                self.num_sms,
-                self.decode_config,
+                nd, self.pool.num_kv_heads, max_dec, self.num_sms, self.decode_config
             )
-        return TritonMeta(inputs, block_table, num_splits, inputs.max_extend_len)
+        if nd < inputs.batch_size:
+            extend = ExtendPart(
+                first_token=nd,
+                block_table=block_table[nd:],
+                seq_lens=inputs.seq_lens[nd:],
+                extend_lens=inputs.extend_lens[nd:],
+                cu_extend=inputs.cu_extend[nd:] - nd,
+                max_extend_len=max(ext[nd:]),
+            )
+        return TritonMeta(inputs, block_table[:nd], inputs.seq_lens[:nd], nd, num_splits, extend)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: object
@@ -66,13 +91,26 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
         inp = meta.inputs
         store_kv(k_cache, v_cache, inp.out_loc, k, v)
-        ps = self.pool.page_size
-        if inp.is_decode:
-            return decode_attention(
-                q, k_cache, v_cache, meta.block_table, inp.seq_lens, ps, self.sm_scale,
-                num_splits=meta.num_splits, config=self.decode_config,
+        ps, nd, ext = self.pool.page_size, meta.num_decode, meta.extend
+        out = torch.empty_like(q)
+        if nd:
+            decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_table, meta.seq_lens, ps, self.sm_scale,
+                num_splits=meta.num_splits, config=self.decode_config, out=out[:nd],
             )  # fmt: skip
-        return extend_attention(
-            q, k_cache, v_cache, meta.block_table, inp.seq_lens, inp.extend_lens,
-            inp.cu_extend, ps, self.sm_scale, meta.max_extend_len, config=self.extend_config,
-        )  # fmt: skip
+        if ext is not None:
+            extend_attention(
+                q[nd:], k_cache, v_cache, ext.block_table, ext.seq_lens, ext.extend_lens,
+                ext.cu_extend, ps, self.sm_scale, ext.max_extend_len, config=self.extend_config,
+                out=out[nd:],
+            )  # fmt: skip
+        return out
+
+
+def _leading_ones(extend_lens: list[int]) -> int:
+    n = 0
+    for e in extend_lens:
+        if e != 1:
+            break
+        n += 1
+    return n

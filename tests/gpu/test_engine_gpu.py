@@ -198,10 +198,12 @@ def test_shared_prefixes_hit_the_cache() -> None:
     base = prompts(1, seed=5)[0][:45]
     ps = [base + p for p in prompts(8, seed=6)]
     ref = reference_generate(ps, PARAMS)
-    got = llm.generate(ps, PARAMS, use_tqdm=False)
-    worst, _ = compare(ref, got)
+    # The first request alone fills the cache; requests admitted in one step can't share.
+    first = llm.generate(ps[:1], PARAMS, use_tqdm=False)
+    got = llm.generate(ps[1:], PARAMS, use_tqdm=False)
+    worst, _ = compare(ref, first + got)
     assert worst <= TOL
-    assert sum(o["cached_tokens"] for o in got) > 0
+    assert all(o["cached_tokens"] >= 32 for o in got)  # two whole pages of the 45-token prefix
     assert_kv_clean(llm)
 
 
