@@ -1,4 +1,5 @@
-"""`python -m minisgl`: serve the model over HTTP, or chat with it with `--shell`."""
+"""`python -m minisgl`: serve the model over HTTP, or chat with it with `--shell`; with
+`--node-rank K > 0`, run node K's tensor-parallel ranks of a server whose node 0 runs elsewhere."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from minisgl.server.args import parse_args
+from minisgl.server.args import ServerConfig, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,6 +18,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from minisgl.server.launch import StartupError
 
     try:
+        if not config.serves_http:
+            return _run_node(config)
         if config.shell:
             from minisgl.shell import run_shell
 
@@ -31,6 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _run_node(config: ServerConfig) -> int:
+    from minisgl.server.launch import run_node
+
+    try:
+        return run_node(config)
+    except ValueError as e:  # flags that do not fit node 0's engine
+        print(f"minisgl: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -249,12 +249,17 @@ class TPLaunch:
 # ---- nodes 1..nnodes-1 ---------------------------------------------------------------------
 
 
-def run_node(dist_init_addr: str, node_rank: int, nnodes: int | None = None) -> int:
+def run_node(
+    dist_init_addr: str, node_rank: int, nnodes: int | None = None, tp_size: int | None = None
+) -> int:
     """Run node `node_rank`'s ranks of the engine whose rank 0 listens at `dist_init_addr`;
-    returns once they have stopped: 0, or the first failed rank's exit code."""
+    returns once they have stopped: 0, or the first failed rank's exit code. `nnodes` and
+    `tp_size`, when given, must be rank 0's."""
     config = fetch_config(connect_store(dist_init_addr))
     if nnodes is not None and nnodes != config.nnodes:
         raise ValueError(f"nnodes: {nnodes} given here but rank 0 runs with {config.nnodes}")
+    if tp_size is not None and tp_size != config.tp_size:
+        raise ValueError(f"tp_size: {tp_size} given here but rank 0 runs with {config.tp_size}")
     if not 0 < node_rank < config.nnodes:
         raise ValueError(f"node_rank: must be in [1, {config.nnodes}), got {node_rank}")
     per = config.ranks_per_node

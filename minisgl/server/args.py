@@ -29,6 +29,13 @@ class ServerConfig:
             raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
         if self.api_key == "":
             raise ValueError("api_key: must not be empty (leave it out to disable authentication)")
+        if self.shell and self.engine.node_rank > 0:
+            raise ValueError("shell: runs on node 0 only; leave --shell out with --node-rank > 0")
+
+    @property
+    def serves_http(self) -> bool:
+        """Node 0 takes the requests; the other nodes only run their ranks."""
+        return self.engine.node_rank == 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp-size",
         type=int,
         default=1,
-        help="tensor-parallel ranks (GPUs); the server runs 1 for now",
+        help="tensor-parallel ranks (GPUs), over all nodes",
     )
     m.add_argument(
         "--seed",
@@ -101,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="longest prompt + output in tokens; 0: the model's maximum",
     )
+    d = p.add_argument_group(
+        "multi-node",
+        "Ranks spread evenly over the nodes. Node 0 serves HTTP and holds ranks "
+        "0..tp/nnodes-1; on node K > 0 the same command with --node-rank K runs only its ranks.",
+    )
+    d.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks span")
+    d.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    d.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="host:port where node 0 hosts the ranks' rendezvous (required when nnodes > 1; "
+        "every node passes node 0's address); default: a free local port",
+    )
     h = p.add_argument_group("serving")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on")
     h.add_argument("--port", type=int, default=1919, help="port to listen on")
@@ -133,6 +153,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_context_len=args.max_context_len,
         cache=args.cache,
         tp_size=args.tp_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
         seed=args.seed,
         show_progress=False,
     )

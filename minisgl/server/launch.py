@@ -3,6 +3,10 @@
 Start order: the scheduler and the tokenizer load in parallel; the detokenizer starts once the
 tokenizer has saved a fast-loading copy of the tokenizer; the tokenizer gets the scheduler's
 limits (context, pool size) before it reports ready. The HTTP server runs in this process.
+
+Across several nodes (`--nnodes`), node 0 runs all of the above, and its scheduler process is
+rank 0, which hosts the ranks' rendezvous at `--dist-init-addr`; nodes 1.. run `run_node`: only
+their tensor-parallel ranks, which take their config from rank 0 and stop when it does.
 """
 
 from __future__ import annotations
@@ -158,3 +162,28 @@ def run_server(config: ServerConfig) -> None:
             log_level=config.log_level,
             timeout_graceful_shutdown=3,
         )
+
+
+def run_node(config: ServerConfig) -> int:
+    """Node K > 0: run this node's tensor-parallel ranks until node 0 stops them; returns 0, or
+    the first failed rank's exit code. Raises ValueError when the flags do not fit node 0's."""
+    from minisgl.distributed.launch import run_node as run_node_ranks
+
+    e = config.engine
+    assert e.dist_init_addr is not None  # EngineConfig requires it when nnodes > 1
+    logger.info(
+        "node %d of %d: ranks %d..%d of %d; meeting rank 0 at %s (no HTTP server on this node)",
+        e.node_rank,
+        e.nnodes,
+        e.node_rank * e.ranks_per_node,
+        (e.node_rank + 1) * e.ranks_per_node - 1,
+        e.tp_size,
+        e.dist_init_addr,
+    )
+    # As an exception SIGTERM stops the ranks on its way out (they would notice by themselves,
+    # half a second later).
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return run_node_ranks(e.dist_init_addr, e.node_rank, e.nnodes, e.tp_size)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

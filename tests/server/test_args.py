@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -27,6 +28,9 @@ FLAGS = [
     "--seed",
     "--max-context-len",
     "--log-level",
+    "--nnodes",
+    "--node-rank",
+    "--dist-init-addr",
 ]
 
 
@@ -92,6 +96,45 @@ def test_flags_map_onto_the_engine_config() -> None:
         1024,
     )
     assert e.model is None and not cfg.shell
+    assert (e.tp_size, e.nnodes, e.node_rank, e.dist_init_addr) == (1, 1, 0, None)
+    assert cfg.serves_http
+
+
+def test_multi_node_flags() -> None:
+    node = ["--tp-size", "4", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"]
+    head, other = parse_args(node), parse_args([*node, "--node-rank", "1"])
+    assert (head.engine.nnodes, head.engine.node_rank, head.engine.ranks_per_node) == (2, 0, 2)
+    assert head.engine.dist_init_addr == "10.0.0.1:5000"
+    assert head.serves_http and not other.serves_http  # node 1 runs only its ranks
+    assert other.engine.node_rank == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "nnodes: 2 nodes cannot"),
+        (["--tp-size", "2", "--nnodes", "2"], "dist_init_addr: several nodes need"),
+        (
+            ["--tp-size", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
+            r"node_rank: must be in \[0, 2\)",
+        ),
+        (["--node-rank", "-1"], "node_rank: must be in"),
+        (["--nnodes", "0"], "nnodes: 0 nodes"),
+        (["--dist-init-addr", "localhost"], "expected host:port"),
+        (
+            ["--shell", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1"]
+            + ["--dist-init-addr", "h:1"],
+            "shell: runs on node 0 only",
+        ),
+    ],
+)
+def test_bad_multi_node_flags(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(
