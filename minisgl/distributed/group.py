@@ -22,6 +22,7 @@ from minisgl.config import EngineConfig
 from minisgl.config.engine import split_host_port
 from minisgl.distributed.errors import RankFailedError
 from minisgl.distributed.state import TPInfo, reset_tp_info, set_tp_info
+from minisgl.distributed.symm_all_reduce import init_symm_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +113,22 @@ def init_groups(config: EngineConfig, store: dist.Store, rank: int) -> Any:
         timeout=MODEL_TIMEOUT,
     )
     set_tp_info(TPInfo(rank, config.tp_size))
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if on_cuda:
+        fast = init_symm_all_reduce(
+            dist.group.WORLD,
+            torch.device(config.device),
+            config.nnodes,
+            lambda ok: agree_on_min(int(ok), control) == 1,
+        )
+        set_tp_info(TPInfo(rank, config.tp_size, fast))
+    return control
 
 
 def destroy_groups() -> None:
+    reset_tp_info()  # first: drops the symmetric buffers while their group still exists
     if dist.is_initialized():
         dist.destroy_process_group()
-    reset_tp_info()
 
 
 def agree_on_min(value: int, group: Any) -> int:

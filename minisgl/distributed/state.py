@@ -2,17 +2,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl.distributed.errors import RankFailedError
+
+if TYPE_CHECKING:
+    from minisgl.distributed.symm_all_reduce import SymmAllReduce
 
 
 @dataclass(frozen=True)
 class TPInfo:
     rank: int = 0
     size: int = 1
+    # Small CUDA all-reduces go here instead of NCCL (None: NCCL or gloo for everything).
+    symm_all_reduce: SymmAllReduce | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_primary(self) -> bool:
@@ -49,8 +55,12 @@ def tp_size_one() -> Iterator[None]:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group, in place; the identity at tp=1."""
+    """Sum `x` over the tensor-parallel group, in place; the identity at tp=1. Small CUDA
+    messages take the symmetric-memory one-shot kernel when the group set one up."""
     if _TP.size > 1:
+        fast = _TP.symm_all_reduce
+        if fast is not None and fast.accepts(x):
+            return fast(x)
         with _peers_reachable("all-reduce"):
             torch.distributed.all_reduce(x)
     return x
