@@ -35,12 +35,8 @@ class DecodeConfig:
     block_n: int = 64  # key tokens per loop step
     num_warps: int = 4
     num_stages: int = 3  # H200 sweep: 4.46 TB/s at 256 x 4096 (2 stages: 4.23)
-    # Splits: a request's split is at least `min_split_tokens` long (on the device, from its own
-    # length), so splits past a short request's end exit at once; the grid gets as many splits
-    # as the longest request could fill, but at most `programs_per_sm` programs per SM in all.
-    # Short splits balance ragged batches: one split per request leaves the SMs waiting on the
-    # longest requests.
-    programs_per_sm: int = 64
+    # Split heuristic: aim for this many programs per SM, never splits shorter than this.
+    programs_per_sm: int = 4
     min_split_tokens: int = 256
     max_splits: int = 64
 
@@ -58,19 +54,18 @@ def default_decode_config(head_dim: int) -> DecodeConfig:
 def choose_num_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, sms: int, config: DecodeConfig
 ) -> int:
-    """Splits per request (the grid's third dimension): enough for the longest request to have
-    splits of `min_split_tokens`, capped by `programs_per_sm` programs per SM in all."""
+    """Splits per request: about `programs_per_sm` programs per SM (one wave, if that many fit
+    on an SM at once), each split at least `min_split_tokens` long."""
     want = config.programs_per_sm * sms // max(1, batch_size * num_kv_heads)
     by_len = -(-max_seq_len // config.min_split_tokens)
     return max(1, min(want, by_len, config.max_splits))
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Tokens per split for a request of `seq_len` tokens: a whole number of BLOCK_N blocks,
-    at least MIN_SPLIT (a multiple of BLOCK_N)."""
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split for a request of `seq_len` tokens: a whole number of BLOCK_N blocks."""
     per_split = tl.cdiv(seq_len, num_splits)
-    return tl.maximum(tl.cdiv(per_split, BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -99,7 +94,6 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -112,7 +106,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -171,14 +165,13 @@ def _decode_reduce_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
     head = tl.program_id(0)
     b = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     # Splits past the end of a short request were not written: stop before them.
-    num_valid = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N, MIN_SPLIT))
+    num_valid = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
     row = (b * num_q_heads + head) * num_splits
     offs_d = tl.arange(0, HEAD_DIM)
     m = tl.full([1], float("-inf"), tl.float32)
@@ -238,22 +231,19 @@ def decode_attention(
     else:
         part_o = part_lse = out  # unused by the kernel
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel)
-    min_split = -(-cfg.min_split_tokens // cfg.block_n) * cfg.block_n if num_splits > 1 else 0
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=cfg.block_n, MIN_SPLIT=min_split, PAGE_SIZE=page_size,
-        SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_q_heads, batch)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_q_heads,
-            num_splits, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
-            EMULATE_BF16=emulate_bf16,
+            num_splits, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, EMULATE_BF16=emulate_bf16,
             num_warps=1 if head_dim <= 64 else 2,
         )  # fmt: skip
     return out
