@@ -37,7 +37,7 @@ class DecodeConfig:
     num_stages: int = 3  # H200 sweep: 4.46 TB/s at 256 x 4096 (2 stages: 4.23)
     # Split heuristic: aim for this many programs per SM, never splits shorter than this.
     programs_per_sm: int = 4
-    min_split_tokens: int = 256
+    min_split_tokens: int = 64  # 256 left batch-1 W2 steps with 2 splits of a 300-token context
     max_splits: int = 64
 
     def __post_init__(self) -> None:
