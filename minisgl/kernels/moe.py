@@ -1,6 +1,20 @@
 """Fused mixture-of-experts for CUDA (imports Triton).
 
-A step runs five launches, none of which syncs with the host (CUDA-graph safe):
+Two paths, both without a host sync (CUDA-graph safe); the config table picks one by the rows
+each expert gets on average (T * K / E):
+
+Pair path, for a few tokens (decode at small batch), where the step is launch- and
+latency-bound; two launches after the router GEMM:
+
+1. `_pair_gate_up_kernel`: one program per (token, k) pair and BLOCK_N columns of I. It routes
+   the token itself (softmax over the router logits, top-k, renormalise: the same math as
+   `fused_topk`), multiplies the token's row by its expert's gate and up slices (a GEMV) and
+   writes silu(gate) * up. No sort: each pair reads its own expert's weights (two pairs of
+   different tokens on one expert read it twice, hence "a few tokens").
+2. `_pair_down_kernel`: one program per token and BLOCK_N columns of H; it loops over the
+   token's k experts and sums routing weight * down projection, writing the layer's output.
+
+Blocked path, for everything larger; five launches:
 
 1. `fused_topk`: softmax over the router logits, the top k experts of each token, renormalised.
 2. `moe_align`: the T*K (token, expert) pairs sorted by expert, each expert's run padded to a
@@ -12,11 +26,12 @@ A step runs five launches, none of which syncs with the host (CUDA-graph safe):
 5. a sum over the k rows of each token.
 
 The math is `minisgl.layers.moe.moe_reference`; `align_reference` here is the torch
-specification of step 2.
+specification of blocked step 2.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,30 +53,55 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """Tiles of the two grouped GEMMs; both walk the same BLOCK_M-row expert blocks."""
+    """The blocked path: tiles of the two grouped GEMMs; both walk the same BLOCK_M-row expert
+    blocks."""
 
     block_m: int
     gate_up: GemmTile
     down: GemmTile
 
 
-# By rows per expert (T * K / E), smallest first: the first bucket whose bound is >= the
-# rows per expert wins. Decode sizes are memory-bound (narrow N tiles spread each expert's
-# weights over many SMs); prefill sizes are compute-bound (wide tiles reuse each weight tile).
-# Starting points for an H200 at the Qwen3-30B-A3B shape; `python -m minisgl.benchmark.moe
-# --tune` measures the candidates on the GPU at hand.
-DEFAULT_CONFIGS: tuple[tuple[float, FusedMoEConfig], ...] = (
-    (4, FusedMoEConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 128, 4, 4))),
-    (16, FusedMoEConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
-    (64, FusedMoEConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3))),
-    (256, FusedMoEConfig(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3))),
-    (float("inf"), FusedMoEConfig(128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3))),
-)
+@dataclass(frozen=True)
+class PairConfig:
+    """The pair path: GEMV tiles ([BLOCK_N, BLOCK_K] of one expert's weights per loop step) of
+    the per-pair gate/up kernel and the per-token down kernel. Their loads feed no tl.dot, so
+    Triton does not pipeline them and num_stages has no effect: the kernels prefetch one step
+    ahead by hand, and the loads in flight per SM grow with BLOCK_N * BLOCK_K and the number of
+    programs (one per pair and BLOCK_N columns of I; one per token and BLOCK_N columns of H)."""
+
+    gate_up: GemmTile
+    down: GemmTile
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> FusedMoEConfig:
+MoEConfig = FusedMoEConfig | PairConfig
+
+# Rows per expert (T * K / E) -> config: the first bound (in insertion order, ascending) that is
+# >= the call's rows per expert wins; the last bound must be math.inf. At Qwen3-30B-A3B's
+# E=128, K=8 one token is 0.0625 rows per expert and 16 tokens are 1. Decode sizes are
+# memory-bound (narrow N tiles spread each expert's weights over many SMs); prefill sizes are
+# compute-bound (wide tiles reuse each weight tile). Starting points for an H200 at the
+# Qwen3-30B-A3B shape; `python -m minisgl.benchmark.moe --tune` measures the candidates on the
+# GPU at hand and prints a dict in this form to paste here.
+DEFAULT_CONFIGS: dict[float, MoEConfig] = {
+    0.0625: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(8, 1024, 4, 1)),
+    0.25: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(8, 1024, 4, 1)),
+    4: FusedMoEConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 128, 4, 4)),
+    16: FusedMoEConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4)),
+    64: FusedMoEConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3)),
+    256: FusedMoEConfig(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3)),
+    math.inf: FusedMoEConfig(128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3)),
+}
+
+
+def default_config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    table: dict[float, MoEConfig] | None = None,
+) -> MoEConfig:
     rows_per_expert = num_tokens * top_k / num_experts
-    return next(cfg for bound, cfg in DEFAULT_CONFIGS if rows_per_expert <= bound)
+    configs = DEFAULT_CONFIGS if table is None else table
+    return next(cfg for bound, cfg in configs.items() if rows_per_expert <= bound)
 
 
 def _flags(dtype: torch.dtype, kernel: object) -> tuple[bool, bool]:
@@ -88,10 +128,9 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(
+def _route(
     logits_ptr,  # [T, E]
-    weights_ptr,  # [T, K] fp32
-    ids_ptr,  # [T, K] int32
+    token,
     stride_l,
     num_experts,
     TOP_K: tl.constexpr,
@@ -99,9 +138,12 @@ def _topk_kernel(
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """(weights [BLOCK_K] fp32, ids [BLOCK_K] int32) of one token; slots past TOP_K are 0.
+    Ties go to the lower expert id."""
     offs_e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * stride_l + offs_e, mask=offs_e < num_experts, other=-float("inf"))
+    x = tl.load(
+        logits_ptr + token * stride_l + offs_e, mask=offs_e < num_experts, other=-float("inf")
+    )
     x = x.to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)  # [BLOCK_E], 0 past num_experts
@@ -117,8 +159,30 @@ def _topk_kernel(
         p = tl.where(offs_e == arg, -1.0, p)
     if RENORMALIZE:
         vals = vals / tl.sum(vals, 0)
+    return vals, idxs
+
+
+@triton.jit
+def _topk_kernel(
+    logits_ptr,  # [T, E]
+    weights_ptr,  # [T, K] fp32
+    ids_ptr,  # [T, K] int32
+    stride_l,
+    num_experts,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    vals, idxs = _route(logits_ptr, t, stride_l, num_experts, TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
+    offs_k = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + t * TOP_K + offs_k, vals, mask=offs_k < TOP_K)
     tl.store(ids_ptr + t * TOP_K + offs_k, idxs, mask=offs_k < TOP_K)
+
+
+def _topk_block(top_k: int) -> int:
+    return max(2, triton.next_power_of_2(top_k))
 
 
 def fused_topk(
@@ -134,7 +198,7 @@ def fused_topk(
         return weights, ids
     _topk_kernel[(num_tokens,)](
         logits, weights, ids, logits.stride(0), num_experts,
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+        TOP_K=top_k, BLOCK_K=_topk_block(top_k),
         BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
     )  # fmt: skip
     return weights, ids
@@ -404,7 +468,240 @@ def down_gemm(
     return out
 
 
+# ---- pair path: one GEMV per (token, k) pair, no sort --------------------------------------------
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H]: gate rows [0, I), up rows [I, 2I)
+    act_ptr,  # [T * K, I]: silu(gate) * up of pair t * K + k
+    ids_ptr,  # [T * K] int32: read, or written when ROUTE
+    weights_ptr,  # [T * K] fp32: written when ROUTE
+    logits_ptr,  # [T, E] router logits, read when ROUTE
+    inter,  # I
+    hidden,  # H
+    num_experts,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_at,
+    stride_l,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    # Program (p, n): pair p = t * K + k x columns [n * BLOCK_N, +BLOCK_N) of I. With ROUTE every
+    # program of token t routes t again (a few hundred cycles; cheaper than a launch) and the
+    # n == 0 programs publish the result for the down kernel. The programs of one kernel run
+    # the same code on the same logits, so they agree on every pair's expert.
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = (pair // TOP_K).to(tl.int64)
+    if ROUTE:
+        vals, idxs = _route(
+            logits_ptr, token, stride_l, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E, RENORMALIZE
+        )
+        slot = tl.arange(0, BLOCK_TOPK) == pair % TOP_K
+        expert = tl.sum(tl.where(slot, idxs, 0), 0)
+        if pid_n == 0:
+            tl.store(ids_ptr + pair, expert)
+            tl.store(weights_ptr + pair, tl.sum(tl.where(slot, vals, 0.0), 0))
+    else:
+        expert = tl.load(ids_ptr + pair)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < inter
+    x_ptrs = x_ptr + token * stride_xt + offs_k  # [BLOCK_K]
+    g_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_n[:, None] * stride_wn
+        + offs_k[None, :] * stride_wk
+    )  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + inter * stride_wn
+    # Products summed per lane in fp32, reduced across the K lanes once at the end. Triton
+    # pipelines only loads that feed a tl.dot, so the loop prefetches by hand: tile k + 1's
+    # loads are in flight while tile k is multiplied (at k + 1 == n_k they are all masked off).
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    mask_k = offs_k < hidden
+    a = tl.load(x_ptrs, mask=mask_k, other=0.0)
+    g = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    u = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    for k in range(1, tl.cdiv(hidden, BLOCK_K) + 1):
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+        mask_k = offs_k < hidden - k * BLOCK_K
+        a_next = tl.load(x_ptrs, mask=mask_k, other=0.0)
+        g_next = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        u_next = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        a32 = a.to(tl.float32)[None, :]
+        acc_g += g.to(tl.float32) * a32
+        acc_u += u.to(tl.float32) * a32
+        a, g, u = a_next, g_next, u_next
+    gate = tl.sum(acc_g, 1)  # [BLOCK_N]
+    up = tl.sum(acc_u, 1)
+    h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
+    out_ptrs = act_ptr + pair.to(tl.int64) * stride_at + offs_n
+    tl.store(out_ptrs, h.to(act_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _pair_down_loads(
+    act_ptr,
+    w_rows,  # [BLOCK_N, 1] pointers to the output rows of expert 0
+    ids,  # [BLOCK_TOPK] the token's experts
+    token,
+    i,  # the step: (slot, I tile) = divmod(i, k_tiles); past the last step, nothing loads
+    k_tiles,
+    inter,
+    mask_n,
+    stride_at,
+    stride_we,
+    stride_wk,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+):
+    slot = i // k_tiles
+    offs = (i - slot * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs < tl.where(slot < TOP_K, inter, 0)
+    expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == slot, ids, 0), 0).to(tl.int64)
+    pair = token * TOP_K + slot
+    a = tl.load(act_ptr + pair * stride_at + offs, mask=mask_k, other=0.0)  # [BLOCK_K]
+    w_ptrs = w_rows + expert * stride_we + offs[None, :] * stride_wk
+    w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+    return a, w
+
+
+@triton.jit
+def _pair_down_kernel(
+    act_ptr,  # [T * K, I]
+    w_ptr,  # [E, H, I]
+    out_ptr,  # [T, H]
+    ids_ptr,  # [T * K] int32
+    weights_ptr,  # [T * K] fp32
+    hidden,  # H (the output columns)
+    inter,  # I (the reduction)
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+):
+    # Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of token t's output, summed over its K
+    # experts in registers (no atomics, no separate sum). One flat loop over (k, I tile) steps
+    # with the next step's loads in flight during this one's products (see the gate/up kernel);
+    # the token's experts and weights sit in registers, so no load waits on another.
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_s = tl.arange(0, BLOCK_TOPK)
+    ids = tl.load(ids_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0)
+    routing = tl.load(weights_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0.0)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    k_tiles = tl.cdiv(inter, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    a, w = _pair_down_loads(
+        act_ptr, w_rows, ids, token, 0, k_tiles, inter, mask_n, stride_at, stride_we,
+        stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
+    )  # fmt: skip
+    for i in range(1, TOP_K * k_tiles + 1):
+        a_next, w_next = _pair_down_loads(
+            act_ptr, w_rows, ids, token, i, k_tiles, inter, mask_n, stride_at, stride_we,
+            stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
+        )  # fmt: skip
+        weight = tl.sum(tl.where(offs_s == (i - 1) // k_tiles, routing, 0.0), 0)
+        acc += w.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
+        a, w = a_next, w_next
+    out = tl.sum(acc, 1)  # [BLOCK_N]
+    out_ptrs = out_ptr + token * stride_ot + offs_n
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+class PairRouting(NamedTuple):
+    """Each (token, k) pair's expert and routing weight, flattened: pair t * K + k."""
+
+    ids: torch.Tensor  # [T * K] int32
+    weights: torch.Tensor  # [T * K] fp32
+
+
+def pair_gate_up(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    top_k: int,
+    tile: GemmTile,
+    routing: PairRouting | None = None,
+    logits: torch.Tensor | None = None,  # [T, E]
+    renormalize: bool = False,
+) -> tuple[torch.Tensor, PairRouting]:  # act [T * K, I]
+    """silu(gate) * up of every pair. Given `logits` instead of `routing`, the kernel routes
+    the tokens too and returns the routing it chose."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    route = routing is None
+    if routing is None:
+        if logits is None:
+            raise ValueError("pair_gate_up needs either routing or router logits")
+        routing = PairRouting(
+            torch.empty(num_tokens * top_k, dtype=torch.int32, device=x.device),
+            torch.empty(num_tokens * top_k, dtype=torch.float32, device=x.device),
+        )
+    src = logits if logits is not None and route else routing.weights  # unread unless ROUTE
+    grid = (num_tokens * top_k, triton.cdiv(inter, tile.block_n))
+    _pair_gate_up_kernel[grid](
+        x, w13, act, routing.ids, routing.weights, src, inter, hidden, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), src.stride(0),
+        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
+        BLOCK_TOPK=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    return act, routing
+
+
+def pair_down(
+    act: torch.Tensor,  # [T * K, I]
+    w2: torch.Tensor,  # [E, H, I]
+    routing: PairRouting,
+    top_k: int,
+    tile: GemmTile,
+) -> torch.Tensor:  # [T, H]
+    """sum_k weight_k * down_{expert_k}(act of pair (t, k)) for every token t."""
+    num_tokens = act.shape[0] // top_k
+    hidden, inter = w2.shape[1], w2.shape[2]
+    out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
+    grid = (num_tokens, triton.cdiv(hidden, tile.block_n))
+    _pair_down_kernel[grid](
+        act, w2, out, routing.ids, routing.weights, hidden, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=_topk_block(top_k),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out
+
+
 # ---- the whole layer ---------------------------------------------------------------------------
+
+
+def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    if w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w13.shape[1] != 2 * w2.shape[2]:
+        raise ValueError(
+            f"expert shapes {tuple(w13.shape)}, {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
+        )
 
 
 def fused_experts(
@@ -413,22 +710,36 @@ def fused_experts(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K] fp32
     topk_ids: torch.Tensor,  # [T, K] int32 or int64
-    config: FusedMoEConfig | None = None,
+    config: MoEConfig | None = None,
 ) -> torch.Tensor:  # [T, H] in x.dtype
-    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with two grouped GEMMs."""
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), on the path `config` picks."""
     num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
-    if w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w13.shape[1] != 2 * w2.shape[2]:
-        raise ValueError(
-            f"expert shapes {tuple(w13.shape)}, {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
-        )
+    _check_shapes(x, w13, w2)
     if num_tokens == 0:
         return torch.zeros_like(x)
-    cfg = config or default_config(num_tokens, top_k, num_experts)
+    cfg = config or default_config(num_tokens, top_k, w13.shape[0])
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    rows = moe_align(topk_ids.contiguous(), num_experts, cfg.block_m)
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.float().contiguous()
+    if isinstance(cfg, PairConfig):
+        routing = PairRouting(ids.view(-1), weights.view(-1))
+        act, _ = pair_gate_up(x, w13, top_k, cfg.gate_up, routing=routing)
+        return pair_down(act, w2, routing, top_k, cfg.down)
+    return _blocked_experts(x, w13, w2, weights, ids, cfg)
+
+
+def _blocked_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,  # [T, K] fp32
+    topk_ids: torch.Tensor,  # [T, K] int32
+    cfg: FusedMoEConfig,
+) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    rows = moe_align(topk_ids, w13.shape[0], cfg.block_m)
     act = gate_up_gemm(x, w13, rows, top_k, cfg.gate_up)
-    out = down_gemm(act, w2, topk_weights.float().contiguous(), rows, cfg.down)
+    out = down_gemm(act, w2, topk_weights, rows, cfg.down)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
@@ -439,8 +750,19 @@ def fused_moe(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
     renormalize: bool,
-    config: FusedMoEConfig | None = None,
+    config: MoEConfig | None = None,
 ) -> torch.Tensor:  # [T, H]
-    """The MoE layer after its router: top-k routing, then `fused_experts`."""
+    """The MoE layer after its router: top-k routing, then the experts. On the pair path the
+    routing runs inside the gate/up kernel (two launches in all)."""
+    num_tokens = x.shape[0]
+    _check_shapes(x, w13, w2)
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    cfg = config or default_config(num_tokens, top_k, w13.shape[0])
+    if isinstance(cfg, PairConfig):
+        x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+        act, routing = pair_gate_up(x, w13, top_k, cfg.gate_up, logits=router_logits,
+                                    renormalize=renormalize)  # fmt: skip
+        return pair_down(act, w2, routing, top_k, cfg.down)
     weights, ids = fused_topk(router_logits, top_k, renormalize)
-    return fused_experts(x, w13, w2, weights, ids, config)
+    return fused_experts(x, w13, w2, weights, ids, cfg)

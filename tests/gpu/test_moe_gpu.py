@@ -16,6 +16,8 @@ pytest.importorskip("triton", reason="Triton is not installed (optional dependen
 from minisgl.kernels.moe import (  # noqa: E402
     FusedMoEConfig,
     GemmTile,
+    PairConfig,
+    default_config,
     fused_experts,
     fused_moe,
     fused_topk,
@@ -100,6 +102,49 @@ def test_every_block_height(block_m: int, qwen3_30b_weights) -> None:
     out = fused_experts(x, w13, w2, routing.weights, routing.ids, cfg)
     truth = moe_reference(x.float(), w13.float(), w2.float(), routing)
     assert rel_err(out, truth) <= 1e-2
+
+
+# Pair-path tiles around the defaults, including the sweep's extremes (benchmark.moe --tune).
+PAIR_TILES = [GemmTile(8, 1024, 4, 1), GemmTile(16, 256, 4, 1), GemmTile(32, 512, 8, 1),
+              GemmTile(8, 256, 4, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 8, 33])
+@pytest.mark.parametrize("tile", PAIR_TILES, ids=str)
+def test_pair_path_routes_and_matches(tokens: int, tile: GemmTile, qwen3_30b_weights) -> None:
+    """The pair path from router logits (routing inside its gate/up kernel) against the fp32
+    reference, at every tile worth tuning and past the sizes it is chosen for."""
+    w13, w2 = qwen3_30b_weights
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    x = torch.randn(tokens, 2048, generator=gen, device=DEVICE).to(torch.bfloat16)
+    logits = torch.randn(tokens, 128, generator=gen, device=DEVICE)
+    out = fused_moe(x, w13, w2, logits, 8, True, PairConfig(tile, tile))
+    truth = moe_reference(x.float(), w13.float(), w2.float(), select_experts(logits, 8, True))
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, truth) <= 1e-2
+
+
+def test_batch1_decode_takes_the_pair_path() -> None:
+    assert isinstance(default_config(1, 8, 128), PairConfig)
+
+
+def test_pair_path_cuda_graph_replay(qwen3_30b_weights) -> None:
+    """Batch-1 decode as the engine runs it: the pair path replayed from a CUDA graph."""
+    w13, w2 = qwen3_30b_weights
+    x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(1, 128, device=DEVICE)
+    fused_moe(x, w13, w2, logits, 8, True)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, logits, 8, True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe(x, w13, w2, logits, 8, True), rtol=0, atol=0)
+        truth = moe_reference(x.float(), w13.float(), w2.float(), select_experts(logits, 8, True))
+        assert rel_err(out, truth) <= 1e-2
 
 
 def test_topk_matches_reference() -> None:

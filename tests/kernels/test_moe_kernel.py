@@ -1,4 +1,5 @@
-"""Fused MoE kernels (routing, align, grouped GEMMs) against the torch references.
+"""Fused MoE kernels (routing, align, grouped GEMMs, the pair path's GEMVs) against the torch
+references.
 
 Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
 the kernel module is imported), so shapes stay small; with CUDA the same cases run natively.
@@ -39,6 +40,8 @@ if DEVICE == "cpu" and not COMPILE_MODE and not isinstance(K._align_kernel, K.In
 # doubles the error of each bf16 intermediate there.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2 if DEVICE == "cpu" else 1e-2}
 SMALL = K.FusedMoEConfig(16, K.GemmTile(16, 16), K.GemmTile(32, 16))
+PAIR = K.PairConfig(K.GemmTile(16, 32), K.GemmTile(16, 16))
+CONFIGS = pytest.mark.parametrize("config", [SMALL, PAIR], ids=["blocked", "pair"])
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -64,14 +67,22 @@ def skewed_ids(num_tokens: int, num_experts: int, top_k: int, seed: int) -> torc
     return scores.topk(top_k, dim=-1).indices.to(DEVICE, torch.int32)  # [T, K]
 
 
+def distinct_logits(num_tokens: int, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Distinct values, exact in bf16: the top-k implementations may break ties apart."""
+    g = torch.Generator().manual_seed(num_tokens * 1000 + num_experts)
+    perms = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_tokens)])
+    return (perms.float() / 32).to(DEVICE, dtype)  # [T, E]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_experts", "top_k", "renormalize"), [(8, 2, True), (12, 3, False)])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "renormalize"),
+    [(7, 8, 2, True), (7, 12, 3, False), (1, 128, 8, True), (5, 128, 8, False), (3, 6, 1, True)],
+)
 def test_topk_matches_select_experts(
-    dtype: torch.dtype, num_experts: int, top_k: int, renormalize: bool
+    dtype: torch.dtype, num_tokens: int, num_experts: int, top_k: int, renormalize: bool
 ) -> None:
-    # Distinct values, exact in bf16: the two top-k implementations may break ties apart.
-    perms = torch.stack([torch.randperm(num_experts) for _ in range(7)])
-    logits = (perms.float() / 4).to(DEVICE, dtype)  # [7, E]
+    logits = distinct_logits(num_tokens, num_experts, dtype)
     weights, ids = K.fused_topk(logits, top_k, renormalize)
     ref = select_experts(logits, top_k, renormalize)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
@@ -81,7 +92,7 @@ def test_topk_matches_select_experts(
 
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "block_m"),
-    [(1, 8, 2, 16), (9, 8, 2, 16), (40, 6, 3, 32), (700, 8, 2, 16)],  # 700 * 2: two chunks
+    [(1, 8, 2, 16), (1, 128, 8, 16), (9, 8, 2, 16), (40, 6, 3, 32), (700, 8, 2, 16)],
 )
 def test_align_matches_reference(
     num_tokens: int, num_experts: int, top_k: int, block_m: int
@@ -108,48 +119,91 @@ def test_align_worst_case_fits() -> None:
     assert int(got.num_padded) == 8 * 16 == got.max_blocks * 16
 
 
+@CONFIGS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "hidden", "inter"),
-    [(1, 8, 2, 32, 16), (19, 8, 2, 48, 40), (24, 6, 3, 64, 32)],  # 48, 40: ragged tiles
-)
+    # 48, 40: ragged tiles; 128 experts, top-8: Qwen3-30B-A3B's routing
+    [(1, 8, 2, 32, 16), (1, 128, 8, 64, 32), (3, 128, 8, 48, 40), (19, 8, 2, 48, 40),
+     (24, 6, 3, 64, 32), (5, 6, 1, 32, 16)],
+)  # fmt: skip
 def test_fused_experts_matches_reference(
-    dtype: torch.dtype, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int
+    config: K.MoEConfig,
+    dtype: torch.dtype,
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
 ) -> None:
     w13, w2 = random_experts(num_experts, hidden, inter, dtype)
     x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
     ids = skewed_ids(num_tokens, num_experts, top_k, seed=1)
     weights = torch.rand(num_tokens, top_k, device=DEVICE)
-    out = K.fused_experts(x, w13, w2, weights, ids, SMALL)
+    out = K.fused_experts(x, w13, w2, weights, ids, config)
     # The truth: the same (rounded) inputs in fp32.
     ref = moe_reference(x.float(), w13.float(), w2.float(), Routing(weights, ids.long()))
     assert out.dtype == dtype and out.shape == x.shape
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-def test_fused_moe_matches_layer_reference() -> None:
-    w13, w2 = random_experts(8, 32, 16, torch.float32, seed=3)
-    x = torch.randn(5, 32, device=DEVICE)
-    logits = torch.randn(5, 8, device=DEVICE)
-    big = K.FusedMoEConfig(32, K.GemmTile(32, 32), K.GemmTile(16, 16))
-    out = K.fused_moe(x, w13, w2, logits, 2, True, big)
-    ref = moe_reference(x, w13, w2, select_experts(logits, 2, True))
+BIG = K.FusedMoEConfig(32, K.GemmTile(32, 32), K.GemmTile(16, 16))
+
+
+@pytest.mark.parametrize("config", [BIG, PAIR], ids=["blocked", "pair"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k"), [(5, 8, 2), (1, 128, 8), (2, 128, 8), (4, 6, 1)]
+)
+def test_fused_moe_matches_layer_reference(
+    config: K.MoEConfig, renormalize: bool, num_tokens: int, num_experts: int, top_k: int
+) -> None:
+    w13, w2 = random_experts(num_experts, 32, 16, torch.float32, seed=3)
+    x = torch.randn(num_tokens, 32, device=DEVICE)
+    logits = distinct_logits(num_tokens, num_experts, torch.float32)
+    out = K.fused_moe(x, w13, w2, logits, top_k, renormalize, config)
+    ref = moe_reference(x, w13, w2, select_experts(logits, top_k, renormalize))
     assert rel_err(out, ref) <= TOL[torch.float32]
 
 
-def test_no_tokens() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(1, 128, 8), (3, 8, 2)])
+def test_pair_gate_up_routes_like_fused_topk(
+    dtype: torch.dtype, num_tokens: int, num_experts: int, top_k: int
+) -> None:
+    """The routing inside the pair path's gate/up kernel: the same experts and weights as
+    `fused_topk`, and silu(gate) * up of each (token, k) pair."""
+    w13, _ = random_experts(num_experts, 48, 40, dtype, seed=5)
+    x = torch.randn(num_tokens, 48, device=DEVICE).to(dtype)
+    logits = distinct_logits(num_tokens, num_experts, dtype)
+    act, routing = K.pair_gate_up(x, w13, top_k, PAIR.gate_up, logits=logits, renormalize=True)
+    weights, ids = K.fused_topk(logits, top_k, True)
+    assert torch.equal(routing.ids, ids.view(-1))
+    assert torch.equal(routing.weights, weights.view(-1))
+    gate, up = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(top_k, 0),
+                            w13.float()[routing.ids.long()]).chunk(2, dim=-1)  # fmt: skip
+    want = torch.nn.functional.silu(gate) * up  # [T * K, I]
+    assert act.shape == want.shape and act.dtype == dtype
+    assert rel_err(act, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [None, SMALL, PAIR], ids=["default", "blocked", "pair"])
+def test_no_tokens(config: K.MoEConfig | None) -> None:
     w13, w2 = random_experts(4, 32, 16, torch.float32)
     x = torch.empty(0, 32, device=DEVICE)
-    assert K.fused_moe(x, w13, w2, torch.empty(0, 4, device=DEVICE), 2, True).shape == (0, 32)
+    out = K.fused_moe(x, w13, w2, torch.empty(0, 4, device=DEVICE), 2, True, config)
+    assert out.shape == (0, 32)
 
 
 def test_default_config_by_rows_per_expert() -> None:
-    decode = K.default_config(1, 8, 128)
+    assert list(K.DEFAULT_CONFIGS) == sorted(K.DEFAULT_CONFIGS)
+    assert list(K.DEFAULT_CONFIGS)[-1] == float("inf")
+    assert isinstance(K.default_config(1, 8, 128), K.PairConfig)  # decode at batch 1
     prefill = K.default_config(8192, 8, 128)
-    assert decode.block_m <= prefill.block_m
-    assert decode.gate_up.block_n <= prefill.gate_up.block_n
-    sizes = [K.default_config(t, 8, 128).block_m for t in (1, 64, 256, 1024, 8192)]
-    assert sizes == sorted(sizes)
+    assert isinstance(prefill, K.FusedMoEConfig)
+    blocked = [K.default_config(t, 8, 128) for t in (64, 256, 1024, 8192)]
+    sizes = [c.block_m for c in blocked if isinstance(c, K.FusedMoEConfig)]
+    assert sizes == sorted(sizes) and len(sizes) == len(blocked)
 
 
 def test_shape_mismatch_is_an_error() -> None:
@@ -200,7 +254,10 @@ def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, st
 
 def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     out = []
-    for _, cfg in K.DEFAULT_CONFIGS:
+    for cfg in K.DEFAULT_CONFIGS.values():
+        if isinstance(cfg, K.PairConfig):
+            out += _pair_variants(cfg)
+            continue
         for kernel, tile in ((K._gate_up_kernel, cfg.gate_up), (K._down_kernel, cfg.down)):
             c = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                      IEEE=False, UPCAST=False, stride_wk=1)  # fmt: skip
@@ -209,6 +266,19 @@ def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
             out.append((f"{kernel.__name__} m{cfg.block_m} {tile}", kernel, "bf16", c, tile))
     fp32 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, IEEE=True, UPCAST=False, stride_wk=1, TOP_K=2)
     out.append(("_gate_up_kernel fp32", K._gate_up_kernel, "fp32", fp32, K.GemmTile(32, 32, 4, 2)))
+    return list({v[0]: v for v in out}.values())  # one of each: configs may share tiles
+
+
+def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
+    out = []
+    for route in (True, False):
+        tile = cfg.gate_up
+        c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
+                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, stride_wk=1)  # fmt: skip
+        name = f"_pair_gate_up_kernel route={route} {tile}"
+        out.append((name, K._pair_gate_up_kernel, "bf16", c, tile))
+    c = dict(TOP_K=8, BLOCK_N=cfg.down.block_n, BLOCK_K=cfg.down.block_k, BLOCK_TOPK=8, stride_wk=1)
+    out.append((f"_pair_down_kernel {cfg.down}", K._pair_down_kernel, "bf16", c, cfg.down))
     return out
 
 
