@@ -14,12 +14,12 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from minisgl.benchmark.common import time_graph
 from minisgl.kernels.reference import decode_attention_ref, extend_attention_ref
 from minisgl.kernels.testing import cu_seqlens, random_paged_kv
 
@@ -41,32 +41,6 @@ DEVICE = "cuda"
 Row = dict[str, Any]
 # timer(fn, n_sets) -> seconds per call of fn(i), i cycling over range(n_sets)
 Timer = Callable[[Callable[[int], object], int], float]
-
-
-def time_graph(fn: Callable[[int], object], n_sets: int, replays: int = 10) -> float:
-    """Median seconds per call of `fn(i)`, captured as one CUDA graph of back-to-back calls."""
-    for i in range(n_sets):  # compile and warm up
-        fn(i)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(0)
-    end.record()
-    end.synchronize()
-    estimate_s = max(start.elapsed_time(end) * 1e-3, 1e-6)
-    calls = max(n_sets, min(1000, math.ceil(2e-3 / estimate_s)))  # >= ~2 ms per replay
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in range(calls):
-            fn(c % n_sets)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / calls)
-    return statistics.median(times)
 
 
 def _l2_bytes() -> int:

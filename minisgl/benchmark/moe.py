@@ -12,7 +12,11 @@ On one CUDA GPU, in one run:
    the experts the step actually selected (counted in a separate eager run with the same
    prompts), every other weight once, and each request's KV.
 
-`--tune` adds a tile sweep of the two grouped GEMMs per token count (for `DEFAULT_CONFIGS`).
+`--tune` runs only a tile sweep per token count: both paths of the fused MoE (pair and
+blocked, every block height worth trying), the best whole layer per token count, and that as a
+`DEFAULT_CONFIGS` dict to paste into `minisgl/kernels/moe.py`. `--profile` runs only
+torch.profiler over a few decode steps (batch 1 by default, CUDA graphs as in serving) and
+prints the top GPU kernels by time with their counts per step.
 Prints tables, then one JSON object as the last line.
 """
 
@@ -25,7 +29,6 @@ import itertools
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.benchmark.common import print_table
+from minisgl.benchmark.common import print_pairs, print_table, time_graph
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 if TYPE_CHECKING:
-    from minisgl.kernels.moe import GemmTile
+    from minisgl.kernels.moe import GemmTile, MoEConfig
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
 # Qwen3-30B-A3B's MoE layer.
@@ -58,35 +61,6 @@ Row = dict[str, Any]
 
 
 # ---- timing ------------------------------------------------------------------------------------
-
-
-def time_graph(fn: Callable[[], object], replays: int = 10) -> float:
-    """Median seconds per call of `fn`, replayed as one CUDA graph of back-to-back calls (the
-    way decode runs), after an eager warm-up that also compiles the Triton kernels."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    calls = max(1, min(200, math.ceil(5e-3 / max(start.elapsed_time(end) * 1e-3, 1e-6))))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # capture off the default stream, as torch recommends
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / calls)
-    return statistics.median(times)
 
 
 def time_eager(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -141,6 +115,14 @@ def random_inputs(
     return MoEInputs(x, w13, w2, logits, top_k)
 
 
+def routing_sets(inp: MoEInputs, n: int = 4) -> list[torch.Tensor]:
+    """`inp.logits` and n - 1 other router logits: timed calls cycle through them, so that at
+    small batches they do not find the same few experts' weights in L2 every time."""
+    gen = torch.Generator(device=DEVICE).manual_seed(inp.x.shape[0])
+    others = [torch.randn(inp.logits.shape, generator=gen, device=DEVICE) for _ in range(n - 1)]
+    return [inp.logits, *others]
+
+
 def rel_err(out: torch.Tensor, truth: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return math.inf
@@ -165,14 +147,21 @@ def mismatched_rows(ids: torch.Tensor, ref_ids: torch.Tensor) -> int:
 
 
 def run_kernel_case(inp: MoEInputs, copy_bw: float, time_reference: bool) -> Row:
-    from minisgl.kernels.moe import fused_experts, fused_moe, fused_topk
+    from minisgl.kernels.moe import PairConfig, default_config, fused_experts, fused_moe, fused_topk
 
     routing = inp.routing
     truth = fp32_truth(inp, routing)
     fused = fused_experts(inp.x, inp.w13, inp.w2, routing.weights, routing.ids)
+    # From the logits: on the pair path the routing runs inside the gate/up kernel.
+    layer = fused_moe(inp.x, inp.w13, inp.w2, inp.logits, inp.top_k, True)
+    cfg = default_config(inp.x.shape[0], inp.top_k, inp.w13.shape[0])
     ref = moe_reference(inp.x, inp.w13, inp.w2, routing)
     _, topk_ids = fused_topk(inp.logits, inp.top_k, True)
-    seconds = time_graph(lambda: fused_moe(inp.x, inp.w13, inp.w2, inp.logits, inp.top_k, True))
+    logit_sets = routing_sets(inp)
+    seconds = time_graph(
+        lambda i: fused_moe(inp.x, inp.w13, inp.w2, logit_sets[i], inp.top_k, True),
+        len(logit_sets),
+    )
     tokens, hidden = inp.x.shape
     nbytes = expert_bytes(routing.ids, inp.w13, inp.w2) + 2 * inp.x.numel() * inp.x.element_size()
     flops = 2 * tokens * inp.top_k * 3 * hidden * inp.w2.shape[2]
@@ -182,7 +171,9 @@ def run_kernel_case(inp: MoEInputs, copy_bw: float, time_reference: bool) -> Row
         "top_k": inp.top_k,
         "hidden": hidden,
         "inter": inp.w2.shape[2],
+        "path": "pair" if isinstance(cfg, PairConfig) else f"blocked{cfg.block_m}",
         "rel_err": rel_err(fused, truth),
+        "moe_rel_err": rel_err(layer, truth),
         "ref_bf16_rel_err": rel_err(ref, truth),
         "topk_mismatch": mismatched_rows(topk_ids, routing.ids),
         "fused_us": seconds * 1e6,
@@ -279,7 +270,7 @@ def model_bytes(llm: Any) -> ModelBytes:
     )
 
 
-def make_llm(batch: int, eager: bool, attention_backend: str) -> Any:
+def make_llm(batch: int, eager: bool, attention_backend: str, cuda_graphs: bool = True) -> Any:
     """The engine for the decode runs. The eager one (for counting experts) gets a KV pool just
     big enough, so that little is lost should its memory not come back before the next one."""
     from minisgl.llm import LLM
@@ -292,6 +283,8 @@ def make_llm(batch: int, eager: bool, attention_backend: str) -> Any:
         max_context_len=PROMPT_LEN + DECODE_STEPS + 64,
         attention_backend=attention_backend,
     )
+    if not cuda_graphs:
+        options["cuda_graph_max_bs"] = 0
     if eager:
         pages = batch * (math.ceil((PROMPT_LEN + COUNT_STEPS + 2) / PAGE_SIZE) + 1)
         options |= dict(cuda_graph_max_bs=0, overlap=False, cache="naive", page_size=PAGE_SIZE,
@@ -413,17 +406,97 @@ def run_decode(copy_bw: float, seed: int, attention_backend: str = "auto") -> li
     return rows
 
 
+# ---- where a decode step's GPU time goes --------------------------------------------------------
+
+PROFILE_STEPS = 8
+PROFILE_TOP = 25
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# The Triton kernels of minisgl.kernels.moe (the router GEMM is a cuBLAS kernel among the rest).
+MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_gate_up_kernel", "_down_kernel",
+               "_topk_kernel", "_align_kernel")  # fmt: skip
+
+
+def profile_decode(
+    seed: int, attention_backend: str, batch: int, steps: int, cuda_graphs: bool, trace: str
+) -> tuple[list[Row], Row]:
+    """torch.profiler over `steps` decode steps of `batch` requests: (the kernels by GPU time,
+    a summary). A graph replay shows in the profiler's op summaries as one cudaGraphLaunch, so
+    the kernels are read from the device events of the exported trace."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = make_llm(batch, eager=False, attention_backend=attention_backend,
+                   cuda_graphs=cuda_graphs)  # fmt: skip
+    run_until_decoding(llm, submit(llm, batch, 9, seed + 1_000_000))  # compile, capture
+    run_to_end(llm)
+    run_until_decoding(llm, submit(llm, batch, steps + 8, seed + batch))
+    for _ in range(3):  # past the first decode steps
+        llm.scheduler.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU ops: less overhead
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.scheduler.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    run_to_end(llm)
+    del llm
+    release_memory()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace or str(Path(tmp) / "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    rows, totals = gpu_kernel_table(events, steps)
+    totals |= {"batch": batch, "cuda_graphs": cuda_graphs, "wall_ms_per_step": wall / steps * 1e3}
+    return rows[:PROFILE_TOP], totals
+
+
+def gpu_kernel_table(events: Sequence[Row], steps: int) -> tuple[list[Row], Row]:
+    """Chrome-trace events -> (one row per GPU kernel name by total time, per-step totals)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_CATEGORIES]
+    if not gpu:
+        raise RuntimeError("the profile holds no GPU kernels (CUPTI unavailable?)")
+    durations: dict[str, list[float]] = {}
+    for e in gpu:
+        durations.setdefault(str(e["name"]), []).append(float(e["dur"]))  # us
+    busy = sum(sum(d) for d in durations.values())
+    rows: list[Row] = [
+        {"kernel": name if len(name) <= 90 else name[:87] + "...", "calls": len(d),
+         "per_step": len(d) / steps, "us_per_step": sum(d) / steps, "mean_us": sum(d) / len(d),
+         "share": sum(d) / busy}
+        for name, d in durations.items()
+    ]  # fmt: skip
+    rows.sort(key=lambda r: -r["us_per_step"])
+    span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+    moe = [d for name, d in durations.items() if any(k in name for k in MOE_KERNELS)]
+    totals: Row = {
+        "steps": steps,
+        "kernels_per_step": len(gpu) / steps,
+        "gpu_busy_ms_per_step": busy / steps / 1e3,
+        "gpu_span_ms_per_step": span / steps / 1e3,  # busy + the gaps between kernels
+        "gpu_idle_share": 1 - busy / span,
+        "moe_triton_kernels_per_step": sum(len(d) for d in moe) / steps,
+        "moe_triton_ms_per_step": sum(sum(d) for d in moe) / steps / 1e3,
+    }
+    return rows, totals
+
+
 # ---- tile sweep ----------------------------------------------------------------------------------
 
-TUNE_TOKENS = (1, 8, 64, 256, 1024, 4096, 8192)
+TUNE_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192)
 TUNE_BLOCK_M = (16, 32, 64, 128)
-# (block_n, block_k, num_warps, num_stages) candidates: narrow tiles for memory-bound short
-# blocks, wide ones for compute-bound tall blocks.
-TUNE_TILES_SHORT = tuple(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+# (block_n, block_k, num_warps, num_stages) candidates of the blocked path: narrow tiles for
+# memory-bound short blocks, wide ones for compute-bound tall blocks.
+TUNE_TILES_SHORT = tuple(itertools.product((16, 32, 64, 128), (128, 256), (4,), (3, 4, 5)))
 TUNE_TILES_TALL = tuple(itertools.product((64, 128), (64, 128), (4, 8), (3,))) + (
     (128, 64, 4, 4),
     (64, 64, 4, 4),
 )
+# The pair path's GEMV tiles (num_stages does nothing there: its loads feed no tl.dot).
+TUNE_TILES_PAIR = tuple(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1,)))
+PAIR_TUNE_MAX_ROWS = 0.5  # rows per expert up to which the pair path is tried too
+TUNE_SETS = 4  # routings each timed call cycles through (see routing_sets)
 
 
 def tune_block_ms(tokens: int) -> list[int]:
@@ -437,38 +510,115 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def best_tile(launch: Callable[[GemmTile], object], block_m: int) -> tuple[GemmTile, float]:
-    """The fastest tile for `launch(tile)`; tiles that do not fit the GPU are skipped."""
+def time_quietly(fn: Callable[[int], object], n_sets: int) -> float | None:
+    """Seconds per call, or None when the variant does not compile or fit on this GPU."""
+    try:
+        return time_graph(fn, n_sets, replays=5)
+    except Exception as e:  # noqa: BLE001 (OutOfResources and friends: the tile does not fit)
+        print(f"  skip: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+        return None
+
+
+def best_tile(
+    launch: Callable[[GemmTile, int], object], candidates: Sequence[tuple[int, int, int, int]]
+) -> tuple[GemmTile, float]:
+    """The fastest tile for `launch(tile, set_index)`."""
     from minisgl.kernels.moe import GemmTile
 
     best: tuple[GemmTile, float] | None = None
-    for bn, bk, warps, stages in TUNE_TILES_SHORT if block_m <= 32 else TUNE_TILES_TALL:
+    for bn, bk, warps, stages in candidates:
         tile = GemmTile(bn, bk, warps, stages)
-        try:
-            seconds = time_graph(functools.partial(launch, tile), replays=5)
-        except Exception as e:  # noqa: BLE001 (OutOfResources and friends: the tile does not fit)
-            print(f"  skip {tile}: {type(e).__name__}", file=sys.stderr)
-            continue
-        if best is None or seconds < best[1]:
+        seconds = time_quietly(functools.partial(launch, tile), TUNE_SETS)
+        if seconds is not None and (best is None or seconds < best[1]):
             best = (tile, seconds)
     if best is None:
         raise RuntimeError("no tile of the sweep runs on this GPU")
     return best
 
 
-def tune_block_m(inp: MoEInputs, block_m: int) -> Row:
-    """Best gate/up tile, then the best down tile on its output, for one block height."""
-    from minisgl.kernels.moe import down_gemm, fused_topk, gate_up_gemm, moe_align
+@dataclass
+class TuneCase:
+    """One token count's inputs: TUNE_SETS routings of the same tokens."""
 
-    topk_weights, ids = fused_topk(inp.logits, inp.top_k, True)
-    rows = moe_align(ids, inp.w13.shape[0], block_m)
-    gu, gu_s = best_tile(lambda t: gate_up_gemm(inp.x, inp.w13, rows, inp.top_k, t), block_m)
-    act = gate_up_gemm(inp.x, inp.w13, rows, inp.top_k, gu)
-    dn, dn_s = best_tile(lambda t: down_gemm(act, inp.w2, topk_weights, rows, t), block_m)
+    inp: MoEInputs
+    logit_sets: list[torch.Tensor]
+
+    def time_moe(self, config: MoEConfig) -> float | None:
+        """The whole layer after the router, as decode runs it."""
+        from minisgl.kernels.moe import fused_moe
+
+        inp = self.inp
+        return time_quietly(
+            lambda i: fused_moe(
+                inp.x, inp.w13, inp.w2, self.logit_sets[i], inp.top_k, True, config
+            ),  # fmt: skip
+            len(self.logit_sets),
+        )
+
+
+def tune_pair(case: TuneCase) -> Row:
+    """Best gate/up GEMV tile (routing inside), then the best down tile on its output."""
+    from minisgl.kernels.moe import GemmTile, PairConfig, pair_down, pair_gate_up
+
+    inp, sets = case.inp, case.logit_sets
+    first = GemmTile(16, 256, 4, 1)  # any tile: the down sweep needs activations and routing
+    outs = [
+        pair_gate_up(inp.x, inp.w13, inp.top_k, first, logits=lg, renormalize=True) for lg in sets
+    ]
+    gu, gu_s = best_tile(
+        lambda t, i: pair_gate_up(inp.x, inp.w13, inp.top_k, t, logits=sets[i], renormalize=True),
+        TUNE_TILES_PAIR,
+    )
+    dn, dn_s = best_tile(
+        lambda t, i: pair_down(outs[i][0], inp.w2, outs[i][1], inp.top_k, t), TUNE_TILES_PAIR
+    )
+    config = PairConfig(gate_up=gu, down=dn)
+    return tune_row(case, "pair", None, config, gu_s, dn_s)
+
+
+def tune_blocked(case: TuneCase, block_m: int) -> Row:
+    """Best gate/up tile, then the best down tile on its output, for one block height."""
+    from minisgl.kernels.moe import FusedMoEConfig, down_gemm, fused_topk, gate_up_gemm, moe_align
+
+    inp = case.inp
+    routed = [fused_topk(lg, inp.top_k, True) for lg in case.logit_sets]
+    rows = [moe_align(ids, inp.w13.shape[0], block_m) for _, ids in routed]
+    candidates = TUNE_TILES_SHORT if block_m <= 32 else TUNE_TILES_TALL
+    gu, gu_s = best_tile(
+        lambda t, i: gate_up_gemm(inp.x, inp.w13, rows[i], inp.top_k, t), candidates
+    )
+    acts = [gate_up_gemm(inp.x, inp.w13, r, inp.top_k, gu) for r in rows]
+    dn, dn_s = best_tile(
+        lambda t, i: down_gemm(acts[i], inp.w2, routed[i][0], rows[i], t), candidates
+    )
+    return tune_row(case, "blocked", block_m, FusedMoEConfig(block_m, gu, dn), gu_s, dn_s)
+
+
+def tune_row(
+    case: TuneCase, path: str, block_m: int | None, config: MoEConfig, gu_s: float, dn_s: float
+) -> Row:
+    total = case.time_moe(config)
     return {
-        "tokens": inp.x.shape[0], "block_m": block_m, "gate_up": gu, "gate_up_us": gu_s * 1e6,
-        "down": dn, "down_us": dn_s * 1e6, "total_us": (gu_s + dn_s) * 1e6,
+        "tokens": case.inp.x.shape[0], "path": path, "block_m": block_m or "",
+        "gate_up": tile_str(config.gate_up), "gate_up_us": gu_s * 1e6,
+        "down": tile_str(config.down), "down_us": dn_s * 1e6,
+        "layer_us": math.inf if total is None else total * 1e6, "config": config,
     }  # fmt: skip
+
+
+def config_source(config: MoEConfig) -> str:
+    from minisgl.kernels.moe import PairConfig
+
+    def tile(t: GemmTile) -> str:
+        return f"GemmTile({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
+
+    if isinstance(config, PairConfig):
+        return f"PairConfig({tile(config.gate_up)}, {tile(config.down)})"
+    return f"FusedMoEConfig({config.block_m}, {tile(config.gate_up)}, {tile(config.down)})"
+
+
+def tile_str(tile: GemmTile) -> str:
+    return f"{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
 
 
 def tune(seed: int, token_counts: Sequence[int]) -> list[Row]:
@@ -476,37 +626,66 @@ def tune(seed: int, token_counts: Sequence[int]) -> list[Row]:
     rows = []
     for tokens in token_counts:
         inp = random_inputs(tokens, weights, TOP_K, seed + tokens)
+        case = TuneCase(inp, routing_sets(inp, TUNE_SETS))
+        if tokens * TOP_K / NUM_EXPERTS <= PAIR_TUNE_MAX_ROWS:
+            rows.append(tune_pair(case))
+            print(f"  tune {rows[-1]}", file=sys.stderr)
         for block_m in tune_block_ms(tokens):
-            rows.append(tune_block_m(inp, block_m))
+            rows.append(tune_blocked(case, block_m))
             print(f"  tune {rows[-1]}", file=sys.stderr)
     return rows
 
 
 def best_per_tokens(rows: list[Row]) -> list[Row]:
+    """The fastest whole layer (after the router) for each token count."""
     best: dict[int, Row] = {}
     for r in rows:
-        if r["tokens"] not in best or r["total_us"] < best[r["tokens"]]["total_us"]:
+        if r["tokens"] not in best or r["layer_us"] < best[r["tokens"]]["layer_us"]:
             best[r["tokens"]] = r
     return [best[t] for t in sorted(best)]
+
+
+def config_table_source(best: list[Row]) -> str:
+    """`DEFAULT_CONFIGS` of minisgl/kernels/moe.py as Python source, from the sweep's winners:
+    each token count's config covers the rows per expert above the previous count's, up to its
+    own; the largest count's covers everything above."""
+    lines = [
+        f"# {NUM_EXPERTS} experts, top-{TOP_K}: rows per expert = tokens * {TOP_K} / {NUM_EXPERTS}",
+        "DEFAULT_CONFIGS: dict[float, MoEConfig] = {",
+    ]
+    for n, r in enumerate(best):
+        rows_per_expert = r["tokens"] * TOP_K / NUM_EXPERTS
+        bound = "math.inf" if n == len(best) - 1 else f"{rows_per_expert:g}"
+        lines.append(f"    {bound}: {config_source(r['config'])},  # {r['tokens']} tokens: "
+                     f"{r['layer_us']:.1f} us")  # fmt: skip
+    lines.append("}")
+    return "\n".join(lines)
 
 
 # ---- report --------------------------------------------------------------------------------------
 
 KERNEL_COLUMNS = (
-    "tokens", "experts", "top_k", "hidden", "inter", "rel_err", "ref_bf16_rel_err",
-    "topk_mismatch", "fused_us", "ref_us", "bw_fraction", "tflops",
+    "tokens", "experts", "top_k", "hidden", "inter", "path", "rel_err", "moe_rel_err",
+    "ref_bf16_rel_err", "topk_mismatch", "fused_us", "ref_us", "bw_fraction", "tflops",
 )  # fmt: skip
 DECODE_COLUMNS = (
     "batch", "tok_per_s", "step_ms", "experts_per_layer", "floor_gb", "floor_ms",
     "floor_tok_per_s", "fraction_of_floor",
 )  # fmt: skip
-TUNE_COLUMNS = ("tokens", "block_m", "gate_up", "gate_up_us", "down", "down_us", "total_us")
+TUNE_COLUMNS = (
+    "tokens", "path", "block_m", "gate_up", "gate_up_us", "down", "down_us", "layer_us",
+)  # fmt: skip
+PROFILE_COLUMNS = ("kernel", "calls", "per_step", "us_per_step", "mean_us", "share")
 
 
 def summary(result: Row) -> Row:
     out: Row = {}
     if result.get("kernels"):
-        out["max_rel_err"] = max(r["rel_err"] for r in result["kernels"])
+        # moe_rel_err counts where both routings agree (near-ties may split them apart).
+        out["max_rel_err"] = max(
+            max(r["rel_err"], r["moe_rel_err"] if r["topk_mismatch"] == 0 else 0.0)
+            for r in result["kernels"]
+        )
         out["kernel_rel_err_ok"] = out["max_rel_err"] <= 1e-2
     decode = {r["batch"]: r for r in result.get("decode", [])}
     if 1 in decode:
@@ -527,6 +706,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=list(TUNE_TOKENS),
         help="token counts of the sweep, comma-separated",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="only torch.profiler over a few decode steps: the top GPU kernels by time",
+    )
+    ap.add_argument("--profile-batch", type=int, default=1, help="requests of the profiled steps")
+    ap.add_argument("--profile-steps", type=int, default=PROFILE_STEPS)
+    ap.add_argument("--profile-eager", action="store_true", help="profile without CUDA graphs")
+    ap.add_argument("--profile-trace", default="", help="keep the Chrome trace at this path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
     return ap.parse_args(argv)
@@ -546,8 +734,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tune:
         result["tune"] = tune(args.seed, args.tune_tokens)
         result["tune_best"] = best_per_tokens(result["tune"])
-        print_table("tile sweep: best per block_m", result["tune"], TUNE_COLUMNS)
+        print_table("tile sweep: best per path and block_m", result["tune"], TUNE_COLUMNS)
         print_table("tile sweep: best per token count", result["tune_best"], TUNE_COLUMNS)
+        print("\npaste into minisgl/kernels/moe.py:\n" + config_table_source(result["tune_best"]))
+    elif args.profile:
+        kernels, totals = profile_decode(args.seed, args.attention_backend, args.profile_batch,
+                                         args.profile_steps, not args.profile_eager,
+                                         args.profile_trace)  # fmt: skip
+        result["profile"], result["profile_totals"] = kernels, totals
+        title = f"decode profile: batch {args.profile_batch}, top {PROFILE_TOP} GPU kernels"
+        print_table(title, kernels, PROFILE_COLUMNS)
+        print_pairs("per decode step", totals)
     else:
         if not args.skip_kernels:
             result["kernels"] = run_kernels(copy_bw, args.seed)
