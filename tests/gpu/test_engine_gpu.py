@@ -195,7 +195,7 @@ def test_page_sizes_and_prefixes_ending_mid_page() -> None:
 
 def test_shared_prefixes_hit_the_cache() -> None:
     llm = make_llm(fast=True, page_size=16, cache="radix")
-    base = prompts(1, seed=5)[0][:45]
+    base = random_prompts(1, VOCAB, seed=5, lo=50, hi=60)[0][:45]
     ps = [base + p for p in prompts(8, seed=6)]
     ref = reference_generate(ps, PARAMS)
     # The first request alone fills the cache; requests admitted in one step can't share.
