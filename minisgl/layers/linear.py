@@ -17,7 +17,6 @@ from minisgl.distributed import all_reduce, get_tp_info
 WeightLoader = Callable[..., None]
 
 
-
 def _param(shape: Sequence[int], loader: WeightLoader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
