@@ -173,12 +173,12 @@ def run_mixed_and_decode(llm: Any) -> None:
         sched.step()
 
 
-def run_w2() -> None:
+def run_w2(tp_size: int = 1) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     llm = TokenIdLLM(
         str(MODELS / "llama-3-8b"), load_format="dummy", show_progress=False,
-        max_running_requests=4, max_context_len=512, cuda_graph_max_bs=4,
+        max_running_requests=4, max_context_len=512, cuda_graph_max_bs=4, tp_size=tp_size,
     )  # fmt: skip
     sched = llm.scheduler
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
@@ -197,24 +197,28 @@ def run_w2() -> None:
         for _ in range(20):
             sched.step()
         sync()
-    print(f"\n== w2 Llama-3-8B bs 1: median step period {statistics.median(gaps) * 1e3:.3f} ms")
+    print(
+        f"\n== w2 Llama-3-8B bs 1, tp {tp_size} (rank 0's kernels): median step period {statistics.median(gaps) * 1e3:.3f} ms"
+    )
     kernel_table(prof, 20, top=25)
     sched.abort("w2")
     while sched.has_work:
         sched.step()
+    llm.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="w1,w2")
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--tp-size", type=int, default=1, help="w2 only")
     args = ap.parse_args()
     parts = args.parts.split(",")
     if "w1" in parts:
         run_w1(args.scale)
         release_memory()
     if "w2" in parts:
-        run_w2()
+        run_w2(args.tp_size)
 
 
 if __name__ == "__main__":
