@@ -308,8 +308,9 @@ def test_kernels_compile_for_sm90() -> None:
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 2 + len(_gemm_variants())
     assert not [r for r in results if r["local"] > 0], f"register spills: {results}"
-    # An H100/H200 SM has 227 KiB of shared memory for one block; leave room for two.
-    assert all(r["shared"] <= 113 * 1024 for r in results), results
+    # An H100/H200 SM has 227 KiB of shared memory for one block (some tuned tiles use more
+    # than half of it: one block per SM measured faster there).
+    assert all(r["shared"] <= 227 * 1024 for r in results), results
 
 
 if COMPILE_MODE:
