@@ -74,11 +74,13 @@ class TritonBackend(AttentionBackend):
                 nd, self.pool.num_kv_heads, max_dec, self.num_sms, self.decode_config
             )
         if nd < inputs.batch_size:
+            # Copies, not views: Triton compiles a kernel variant per pointer alignment, and a
+            # view starting at row nd would add variants (each a JIT compile mid-serving).
             extend = ExtendPart(
                 first_token=nd,
-                block_table=block_table[nd:],
-                seq_lens=inputs.seq_lens[nd:],
-                extend_lens=inputs.extend_lens[nd:],
+                block_table=block_table[nd:].clone() if nd else block_table,
+                seq_lens=inputs.seq_lens[nd:].clone() if nd else inputs.seq_lens,
+                extend_lens=inputs.extend_lens[nd:].clone() if nd else inputs.extend_lens,
                 cu_extend=inputs.cu_extend[nd:] - nd,
                 max_extend_len=max(ext[nd:]),
             )

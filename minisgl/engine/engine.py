@@ -207,9 +207,11 @@ class Engine:
         else:
             for p, e in zip(batch.prefix_lens, batch.extend_lens):
                 positions.extend(range(p, p + e))
-        host = slots + batch.seq_lens + batch.prefix_lens + batch.extend_lens + cu + positions
+        # Positions first: the fused RoPE kernel reads them, and a Triton kernel is compiled per
+        # pointer alignment (the start of the buffer is aligned; an offset of 8 * k bytes is not).
+        host = positions + slots + batch.seq_lens + batch.prefix_lens + batch.extend_lens + cu
         packed = to_device(host, torch.int64, self.device)  # type: ignore[arg-type]
-        req_slots, seq_lens, prefix, ext, cu_t, pos = packed.split([b, b, b, b, b + 1, t])
+        pos, req_slots, seq_lens, prefix, ext, cu_t = packed.split([t, b, b, b, b, b + 1])
         inputs = AttentionInputs(
             req_slots=req_slots,
             seq_lens=seq_lens.int(),

@@ -68,7 +68,9 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
-@triton.jit
+# Per-step integers are not specialised on (== 1, % 16): a variant each would be a JIT compile
+# in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [slots, Hkv, D]
@@ -153,7 +155,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_safe), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_o_ptr,  # [B, Hq, num_splits, D] fp32
     part_lse_ptr,  # [B, Hq, num_splits] fp32

@@ -52,7 +52,7 @@ def default_extend_config(head_dim: int, elem_size: int = 2) -> ExtendConfig:
     return ExtendConfig()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [slots, Hkv, D]
