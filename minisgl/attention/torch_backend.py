@@ -1,8 +1,12 @@
-"""Reference attention in plain torch: any device, any dtype; the yardstick for the kernels."""
+"""Reference attention in plain torch: any device, any dtype; the yardstick for the kernels.
+
+It is also the CPU path, so the per-step work is done once in `prepare` (context slots, masks,
+length groups) and each of the model's layers only gathers K/V and calls SDPA.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -10,13 +14,29 @@ import torch.nn.functional as F
 from minisgl.attention.base import AttentionBackend, AttentionInputs
 
 _QUERY_BLOCK = 512
+# What one more decode group costs (its gathers, SDPA call and scatter), in padded context
+# positions: on a CPU a position costs about as much memory traffic as an op costs overhead
+# at 64. Elsewhere the torch backend is a reference and keeps one group.
+_GROUP_COST = {"cpu": 64}
+_MAX_GROUP_CANDIDATES = 32
+
+
+@dataclass
+class DecodeGroup:
+    """Decode requests attended together, their contexts padded to the longest of them."""
+
+    rows: torch.Tensor | None  # [b] int64 batch rows; None: the whole batch, in order
+    slots: torch.Tensor  # [b * width] int64 KV slot of each context position (padding: slot 0)
+    bias: torch.Tensor | None  # [b, 1, 1, width] 0 / -inf, pool dtype; None: no padding
+    size: int
+    width: int
 
 
 @dataclass
 class TorchMeta:
     inputs: AttentionInputs
     ctx_slots: torch.Tensor  # [B, max_seq_len] int64 KV slot of each context position
-    ctx_valid: torch.Tensor  # [B, max_seq_len] bool, position < seq_len
+    groups: list[DecodeGroup] = field(default_factory=list)  # decode steps only
 
 
 def context_slots(
@@ -30,8 +50,42 @@ def context_slots(
     pos = torch.arange(max_seq_len, device=page_table.device)
     num_pages = -(-max_seq_len // page_size)
     pages = page_table[req_slots, :num_pages].long()  # [B, P]
-    slots = pages[:, pos // page_size] * page_size + pos % page_size  # [B, S]
+    if page_size == 1:
+        slots = pages
+    else:
+        slots = pages[:, pos // page_size] * page_size + pos % page_size  # [B, S]
     return slots, pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+
+
+def plan_groups(seq_lens: list[int], group_cost: int) -> list[list[int]]:
+    """Split decode rows into groups of similar length: minimises the padded positions
+    (sum of size x longest) plus `group_cost` per group. Returns each group's rows."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    lens = [seq_lens[i] for i in order]
+    n = len(lens)
+    # Groups end only where the length changes (at most _MAX_GROUP_CANDIDATES of those).
+    ends = [i + 1 for i in range(n - 1) if lens[i] != lens[i + 1]] + [n]
+    if len(ends) > _MAX_GROUP_CANDIDATES:
+        step = len(ends) / _MAX_GROUP_CANDIDATES
+        ends = sorted({ends[int(k * step)] for k in range(_MAX_GROUP_CANDIDATES)} | {n})
+    # best[j]: cheapest cost of rows order[:ends[j]]; back[j]: where its last group starts.
+    best: list[int] = []
+    back: list[int] = []
+    for j, end in enumerate(ends):
+        cost, start = (end * lens[end - 1] + group_cost), -1
+        for i in range(j):
+            c = best[i] + (end - ends[i]) * lens[end - 1] + group_cost
+            if c < cost:
+                cost, start = c, i
+        best.append(cost)
+        back.append(start)
+    groups: list[list[int]] = []
+    j = len(ends) - 1
+    while j >= 0:
+        lo = ends[back[j]] if back[j] >= 0 else 0
+        groups.append(order[lo : ends[j]])
+        j = back[j]
+    return groups[::-1]
 
 
 class TorchBackend(AttentionBackend):
@@ -43,7 +97,32 @@ class TorchBackend(AttentionBackend):
             self.pool.page_size,
             inputs.max_seq_len,
         )
-        return TorchMeta(inputs, slots, valid)
+        meta = TorchMeta(inputs, slots)
+        if inputs.is_decode:
+            meta.groups = self._decode_groups(inputs, slots, valid)
+        return meta
+
+    def _decode_groups(
+        self, inputs: AttentionInputs, slots: torch.Tensor, valid: torch.Tensor
+    ) -> list[DecodeGroup]:
+        lens = inputs.seq_lens_host
+        cost = _GROUP_COST.get(slots.device.type)
+        plan = [list(range(len(lens)))] if cost is None else plan_groups(lens, cost)
+        whole = len(plan) == 1
+        groups = []
+        for rows in plan:
+            width = max(lens[i] for i in rows)
+            idx = None if whole else torch.tensor(rows, dtype=torch.int64).to(slots.device)
+            g_slots = slots[:, :width] if idx is None else slots[idx, :width]
+            g_valid = valid[:, :width] if idx is None else valid[idx, :width]
+            bias = None
+            if any(lens[i] != width for i in rows):
+                bias = torch.zeros(g_valid.shape, dtype=self.pool.dtype, device=slots.device)
+                bias = bias.masked_fill_(~g_valid, float("-inf"))[:, None, None, :]
+            # Padding positions read slot 0: any slot will do, the bias hides it.
+            flat = g_slots.masked_fill(~g_valid, 0).reshape(-1)
+            groups.append(DecodeGroup(idx, flat, bias, len(rows), width))
+        return groups
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: object
@@ -51,50 +130,78 @@ class TorchBackend(AttentionBackend):
         assert isinstance(meta, TorchMeta)
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
         loc = meta.inputs.out_loc
-        k_cache[loc] = k.to(k_cache.dtype)
-        v_cache[loc] = v.to(v_cache.dtype)
+        k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
         if meta.inputs.is_decode:
             return self._decode(q, k_cache, v_cache, meta)
-        return self._extend(q, k_cache, v_cache, meta)
+        return self._extend(q, k, v, k_cache, v_cache, meta)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchMeta
     ) -> torch.Tensor:
-        keys = k_cache[meta.ctx_slots].transpose(1, 2)  # [B, Hkv, S, D]
-        vals = v_cache[meta.ctx_slots].transpose(1, 2)
-        mask = meta.ctx_valid[:, None, None, :]  # [B, 1, 1, S]
+        if len(meta.groups) == 1:
+            return self._decode_group(q, k_cache, v_cache, meta.groups[0])
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            assert g.rows is not None
+            res = self._decode_group(q.index_select(0, g.rows), k_cache, v_cache, g)
+            out.index_copy_(0, g.rows, res)
+        return out
+
+    def _decode_group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup
+    ) -> torch.Tensor:
+        """q [b, Hq, D] -> [b, Hq, D] over the group's padded contexts."""
+        b, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        keys = k_cache.index_select(0, g.slots).view(b, g.width, hkv, d).to(q.dtype)
+        vals = v_cache.index_select(0, g.slots).view(b, g.width, hkv, d).to(q.dtype)
+        bias = None if g.bias is None else g.bias.to(q.dtype)
+        # The query heads that share a KV head become that head's query rows: one read of K/V.
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            keys.to(q.dtype),
-            vals.to(q.dtype),
-            attn_mask=mask,
+            q.reshape(b, hkv, hq // hkv, d),
+            keys.transpose(1, 2),  # [b, Hkv, width, D]
+            vals.transpose(1, 2),
+            attn_mask=bias,
             scale=self.sm_scale,
-            enable_gqa=True,
-        )  # [B, Hq, 1, D]
-        return out.squeeze(2)
+        )  # [b, Hkv, Hq/Hkv, D]
+        return out.reshape(b, hq, d)
 
     def _extend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchMeta
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchMeta,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         seq_lens, ext_lens = meta.inputs.seq_lens_host, meta.inputs.extend_lens_host
         for i, (seq_len, n) in enumerate(zip(seq_lens, ext_lens)):
-            slots = meta.ctx_slots[i, :seq_len]
-            keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-            vals = v_cache[slots].transpose(0, 1).to(q.dtype)
+            if n == seq_len:  # no cached prefix: the new K/V are the whole context
+                keys = k[start : start + n].to(k_cache.dtype)
+                vals = v[start : start + n].to(v_cache.dtype)
+            else:
+                slots = meta.ctx_slots[i, :seq_len]
+                keys, vals = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
             qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-            out[start : start + n] = self._causal(qi, keys, vals).transpose(0, 1)
+            out[start : start + n] = self._causal(
+                qi, keys.transpose(0, 1).to(q.dtype), vals.transpose(0, 1).to(q.dtype)
+            ).transpose(0, 1)
             start += n
         return out
 
     def _causal(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """q [Hq, n, D] are the last n of S positions; keys/vals [Hkv, S, D] -> [Hq, n, D]."""
         n, seq_len = q.shape[1], keys.shape[1]
+        # 4-D inputs: SDPA's fused CPU kernel takes only those (3-D falls back to plain math).
+        q, keys, vals = q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0)
         if n == seq_len:  # no cached prefix: the fused causal kernel, no [n, S] mask in memory
             return F.scaled_dot_product_attention(
                 q, keys, vals, is_causal=True, scale=self.sm_scale, enable_gqa=True
-            )
+            )[0]
         out = torch.empty_like(q)
         # Long extends over a prefix go in query blocks, so the mask stays [block, S].
         for lo in range(0, n, _QUERY_BLOCK):
@@ -102,7 +209,7 @@ class TorchBackend(AttentionBackend):
             # Query j sits at position seq_len - n + j and sees positions up to itself.
             qpos = torch.arange(seq_len - n + lo, seq_len - n + hi, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-            out[:, lo:hi] = F.scaled_dot_product_attention(
-                q[:, lo:hi], keys, vals, attn_mask=mask, scale=self.sm_scale, enable_gqa=True
+            out[:, :, lo:hi] = F.scaled_dot_product_attention(
+                q[:, :, lo:hi], keys, vals, attn_mask=mask, scale=self.sm_scale, enable_gqa=True
             )
-        return out
+        return out[0]

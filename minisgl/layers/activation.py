@@ -10,4 +10,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if fused is not None and x.dim() == 2 and x.stride(-1) == 1:
         return fused.silu_and_mul(x)  # type: ignore[no-any-return]
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)

@@ -14,6 +14,9 @@ class ForwardContext:
 
     backend: AttentionBackend
     meta: object  # the backend's per-step metadata from `prepare`
+    # RoPE rows of this step's positions (`RotaryEmbedding.lookup`), looked up once for all
+    # layers by models that run the torch rotation; None: each layer looks them up.
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PagedAttention(nn.Module):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers.fused import fused_kernels
@@ -22,9 +23,12 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         residual = x
+        shape = (x.shape[-1],)
+        # F.rms_norm is bit-identical to x * rsqrt(mean(x^2) + eps) * weight in fp32, in one op.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps), residual
         # Normalise in fp32, scale in the model dtype, as the reference implementation does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), shape, eps=self.eps)
         return self.weight * h.to(x.dtype), residual
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:

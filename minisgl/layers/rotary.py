@@ -67,10 +67,12 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same dtypes). With
         `q_norm` and `k_norm` (Qwen3) each head is RMS-normalised first; on CUDA the norms and
-        the rotation are one fused kernel."""
+        the rotation are one fused kernel. `rows`: `lookup(positions)`, when the caller looked
+        them up once for all layers."""
         table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
         fused = fused_kernels(q)
         if fused is not None and _fusable(fused, q, k, table, q_norm, k_norm):
@@ -80,8 +82,14 @@ class RotaryEmbedding(nn.Module):
             return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps)  # type: ignore[no-any-return]
         if q_norm is not None and k_norm is not None:
             q, k = q_norm.norm(q), k_norm.norm(k)
-        cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        cos, sin = rows if rows is not None else self.lookup(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> [T, 1, D] rows (cos | cos) and (-sin | sin) of the torch path."""
+        table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
+        cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def _fusable(
@@ -105,6 +113,10 @@ def _fusable(
     )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in fp32: halves x1*cos - x2*sin | x2*cos + x1*sin, the
+    same roundings as the reference in fewer ops."""
+    h = x.float()
+    h1, h2 = h.chunk(2, dim=-1)
+    swapped = torch.cat([h2, h1], dim=-1).mul_(signed_sin)
+    return (h * cos).add_(swapped).to(x.dtype)

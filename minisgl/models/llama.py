@@ -4,6 +4,7 @@ Qwen3 (q/k RMSNorm), SmolLM2 (tied embeddings). Pure math: inputs come in as arg
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Qwen3's per-head q/k RMSNorm goes with the rotation (one fused kernel on CUDA).
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm, ctx.rope)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -86,7 +87,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, make_mlp: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
+        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, LlamaAttention(cfg, i, rotary), self._mlp(cfg, i))
             for i in range(cfg.num_layers)
@@ -100,6 +101,8 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        if not positions.is_cuda:  # CUDA fuses the lookup into its rotation kernel
+            ctx = replace(ctx, rope=self.rotary.lookup(positions))
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, ctx)
