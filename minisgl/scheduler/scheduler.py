@@ -215,14 +215,16 @@ class Scheduler:
                     chunks.append((r, n))
                     budget -= n
                     room -= need
+        reserved = sum(self._reserved(r) for r in self.running) if self.waiting else 0
         while self.waiting and budget > 0 and self.kv.table.num_free_slots > 0:
             req = self.waiting[0]
             if len(req.output_ids) != req.num_sampled:
                 break  # retracted with a token still in flight: its ids are not all known yet
-            if not self._can_admit(req):
+            if not self._can_admit(req, reserved):
                 break
             self.waiting.popleft()
             self._admit(req)
+            reserved += self._reserved(req)
             n = min(budget, req.seq_len - req.num_computed)
             chunks.append((req, n))
             budget -= n
@@ -233,8 +235,8 @@ class Scheduler:
         future = int(req.remaining_tokens * self.config.reserve_ratio + 0.999)
         return max(0, pages_for(req.seq_len + future, self.page_size) - len(req.pages))
 
-    def _can_admit(self, req: Req) -> bool:
-        reserved = sum(self._reserved(r) for r in self.running)
+    def _can_admit(self, req: Req, reserved: int) -> bool:
+        """`reserved`: what the running requests reserved (`_reserved` summed)."""
         match = self.kv.cache.match_prefix(req.all_ids()[: req.seq_len - 1])
         # Matched pages stop being evictable once locked, so they don't add room.
         room = self.kv.available_pages - min(
