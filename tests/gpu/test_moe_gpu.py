@@ -128,11 +128,21 @@ def test_batch1_decode_takes_the_pair_path() -> None:
     assert isinstance(default_config(1, 8, 128), PairConfig)
 
 
-def test_pair_path_cuda_graph_replay(qwen3_30b_weights) -> None:
-    """Batch-1 decode as the engine runs it: the pair path replayed from a CUDA graph."""
+def test_topk_matches_reference() -> None:
+    logits = torch.randn(4096, 128, device=DEVICE)
+    weights, ids = fused_topk(logits, 8, True)
+    ref = select_experts(logits, 8, True)
+    assert torch.equal(ids.long().sort(-1).values, ref.ids.sort(-1).values)
+    torch.testing.assert_close(weights.sort(-1).values, ref.weights.sort(-1).values)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_cuda_graph_replay_matches_eager(qwen3_30b_weights, batch: int) -> None:
+    """Decode runs as replayed CUDA graphs (batch 1 takes the pair path): nothing in the fused
+    path may sync or reallocate, and every replay matches eager and the fp32 reference."""
     w13, w2 = qwen3_30b_weights
-    x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
-    logits = torch.randn(1, 128, device=DEVICE)
+    x = torch.randn(batch, 2048, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(batch, 128, device=DEVICE)
     fused_moe(x, w13, w2, logits, 8, True)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -145,30 +155,6 @@ def test_pair_path_cuda_graph_replay(qwen3_30b_weights) -> None:
         torch.testing.assert_close(out, fused_moe(x, w13, w2, logits, 8, True), rtol=0, atol=0)
         truth = moe_reference(x.float(), w13.float(), w2.float(), select_experts(logits, 8, True))
         assert rel_err(out, truth) <= 1e-2
-
-
-def test_topk_matches_reference() -> None:
-    logits = torch.randn(4096, 128, device=DEVICE)
-    weights, ids = fused_topk(logits, 8, True)
-    ref = select_experts(logits, 8, True)
-    assert torch.equal(ids.long().sort(-1).values, ref.ids.sort(-1).values)
-    torch.testing.assert_close(weights.sort(-1).values, ref.weights.sort(-1).values)
-
-
-def test_cuda_graph_replay_matches_eager(qwen3_30b_weights) -> None:
-    """Decode runs as replayed CUDA graphs: nothing in the fused path may sync or reallocate."""
-    w13, w2 = qwen3_30b_weights
-    x = torch.randn(64, 2048, device=DEVICE, dtype=torch.bfloat16)
-    logits = torch.randn(64, 128, device=DEVICE)
-    fused_moe(x, w13, w2, logits, 8, True)  # compile first
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, logits, 8, True)
-    x.copy_(torch.randn_like(x))
-    logits.copy_(torch.randn_like(logits))
-    graph.replay()
-    torch.testing.assert_close(out, fused_moe(x, w13, w2, logits, 8, True), rtol=0, atol=0)
 
 
 def test_layer_uses_the_fused_kernel_and_matches_transformers() -> None:
