@@ -30,6 +30,26 @@ def num_sms(device: torch.device) -> int:
     return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def check_paged_args(
+    q: torch.Tensor,  # [rows, Hq, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [B, P] int32
+    batch: int,
+) -> None:
+    """What the paged attention kernels assume of their tensors (shapes, dtypes, strides)."""
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    check_head_dim(head_dim)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
+    assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
+    for t in (q, k_cache, v_cache):
+        assert t.stride(-1) == 1, "head_dim must be contiguous"
+    assert block_table.stride(1) == 1
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import (
-    check_head_dim,
+    check_paged_args,
     dot,
     dot_flags,
     num_sms,
@@ -258,15 +258,7 @@ def _check_decode_args(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    check_head_dim(head_dim)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
-    assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
+    batch = q.shape[0]
+    check_paged_args(q, k_cache, v_cache, block_table, batch)
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,)
-    for t in (q, k_cache, v_cache):
-        assert t.stride(-1) == 1, "head_dim must be contiguous"
-    assert block_table.stride(1) == 1
     assert seq_lens.is_contiguous()

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import (
-    check_head_dim,
+    check_paged_args,
     dot,
     dot_flags,
     online_softmax_step,
@@ -190,18 +190,9 @@ def _check_extend_args(
     extend_lens: torch.Tensor,
     cu_extend: torch.Tensor,
 ) -> None:
-    _, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
     batch = seq_lens.shape[0]
-    check_head_dim(head_dim)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
-    assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
+    check_paged_args(q, k_cache, v_cache, block_table, batch)
     for t in (seq_lens, extend_lens, cu_extend):
         assert t.dtype == torch.int32
     assert extend_lens.shape == (batch,) and cu_extend.shape == (batch + 1,)
-    for t in (q, k_cache, v_cache):
-        assert t.stride(-1) == 1, "head_dim must be contiguous"
-    assert block_table.stride(1) == 1
     assert all(t.is_contiguous() for t in (seq_lens, extend_lens, cu_extend))
