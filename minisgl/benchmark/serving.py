@@ -168,6 +168,24 @@ def summarize(traces: list[RequestTrace]) -> dict[str, Any]:
     }
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None:
+    """Poll `url`/health until it answers 200 (None), the process exits or `timeout` passes
+    (a reason)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the server exited with code {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return f"the server was not ready in {timeout} s"
+
+
 class ServerProcess:
     """`python -m minisgl` on a free port, for the duration of a `with` block."""
 
@@ -189,19 +207,9 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 600) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready in {timeout} s; see {self.log_path}")
+        why = wait_healthy(self.url, self.proc, timeout)
+        if why is not None:
+            raise RuntimeError(f"{why}; see {self.log_path}")
 
     def __enter__(self) -> ServerProcess:
         return self

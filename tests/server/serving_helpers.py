@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from minisgl.benchmark.serving import wait_healthy
+
 STARTUP_TIMEOUT_S = 300
 
 
@@ -94,17 +96,9 @@ class Server:
         raise AssertionError(f"no pid logged for {name}:\n{self.log_text()[-3000:]}")
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited during startup:\n{self.log_text()[-5000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"server not ready in {timeout} s:\n{self.log_text()[-5000:]}")
+        why = wait_healthy(self.url, self.proc, timeout)
+        if why is not None:
+            raise AssertionError(f"{why}:\n{self.log_text()[-5000:]}")
 
     def terminate(self, timeout: float = 30) -> list[int]:
         """SIGTERM the launcher, wait for it, and return the processes it left behind."""
