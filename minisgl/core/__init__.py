@@ -2,6 +2,7 @@
 
 from minisgl.core.batch import Batch, BatchKind
 from minisgl.core.errors import InvalidRequestError
+from minisgl.core.limits import resolve_max_tokens
 from minisgl.core.req import FinishReason, Req, ReqStatus
 from minisgl.core.sampling import SamplingParams
 
@@ -13,4 +14,5 @@ __all__ = [
     "Req",
     "ReqStatus",
     "SamplingParams",
+    "resolve_max_tokens",
 ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minisgl.config import EngineConfig
-from minisgl.core import Batch, FinishReason, InvalidRequestError, Req, ReqStatus
+from minisgl.core import Batch, FinishReason, Req, ReqStatus, resolve_max_tokens
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import PageAllocator, make_prefix_cache
 from minisgl.scheduler.kv_manager import KVManager, pages_for
@@ -75,24 +75,9 @@ class Scheduler:
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
         """Raise InvalidRequestError if a request of this shape can never be served."""
-        if prompt_len < 1:
-            raise InvalidRequestError("prompt: must contain at least one token")
-        if prompt_len >= self.max_context:
-            raise InvalidRequestError(
-                f"prompt: {prompt_len} tokens do not fit the context of {self.max_context} "
-                "tokens (one more is needed to generate)"
-            )
-        if prompt_len + max_tokens > self.max_context:
-            raise InvalidRequestError(
-                f"max_tokens: {max_tokens} plus the prompt's {prompt_len} tokens exceed the "
-                f"context of {self.max_context} tokens; ask for at most "
-                f"{self.max_context - prompt_len}"
-            )
-        need = pages_for(prompt_len + max_tokens, self.page_size)
-        if need > self.num_pages:
-            raise InvalidRequestError(
-                f"prompt + max_tokens need {need} KV pages but the pool holds {self.num_pages}"
-            )
+        resolve_max_tokens(
+            prompt_len, max_tokens, self.max_context, self.num_pages * self.page_size
+        )
 
     def add_request(self, req: Req) -> None:
         self.check_request(req.prompt_len, req.params.max_tokens)

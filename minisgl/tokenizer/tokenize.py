@@ -9,32 +9,15 @@ from typing import Any
 import jinja2
 
 from minisgl.core import InvalidRequestError
+from minisgl.core import resolve_max_tokens as core_resolve_max_tokens
 from minisgl.message import ChatMessage, EngineInfo, GenerateReq, TokenizedReq
 
 
-def _pages(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, info: EngineInfo) -> int:
-    """`max_tokens` checked against the context and the KV pool (the scheduler's own
-    `check_request` limits); None becomes all the room the prompt leaves."""
-    if prompt_len < 1:
-        raise InvalidRequestError("prompt: must contain at least one token")
-    room = min(info.max_context, info.num_pages * info.page_size) - prompt_len
-    if room < 1:
-        raise InvalidRequestError(
-            f"prompt: {prompt_len} tokens do not fit the context of {info.max_context} tokens "
-            "(one more is needed to generate); shorten the prompt"
-        )
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise InvalidRequestError(
-            f"max_tokens: {max_tokens} plus the prompt's {prompt_len} tokens exceed the context "
-            f"of {info.max_context} tokens; ask for at most {room}"
-        )
-    return max_tokens
+    """`max_tokens` checked against the engine's context and KV pool (the scheduler's own
+    limits); None becomes all the room the prompt leaves."""
+    pool_tokens = info.num_pages * info.page_size
+    return core_resolve_max_tokens(prompt_len, max_tokens, info.max_context, pool_tokens)
 
 
 class RequestTokenizer:
