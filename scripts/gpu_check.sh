@@ -4,7 +4,8 @@
 # summary table last. Run from anywhere:  OUT=/some/dir bash scripts/gpu_check.sh
 #
 # Environment: PY (python to use), GPU_CHECK_BUDGET (seconds for everything, default 540),
-# SKIP (space-separated step names to skip: tests w1 w2 kernels moe hf).
+# SKIP (space-separated step names to skip: tests w1 w2 kernels moe allreduce tp_tokens w2_tp2 hf;
+# the three tensor-parallel steps run only with 2+ GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,6 +63,12 @@ run w2 100 "$PY" -m minisgl.benchmark.latency --model $M/llama-3-8b --load-forma
 run kernels 90 "$PY" -m minisgl.benchmark.kernels
 if [[ -f minisgl/benchmark/moe.py ]]; then
   run moe 100 "$PY" -m minisgl.benchmark.moe
+fi
+if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())" 2> /dev/null) -ge 2 ]]; then
+  run allreduce 120 "$PY" scripts/allreduce_check.py
+  run tp_tokens 150 "$PY" scripts/tp_tokens.py --tp-size 2
+  run w2_tp2 120 "$PY" -m minisgl.benchmark.latency --model $M/llama-3-8b --load-format dummy \
+    --tp-size 2
 fi
 run hf 170 "$PY" -m minisgl.benchmark.offline --model $M/qwen3-0.6b --load-format dummy \
   --engine hf --hf-requests 32 --hf-timeout 100
