@@ -35,7 +35,12 @@ class EngineConfig:
     cpu_kv_gib: float = 2.0  # KV pool size on CPU when num_pages is auto
     cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
     overlap: bool = True  # overlap scheduling (CUDA only)
-    reserve_ratio: float = 0.5  # share of max_tokens reserved per request at admission
+    # Share of a request's remaining max_tokens that admission reserves KV for. It starts at
+    # `reserve_ratio` and falls linearly to `min_reserve_ratio` over `reserve_decay_steps` steps
+    # (most requests stop well before max_tokens); a retraction puts it back at the start.
+    reserve_ratio: float = 0.5
+    min_reserve_ratio: float = 0.1
+    reserve_decay_steps: int = 600
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -53,6 +58,10 @@ class EngineConfig:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if not 0.0 < self.reserve_ratio <= 1.0:
             raise ValueError(f"reserve_ratio: must be in (0, 1], got {self.reserve_ratio}")
+        if not 0.0 < self.min_reserve_ratio <= 1.0:
+            raise ValueError(f"min_reserve_ratio: must be in (0, 1], got {self.min_reserve_ratio}")
+        if self.reserve_decay_steps < 1:
+            raise ValueError(f"reserve_decay_steps: must be >= 1, got {self.reserve_decay_steps}")
         self._check_distributed()
 
     def _check_distributed(self) -> None:

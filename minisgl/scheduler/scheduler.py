@@ -33,8 +33,10 @@ class Scheduler:
 
     Every step carries one token for each decoding request plus prefill chunks (newest
     admissions last) up to `max_prefill_tokens`. A request is admitted only when the pool can
-    hold its prompt plus `reserve_ratio` of its `max_tokens` on top of what running requests
+    hold its prompt plus a share of its remaining `max_tokens` on top of what running requests
     reserved; when decoding still runs short, the newest request is retracted and requeued.
+    The share starts at `reserve_ratio` and falls to `min_reserve_ratio` over
+    `reserve_decay_steps` steps; a retraction sets it back (as SGLang's new-token ratio).
     """
 
     def __init__(
@@ -60,6 +62,10 @@ class Scheduler:
             make_prefix_cache(self.config.cache, self.page_size),
             engine.table,
         )
+        self.reserve_ratio = self.config.reserve_ratio  # the share admission reserves now
+        cfg = self.config
+        self._min_reserve = min(cfg.min_reserve_ratio, cfg.reserve_ratio)
+        self._reserve_decay = (cfg.reserve_ratio - self._min_reserve) / cfg.reserve_decay_steps
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._arrivals = 0
@@ -164,6 +170,7 @@ class Scheduler:
             self.stats["computed_prompt_tokens"] += max(0, min(p + e, r.prompt_len) - p)
         for r, s in zip(reqs, sample):
             r.num_sampled += int(s)
+        self.reserve_ratio = max(self._min_reserve, self.reserve_ratio - self._reserve_decay)
         return Batch(reqs, prefix, extend, sample)
 
     def _can_sample_more(self, r: Req) -> bool:
@@ -217,7 +224,7 @@ class Scheduler:
 
     def _reserved(self, req: Req) -> int:
         """Pages `req` may still need beyond what it holds (prompt + a share of its output)."""
-        future = int(req.remaining_tokens * self.config.reserve_ratio + 0.999)
+        future = int(req.remaining_tokens * self.reserve_ratio + 0.999)
         return max(0, pages_for(req.seq_len + future, self.page_size) - len(req.pages))
 
     def _can_admit(self, req: Req, reserved: int) -> bool:
@@ -243,6 +250,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         logger.info("retracting %s to free KV pages", req.rid)
         self.stats["retractions"] += 1
+        self.reserve_ratio = self.config.reserve_ratio  # the pool ran short: reserve more again
         self.running.remove(req)
         self.kv.release(req)
         req.num_retractions += 1
