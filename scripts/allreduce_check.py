@@ -79,14 +79,8 @@ def check_graph(rank: int, report: Callable[[str, bool, str], None]) -> None:
 
     for rows in (1, 16, 64):
         static = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer(static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = layer(static)
+        out: list[torch.Tensor] = []
+        graph = capture(lambda out=out, static=static: out.append(layer(static)))
         worst, ok = 0.0, True
         for _ in range(3):  # new inputs each replay, as decode steps bring
             x = torch.randn(rows, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
@@ -96,22 +90,29 @@ def check_graph(rank: int, report: Callable[[str, bool, str], None]) -> None:
             dist.all_reduce(ref)
             ref = ref + 1.0
             dist.all_reduce(ref)
-            good, diff = close(out, ref)
+            good, diff = close(out[-1], ref)
             ok, worst = ok and good, max(worst, diff)
         report(f"graph bf16     ({rows}, {HIDDEN}) x2", ok, f"max |diff| {worst:.2e}")
 
 
-def time_graph(fn: Callable[[torch.Tensor], object], t: torch.Tensor) -> float:
-    """Microseconds per call, GRAPH_ITERS calls captured in one graph and replayed."""
+def capture(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
+    """`calls` calls of `fn` as one CUDA graph, after a warm-up call on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn(t)
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(GRAPH_ITERS):
-            fn(t)
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_graph(fn: Callable[[torch.Tensor], object], t: torch.Tensor) -> float:
+    """Microseconds per call, GRAPH_ITERS calls captured in one graph and replayed (the same
+    number on every rank: the calls meet in collectives)."""
+    graph = capture(lambda: fn(t), GRAPH_ITERS)
     graph.replay()
     torch.cuda.synchronize()
     dist.barrier()
