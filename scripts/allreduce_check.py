@@ -80,7 +80,11 @@ def check_graph(rank: int, report: Callable[[str, bool, str], None]) -> None:
     for rows in (1, 16, 64):
         static = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
         out: list[torch.Tensor] = []
-        graph = capture(lambda out=out, static=static: out.append(layer(static)))
+
+        def step(out: list[torch.Tensor] = out, static: torch.Tensor = static) -> None:
+            out.append(layer(static))
+
+        graph = capture(step)
         worst, ok = 0.0, True
         for _ in range(3):  # new inputs each replay, as decode steps bring
             x = torch.randn(rows, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
