@@ -29,7 +29,6 @@ from minisgl.kvcache import KVPool, ReqTable
 class ExtendPart:
     """The rows of a mixed step after its leading one-token rows, rebased to start at 0."""
 
-    first_token: int  # row of q where this part starts (= the number of leading decode rows)
     block_table: torch.Tensor  # [Be, P] int32
     seq_lens: torch.Tensor  # [Be] int32
     extend_lens: torch.Tensor  # [Be] int32
@@ -77,7 +76,6 @@ class TritonBackend(AttentionBackend):
             # Copies, not views: Triton compiles a kernel variant per pointer alignment, and a
             # view starting at row nd would add variants (each a JIT compile mid-serving).
             extend = ExtendPart(
-                first_token=nd,
                 block_table=block_table[nd:].clone() if nd else block_table,
                 seq_lens=inputs.seq_lens[nd:].clone() if nd else inputs.seq_lens,
                 extend_lens=inputs.extend_lens[nd:].clone() if nd else inputs.extend_lens,
@@ -110,9 +108,4 @@ class TritonBackend(AttentionBackend):
 
 
 def _leading_ones(extend_lens: list[int]) -> int:
-    n = 0
-    for e in extend_lens:
-        if e != 1:
-            break
-        n += 1
-    return n
+    return next((i for i, e in enumerate(extend_lens) if e != 1), len(extend_lens))
