@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.offline import TokenIdLLM, release_memory, sampling_params, w1_workload
+from minisgl.benchmark.common import (
+    batch_bucket,
+    gpu_kernel_table,
+    release_memory,
+    synchronize,
+    trace_events,
+)
+from minisgl.benchmark.offline import TokenIdLLM, sampling_params, w1_workload
 from minisgl.core import Req, SamplingParams
 
 MODELS = Path(
@@ -35,8 +42,7 @@ MODELS = Path(
 
 
 def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    synchronize(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 class PhaseTimer:
@@ -57,7 +63,7 @@ class PhaseTimer:
             return b
 
         def forward(batch: Any) -> Any:
-            kind = "mixed" if batch.num_tokens != batch.size else _bucket(batch.size)
+            kind = "mixed" if batch.num_tokens != batch.size else batch_bucket(batch.size)
             t = time.perf_counter()
             self.launches.append((t, kind))
             out = self.orig[1](batch)
@@ -71,7 +77,7 @@ class PhaseTimer:
             out.wait()
             t1 = time.perf_counter()
             ev = self.orig[2](batch, out)
-            kind = "mixed" if batch.num_tokens != batch.size else _bucket(batch.size)
+            kind = "mixed" if batch.num_tokens != batch.size else batch_bucket(batch.size)
             self.acc[kind]["wait"] += t1 - t
             self.acc[kind]["process_py"] += time.perf_counter() - t1
             return ev
@@ -96,25 +102,17 @@ class PhaseTimer:
         print(f"schedule(): {self.acc['_sched']['schedule'] / max(1, steps) * 1e3:.2f} ms/step")
 
 
-def _bucket(b: int) -> str:
-    for lo, hi in ((1, 8), (9, 32), (33, 128), (129, 256)):
-        if lo <= b <= hi:
-            return f"decode {lo}-{hi}"
-    return "decode >256"
-
-
 def kernel_table(prof: Any, steps: int, top: int = 18) -> None:
-    rows = []
-    for e in prof.key_averages():
-        dt = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
-        if dt > 0 and e.device_type.name == "CUDA":
-            rows.append((dt, e.count, e.key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    count = sum(r[1] for r in rows)
-    print(f"device time per step {total / steps / 1e3:.3f} ms, {count / steps:.0f} kernels/step")
-    for dt, n, key in rows[:top]:
-        print(f"  {dt / steps / 1e3:8.3f} ms  {n / steps:6.1f}x  {key[:90]}")
+    """The top GPU kernels of a profiled run of `steps` steps, per step."""
+    try:
+        rows, totals = gpu_kernel_table(trace_events(prof), steps)
+    except RuntimeError as e:  # no GPU kernels: a dry run on the CPU
+        print(e)
+        return
+    print(f"device time per step {totals['gpu_busy_ms_per_step']:.3f} ms, "
+          f"{totals['kernels_per_step']:.0f} kernels/step")  # fmt: skip
+    for r in rows[:top]:
+        print(f"  {r['us_per_step'] / 1e3:8.3f} ms  {r['per_step']:6.1f}x  {r['kernel']}")
 
 
 def run_w1(scale: float) -> None:

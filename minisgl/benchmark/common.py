@@ -8,12 +8,16 @@ decoded at context length c reads c tokens of KV.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,6 +95,76 @@ def time_graph(
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3 / calls)
     return statistics.median(times)
+
+
+# ---- profiles --------------------------------------------------------------------------------------
+
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_events(prof: Any, keep: str = "") -> list[Row]:
+    """The events of a finished torch.profiler run, through its Chrome trace (kept at `keep`).
+    Kernels replayed from a CUDA graph appear there as device events, where the profiler's op
+    summaries show one cudaGraphLaunch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = keep or str(Path(tmp) / "trace.json")
+        prof.export_chrome_trace(path)
+        return list(json.loads(Path(path).read_text()).get("traceEvents", []))
+
+
+def gpu_kernel_table(
+    events: Sequence[Row], steps: int, groups: dict[str, Sequence[str]] | None = None
+) -> tuple[list[Row], Row]:
+    """Trace events -> (one row per GPU kernel name by total time, per-step totals). `groups`:
+    name -> kernel-name fragments whose kernels and time per step the totals add up."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_CATEGORIES]
+    if not gpu:
+        raise RuntimeError("the profile holds no GPU kernels (CUPTI unavailable?)")
+    durations: dict[str, list[float]] = {}
+    for e in gpu:
+        durations.setdefault(str(e["name"]), []).append(float(e["dur"]))  # us
+    busy = sum(sum(d) for d in durations.values())
+    rows: list[Row] = [
+        {"kernel": name if len(name) <= 90 else name[:87] + "...", "calls": len(d),
+         "per_step": len(d) / steps, "us_per_step": sum(d) / steps, "mean_us": sum(d) / len(d),
+         "share": sum(d) / busy}
+        for name, d in durations.items()
+    ]  # fmt: skip
+    rows.sort(key=lambda r: -r["us_per_step"])
+    span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+    totals: Row = {
+        "steps": steps,
+        "kernels_per_step": len(gpu) / steps,
+        "gpu_busy_ms_per_step": busy / steps / 1e3,
+        "gpu_span_ms_per_step": span / steps / 1e3,  # busy + the gaps between kernels
+        "gpu_idle_share": 1 - busy / span,
+    }
+    for group, fragments in (groups or {}).items():
+        picked = [d for name, d in durations.items() if any(f in name for f in fragments)]
+        totals[f"{group}_kernels_per_step"] = sum(len(d) for d in picked) / steps
+        totals[f"{group}_ms_per_step"] = sum(sum(d) for d in picked) / steps / 1e3
+    return rows, totals
+
+
+def batch_bucket(batch: int) -> str:
+    """The decode-step groups of the per-step tables, by batch size."""
+    for lo, hi in ((1, 8), (9, 32), (33, 128), (129, 256)):
+        if lo <= batch <= hi:
+            return f"decode {lo}-{hi}"
+    return "decode >256"
+
+
+def release_memory() -> None:
+    """Give a dropped engine's device memory back (its graphs and caches hold cycles) before
+    the next engine sizes its KV pool from what is free."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()
+    if held > 1 << 30:
+        print(f"warning: {held / 2**30:.1f} GiB still allocated after dropping an engine",
+              file=sys.stderr)  # fmt: skip
 
 
 # ---- the floor ---------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import itertools
 import json
 import math
@@ -38,7 +37,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.benchmark.common import print_pairs, print_table, time_graph
+from minisgl.benchmark.common import (
+    gpu_kernel_table,
+    measure_bandwidth,
+    print_pairs,
+    print_table,
+    release_memory,
+    time_graph,
+    trace_events,
+)
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 if TYPE_CHECKING:
@@ -71,13 +78,6 @@ def time_eager(fn: Callable[[], object], repeats: int = 3) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / repeats
-
-
-def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a large device-to-device copy (SM-driven; see `bandwidth.py`)."""
-    from minisgl.benchmark.bandwidth import measure_copy_bandwidth as measure
-
-    return measure(nbytes)
 
 
 # ---- 2. kernels ----------------------------------------------------------------------------------
@@ -292,16 +292,6 @@ def make_llm(batch: int, eager: bool, attention_backend: str, cuda_graphs: bool 
     return LLM(str(MODEL_DIR), **options)
 
 
-def release_memory() -> None:
-    """Give a dropped engine's memory back before the next one sizes its KV pool."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    held = torch.cuda.memory_allocated()
-    if held > 1 << 30:
-        print(f"warning: {held / 2**30:.1f} GiB still allocated after dropping an engine",
-              file=sys.stderr)  # fmt: skip
-
-
 def submit(llm: Any, batch: int, max_tokens: int, seed: int) -> list[Any]:
     from minisgl.core import Req, SamplingParams
 
@@ -410,7 +400,6 @@ def run_decode(copy_bw: float, seed: int, attention_backend: str = "auto") -> li
 
 PROFILE_STEPS = 8
 PROFILE_TOP = 25
-GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # The Triton kernels of minisgl.kernels.moe (the router GEMM is a cuBLAS kernel among the rest).
 MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_gate_up_kernel", "_down_kernel",
                "_topk_kernel", "_align_kernel")  # fmt: skip
@@ -422,8 +411,6 @@ def profile_decode(
     """torch.profiler over `steps` decode steps of `batch` requests: (the kernels by GPU time,
     a summary). A graph replay shows in the profiler's op summaries as one cudaGraphLaunch, so
     the kernels are read from the device events of the exported trace."""
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     llm = make_llm(batch, eager=False, attention_backend=attention_backend,
@@ -443,43 +430,9 @@ def profile_decode(
     run_to_end(llm)
     del llm
     release_memory()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = trace or str(Path(tmp) / "trace.json")
-        prof.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text()).get("traceEvents", [])
-    rows, totals = gpu_kernel_table(events, steps)
+    rows, totals = gpu_kernel_table(trace_events(prof, trace), steps, {"moe_triton": MOE_KERNELS})
     totals |= {"batch": batch, "cuda_graphs": cuda_graphs, "wall_ms_per_step": wall / steps * 1e3}
     return rows[:PROFILE_TOP], totals
-
-
-def gpu_kernel_table(events: Sequence[Row], steps: int) -> tuple[list[Row], Row]:
-    """Chrome-trace events -> (one row per GPU kernel name by total time, per-step totals)."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_CATEGORIES]
-    if not gpu:
-        raise RuntimeError("the profile holds no GPU kernels (CUPTI unavailable?)")
-    durations: dict[str, list[float]] = {}
-    for e in gpu:
-        durations.setdefault(str(e["name"]), []).append(float(e["dur"]))  # us
-    busy = sum(sum(d) for d in durations.values())
-    rows: list[Row] = [
-        {"kernel": name if len(name) <= 90 else name[:87] + "...", "calls": len(d),
-         "per_step": len(d) / steps, "us_per_step": sum(d) / steps, "mean_us": sum(d) / len(d),
-         "share": sum(d) / busy}
-        for name, d in durations.items()
-    ]  # fmt: skip
-    rows.sort(key=lambda r: -r["us_per_step"])
-    span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
-    moe = [d for name, d in durations.items() if any(k in name for k in MOE_KERNELS)]
-    totals: Row = {
-        "steps": steps,
-        "kernels_per_step": len(gpu) / steps,
-        "gpu_busy_ms_per_step": busy / steps / 1e3,
-        "gpu_span_ms_per_step": span / steps / 1e3,  # busy + the gaps between kernels
-        "gpu_idle_share": 1 - busy / span,
-        "moe_triton_kernels_per_step": sum(len(d) for d in moe) / steps,
-        "moe_triton_ms_per_step": sum(sum(d) for d in moe) / steps / 1e3,
-    }
-    return rows, totals
 
 
 # ---- tile sweep ----------------------------------------------------------------------------------
@@ -727,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     torch.manual_seed(args.seed)
-    copy_bw = measure_copy_bandwidth()
+    copy_bw = measure_bandwidth(torch.device(DEVICE))
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}

@@ -15,7 +15,6 @@ where the time goes. Prints tables, then one JSON object as the last line.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import time
 from collections.abc import Sequence
@@ -29,12 +28,14 @@ from minisgl.benchmark.common import (
     Floor,
     ModelBytes,
     Row,
+    batch_bucket,
     decode_floor,
     device_info,
     emit_json,
     measure_bandwidth,
     print_pairs,
     print_table,
+    release_memory,
     synchronize,
 )
 from minisgl.core import Batch, SamplingParams
@@ -163,13 +164,13 @@ class StepRecorder:
         buckets: dict[str, list[float]] = {}  # name -> [steps, seconds, floor seconds, rows]
         times = [s[0] for s in self.steps] + [end]
         for (start, b, t, ctx), stop in zip(self.steps, times[1:]):
-            name = "mixed" if t != b else _bucket(b)
+            name = "mixed" if t != b else batch_bucket(b)
             acc = buckets.setdefault(name, [0, 0.0, 0.0, 0])
             acc[0] += 1
             acc[1] += stop - start
             acc[2] += (mb.weights + ctx * mb.kv_per_token) / bandwidth
             acc[3] += b
-        order = ["mixed", *[_bucket(b) for b in (1, 9, 33, 129, 257)]]
+        order = ["mixed", *[batch_bucket(b) for b in (1, 9, 33, 129, 257)]]
         rows = []
         for name in order:
             if name not in buckets:
@@ -185,13 +186,6 @@ class StepRecorder:
                 "fraction_of_floor": floor / seconds if seconds else 0.0,
             })  # fmt: skip
         return rows
-
-
-def _bucket(batch: int) -> str:
-    for lo, hi in ((1, 8), (9, 32), (33, 128), (129, 256)):
-        if lo <= batch <= hi:
-            return f"decode {lo}-{hi}"
-    return "decode >256"
 
 
 def run_minisgl(args: argparse.Namespace, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
@@ -350,13 +344,6 @@ def _hf_collect(
 
 def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def release_memory() -> None:
-    """Give a dropped engine's device memory back (its graphs and caches hold cycles)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
