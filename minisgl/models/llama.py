@@ -23,6 +23,7 @@ from minisgl.layers import (
     default_weight_loader,
     silu_and_mul,
 )
+from minisgl.layers.fused import fused_kernels
 
 
 class LlamaAttention(nn.Module):
@@ -101,7 +102,7 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        if not positions.is_cuda:  # CUDA fuses the lookup into its rotation kernel
+        if fused_kernels(h) is None:  # the fused rotation kernel reads the table itself
             ctx = replace(ctx, rope=self.rotary.lookup(positions))
         residual: torch.Tensor | None = None
         for layer in self.layers:
