@@ -1,33 +1,21 @@
 """The engine's own Triton kernels (fused layers, Gumbel-max sampling) compile for Hopper (sm_90)
 on a machine without a GPU: the CPU interpreter does not type-check or lower a kernel, so
 integer-width and constant-typing mistakes only show up here (or on the GPU).
-Run this file directly to print register use of each kernel."""
+`PYTHONPATH=tests python tests/engine/test_engine_kernels_compile.py` prints the shared memory
+of each kernel."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+from sm90 import compile_sm90, run_compile_script
 
 
 def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int) -> int:
     """Compile to a cubin for sm_90; returns the shared memory it uses."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    target = GPUTarget("cuda", 90, 32)
-    options = triton.compiler.make_backend(target).parse_options({"num_warps": warps})
-    compiled = triton.compile(src, target=target, options=options.__dict__)
-    assert compiled.asm["cubin"]
-    return int(compiled.metadata.shared)
+    return compile_sm90(kernel, types, constexprs, warps)["shared"]
 
 
 def _compile_all() -> list[dict[str, Any]]:
@@ -59,15 +47,7 @@ def _compile_all() -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_engine_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600
-    )
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("this triton build has no bundled ptxas")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = run_compile_script(__file__)
     assert len(results) == 11, results
 
 

@@ -3,20 +3,17 @@
 The CPU interpreter neither type-checks nor lowers kernels, so it misses errors that only the
 real compiler sees. This test runs Triton's compiler down to a cubin (with the ptxas that ships
 in the triton wheel) in a subprocess without TRITON_INTERPRET, and checks for register spills.
-Run this file directly to print register / shared-memory use of each variant.
+`PYTHONPATH=tests python tests/kernels/test_attention_kernels_compile.py` prints register and
+shared-memory use of each variant.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
+from sm90 import compile_sm90, run_compile_script
 
 # (name, kernel, dtype, constexprs, num_warps, num_stages)
 DECODE = [
@@ -34,34 +31,10 @@ POINTERS_16 = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "block_table_ptr", "seq_lens_
 
 
 def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     # What the launcher would specialise: 16-byte aligned pointers and strides divisible by 16.
+    names = kernel.arg_names
     aligned = [n for n in names if n.startswith("stride") or types.get(n, "").startswith("*")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    target = GPUTarget("cuda", 90, 32)
-    options = triton.compiler.make_backend(target).parse_options(
-        {"num_warps": warps, "num_stages": stages}
-    )
-    compiled = triton.compile(src, target=target, options=options.__dict__)
-    return {"shared": compiled.metadata.shared, **_resource_usage(compiled.asm["cubin"])}
-
-
-def _resource_usage(cubin: bytes) -> dict[str, int]:
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    fields = dict(kv.split(":") for kv in text.split() if kv.startswith(("REG:", "LOCAL:")))
-    return {"regs": int(fields["REG"]), "local": int(fields["LOCAL"])}
+    return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
 
 
 def _compile_all() -> list[dict[str, Any]]:
@@ -97,15 +70,7 @@ def _compile_all() -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences a deprecation warning of newer tritons
-    proc = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600
-    )
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("this triton build has no bundled ptxas")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = run_compile_script(__file__)
     assert len(results) == len(DECODE) + len(EXTEND) + 2
     spilled = [r["name"] for r in results if r["local"] > 0 and "d256" not in r["name"]]
     assert not spilled, f"register spills in {spilled}: {results}"

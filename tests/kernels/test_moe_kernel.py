@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from sm90 import compile_sm90, run_compile_script
 
 COMPILE_MODE = __name__ == "__main__"  # the subprocess of test_kernels_compile_for_sm90
 if not torch.cuda.is_available() and not COMPILE_MODE:
@@ -227,29 +224,10 @@ _POINTER_TYPES = {
 
 
 def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     names = kernel.arg_names
     types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr")} | _POINTER_TYPES
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     aligned = [n for n in names if n not in constexprs and (n in _ALIGNED_INTS or n in types)]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    target = GPUTarget("cuda", 90, 32)
-    options = triton.compiler.make_backend(target).parse_options(
-        {"num_warps": warps, "num_stages": stages}
-    )
-    compiled = triton.compile(src, target=target, options=options.__dict__)
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    fields = dict(kv.split(":") for kv in text.split() if kv.startswith(("REG:", "LOCAL:")))
-    return {"shared": compiled.metadata.shared, "regs": int(fields["REG"]),
-            "local": int(fields["LOCAL"])}  # fmt: skip
+    return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
 
 
 def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
@@ -297,15 +275,7 @@ def _compile_all() -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences a deprecation warning of newer tritons
-    proc = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600
-    )
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("this triton build has no bundled ptxas")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = run_compile_script(__file__)
     assert len(results) == 2 + len(_gemm_variants())
     assert not [r for r in results if r["local"] > 0], f"register spills: {results}"
     # An H100/H200 SM has 227 KiB of shared memory for one block (some tuned tiles use more

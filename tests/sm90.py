@@ -1,0 +1,75 @@
+"""Compiling Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+The CPU interpreter neither type-checks nor lowers kernels, so errors that only the real
+compiler sees (integer widths, constant typing, register spills, shared memory) need a compile
+down to a cubin, with the ptxas and cuobjdump that ship in the triton wheel. It runs in a
+subprocess without TRITON_INTERPRET: a test file runs itself (`run_compile_script(__file__)`)
+and prints one JSON object per compiled variant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def compile_sm90(
+    kernel: Any,
+    types: dict[str, str],
+    constexprs: dict[str, Any],
+    warps: int,
+    stages: int | None = None,
+    aligned: Iterable[str] = (),
+) -> dict[str, int]:
+    """Compile `kernel` (arguments not in `types` are i32) for sm_90; `aligned` arguments are
+    taken as multiples of 16, as the launcher would specialise them. Returns shared memory
+    bytes, registers and local (spilled) bytes per thread."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    opts: dict[str, Any] = {"num_warps": warps}
+    if stages is not None:
+        opts["num_stages"] = stages
+    options = triton.compiler.make_backend(target).parse_options(opts)
+    compiled = triton.compile(src, target=target, options=options.__dict__)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(kv.split(":") for kv in text.split() if kv.startswith(("REG:", "LOCAL:")))
+    return {
+        "shared": int(compiled.metadata.shared),
+        "regs": int(fields["REG"]),
+        "local": int(fields["LOCAL"]),
+    }
+
+
+def run_compile_script(script: str) -> list[dict[str, Any]]:
+    """Run `script` in a subprocess without the interpreter; the JSON objects it printed.
+    Skips when this triton build has no ptxas."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences a deprecation warning of newer tritons
+    tests_dir = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, env=env, timeout=600
+    )
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("this triton build has no bundled ptxas")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
