@@ -37,6 +37,8 @@ def compile_sm90(
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
+    if "PDL" in names:  # as launched on Hopper: with the programmatic-dependent-launch prologue
+        constexprs = {"PDL": True, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)

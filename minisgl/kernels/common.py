@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -28,6 +29,40 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _NOMINAL_NUM_SMS
     return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+ENV_DISABLE_PDL = "MINISGL_DISABLE_PDL"
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch for our Triton kernels: on Hopper and newer unless
+    `MINISGL_DISABLE_PDL=1`. Such a kernel may be scheduled while the kernel before it in the
+    stream still runs; it waits (`pdl_prologue`) before touching memory. In a decode step at
+    small batch, where ~10 small kernels per layer each cost a launch and a ramp, that hides a
+    kernel's launch behind its predecessor's tail."""
+    if device.type != "cuda" or os.environ.get(ENV_DISABLE_PDL) == "1":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel with a `PDL` constexpr that starts with `pdl_prologue`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of a kernel launched with `pdl_args`: wait until the previous kernel in
+    the stream has finished and its writes are visible, then let the next kernel be scheduled
+    (it waits the same way, so no kernel runs ahead of one it depends on). A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def check_paged_args(

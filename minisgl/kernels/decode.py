@@ -23,6 +23,8 @@ from minisgl.kernels.common import (
     dot_flags,
     num_sms,
     online_softmax_step,
+    pdl_args,
+    pdl_prologue,
     round_bf16,
     token_slots,
 )
@@ -100,7 +102,9 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # KV heads vary fastest: CTAs launched together read neighbouring 256-byte head slices of
     # the same tokens, so DRAM sees whole token rows (and whole pages) rather than scattered bits.
     kv_head = tl.program_id(0)
@@ -168,7 +172,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     head = tl.program_id(0)
     b = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -233,6 +239,7 @@ def decode_attention(
     else:
         part_o = part_lse = out  # unused by the kernel
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel)
+    pdl = pdl_args(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -240,13 +247,13 @@ def decode_attention(
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
-        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_q_heads, batch)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_q_heads,
             num_splits, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, EMULATE_BF16=emulate_bf16,
-            num_warps=1 if head_dim <= 64 else 2,
+            num_warps=1 if head_dim <= 64 else 2, **pdl,
         )  # fmt: skip
     return out
 

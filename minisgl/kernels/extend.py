@@ -20,6 +20,8 @@ from minisgl.kernels.common import (
     dot,
     dot_flags,
     online_softmax_step,
+    pdl_args,
+    pdl_prologue,
     round_bf16,
     token_slots,
 )
@@ -79,7 +81,9 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # The last query blocks see the most keys: launch them first so the tail is short.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -176,7 +180,7 @@ def extend_attention(
         out.stride(0), out.stride(1), sm_scale * math.log2(math.e),
         GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, IEEE=ieee, EMULATE_BF16=emulate_bf16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )  # fmt: skip
     return out
 

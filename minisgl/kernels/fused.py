@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.common import pdl_args, pdl_prologue
+
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     """(rows, heads, stride of a token, stride of a head) of a [T, D] or [T, H, D] view."""
@@ -35,7 +37,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     t = row // num_heads
     h = row % num_heads
@@ -74,7 +78,7 @@ def rms_norm(
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out, stride_t, stride_h,
         heads, dim, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=max(1, min(8, block // 256)),
+        num_warps=max(1, min(8, block // 256)), **pdl_args(x.device),
     )  # fmt: skip
     return out, res_out
 
@@ -134,7 +138,9 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * stride_pos)
     offs_d = tl.arange(0, HALF)
@@ -182,12 +188,16 @@ def qk_norm_rope(
         positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         positions.stride(0), q_heads, kv_heads, eps, HAS_NORM=has_norm, HALF=dim // 2,
         BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)), num_warps=4,
+        **pdl_args(q.device),
     )  # fmt: skip
     return q_out, k_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -208,6 +218,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(tokens, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_args(x.device)
     )
     return out

@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from minisgl.kernels.common import pdl_args, pdl_prologue
+
 # ---- tile configurations -----------------------------------------------------------------------
 
 
@@ -178,7 +180,9 @@ def _topk_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     vals, idxs = _route(logits_ptr, t, stride_l, num_experts, TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
     offs_k = tl.arange(0, BLOCK_K)
@@ -205,6 +209,7 @@ def fused_topk(
         logits, weights, ids, logits.stride(0), num_experts,
         TOP_K=top_k, BLOCK_K=_topk_block(top_k),
         BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+        **pdl_args(logits.device),
     )  # fmt: skip
     return weights, ids
 
@@ -246,7 +251,9 @@ def _align_kernel(
     BINS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # One program per expert. Each counts every expert's pairs (cheap next to the GEMMs) to find
     # where its run starts, then writes its own pairs in their original order, its padding and
     # its blocks' expert ids: one launch, no atomics, no memset.
@@ -297,6 +304,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned
         topk_ids.to(torch.int32), sorted_ids, block_expert, num_padded, numel,
         NUM_EXPERTS=num_experts, BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
         CHUNK=128 if numel <= 128 else 1024,  # two variants to compile, not one per batch size
+        **pdl_args(dev),
     )  # fmt: skip
     return AlignedRows(sorted_ids, block_expert, num_padded, block_m)
 
@@ -349,7 +357,9 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # Program (m, n): block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I. The
     # grid runs m fastest, so neighbouring programs share an expert's weight tile in L2.
     pid_m = tl.program_id(0)
@@ -407,7 +417,9 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -447,7 +459,7 @@ def gate_up_gemm(
         inter, x.shape[1], x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), TOP_K=top_k, BLOCK_M=rows.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, IEEE=ieee, UPCAST=upcast, num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        num_stages=tile.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return act
 
@@ -468,7 +480,7 @@ def down_gemm(
         act, w2, out, topk_weights, rows.sorted_ids, rows.block_expert, rows.num_padded, numel,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE=ieee,
-        UPCAST=upcast, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        UPCAST=upcast, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(act.device),
     )  # fmt: skip
     return out
 
@@ -500,7 +512,9 @@ def _pair_gate_up_kernel(
     BLOCK_TOPK: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # Program (p, n): pair p = t * K + k x columns [n * BLOCK_N, +BLOCK_N) of I. With ROUTE every
     # program of token t routes t again (a few hundred cycles; cheaper than a launch) and the
     # n == 0 programs publish the result for the down kernel. The programs of one kernel run
@@ -604,7 +618,9 @@ def _pair_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of token t's output, summed over its K
     # experts in registers (no atomics, no separate sum). One flat loop over (k, I tile) steps
     # with the next step's loads in flight during this one's products (see the gate/up kernel);
@@ -672,7 +688,7 @@ def pair_gate_up(
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), src.stride(0),
         TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
         BLOCK_TOPK=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        RENORMALIZE=renormalize, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return act, routing
 
@@ -694,7 +710,7 @@ def pair_down(
         w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=_topk_block(top_k),
         num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        num_stages=tile.num_stages, **pdl_args(act.device),
     )  # fmt: skip
     return out
 

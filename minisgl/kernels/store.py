@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.common import pdl_args, pdl_prologue
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -25,7 +27,9 @@ def _store_kv_kernel(
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -75,4 +79,5 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(num_heads),
         HEAD_DIM=head_dim,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
+        **pdl_args(k.device),
     )
