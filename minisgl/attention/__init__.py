@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minisgl.attention.base import AttentionBackend, AttentionInputs
+from minisgl.attention.base import AttentionBackend, AttentionInputs, KVStore
 from minisgl.kvcache import KVPool, ReqTable
 
 BACKENDS = ("torch", "triton")
@@ -22,4 +22,4 @@ def make_backend(
     raise ValueError(f"attention backend: {name!r} is not one of {BACKENDS}")
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionInputs", "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionInputs", "KVStore", "make_backend"]

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,14 @@ class AttentionInputs:
         return max(self.extend_lens_host)
 
 
+class KVStore(NamedTuple):
+    """Where one layer's new K/V rows of a step go: `k_cache[loc] = k; v_cache[loc] = v`."""
+
+    k_cache: torch.Tensor  # [slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    loc: torch.Tensor  # [T] int64
+
+
 class AttentionBackend(ABC):
     """Stores a step's new K/V into the paged pool and attends over each request's context.
 
@@ -64,12 +73,17 @@ class AttentionBackend(ABC):
     def prepare(self, inputs: AttentionInputs) -> object:
         """Per-step metadata (block tables, split plans), passed back to `forward`."""
 
+    def kv_store(self, layer: int, meta: object) -> KVStore | None:
+        """Where this layer's new K/V go, for a backend that lets the layer's rotary kernel store
+        them as it rotates (one kernel less per layer); None: `forward` stores them."""
+        return None
+
     @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None: already in `kv_store`
+        v: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None with k
         layer: int,
         meta: object,
     ) -> torch.Tensor:  # [T, num_q_heads, head_dim]

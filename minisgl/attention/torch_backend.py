@@ -126,9 +126,15 @@ class TorchBackend(AttentionBackend):
         return groups
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: object
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: int,
+        meta: object,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchMeta)
+        assert k is not None and v is not None, "the torch backend stores K/V itself (no kv_store)"
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
         loc = meta.inputs.out_loc
         k_cache.index_copy_(0, loc, k.to(k_cache.dtype))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, AttentionInputs
+from minisgl.attention.base import AttentionBackend, AttentionInputs, KVStore
 from minisgl.kernels.common import num_sms
 from minisgl.kernels.decode import (
     DecodeConfig,
@@ -84,13 +84,23 @@ class TritonBackend(AttentionBackend):
             )
         return TritonMeta(inputs, block_table[:nd], inputs.seq_lens[:nd], nd, num_splits, extend)
 
+    def kv_store(self, layer: int, meta: object) -> KVStore:
+        assert isinstance(meta, TritonMeta)
+        return KVStore(self.pool.k(layer), self.pool.v(layer), meta.inputs.out_loc)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: object
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: int,
+        meta: object,
     ) -> torch.Tensor:
         assert isinstance(meta, TritonMeta)
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
-        inp = meta.inputs
-        store_kv(k_cache, v_cache, inp.out_loc, k, v)
+        if k is not None:  # else the layer's rotary kernel stored them (`kv_store`)
+            assert v is not None
+            store_kv(k_cache, v_cache, meta.inputs.out_loc, k, v)
         ps, nd, ext = self.pool.page_size, meta.num_decode, meta.extend
         out = torch.empty_like(q)
         if nd:

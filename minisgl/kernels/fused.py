@@ -86,9 +86,10 @@ def rms_norm(
 @triton.jit
 def _norm_rope_heads(
     x_ptr,  # this token's first head, [H, D] with head stride `stride_h`
-    out_ptr,  # this token's first head in the contiguous output
+    out_ptr,  # where this token's first head goes, head stride `stride_out_h`
     w_ptr,  # [D] RMSNorm weight (HAS_NORM)
     stride_h,
+    stride_out_h,
     num_heads,
     cos,  # [1, HALF] fp32
     sin,
@@ -112,17 +113,22 @@ def _norm_rope_heads(
         x1 = (w1 * (f1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
         x2 = (w2 * (f2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    dst = out_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    out_ty = out_ptr.dtype.element_ty
+    dst = out_ptr + offs_h[:, None] * stride_out_h + offs_d[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(dtype).to(out_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype).to(out_ty), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr,  # [T, Hq, D] view, last dim contiguous
     k_ptr,  # [T, Hkv, D] view
+    v_ptr,  # [T, Hkv, D] view (STORE)
     q_out_ptr,  # [T, Hq, D] contiguous
-    k_out_ptr,  # [T, Hkv, D] contiguous
+    k_out_ptr,  # [T, Hkv, D] contiguous (not STORE)
+    k_cache_ptr,  # [slots, Hkv, D] (STORE): the rotated k goes here, at slot loc[t]
+    v_cache_ptr,  # [slots, Hkv, D] (STORE): v goes here
+    loc_ptr,  # [T] int64 KV slot of each token (STORE)
     q_w_ptr,  # [D] (HAS_NORM)
     k_w_ptr,  # [D] (HAS_NORM)
     pos_ptr,  # [T] int64 (any stride)
@@ -131,11 +137,18 @@ def _qk_norm_rope_kernel(
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ckt,
+    stride_ckh,
+    stride_cvt,
+    stride_cvh,
     stride_pos,
     num_q_heads,
     num_kv_heads,
     eps,
     HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
@@ -149,12 +162,26 @@ def _qk_norm_rope_kernel(
     if tl.program_id(1) == 0:
         _norm_rope_heads(
             q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * (2 * HALF), q_w_ptr, stride_qh,
-            num_q_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+            2 * HALF, num_q_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
         )  # fmt: skip
+    elif STORE:  # the rotated k and the new v straight into the paged KV pool
+        slot = tl.load(loc_ptr + t)
+        _norm_rope_heads(
+            k_ptr + t * stride_kt, k_cache_ptr + slot * stride_ckt, k_w_ptr, stride_kh,
+            stride_ckh, num_kv_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+        )  # fmt: skip
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_v = tl.arange(0, 2 * HALF)
+        mask = (offs_h < num_kv_heads)[:, None]
+        v = tl.load(
+            v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=mask
+        )
+        v_dst = v_cache_ptr + slot * stride_cvt + offs_h[:, None] * stride_cvh + offs_v[None, :]
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
         _norm_rope_heads(
             k_ptr + t * stride_kt, k_out_ptr + t * num_kv_heads * (2 * HALF), k_w_ptr, stride_kh,
-            num_kv_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+            2 * HALF, num_kv_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
         )  # fmt: skip
 
 
@@ -170,9 +197,13 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,  # [D] per-head RMSNorm weights (Qwen3), or None
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    v: torch.Tensor | None = None,  # [T, Hkv, D], with `store`
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k_cache, v_cache, loc
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Optional per-head RMSNorm of q and k, then rotate-half (neox) rotary embedding, in one
-    launch; new contiguous tensors."""
+    launch; new contiguous tensors. With `store` = (k_cache [slots, Hkv, D], v_cache, loc [T]
+    int64) and `v`, the rotated k and v go into the KV pool at slots `loc` instead (the KV store
+    and the rotation in one kernel) and k comes back None."""
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.is_contiguous()
@@ -180,13 +211,24 @@ def qk_norm_rope(
     has_norm = q_weight is not None
     assert has_norm == (k_weight is not None)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if store is not None:
+        kc, vc, loc = store
+        assert v is not None and v.shape == k.shape and v.stride(-1) == 1
+        assert loc.shape == (tokens,) and kc.shape[1:] == k.shape[1:] and vc.shape == kc.shape
+        assert kc.stride(-1) == 1 and vc.stride(-1) == 1
+        k_out, vv = None, v
+    else:
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        kc = vc = vv = k_out
+        loc = positions
     if tokens == 0:
         return q_out, k_out
     _qk_norm_rope_kernel[(tokens, 2)](
-        q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k,
-        positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        positions.stride(0), q_heads, kv_heads, eps, HAS_NORM=has_norm, HALF=dim // 2,
+        q, k, vv, q_out, k_out if k_out is not None else q_out, kc, vc, loc,
+        q_weight if has_norm else q, k_weight if has_norm else k, positions, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), positions.stride(0), q_heads,
+        kv_heads, eps, HAS_NORM=has_norm, STORE=store is not None, HALF=dim // 2,
         BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)), num_warps=4,
         **pdl_args(q.device),
     )  # fmt: skip

@@ -30,8 +30,13 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        ctx: ForwardContext,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] (None: already stored, see `AttentionBackend.kv_store`)
+        -> [T, Hq * D]."""
         out = ctx.backend.forward(q, k, v, self.layer, ctx.meta)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

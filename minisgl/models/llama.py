@@ -48,9 +48,13 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        # Qwen3's per-head q/k RMSNorm goes with the rotation (one fused kernel on CUDA).
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm, ctx.rope)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        # Qwen3's per-head q/k RMSNorm goes with the rotation (one fused kernel on CUDA), and
+        # so does the KV store where the backend allows it (k comes back None then).
+        store = ctx.backend.kv_store(self.attn.layer, ctx.meta)
+        q, k_rot = self.rotary.rotate_and_store(
+            positions, q, k, v, store, self.q_norm, self.k_norm, ctx.rope
+        )
+        return self.o_proj(self.attn(q, k_rot, None if k_rot is None else v, ctx))
 
 
 class LlamaMLP(nn.Module):

@@ -33,12 +33,14 @@ def _compile_all() -> list[dict[str, Any]]:
         for res in (True, False):
             c = dict(HAS_RESIDUAL=res, BLOCK=1024)
             out.append((f"rms_norm {dt} res={res}", _compile(_rms_norm_kernel, types, c, 4)))
-        types = {n: f"*{dt}" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")}
-        types |= {"q_w_ptr": f"*{dt}", "k_w_ptr": f"*{dt}", "pos_ptr": "*i64"}
+        names = ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_out_ptr", "k_cache_ptr", "v_cache_ptr")
+        types = {n: f"*{dt}" for n in names}
+        types |= {"q_w_ptr": f"*{dt}", "k_w_ptr": f"*{dt}", "pos_ptr": "*i64", "loc_ptr": "*i64"}
         types |= {"cos_sin_ptr": "*fp32", "eps": "fp32"}
-        for norm in (True, False):
-            c = dict(HAS_NORM=norm, HALF=64, BLOCK_H=16)
-            out.append((f"qk_norm_rope {dt} norm={norm}", _compile(_qk_norm_rope_kernel, types, c, 4)))  # fmt: skip
+        for norm, store in ((True, True), (True, False), (False, True), (False, False)):
+            c = dict(HAS_NORM=norm, STORE=store, HALF=64, BLOCK_H=16)
+            name = f"qk_norm_rope {dt} norm={norm} store={store}"
+            out.append((name, _compile(_qk_norm_rope_kernel, types, c, 4)))
         types = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}"}
         out.append((f"silu_and_mul {dt}", _compile(_silu_and_mul_kernel, types, {"BLOCK": 1024}, 4)))  # fmt: skip
     return [{"name": n, "shared": s} for n, s in out]
@@ -48,7 +50,7 @@ def _compile_all() -> list[dict[str, Any]]:
 def test_engine_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
     results = run_compile_script(__file__)
-    assert len(results) == 11, results
+    assert len(results) == 15, results
 
 
 if __name__ == "__main__":

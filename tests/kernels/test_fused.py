@@ -99,6 +99,24 @@ def test_qk_norm_rope_with_strided_positions_and_heads(dtype, with_norm):
     torch.testing.assert_close(got_q.cpu(), want_q, atol=atol, rtol=rtol)
     torch.testing.assert_close(got_k.cpu(), want_k, atol=atol, rtol=rtol)
 
+    # With a KV store: the rotated k and the new v land in the pool at their slots (v exactly),
+    # nothing else in the pool changes, and q is the same.
+    v = qkv[:, 6 * 64 :].view(6, 2, 64)
+    k_cache = torch.zeros(20, 2, 64, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.tensor([7, 0, 19, 3, 12, 8], device=DEVICE)
+    q2, k2 = fused.qk_norm_rope(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table, *weights, eps=1e-6,
+        v=v.to(DEVICE), store=(k_cache, v_cache, loc),
+    )  # fmt: skip
+    assert k2 is None
+    torch.testing.assert_close(q2.cpu(), got_q.cpu(), atol=0, rtol=0)
+    torch.testing.assert_close(k_cache[loc].cpu(), got_k.cpu(), atol=0, rtol=0)
+    torch.testing.assert_close(v_cache[loc].cpu(), v, atol=0, rtol=0)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert not k_cache.cpu()[untouched].any() and not v_cache.cpu()[untouched].any()
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
