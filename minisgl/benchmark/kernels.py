@@ -77,8 +77,11 @@ def run_decode(
     *,
     num_splits: int | None = None,
     config: Any = None,
+    spread: float = 0.0,
 ) -> Row:
-    """Decode attention with every request at `context` tokens on randomly scattered pages."""
+    """Decode attention with every request at `context` tokens on randomly scattered pages;
+    with `spread` s, contexts drawn uniformly from [context * (1 - s), context * (1 + s)]
+    (ragged, like a continuous batch)."""
     from minisgl.kernels.common import num_sms
     from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
 
@@ -86,15 +89,20 @@ def run_decode(
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
     qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * elem
     n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
+    lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
+    gen = torch.Generator().manual_seed(batch * 7 + context)
+    contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
+    contexts[:, 0] = hi  # the largest context of every set is the same: the splits' host bound
+    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
     kv = random_paged_kv(
-        [context] * batch * n_sets, page_size, NUM_KV_HEADS, HEAD_DIM, DTYPE, DEVICE, poison=False
+        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, DTYPE, DEVICE, poison=False
     )
     tables = kv.block_table.view(n_sets, batch, -1)
     lens = kv.seq_lens.view(n_sets, batch)
     q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     out = torch.empty_like(q)
     cfg = config or default_decode_config(HEAD_DIM)
-    splits = num_splits or choose_num_splits(batch, NUM_KV_HEADS, context, num_sms(q.device), cfg)
+    splits = num_splits or choose_num_splits(batch, NUM_KV_HEADS, hi, num_sms(q.device), cfg)
 
     def call(i: int) -> None:
         decode_attention(
@@ -120,6 +128,7 @@ def run_decode(
     return {
         "batch": batch,
         "context": context,
+        "spread": spread,
         "page_size": page_size,
         "num_splits": splits,
         "block_n": cfg.block_n,
@@ -216,6 +225,22 @@ def tune_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
     return rows
 
 
+def tune_w1_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
+    """W1's late decode steps: ~200 requests with contexts spread over 560-1080 tokens."""
+    from minisgl.kernels.decode import DecodeConfig
+
+    rows = []
+    for splits, bn, w, st in itertools.product((None, 2, 3, 4), (32, 64, 128), (4, 8), (2, 3, 4)):
+        cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
+        label = {"batch": 200, "context": 820, "num_splits": splits, "block_n": bn,
+                 "num_warps": w, "num_stages": st}  # fmt: skip
+        rows.append(
+            _attempt(label, run_decode, 200, 820, page_size, timer, copy_bw, num_splits=splits,
+                     config=cfg, spread=0.32)
+        )  # fmt: skip
+    return rows
+
+
 def tune_extend(timer: Timer, matmul_rate: float, page_size: int) -> list[Row]:
     from minisgl.kernels.extend import ExtendConfig
 
@@ -255,9 +280,14 @@ EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num
 
 def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     copy_bw = measure_copy_bandwidth(timer)
+    ps = args.page_size
+    if args.w1:  # only the W1-shape sweep
+        rows = sorted(tune_w1_decode(timer, copy_bw, ps), key=lambda r: r.get("time_us", math.inf))
+        print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+        print_table("W1-like ragged decode (batch 200, contexts 560-1080)", rows, DECODE_COLUMNS)
+        return {"copy_bytes_per_s": copy_bw, "tune_w1_decode": rows}
     matmul_rate = measure_matmul_rate(timer)
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s, bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s")
-    ps = args.page_size
     decode = [
         _attempt({"batch": b, "context": c}, run_decode, b, c, ps, timer, copy_bw)
         for b, c in itertools.product(DECODE_BATCHES, DECODE_CONTEXTS)
@@ -290,6 +320,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-size", type=int, default=16, help="page size of the main tables")
     parser.add_argument("--tune", action="store_true", help="also sweep tiles and split counts")
+    parser.add_argument(
+        "--w1",
+        action="store_true",
+        help="only sweep decode tiles and splits on W1-like ragged batches",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("minisgl.benchmark.kernels needs a CUDA GPU; none is visible here.")
