@@ -16,7 +16,9 @@ PYTHONPATH=. python3 scripts/gpu_profile.py [--parts w1,mixed,decode,w2]
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -48,8 +50,9 @@ def sync() -> None:
 class PhaseTimer:
     """Wraps scheduler/engine methods with host timers; groups by the step's kind."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, host_detail: bool = False) -> None:
         self.sched, self.engine = llm.scheduler, llm.engine
+        self.host_detail = cProfile.Profile() if host_detail else None
         self.acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.kind = "idle"
         self.launches: list[tuple[float, str]] = []
@@ -66,7 +69,15 @@ class PhaseTimer:
             kind = "mixed" if batch.num_tokens != batch.size else batch_bucket(batch.size)
             t = time.perf_counter()
             self.launches.append((t, kind))
-            out = self.orig[1](batch)
+            if kind == "mixed" and self.host_detail is not None:
+                # Python time by function, and a warning at every op that syncs with the GPU.
+                torch.cuda.set_sync_debug_mode("warn")
+                self.host_detail.enable()
+                out = self.orig[1](batch)
+                self.host_detail.disable()
+                torch.cuda.set_sync_debug_mode(0)
+            else:
+                out = self.orig[1](batch)
             self.acc[kind]["forward_host"] += time.perf_counter() - t
             self.acc[kind]["steps"] += 1
             self.kind = kind
@@ -115,7 +126,7 @@ def kernel_table(prof: Any, steps: int, top: int = 18) -> None:
         print(f"  {r['us_per_step'] / 1e3:8.3f} ms  {r['per_step']:6.1f}x  {r['kernel']}")
 
 
-def run_w1(scale: float) -> None:
+def run_w1(scale: float, host_detail: bool = False) -> None:
     wl = w1_workload(256, scale)
     llm = TokenIdLLM(
         str(MODELS / "qwen3-0.6b"),
@@ -125,7 +136,7 @@ def run_w1(scale: float) -> None:
     )
     rng_prompts = [[(t * 7 + 3) % 10000 for t in p] for p in wl.prompts[:16]]
     llm.generate(rng_prompts, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    timer = PhaseTimer(llm)
+    timer = PhaseTimer(llm, host_detail)
     sync()
     t = time.perf_counter()
     llm.generate(wl.prompts, sampling_params(wl), use_tqdm=False)
@@ -133,6 +144,9 @@ def run_w1(scale: float) -> None:
     end = time.perf_counter()
     print(f"\n== w1 (scale {scale}): {end - t:.2f} s, phases in ms per step")
     timer.table(end)
+    if timer.host_detail is not None:
+        print("\n== host time of the mixed steps' forward_batch, by function (top 30 by own time)")
+        pstats.Stats(timer.host_detail).sort_stats("tottime").print_stats(30)
     run_mixed_and_decode(llm)
 
 
@@ -210,10 +224,13 @@ def main() -> None:
     ap.add_argument("--parts", default="w1,w2")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--tp-size", type=int, default=1, help="w2 only")
+    ap.add_argument(
+        "--host-detail", action="store_true", help="w1: cProfile and sync warnings, mixed steps"
+    )
     args = ap.parse_args()
     parts = args.parts.split(",")
     if "w1" in parts:
-        run_w1(args.scale)
+        run_w1(args.scale, args.host_detail)
         release_memory()
     if "w2" in parts:
         run_w2(args.tp_size)
