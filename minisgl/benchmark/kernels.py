@@ -131,7 +131,7 @@ def run_decode(
         "spread": spread,
         "page_size": page_size,
         "num_splits": splits,
-        "block_n": cfg.block_n,
+        "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         "time_us": seconds * 1e6,
@@ -212,7 +212,7 @@ def tune_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
     rows = []
     shapes = [(256, 4096), (32, 4096), (1, 32768)]
     for (b, ctx), bn, w, st in itertools.product(shapes, (32, 64, 128), (4, 8), (2, 3, 4)):
-        cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
+        cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st)
         label = {"batch": b, "context": ctx, "block_n": bn, "num_warps": w, "num_stages": st}
         rows.append(_attempt(label, run_decode, b, ctx, page_size, timer, copy_bw, config=cfg))
     shapes = [(1, 4096), (1, 32768), (32, 1024), (32, 4096), (256, 1024)]
@@ -231,7 +231,7 @@ def tune_w1_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
 
     rows = []
     for splits, bn, w, st in itertools.product((None, 2, 3, 4), (32, 64, 128), (4, 8), (2, 3, 4)):
-        cfg = DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
+        cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st)
         label = {"batch": 200, "context": 820, "num_splits": splits, "block_n": bn,
                  "num_warps": w, "num_stages": st}  # fmt: skip
         rows.append(

@@ -37,7 +37,7 @@ if DEVICE == "cpu" and not is_interpreted(_decode_split_kernel):
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 SMALL_EXTEND = ExtendConfig(block_m=16, block_n=16, num_warps=4)
-SMALL_DECODE = DecodeConfig(block_n=16)
+SMALL_DECODE = DecodeConfig(block_n=16, block_n_unsplit=16)
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
