@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ from minisgl.config import EngineConfig, ModelConfig, resolve_engine_config
 from minisgl.core import Batch, Req
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
 from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample, to_device
+from minisgl.engine.warmup import run_warmup
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
 from minisgl.models import build_model
@@ -98,6 +100,8 @@ class Engine:
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
         self._build_kv()
         self.graphs = self._capture_graphs()
+        if not cfg.skip_warmup:
+            self.warmup()
 
     def _build_model(self, src: object) -> None:
         cfg = self.config
@@ -149,6 +153,16 @@ class Engine:
         from minisgl.engine.cuda_graph import CudaGraphRunner
 
         return CudaGraphRunner(self)
+
+    def warmup(self) -> None:
+        """Run the start-up steps of `minisgl.engine.warmup` (every eager kernel variant that
+        serving reaches), then wait for the device. Only on an engine without requests: the
+        steps take request slots and write KV pages that no scheduler has handed out yet."""
+        start = time.perf_counter()
+        steps = run_warmup(self)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("warm-up: %d steps in %.2f s", steps, time.perf_counter() - start)
 
     @property
     def page_size(self) -> int:

@@ -94,20 +94,22 @@ class SamplingInputs:
             temps + [p.top_p for p in ps] + [p.min_p for p in ps], torch.float32, device
         )
         top_k = [vocab if p.top_k < 1 else p.top_k for p in ps]
-        ints = to_device(top_k + seeds + steps + keys, torch.int64, device)
+        # Keys (and temperatures) first: the Gumbel kernel reads them, and Triton compiles a
+        # variant per pointer alignment (an offset of 8 * 3n bytes is aligned for even n only).
+        ints = to_device(keys + top_k + seeds + steps, torch.int64, device)
         return SamplingInputs(
             temperature=floats[:n],
-            top_k=ints[:n],
+            top_k=ints[n : 2 * n],
             top_p=floats[n : 2 * n],
             min_p=floats[2 * n :],
-            seeds=ints[n : 2 * n],
-            steps=ints[2 * n : 3 * n],
+            seeds=ints[2 * n : 3 * n],
+            steps=ints[3 * n :],
             all_greedy=all(greedy),
             needs_sort=any(not g and (p.top_k > 1 or p.top_p < 1.0) for p, g in zip(ps, greedy)),
             needs_min_p=any(not g and p.min_p > 0 for p, g in zip(ps, greedy)),
             top_logprobs=max(p.top_logprobs for p in ps),
             want_logprobs=any(p.logprobs for p in ps),
-            keys=ints[3 * n :],
+            keys=ints[:n],
         )
 
 

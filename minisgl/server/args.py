@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat with the model in this terminal instead of serving HTTP",
     )
     h.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging verbosity")
+    h.add_argument(
+        "--skip-warmup",
+        action="store_true",
+        help="start without the warm-up steps; the first requests then wait for the kernels' "
+        "JIT compiles",
+    )
     return p
 
 
@@ -157,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,
         seed=args.seed,
+        skip_warmup=args.skip_warmup,
         show_progress=False,
     )
     return ServerConfig(

@@ -31,6 +31,7 @@ FLAGS = [
     "--nnodes",
     "--node-rank",
     "--dist-init-addr",
+    "--skip-warmup",
 ]
 
 
@@ -77,6 +78,7 @@ def test_flags_map_onto_the_engine_config() -> None:
             "1024",
             "--log-level",
             "debug",
+            "--skip-warmup",
         ]
     )
     e = cfg.engine
@@ -95,7 +97,8 @@ def test_flags_map_onto_the_engine_config() -> None:
         3,
         1024,
     )
-    assert e.model is None and not cfg.shell
+    assert e.model is None and not cfg.shell and e.skip_warmup
+    assert not parse_args([]).engine.skip_warmup
     assert (e.tp_size, e.nnodes, e.node_rank, e.dist_init_addr) == (1, 1, 0, None)
     assert cfg.serves_http
 

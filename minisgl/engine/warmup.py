@@ -1,0 +1,242 @@
+"""Start-up warm-up: a few synthetic steps through `Engine.forward_batch`, so that a fresh server
+does not compile Triton kernels (nor load CUDA modules or grow the allocator) mid-serving.
+
+Triton compiles a variant of a kernel per set of constexprs, per 16-byte alignment of each
+pointer argument, and per integer argument that is 1 or a multiple of 16 (unless the kernel
+lists it in `do_not_specialize`). CUDA-graph capture runs the decode step at the captured batch
+sizes; everything eager compiles on first use. The steps below reach each eager path once, in
+the order the scheduler builds batches (one-token decode rows first, then prefill chunks):
+
+1. prefill of two requests, one greedy and one sampling with a temperature (Gumbel kernel);
+   the first has most of its prompt in a (synthetic) prefix-cache hit;
+2. mixed: both decode, the long one past one decode split (so the split-K decode kernel and
+   its reduction compile), then two prefill rows, the first a chunk that samples nothing, the
+   second with top-k / top-p / min-p, penalties and log-probs (the sort-based sampler);
+3. prefill of the chunk's rest, alone, from a prefix that does not end on a page boundary;
+4. decode of short contexts (the single-split decode kernel), eager without CUDA graphs;
+5. with CUDA graphs, an eager decode batch one request above the largest captured size;
+6. a model with MoE layers on CUDA: one prefill per power of two up to the prefill budget. The
+   fused MoE kernels pick their tiles by tokens per expert, in buckets whose bounds are powers
+   of two times num_experts / top_k, so these reach every bucket (the largest of them is most
+   of the warm-up's time: a fraction of a second on an H200).
+
+Prompt lengths are not multiples of 16, token counts per step are both odd and even, and
+batches hold one and several requests. The synthetic requests take slots from the engine's
+request table and pages from an allocator of their own (the engine runs this before a
+scheduler exists), and give everything back in reverse order, so the table's free list is
+exactly as before; the token-table rows they wrote are rewritten by whoever takes the slot.
+Every tensor-parallel rank runs the same steps (they depend on the config only, unless the
+KV pool is too small for them), so the model's collectives line up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.kvcache import PageAllocator
+
+if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+GREEDY = SamplingParams(temperature=0.0)
+TEMPERATURE = SamplingParams(temperature=0.8)
+# Every filter and extra of the torch sampling path in one request.
+FILTERED = SamplingParams(
+    temperature=0.8,
+    top_p=0.9,
+    top_k=8,
+    min_p=0.05,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+    logprobs=True,
+    top_logprobs=2,
+)
+MIN_SLOTS = 4  # requests alive at once in steps 1-4
+
+
+@dataclass(frozen=True)
+class WarmupSizes:
+    """Prompt lengths of the synthetic requests of steps 1-4."""
+
+    long: int  # its decode context passes one decode split
+    long_cached: int  # of which a prefix-cache hit holds this many (no prefill budget needed)
+    short: int
+    chunks: tuple[int, int]  # a prompt computed in two steps
+    filtered: int
+
+    @property
+    def contexts(self) -> list[int]:
+        """Tokens each request holds at the end (prompt plus sampled tokens)."""
+        return [self.long + 1, self.short + 2, sum(self.chunks) + 1, self.filtered + 1]
+
+
+def plan_sizes(
+    split_tokens: int | None, max_prefill_tokens: int, max_context: int
+) -> WarmupSizes | None:
+    """Lengths for steps 1-4, or None when the limits leave no room for a prefill of two tokens.
+
+    `split_tokens`: the context length past which the decode kernel splits (Triton backend),
+    None for a backend without one. A step computes at most `max_prefill_tokens` prompt tokens,
+    as the scheduler's would, so the activations stay within what the memory plan reserved.
+    Lengths are short: their cost shows in the CPU tests, where Triton's interpreter runs every
+    kernel.
+    """
+    cap = min(max_prefill_tokens // 2, (max_context - 3) // 2)  # per prefill row of a step
+    if cap < 2:
+        return None
+    long = min((split_tokens or 8) + 1, max_context - 2)
+    return WarmupSizes(
+        long, long - min(6, cap), min(5, cap), (min(7, cap), min(3, cap)), min(3, cap)
+    )
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class WarmupRun:
+    """Synthetic requests on the engine's request table and a private page allocator."""
+
+    def __init__(self, engine: Engine, allocator: PageAllocator) -> None:
+        self.engine = engine
+        self.allocator = allocator
+        self.reqs: list[Req] = []
+        self.pages: list[int] = []  # in the order the allocator handed them out
+        self.steps = 0
+
+    def add(self, prompt_len: int, params: SamplingParams, cached: int = 0) -> Req:
+        """A request admitted with its first `cached` tokens' KV in place, as after a prefix
+        cache hit (what those pages hold does not matter here)."""
+        table, n = self.engine.table, len(self.reqs)
+        vocab = self.engine.model_config.vocab_size
+        ids = [(7919 * n + 131 * i + 3) % vocab for i in range(prompt_len)]
+        req = Req(f"warmup-{n}", ids, params, seed=n + 1)
+        req.slot = table.alloc_slot()
+        table.write_tokens(req.slot, 0, ids)
+        self._grow(req, cached)
+        req.num_computed = cached
+        self.reqs.append(req)
+        return req
+
+    def step(self, rows: list[tuple[Req, int]]) -> None:
+        """One batch as the scheduler builds it: (request, new tokens) rows, decodes first."""
+        reqs = [r for r, _ in rows]
+        prefix = [r.num_computed for r in reqs]
+        extend = [n for _, n in rows]
+        sample = [p + e == r.seq_len for r, p, e in zip(reqs, prefix, extend)]
+        for r, p, e, s in zip(reqs, prefix, extend, sample):
+            self._grow(r, p + e)
+            r.num_computed = p + e
+            r.num_sampled += int(s)
+        # Nothing reads the tokens back: the next step takes its inputs from the token table.
+        self.engine.forward_batch(Batch(reqs, prefix, extend, sample))
+        self.steps += 1
+
+    def _grow(self, req: Req, tokens: int) -> None:
+        need = pages_for(tokens, self.engine.page_size) - len(req.pages)
+        if need > 0:
+            new = self.allocator.alloc(need)
+            assert req.slot is not None
+            self.engine.table.write_pages(req.slot, len(req.pages), new)
+            req.pages.extend(new)
+            self.pages.extend(new)
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Everything the steps inside take is given back at the end (also on an error)."""
+        try:
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give back every slot and page, last taken first (the free lists end as they began)."""
+        self.allocator.free(reversed(self.pages))
+        for req in reversed(self.reqs):
+            assert req.slot is not None
+            self.engine.table.free_slot(req.slot)
+            req.slot, req.pages = None, []
+        self.reqs, self.pages = [], []
+
+
+def run_warmup(engine: Engine, allocator: PageAllocator | None = None) -> int:
+    """Run the warm-up steps on an engine without requests; returns how many ran (0: the limits
+    left no room). `allocator`: where pages come from (default: a new one over the whole pool)."""
+    table = engine.table
+    assert table.num_free_slots == table.max_reqs, "warm-up needs an engine with no requests"
+    run = WarmupRun(engine, allocator or PageAllocator(engine.num_pages))
+    sizes = fitting_sizes(run)
+    if sizes is None:
+        logger.info("warm-up skipped: the limits (slots, pages, prefill budget) are too small")
+        return 0
+    with run.released():
+        mixed_steps(run, sizes)
+    with run.released():
+        eager_decode_step(run)
+    if engine.model_config.moe is not None and engine.device.type == "cuda":
+        moe_sweep(run, engine.config.max_prefill_tokens)
+    return run.steps
+
+
+def fitting_sizes(run: WarmupRun) -> WarmupSizes | None:
+    """`plan_sizes` for the engine, or None if steps 1-4 need more slots or pages than it has."""
+    e = run.engine
+    decode_config = getattr(e.backend, "decode_config", None)
+    split_tokens = getattr(decode_config, "min_split_tokens", None)
+    sizes = plan_sizes(split_tokens, e.config.max_prefill_tokens, e.max_context)
+    if sizes is None or e.table.max_reqs < MIN_SLOTS:
+        return None
+    if sum(pages_for(n, e.page_size) for n in sizes.contexts) > run.allocator.num_free:
+        return None
+    return sizes
+
+
+def mixed_steps(run: WarmupRun, sizes: WarmupSizes) -> None:
+    """Steps 1-4 of the module docstring."""
+    c1, c2 = sizes.chunks
+    a = run.add(sizes.long, GREEDY, cached=sizes.long_cached)
+    b = run.add(sizes.short, TEMPERATURE)
+    run.step([(a, sizes.long - sizes.long_cached), (b, sizes.short)])
+    c = run.add(c1 + c2, TEMPERATURE)
+    d = run.add(sizes.filtered, FILTERED)
+    run.step([(a, 1), (b, 1), (c, c1), (d, sizes.filtered)])
+    run.step([(c, c2)])
+    run.step([(b, 1), (c, 1), (d, 1)])
+
+
+def eager_decode_step(run: WarmupRun) -> None:
+    """Step 5: with CUDA graphs, a decode batch of one-token prompts one above the largest
+    graph (when the scheduler can run that many requests and the pool has a page for each)."""
+    e = run.engine
+    if e.graphs is None or e.graphs.max_bs >= e.table.max_reqs:
+        return
+    n = e.graphs.max_bs + 1
+    if n <= run.allocator.num_free:
+        run.step([(run.add(1, GREEDY), 1) for _ in range(n)])
+
+
+def moe_token_counts(max_prefill_tokens: int) -> list[int]:
+    """Step 6's prefill sizes: the powers of two from 2 below the budget, and the budget."""
+    counts, n = [], 2
+    while n < max_prefill_tokens:
+        counts.append(n)
+        n *= 2
+    return counts + [max_prefill_tokens] if max_prefill_tokens >= 2 else counts
+
+
+def moe_sweep(run: WarmupRun, max_prefill_tokens: int) -> None:
+    """Step 6: one single-request prefill per size of `moe_token_counts` that fits."""
+    e = run.engine
+    for n in moe_token_counts(max_prefill_tokens):
+        if n + 1 > e.max_context or pages_for(n, e.page_size) > run.allocator.num_free:
+            return
+        with run.released():
+            run.step([(run.add(n, GREEDY), n)])
