@@ -47,6 +47,8 @@ def main() -> None:
     res["linear_same_m_us"] = statistics.median(same)
     res["linear_new_m_us"] = statistics.median(new)
     res["linear_seen_m_again_us"] = statistics.median(again)
+    res["linear_new_m_first10_us"] = [round(t) for t in new[:10]]
+    print(json.dumps(res), flush=True)
 
     h = torch.randn(8, 1024, device=dev, dtype=torch.bfloat16)
     nw = torch.ones(1024, device=dev, dtype=torch.bfloat16)
@@ -61,8 +63,9 @@ def main() -> None:
         torch.cuda._sleep(int(2e8))  # ~100-200 ms of spinning
         ts = host_us(fn, 3000)
         blocked = [i for i, t in enumerate(ts) if t > 1000]
-        res[f"{name}_busy_first_blocking_launch"] = blocked[0] if blocked else None
-        res[f"{name}_busy_median_us_before"] = statistics.median(ts[: (blocked or [3000])[0]])
+        res[f"{name}_busy_first_blocking_launch"] = blocked[:5]
+        res[f"{name}_busy_median_us"] = statistics.median(ts)
+        res[f"{name}_busy_total_ms"] = sum(ts) / 1e3
         torch.cuda.synchronize()
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}))
 
