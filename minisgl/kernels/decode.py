@@ -2,8 +2,9 @@
 
 Each program owns one (request, KV head, split): it reads that split's K/V once for every query
 head of the GQA group (the group is padded to BLOCK_H rows so the scores are one `tl.dot`),
-keeps an online softmax, and writes a normalised partial output plus its base-2 log-sum-exp.
-A second kernel combines the splits. A split is a fraction of *its own request's* length, so any
+keeps an online softmax, and writes a normalised partial output plus its base-2 log-sum-exp;
+the last split of a (request, KV head) to finish combines them (counted with an atomic), so a
+decode is one kernel. A split is a fraction of *its own request's* length, so any
 `num_splits` is correct for any `seq_lens`: the caller picks it from host-side numbers and the
 launch needs no host sync (CUDA-graph safe).
 """
@@ -89,6 +90,7 @@ def _decode_split_kernel(
     o_ptr,  # [B, Hq, D], written when SINGLE_SPLIT
     part_o_ptr,  # [B, Hq, num_splits, D] fp32, written otherwise
     part_lse_ptr,  # [B, Hq, num_splits] fp32
+    counter_ptr,  # [B, Hkv] int32, zero between launches: splits of a (request, KV head) done
     stride_qb,
     stride_qh,
     stride_kt,
@@ -159,52 +161,81 @@ def _decode_split_kernel(
         o_dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
-        # Splits past the end of a short request write nothing; the reduce skips them.
-        row = (b * num_q_heads + heads) * num_splits + split  # [BLOCK_H]
+        # Splits past the end of a short request write nothing; the combine skips them.
+        rows = (b * num_q_heads + heads) * num_splits  # [BLOCK_H], split 0 of each head
         mask = offs_h < tl.where(start < end, GROUP, 0)
-        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask[:, None])
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_safe), mask=mask)
+        part_o = part_o_ptr + (rows + split)[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(part_o, out, mask=mask[:, None])
+        tl.store(part_lse_ptr + rows + split, m_i + tl.log2(l_safe), mask=mask)
+        # The last split of this (request, KV head) to finish combines them all: no second
+        # kernel. The barrier and the counter's release/acquire order every split's stores
+        # before the last one's loads (which bypass L1).
+        tl.debug_barrier()
+        counter = counter_ptr + b * tl.num_programs(0) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # zero again for the next launch (or CUDA-graph replay)
+            o_dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            num_valid = tl.cdiv(seq_len, split_len)
+            _combine_splits(
+                part_o_ptr, part_lse_ptr, o_dst, rows, num_valid, mask_h, HEAD_DIM, BLOCK_H,
+                EMULATE_BF16,
+            )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
+@triton.jit
+def _combine_splits(
     part_o_ptr,  # [B, Hq, num_splits, D] fp32
     part_lse_ptr,  # [B, Hq, num_splits] fp32
-    seq_lens_ptr,  # [B] int32
-    o_ptr,  # [B, Hq, D]
-    stride_ob,
-    stride_oh,
-    num_q_heads,
-    num_splits,
+    o_dst,  # [BLOCK_H, D] output pointers of the group's heads
+    rows,  # [BLOCK_H] row of split 0 of each head in the partial buffers
+    num_valid,  # splits that wrote partials
+    mask_h,  # [BLOCK_H] real heads of the group
     HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
-    head = tl.program_id(0)
-    b = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    # Splits past the end of a short request were not written: stop before them.
-    num_valid = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
-    row = (b * num_q_heads + head) * num_splits
+    """Softmax-weighted sum of the splits' normalised partial outputs (base-2 log-sum-exps)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([1], float("-inf"), tl.float32)
-    weight = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    weight = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for s in range(0, num_valid):
-        lse = tl.load(part_lse_ptr + row + s + tl.arange(0, 1))  # [1]
-        part = tl.load(part_o_ptr + (row + s) * HEAD_DIM + offs_d)  # [D]
+        lse = tl.load(part_lse_ptr + rows + s, mask=mask_h, other=0.0, cache_modifier=".cg")
+        part = tl.load(
+            part_o_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_h[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
-        acc = acc * alpha + w * part
+        acc = acc * alpha[:, None] + w[:, None] * part
         weight = weight * alpha + w
         m = m_new
-    out = acc / tl.where(weight > 0, weight, 1.0)  # an empty request gets zeros
+    out = acc / tl.where(weight > 0, weight, 1.0)[:, None]  # an empty request gets zeros
     if EMULATE_BF16:
         out = round_bf16(out)
-    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+    tl.store(o_dst, out.to(o_dst.dtype.element_ty), mask=mask_h[:, None])
+
+
+class _Counters:
+    """Per device, the zeroed int32 counters of the split kernel (grow-only: a CUDA graph keeps
+    the address it captured, so a buffer is never freed once handed out)."""
+
+    buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least `n` int32 counters that are zero whenever no decode kernel runs."""
+    held = _Counters.buffers.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(
+            torch.zeros(
+                max(n, 2 * held[-1].numel() if held else 1024), dtype=torch.int32, device=device
+            )
+        )
+    return held[-1]
 
 
 def decode_attention(
@@ -243,12 +274,14 @@ def decode_attention(
     if num_splits > 1:
         part_o = q.new_empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32)
         part_lse = q.new_empty(batch, num_q_heads, num_splits, dtype=torch.float32)
+        counters = split_counters(q.device, batch * num_kv_heads)
     else:
         part_o = part_lse = out  # unused by the kernel
+        counters = seq_lens
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel)
     pdl = pdl_args(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
+        q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
@@ -256,12 +289,6 @@ def decode_attention(
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_q_heads, batch)](
-            part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_q_heads,
-            num_splits, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, EMULATE_BF16=emulate_bf16,
-            num_warps=1 if head_dim <= 64 else 2, **pdl,
-        )  # fmt: skip
     return out
 
 

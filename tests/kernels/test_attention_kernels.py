@@ -22,6 +22,7 @@ from minisgl.kernels.decode import (  # noqa: E402
     _decode_split_kernel,
     choose_num_splits,
     decode_attention,
+    split_counters,
 )
 from minisgl.kernels.extend import ExtendConfig, extend_attention  # noqa: E402
 from minisgl.kernels.store import store_kv  # noqa: E402
@@ -91,6 +92,8 @@ def test_decode_matches_reference(
         q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, scale
     )
     assert rel_err(out, expected) <= TOL[dtype]
+    # The splits' completion counters are back at zero for the next launch.
+    assert not split_counters(q.device, len(lens) * hkv).any()
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
