@@ -36,6 +36,9 @@ ENV_DISABLE_PDL = "MINISGL_DISABLE_PDL"
 
 @functools.cache
 def _pdl_capable(index: int) -> bool:
+    """Read once per device (a launch calls this: it must cost next to nothing)."""
+    if os.environ.get(ENV_DISABLE_PDL) == "1":
+        return False
     return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 
 
@@ -45,7 +48,7 @@ def pdl_enabled(device: torch.device) -> bool:
     stream still runs; it waits (`pdl_prologue`) before touching memory. In a decode step at
     small batch, where ~10 small kernels per layer each cost a launch and a ramp, that hides a
     kernel's launch behind its predecessor's tail."""
-    if device.type != "cuda" or os.environ.get(ENV_DISABLE_PDL) == "1":
+    if device.type != "cuda":
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
