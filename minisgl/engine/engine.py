@@ -111,6 +111,7 @@ class Engine:
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
         self._build_kv()
         self.graphs = self._capture_graphs()
+        self.num_steps = 0  # batches run so far (the warm-up's included)
         if not cfg.skip_warmup:
             self.warmup()
 
@@ -169,6 +170,11 @@ class Engine:
         """Run the start-up steps of `minisgl.engine.warmup` (every eager kernel variant that
         serving reaches), then wait for the device. Only on an engine without requests: the
         steps take request slots and write KV pages that no scheduler has handed out yet."""
+        if self.num_steps:
+            raise RuntimeError(
+                "Engine.warmup runs before the first batch only: its steps overwrite KV pages "
+                "that a scheduler may have handed out since"
+            )
         start = time.perf_counter()
         steps = run_warmup(self)
         if self.device.type == "cuda":
@@ -183,6 +189,7 @@ class Engine:
 
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> ForwardOutput:
+        self.num_steps += 1
         rows: StepRows | None
         if self.graphs is not None and self.graphs.can_run(batch):
             rows = self.graphs.run(batch)

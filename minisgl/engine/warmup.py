@@ -16,9 +16,11 @@ the order the scheduler builds batches (one-token decode rows first, then prefil
 4. decode of short contexts (the single-split decode kernel), eager without CUDA graphs;
 5. with CUDA graphs, an eager decode batch one request above the largest captured size;
 6. a model with MoE layers on CUDA: one prefill per power of two up to the prefill budget. The
-   fused MoE kernels pick their tiles by tokens per expert, in buckets whose bounds are powers
-   of two times num_experts / top_k, so these reach every bucket (the largest of them is most
-   of the warm-up's time: a fraction of a second on an H200).
+   fused MoE kernels pick their tiles by tokens per expert (T * top_k / num_experts) in buckets
+   bounded by powers of two, so these reach every bucket when num_experts / top_k is a power
+   of two (the batch sizes of decode and of CUDA graphs reach the smallest ones anyway). The
+   largest prefill is most of the warm-up's time (not measured yet; by its FLOPs about 0.1 s
+   for an 8,192-token prefill of a 3B-active model on an H200).
 
 Prompt lengths are not multiples of 16, token counts per step are both odd and even, and
 batches hold one and several requests. The synthetic requests take slots from the engine's

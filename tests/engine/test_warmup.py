@@ -156,6 +156,14 @@ def test_warmup_runs_at_construction_unless_skipped(tiny_model_dir, monkeypatch)
     assert calls == [engine]
 
 
+def test_warmup_refuses_an_engine_that_ran_batches(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("llama3")), dtype="float32", device="cpu")
+    assert llm.engine.num_steps == 4  # the warm-up's
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="before the first batch"):
+        llm.engine.warmup()
+
+
 def test_small_limits_skip_or_shrink_the_steps(tiny_model_dir) -> None:
     path = tiny_model_dir("llama3")
     assert run_warmup(make_engine(path, max_running_requests=3, skip_warmup=True)) == 0
@@ -264,7 +272,7 @@ def test_serving_compiles_nothing_after_the_warmup(tiny_model_dir, monkeypatch) 
         llm.scheduler = Scheduler(llm.engine, overlap=True)
         llm.engine.warmup()  # eager decode steps only: each split count is the warm-up's doing
         warm = set(keys)
-        prompts = random_prompts(4, 384, seed=9, lo=1, hi=70) + [[7] * 16, [9] * 33]
+        prompts = random_prompts(4, 384, seed=9, lo=1, hi=60) + [[7] * 16, [9] * 70]
         kinds = [
             SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
             SamplingParams(max_tokens=3, temperature=0.7, seed=1, ignore_eos=True),
@@ -272,7 +280,6 @@ def test_serving_compiles_nothing_after_the_warmup(tiny_model_dir, monkeypatch) 
         ]
         params = [kinds[i % len(kinds)] for i in range(len(prompts))]
         llm.generate(prompts, params, use_tqdm=False)
-    names = {k[0] for k in warm}
-    assert {"_decode_split_kernel", "_decode_reduce_kernel", "_extend_kernel"} <= names
-    assert {"_rms_norm_kernel", "_gumbel_argmax_kernel"} <= names
+    names = " ".join(k[0] for k in warm)
+    assert all(part in names for part in ("decode", "extend", "norm", "gumbel")), names
     assert keys - warm == set(), [k[0] for k in keys - warm]
