@@ -18,9 +18,8 @@ the order the scheduler builds batches (one-token decode rows first, then prefil
 6. a model with MoE layers on CUDA: one prefill per power of two up to the prefill budget. The
    fused MoE kernels pick their tiles by tokens per expert (T * top_k / num_experts) in buckets
    bounded by powers of two, so these reach every bucket when num_experts / top_k is a power
-   of two (the batch sizes of decode and of CUDA graphs reach the smallest ones anyway). The
-   largest prefill is most of the warm-up's time (not measured yet; by its FLOPs about 0.1 s
-   for an 8,192-token prefill of a 3B-active model on an H200).
+   of two. The largest prefill is most of the warm-up's time (not measured yet; by its FLOPs
+   about 0.1 s for an 8,192-token prefill of a 3B-active model on an H200).
 
 Prompt lengths are not multiples of 16, token counts per step are both odd and even, and
 batches hold one and several requests. The synthetic requests take slots from the engine's
@@ -226,12 +225,13 @@ def eager_decode_step(run: WarmupRun) -> None:
 
 
 def moe_token_counts(max_prefill_tokens: int) -> list[int]:
-    """Step 6's prefill sizes: the powers of two from 2 below the budget, and the budget."""
-    counts, n = [], 2
+    """Step 6's prefill sizes: the powers of two below the budget, and the budget. (One token
+    is a decode-shaped step: a CUDA graph's, unless graphs are off.)"""
+    counts, n = [], 1
     while n < max_prefill_tokens:
         counts.append(n)
         n *= 2
-    return counts + [max_prefill_tokens] if max_prefill_tokens >= 2 else counts
+    return [*counts, max_prefill_tokens]
 
 
 def moe_sweep(run: WarmupRun, max_prefill_tokens: int) -> None:

@@ -89,9 +89,9 @@ def test_plan_sizes() -> None:
 
 
 def test_moe_token_counts() -> None:
-    assert moe_token_counts(8192) == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    assert moe_token_counts(48) == [2, 4, 8, 16, 32, 48]
-    assert moe_token_counts(2) == [2] and moe_token_counts(1) == []
+    assert moe_token_counts(8192) == [1 << k for k in range(14)]
+    assert moe_token_counts(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert moe_token_counts(2) == [1, 2] and moe_token_counts(1) == [1]
 
 
 # ---- state -------------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_moe_sweep_gives_everything_back(tmp_path, monkeypatch) -> None:
     run = WarmupRun(engine, allocator)
     with unchanged(engine, allocator):
         moe_sweep(run, 40)
-    assert [b.num_tokens for b in batches] == [2, 4, 8, 16, 32, 40]
+    assert [b.num_tokens for b in batches] == [1, 2, 4, 8, 16, 32, 40]
 
 
 # ---- outputs -----------------------------------------------------------------------------------
