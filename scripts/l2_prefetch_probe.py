@@ -43,7 +43,68 @@ def prefetch(w: torch.Tensor, sink: torch.Tensor, programs: int, block: int) -> 
     _prefetch_kernel[(programs,)](w, sink, w.numel(), BLOCK=block, num_warps=4)
 
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+
+
+def probe(n: int, k: int, sink: torch.Tensor, side: torch.cuda.Stream) -> dict[str, float]:
+    """The figures of one GEMM shape (weights rotated through >= 600 MB)."""
+    dev = sink.device
+    sets = max(4, -(-(600 << 20) // (n * k * 2)))
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.01 for _ in range(sets)]
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    h = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    nw = torch.ones(4096, device=dev, dtype=torch.bfloat16)
+    row: dict[str, float] = {"MB": n * k * 2 / 1e6}
+
+    def gemm(i: int) -> None:
+        F.linear(x, ws[i])
+
+    def chain() -> None:
+        y = h
+        for _ in range(6):
+            y = rms_norm(y, nw, 1e-6)[0]
+
+    row["cold_us"] = time_graph(gemm, sets) * 1e6
+    for progs, block in ((132, 4096), (264, 4096), (264, 8192), (528, 2048)):
+
+        def pf(i: int, p: int = progs, b: int = block) -> None:
+            prefetch(ws[i], sink, p, b)
+
+        def pf_gemm(i: int, p: int = progs, b: int = block) -> None:
+            prefetch(ws[i], sink, p, b)
+            F.linear(x, ws[i])
+
+        t_pf = time_graph(pf, sets) * 1e6
+        row[f"pf_us[{progs}x{block}]"] = t_pf
+        row[f"l2_gemm_us[{progs}x{block}]"] = time_graph(pf_gemm, sets) * 1e6 - t_pf
+
+    def chain_gemm(i: int) -> None:
+        chain()
+        F.linear(x, ws[i])
+
+    def chain_pf_gemm(i: int) -> None:
+        main_s = torch.cuda.current_stream()
+        side.wait_stream(main_s)
+        with torch.cuda.stream(side):
+            prefetch(ws[i], sink, 264, 4096)
+        chain()
+        main_s.wait_stream(side)
+        F.linear(x, ws[i])
+
+    row["chain_us"] = time_graph(lambda i: chain(), 1) * 1e6
+    row["chain+gemm_us"] = time_graph(chain_gemm, sets) * 1e6
+    row["chain||pf+gemm_us"] = time_graph(chain_pf_gemm, sets) * 1e6
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        row[f"cold_us[{lib}]"] = time_graph(gemm, sets) * 1e6
+    torch.backends.cuda.preferred_blas_library("default")
+    row["cold_TBps"] = row["MB"] / row["cold_us"]  # MB/us = TB/s
+    return row
 
 
 def main() -> None:
@@ -51,62 +112,9 @@ def main() -> None:
     torch.manual_seed(0)
     sink = torch.zeros(4096, device=dev)
     side = torch.cuda.Stream()
-    h = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
-    nw = torch.ones(4096, device=dev, dtype=torch.bfloat16)
-    rows = []
     for name, (n, k) in SHAPES.items():
-        sets = max(4, -(-(600 << 20) // (n * k * 2)))
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.01 for _ in range(sets)]
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        mb = n * k * 2 / 1e6
-        row = {"gemm": name, "MB": round(mb, 1)}
-
-        def gemm(i: int) -> None:
-            F.linear(x, ws[i])
-
-        def chain() -> None:
-            y = h
-            for _ in range(6):
-                y = rms_norm(y, nw, 1e-6)[0]
-
-        row["cold_us"] = time_graph(gemm, sets) * 1e6
-        for progs, block in ((132, 4096), (264, 4096), (264, 8192), (528, 2048)):
-            def pf(i: int, p: int = progs, b: int = block) -> None:
-                prefetch(ws[i], sink, p, b)
-
-            def pf_gemm(i: int, p: int = progs, b: int = block) -> None:
-                prefetch(ws[i], sink, p, b)
-                F.linear(x, ws[i])
-
-            t_pf = time_graph(pf, sets) * 1e6
-            t_both = time_graph(pf_gemm, sets) * 1e6
-            row[f"pf_us[{progs}x{block}]"] = t_pf
-            row[f"l2_gemm_us[{progs}x{block}]"] = t_both - t_pf
-
-        def chain_gemm(i: int) -> None:
-            chain()
-            F.linear(x, ws[i])
-
-        def chain_pf_gemm(i: int) -> None:
-            main_s = torch.cuda.current_stream()
-            side.wait_stream(main_s)
-            with torch.cuda.stream(side):
-                prefetch(ws[i], sink, 264, 4096)
-            chain()
-            main_s.wait_stream(side)
-            F.linear(x, ws[i])
-
-        row["chain_us"] = time_graph(lambda i: chain(), 1) * 1e6
-        row["chain+gemm_us"] = time_graph(chain_gemm, sets) * 1e6
-        row["chain||pf+gemm_us"] = time_graph(chain_pf_gemm, sets) * 1e6
-        for lib in ("cublas", "cublaslt"):
-            torch.backends.cuda.preferred_blas_library(lib)
-            row[f"cold_us[{lib}]"] = time_graph(gemm, sets) * 1e6
-        torch.backends.cuda.preferred_blas_library("default")
-        row["cold_TBps"] = mb / row["cold_us"]  # MB/us = TB/s
-        rows.append(row)
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
-        del ws
+        row = probe(n, k, sink, side)
+        print(json.dumps({"gemm": name, **{k: round(v, 2) for k, v in row.items()}}))
         torch.cuda.empty_cache()
 
 

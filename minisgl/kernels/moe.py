@@ -240,7 +240,8 @@ def max_blocks(numel: int, num_experts: int, block_m: int) -> int:
     return (numel + min(num_experts, numel) * (block_m - 1)) // block_m
 
 
-@triton.jit
+# `numel` (tokens x top_k) changes every step: no variant per "% 16" (a JIT compile mid-serving).
+@triton.jit(do_not_specialize=["numel"])
 def _align_kernel(
     ids_ptr,  # [numel] expert of each (token, k) pair
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
@@ -335,7 +336,8 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
 # ---- 3, 4. grouped GEMMs -----------------------------------------------------------------------
 
 
-@triton.jit
+# `numel` (tokens x top_k) changes every step: no variant per "% 16" (a JIT compile mid-serving).
+@triton.jit(do_not_specialize=["numel"])
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]: gate rows [0, I), up rows [I, 2I)
@@ -395,7 +397,8 @@ def _gate_up_kernel(
     tl.store(out_ptrs, h.to(act_ptr.dtype.element_ty), mask=mask_n[None, :])
 
 
-@triton.jit
+# `numel` (tokens x top_k) changes every step: no variant per "% 16" (a JIT compile mid-serving).
+@triton.jit(do_not_specialize=["numel"])
 def _down_kernel(
     act_ptr,  # [max_blocks * BLOCK_M, I] in sorted order
     w_ptr,  # [E, H, I]
