@@ -230,6 +230,9 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least `n` int32 counters that are zero whenever no decode kernel runs."""
     held = _Counters.buffers.setdefault(device, [])
     if not held or held[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A zero-fill inside a capture runs only at replay: eager calls would see garbage.
+            raise RuntimeError("run decode_attention once before capturing it in a CUDA graph")
         held.append(
             torch.zeros(
                 max(n, 2 * held[-1].numel() if held else 1024), dtype=torch.int32, device=device
