@@ -5,7 +5,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,7 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tie_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)  # [N, vocab_local]
+        logits = F.linear(hidden, self.weight)  # [N, vocab_local]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

@@ -6,8 +6,6 @@ part of a full checkpoint tensor into it, so the loader never needs to know the 
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,23 +15,6 @@ from torch import nn
 from minisgl.distributed import all_reduce, get_tp_info
 
 WeightLoader = Callable[..., None]
-
-# "1": a one-row CUDA input goes through cuBLAS's GEMV (`torch.mv`) instead of its GEMM (A/B of
-# `scripts/gemv_probe.py`'s finding for batch-1 decode).
-ENV_GEMV = "MINISGL_GEMV"
-
-
-@functools.cache
-def _use_gemv() -> bool:
-    return os.environ.get(ENV_GEMV) == "1"
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and _use_gemv():
-        y = torch.mv(weight, x[0]).unsqueeze(0)  # [1, out]
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
 
 
 def _param(shape: Sequence[int], loader: WeightLoader) -> nn.Parameter:
@@ -72,7 +53,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = _param((out_features,), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -93,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -178,5 +159,5 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
