@@ -74,40 +74,36 @@ class RotaryEmbedding(nn.Module):
         `q_norm` and `k_norm` (Qwen3) each head is RMS-normalised first; on CUDA the norms and
         the rotation are one fused kernel. `rows`: `lookup(positions)`, when the caller looked
         them up once for all layers."""
-        table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
-        fused = fused_kernels(q)
-        if fused is not None and _fusable(fused, q, k, table, q_norm, k_norm):
-            qw = None if q_norm is None else q_norm.weight
-            kw = None if k_norm is None else k_norm.weight
-            eps = 0.0 if q_norm is None else q_norm.eps
-            return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps)  # type: ignore[no-any-return]
-        if q_norm is not None and k_norm is not None:
-            q, k = q_norm.norm(q), k_norm.norm(k)
-        cos, sin = rows if rows is not None else self.lookup(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k_rot = self.rotate_and_store(positions, q, k, None, None, q_norm, k_norm, rows)
+        assert k_rot is not None  # only a store keeps k
+        return q, k_rot
 
     def rotate_and_store(
         self,
         positions: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         store: KVStore | None,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
         rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward`, and with a `store` (the backend's `kv_store`) on the fused path, the
-        rotated k and v written into the KV pool by the same kernel: k comes back None then.
+        """`forward`, and with a `store` (the backend's `kv_store`) and `v` on the fused path,
+        the rotated k and v written into the KV pool by the same kernel: k comes back None then.
         Otherwise (k, v) are left to the attention backend to store."""
         table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
         fused = fused_kernels(q)
-        if store is None or fused is None or not _fusable(fused, q, k, table, q_norm, k_norm):
-            return self.forward(positions, q, k, q_norm, k_norm, rows)
-        qw = None if q_norm is None else q_norm.weight
-        kw = None if k_norm is None else k_norm.weight
-        eps = 0.0 if q_norm is None else q_norm.eps
-        return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps, v, store)  # type: ignore[no-any-return]
+        if fused is not None and _fusable(fused, q, k, table, q_norm, k_norm):
+            qw = None if q_norm is None else q_norm.weight
+            kw = None if k_norm is None else k_norm.weight
+            eps = 0.0 if q_norm is None else q_norm.eps
+            kv = None if store is None or v is None else store
+            return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps, v, kv)  # type: ignore[no-any-return]
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm.norm(q), k_norm.norm(k)
+        cos, sin = rows if rows is not None else self.lookup(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> [T, 1, D] rows (cos | cos) and (-sin | sin) of the torch path."""
