@@ -37,8 +37,6 @@ from minisgl.engine.warmup import (  # noqa: E402
 from minisgl.kvcache import PageAllocator  # noqa: E402
 from minisgl.scheduler import Scheduler  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (tests/gpu on GPUs)")
-
 
 def _needs_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
