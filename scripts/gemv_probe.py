@@ -1,62 +1,157 @@
-"""Probe: which cuBLAS entry point is fastest for a batch-1 decode GEMM (y = W x, bf16)?
+"""Probe: the fused Triton GEMV (`minisgl.kernels.gemv`) against cuBLAS at batch-1 decode shapes.
 
-`F.linear(x [1, K], W [N, K])` (what the layers call; cuBLAS picks an nvjet GEMM, with split-K
-and a separate reduce kernel for the tall-K shapes) against `torch.mv(W, x)` (cuBLAS GEMV) and
-`W @ x` as an [N, K] x [K, 1] GEMM, for the Llama-3-8B shapes at tp 1 and 2 and the
-Qwen3-30B-A3B attention shapes; CUDA graphs, weights rotated through >= 600 MB so L2 never
-holds them. Run on a GPU host: `PYTHONPATH=. python3 scripts/gemv_probe.py`.
+1. Per shape, cuBLAS `F.linear` and a sweep of GEMV configs, each timed as a CUDA graph of
+   back-to-back calls over weight copies of >= 600 MB (L2 never holds them), with the fused
+   prologue / epilogue the model would use (norm before qkv / gate_up, residual after o_proj /
+   down, gate/up combined): microseconds, TB/s, the best configs, and the best config with the
+   first weight tile loaded after the PDL wait instead of before it.
+2. One Llama-3-8B decoder layer's linear work at batch 1, as the model runs it today (RMSNorm
+   kernel, cuBLAS qkv, two small kernels standing in for RoPE and attention, cuBLAS o_proj,
+   add + RMSNorm kernel, cuBLAS gate_up, SiLU-and-mul, cuBLAS down) against the fused GEMVs
+   (qkv with the norm, the same two small kernels, o_proj + residual, gate_up with the norm and
+   SiLU, down + residual): microseconds per layer over 8 layers' worth of distinct weights.
+
+Run on a GPU host: `PYTHONPATH=. python3 scripts/gemv_probe.py [--quick]`.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.benchmark.common import time_graph
+from minisgl.kernels.fused import rms_norm, silu_and_mul
+from minisgl.kernels.gemv import GemvConfig, gemv
 
+# name -> (N, K, how the model calls it)
 SHAPES = {
-    "8b qkv": (6144, 4096),
-    "8b o_proj": (4096, 4096),
-    "8b gate_up": (28672, 4096),
-    "8b down": (4096, 14336),
-    "8b lm_head": (128256, 4096),
-    "8b/tp2 qkv": (3072, 4096),
-    "8b/tp2 o_proj": (4096, 2048),
-    "8b/tp2 gate_up": (14336, 4096),
-    "8b/tp2 down": (4096, 7168),
-    "30b-a3b qkv": (5120, 2048),
-    "30b-a3b o_proj": (2048, 4096),
+    "8b qkv": (6144, 4096, "norm"),
+    "8b o_proj": (4096, 4096, "residual"),
+    "8b gate_up": (14336, 4096, "norm_gated"),
+    "8b down": (4096, 14336, "residual"),
+    "8b lm_head": (128256, 4096, "norm"),
+    "30b-a3b qkv": (5120, 2048, "norm"),
+    "30b-a3b o_proj": (2048, 4096, "residual"),
 }
+DEV = torch.device("cuda")
+DT = torch.bfloat16
 
 
-def probe(n: int, k: int) -> dict[str, float]:
-    dev = torch.device("cuda")
-    sets = max(2, -(-(600 << 20) // (n * k * 2)))
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.01 for _ in range(sets)]
-    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-    xv, xc = x[0], x.t().contiguous()
-    ref = F.linear(x, ws[0]).float()
-    err = max(
-        (torch.mv(ws[0], xv).float() - ref[0]).abs().max().item(),
-        ((ws[0] @ xc).float()[:, 0] - ref[0]).abs().max().item(),
-    )
-    row = {"MB": n * k * 2 / 1e6, "max_abs_diff": err}
-    row["linear_us"] = time_graph(lambda i: F.linear(x, ws[i]), sets) * 1e6
-    row["mv_us"] = time_graph(lambda i: torch.mv(ws[i], xv), sets) * 1e6
-    row["gemm_n1_us"] = time_graph(lambda i: ws[i] @ xc, sets) * 1e6
-    for name in ("linear", "mv", "gemm_n1"):
-        row[f"{name}_TBps"] = row["MB"] / row[f"{name}_us"]
+def _configs(quick: bool) -> list[GemvConfig]:
+    if quick:
+        return [GemvConfig(bn, bk, w) for bn, bk, w in [(16, 512, 4), (8, 512, 4), (32, 256, 8)]]
+    out = []
+    for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)):
+        if bn * bk // (32 * w) > 128 or bn * bk // (32 * w) < 8:  # elements per thread
+            continue
+        out.append(GemvConfig(bn, bk, w))
+    return out
+
+
+def _call(kind: str, x, w, r, g, cfg: GemvConfig | None):
+    if kind == "norm":
+        return gemv(x, w, norm_weight=g, config=cfg)
+    if kind == "norm_gated":
+        return gemv(x, w, norm_weight=g, gated=True, config=cfg)
+    return gemv(x, w, residual=r, config=cfg)
+
+
+def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig]) -> dict:
+    rows = 2 * n if kind == "norm_gated" else n
+    sets = max(2, -(-(600 << 20) // (rows * k * 2)))
+    ws = [torch.randn(rows, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
+    x = torch.randn(1, k, device=DEV, dtype=DT)
+    r = torch.randn(1, n, device=DEV, dtype=DT)
+    g = torch.rand(k, device=DEV, dtype=DT) + 0.5
+    mb = rows * k * 2 / 1e6
+    # Correctness of the fused call at this shape against fp32 torch.
+    xf = x.float()
+    if kind.startswith("norm"):
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()
+    want = xf @ ws[0].float().t()
+    if kind == "norm_gated":
+        want = F.silu(want[:, :n]) * want[:, n:]
+    if kind == "residual":
+        want = want + r.float()
+    got = _call(kind, x, ws[0], r, g, None).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    row: dict = {"gemm": name, "N": n, "K": k, "kind": kind, "MB": round(mb, 1), "rel_err": err}
+    row["cublas_us"] = time_graph(lambda i: F.linear(x, ws[i]), sets) * 1e6
+    timed = []
+    for cfg in configs:
+        us = time_graph(lambda i, c=cfg: _call(kind, x, ws[i], r, g, c), sets) * 1e6
+        timed.append((us, cfg))
+    timed.sort(key=lambda t: t[0])
+    best_us, best = timed[0]
+    late = GemvConfig(best.block_n, best.block_k, best.num_warps, preload=False)
+    row["gemv_us"] = best_us
+    row["best"] = f"{best.block_n}x{best.block_k} w{best.num_warps}"
+    row["no_preload_us"] = time_graph(lambda i: _call(kind, x, ws[i], r, g, late), sets) * 1e6
+    row["default_us"] = time_graph(lambda i: _call(kind, x, ws[i], r, g, None), sets) * 1e6
+    row["top3"] = [f"{c.block_n}x{c.block_k} w{c.num_warps}: {u:.2f}" for u, c in timed[:3]]
+    row["cublas_TBps"] = mb / row["cublas_us"]
+    row["gemv_TBps"] = mb / best_us
     return row
 
 
+def probe_layer(layers: int = 8) -> dict:
+    """One Llama-3-8B layer's batch-1 linear work, cuBLAS + small kernels vs fused GEMVs."""
+    h, qkv, inter = 4096, 6144, 14336
+    mk = lambda n, k: torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5  # noqa: E731
+    ws = [(mk(qkv, h), mk(h, h), mk(2 * inter, h), mk(h, inter)) for _ in range(layers)]
+    g1 = torch.rand(h, device=DEV, dtype=DT) + 0.5
+    g2 = torch.rand(h, device=DEV, dtype=DT) + 0.5
+    x0 = torch.randn(1, h, device=DEV, dtype=DT)
+    small = torch.randn(1, 32, 128, device=DEV, dtype=DT)
+    gs = torch.ones(128, device=DEV, dtype=DT)
+
+    def cublas_layer(i: int) -> torch.Tensor:
+        wq, wo, wgu, wd = ws[i]
+        a, res = rms_norm(x0, g1, 1e-6, x0)
+        F.linear(a, wq)
+        att = rms_norm(rms_norm(small, gs, 1e-6)[0], gs, 1e-6)[0].view(1, -1)  # RoPE, attention
+        o = F.linear(att, wo)
+        m, res = rms_norm(o, g2, 1e-6, res)
+        return F.linear(silu_and_mul(F.linear(m, wgu)), wd)
+
+    def fused_layer(i: int) -> torch.Tensor:
+        wq, wo, wgu, wd = ws[i]
+        gemv(x0, wq, norm_weight=g1)
+        att = rms_norm(rms_norm(small, gs, 1e-6)[0], gs, 1e-6)[0].view(1, -1)
+        r = gemv(att, wo, residual=x0)
+        return gemv(gemv(r, wgu, norm_weight=g2, gated=True), wd, residual=r)
+
+    return {
+        "layer": "8b decoder layer, bs 1",
+        "cublas_us": time_graph(cublas_layer, layers) * 1e6,
+        "fused_gemv_us": time_graph(fused_layer, layers) * 1e6,
+        "bytes_floor_us_at_4.3TBps": sum(w.numel() * 2 for w in ws[0]) / 4.3e6,
+    }
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="3 configs per shape")
+    args = parser.parse_args()
     torch.manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        row = probe(n, k)
-        print(json.dumps({"gemm": name, **{k: round(v, 3) for k, v in row.items()}}), flush=True)
+    print(json.dumps(probe_layer()), flush=True)
+    configs = _configs(args.quick)
+    rows = []
+    for name, (n, k, kind) in SHAPES.items():
+        row = probe_shape(name, n, k, kind, configs)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         torch.cuda.empty_cache()
+    print(f"\n{'gemm':>16} {'MB':>7} {'cublas_us':>9} {'TB/s':>5} {'gemv_us':>8} {'TB/s':>5}"
+          f" {'no_pre':>7} {'default':>7}  best")  # fmt: skip
+    for r in rows:
+        print(f"{r['gemm']:>16} {r['MB']:>7.1f} {r['cublas_us']:>9.2f} {r['cublas_TBps']:>5.2f}"
+              f" {r['gemv_us']:>8.2f} {r['gemv_TBps']:>5.2f} {r['no_preload_us']:>7.2f}"
+              f" {r['default_us']:>7.2f}  {r['best']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""One-row linear layers for batch-1 decode on CUDA, with the work around them fused in:
+y[N] = epilogue(W[N, K] @ prologue(x[K])).
+
+At batch 1 a linear layer is a pure read of its weight, and a decoder layer is four such reads
+with a handful of tiny kernels between them (norm, residual add, SiLU). cuBLAS reads the larger
+matrices near the copy bandwidth but every kernel boundary costs a launch and a ramp, and
+cuBLAS adds split-K reduce kernels of its own. Here:
+
+- the prologue can apply RMSNorm to x (`norm_weight`): each program walks all of K anyway, so it
+  sums x^2 on the way and scales its dot products by the rstd at the end (no separate norm
+  kernel, no normalised copy of x);
+- the epilogue can add a bias and a residual (`residual`: y = W x + r, the next residual), or
+  combine the two halves of a gate/up weight (`gated`: program i reads gate rows and the matching
+  up rows and writes silu(gate) * up);
+- each program loads its first weight tile *before* waiting on the previous kernel (weights do
+  not depend on it), under programmatic dependent launch: the next GEMV's programs are already
+  streaming their weights while the previous kernel drains;
+- weights and x are double-buffered in registers, so two tiles per program are in flight.
+
+Each program owns BLOCK_N rows (for `gated`, BLOCK_N gate rows and BLOCK_N up rows) and keeps a
+[BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. Numerics: fp32 products and sums;
+the normalised x is not rounded to the model dtype before the product (the torch layers round it),
+so results agree with them within bf16 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.common import pdl_args, pdl_prologue
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 16
+    block_k: int = 512
+    num_warps: int = 4
+    preload: bool = True  # first weight tile loaded before the PDL wait
+
+
+# (N, K, gated) -> config measured best on an H200 (bf16); `default_config` for the rest.
+TUNED: dict[tuple[int, int, bool], GemvConfig] = {}
+
+
+def default_config(n: int, k: int, gated: bool) -> GemvConfig:
+    return TUNED.get((n, k, gated), GemvConfig())
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [K] contiguous
+    w_ptr,  # [N (x2 if GATED), K], unit column stride
+    y_ptr,  # [N] contiguous
+    b_ptr,  # [N (x2 if GATED)] (HAS_BIAS)
+    r_ptr,  # [N] residual (HAS_RES)
+    g_ptr,  # [K] RMSNorm weight (NORM)
+    N,
+    K,
+    stride_wn,
+    up,  # offset of the up half's first row (GATED): N * stride_wn
+    eps,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if PRELOAD:  # the weights do not depend on the previous kernel: start reading them now
+        m0 = mask_n[:, None] & (offs_k < K)[None, :]
+        w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
+        if GATED:
+            wu = tl.load(rows + up, mask=m0, other=0.0, eviction_policy="evict_first")
+        pdl_prologue(PDL)
+    else:
+        pdl_prologue(PDL)
+        m0 = mask_n[:, None] & (offs_k < K)[None, :]
+        w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
+        if GATED:
+            wu = tl.load(rows + up, mask=m0, other=0.0, eviction_policy="evict_first")
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # Next tiles first (masked off past K), then the products of this one.
+        kn = k0 + BLOCK_K + offs_k
+        mn = mask_n[:, None] & (kn < K)[None, :]
+        w_next = tl.load(rows + k0 + BLOCK_K, mask=mn, other=0.0, eviction_policy="evict_first")
+        if GATED:
+            wu_next = tl.load(
+                rows + up + k0 + BLOCK_K, mask=mn, other=0.0, eviction_policy="evict_first"
+            )
+        x_next = tl.load(x_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
+        if NORM:
+            ss += x * x
+            x = x * tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            acc_u += wu.to(tl.float32) * x[None, :]
+            wu = wu_next
+        w = w_next
+        x = x_next
+    y = tl.sum(acc, 1)
+    if GATED:
+        yu = tl.sum(acc_u, 1)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+        y = y * rstd
+        if GATED:
+            yu = yu * rstd
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if GATED:
+            yu += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if GATED:
+        y = y / (1.0 + tl.exp(-y)) * yu
+    if HAS_RES:
+        y += tl.load(r_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row of x, a float dtype shared with the weight, contiguous rows."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.stride(1) == 1
+    )
+
+
+def gemv(
+    x: torch.Tensor,  # [1, K]
+    weight: torch.Tensor,  # [N, K] ([2N, K] gate then up when gated)
+    bias: torch.Tensor | None = None,  # [N] ([2N] when gated)
+    residual: torch.Tensor | None = None,  # [1, N] added to the result
+    norm_weight: torch.Tensor | None = None,  # [K]: x is RMS-normalised and scaled by it first
+    eps: float = 1e-6,
+    gated: bool = False,  # silu(gate) * up of the two halves of weight
+    config: GemvConfig | None = None,
+) -> torch.Tensor:  # [1, N], dtype of x
+    rows, k = weight.shape
+    assert gemv_supported(x, weight) and x.shape[1] == k
+    n = rows // 2 if gated else rows
+    assert not gated or rows % 2 == 0
+    assert bias is None or bias.shape == (rows,)
+    assert residual is None or (residual.shape == (1, n) and residual.is_contiguous())
+    assert norm_weight is None or norm_weight.shape == (k,)
+    cfg = config or default_config(n, k, gated)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
+        norm_weight if norm_weight is not None else x, n, k, weight.stride(0), n * weight.stride(0),
+        eps,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None,
+        GATED=gated, PRELOAD=cfg.preload, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, **pdl_args(x.device),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,126 @@
+"""The one-row GEMV with its fused prologue / epilogue (`minisgl.kernels.gemv`) against the same
+math in fp32 torch. Without CUDA it runs in Triton's CPU interpreter (small shapes); the sm_90
+compile check runs the real compiler without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available() and __name__ != "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gemv_module():
+    from minisgl.kernels import gemv
+    from minisgl.kernels.common import is_interpreted
+
+    if DEVICE == "cpu" and not is_interpreted(gemv._gemv_kernel):
+        pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
+    return gemv
+
+
+def _reference(x, w, bias, residual, norm_weight, eps, gated):
+    xf = x.double()
+    if norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    y = xf @ w.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if residual is not None:
+        y = y + residual.double()
+    return y
+
+
+# (N, K): rows and columns that are not multiples of the blocks, and exact ones.
+SHAPES_CPU = [(40, 200), (64, 128), (5, 72)]
+SHAPES_CUDA = [(6144, 4096), (4096, 14336), (1000, 999), (128256 // 8, 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("extras", ["none", "bias", "residual", "both"])
+def test_gemv_matches_fp32_math(dtype, gated, norm, extras):
+    gemv = _gemv_module()
+    gen = torch.Generator().manual_seed(hash((str(dtype), gated, norm, extras)) % 2**31)
+    shapes = SHAPES_CUDA if DEVICE == "cuda" else SHAPES_CPU
+    # Small blocks on the CPU so the K loop and the masks run more than once.
+    config = None if DEVICE == "cuda" else gemv.GemvConfig(block_n=8, block_k=32, num_warps=2)
+    for n, k in shapes:
+        rows = 2 * n if gated else n
+        w = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype)
+        x = (torch.randn(1, k, generator=gen) * 2).to(dtype)
+        bias = torch.randn(rows, generator=gen).to(dtype) if extras in ("bias", "both") else None
+        res = torch.randn(1, n, generator=gen).to(dtype) if extras in ("residual", "both") else None
+        g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm else None
+        want = _reference(x, w, bias, res, g, 1e-5, gated)
+        dev = [None if t is None else t.to(DEVICE) for t in (x, w, bias, res, g)]
+        got = gemv.gemv(
+            dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
+            gated=gated, config=config,
+        )  # fmt: skip
+        assert got.shape == (1, n) and got.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+def test_gemv_supported_rejects_what_it_cannot_run():
+    from minisgl.kernels.gemv import gemv_supported
+
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert gemv_supported(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    assert not gemv_supported(torch.zeros(2, 16, dtype=torch.bfloat16), w)  # two rows
+    assert not gemv_supported(torch.zeros(1, 16, dtype=torch.float16), w)  # dtype mismatch
+    assert not gemv_supported(torch.zeros(1, 16, dtype=torch.bfloat16), w.t())  # column-major
+
+
+@pytest.mark.slow
+def test_gemv_compiles_for_sm90_without_spills():
+    from sm90 import run_compile_script
+
+    results = run_compile_script(__file__)
+    assert len(results) == len(COMPILE)
+    spilled = [r for r in results if r["local"] > 0]
+    assert not spilled, f"register spills: {spilled}"
+
+
+# (name, constexprs, warps) compiled for sm_90 by the test above.
+COMPILE = [
+    ("bf16 plain 16x512 w4", dict(NORM=False, GATED=False, HAS_RES=False, BLOCK_N=16, BLOCK_K=512), 4),
+    ("bf16 norm gated 16x512 w4", dict(NORM=True, GATED=True, HAS_RES=False, BLOCK_N=16, BLOCK_K=512), 4),
+    ("bf16 residual 32x512 w8", dict(NORM=False, GATED=False, HAS_RES=True, BLOCK_N=32, BLOCK_K=512), 8),
+    ("bf16 norm gated 32x256 w4", dict(NORM=True, GATED=True, HAS_RES=False, BLOCK_N=32, BLOCK_K=256), 4),
+]  # fmt: skip
+
+
+def _compile_all() -> list[dict[str, object]]:
+    from sm90 import compile_sm90
+
+    from minisgl.kernels.gemv import _gemv_kernel
+
+    out = []
+    for name, c, warps in COMPILE:
+        types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
+        types |= {"eps": "fp32", "up": "i64"}
+        c = c | dict(HAS_BIAS=False, PRELOAD=True)
+        aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
+        out.append({"name": name, **compile_sm90(_gemv_kernel, types, c, warps, None, aligned)})
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for result in _compile_all():
+        print(json.dumps(result))
