@@ -9,7 +9,8 @@
    kernel, cuBLAS qkv, two small kernels standing in for RoPE and attention, cuBLAS o_proj,
    add + RMSNorm kernel, cuBLAS gate_up, SiLU-and-mul, cuBLAS down) against the fused GEMVs
    (qkv with the norm, the same two small kernels, o_proj + residual, gate_up with the norm and
-   SiLU, down + residual): microseconds per layer over 8 layers' worth of distinct weights.
+   SiLU, down + residual; or SiLU in down's prologue): microseconds per layer over 8 layers'
+   worth of distinct weights, with the default configs and again with the best of the sweep.
 
 Run on a GPU host: `PYTHONPATH=. python3 scripts/gemv_probe.py [--quick]`.
 """
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.benchmark.common import time_graph
+from minisgl.kernels import gemv as gemv_module
 from minisgl.kernels.fused import rms_norm, silu_and_mul
 from minisgl.kernels.gemv import GemvConfig, gemv
 
@@ -33,6 +35,8 @@ SHAPES = {
     "8b o_proj": (4096, 4096, "residual"),
     "8b gate_up": (14336, 4096, "norm_gated"),
     "8b down": (4096, 14336, "residual"),
+    "8b gate_up plain": (28672, 4096, "norm"),
+    "8b down act": (4096, 14336, "act_residual"),
     "8b lm_head": (128256, 4096, "norm"),
     "30b-a3b qkv": (5120, 2048, "norm"),
     "30b-a3b o_proj": (2048, 4096, "residual"),
@@ -57,6 +61,8 @@ def _call(kind: str, x, w, r, g, cfg: GemvConfig | None):
         return gemv(x, w, norm_weight=g, config=cfg)
     if kind == "norm_gated":
         return gemv(x, w, norm_weight=g, gated=True, config=cfg)
+    if kind == "act_residual":
+        return gemv(x, w, residual=r, act=True, config=cfg)
     return gemv(x, w, residual=r, config=cfg)
 
 
@@ -64,18 +70,20 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
     rows = 2 * n if kind == "norm_gated" else n
     sets = max(2, -(-(600 << 20) // (rows * k * 2)))
     ws = [torch.randn(rows, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
-    x = torch.randn(1, k, device=DEV, dtype=DT)
+    x = torch.randn(1, 2 * k if kind == "act_residual" else k, device=DEV, dtype=DT)
     r = torch.randn(1, n, device=DEV, dtype=DT)
     g = torch.rand(k, device=DEV, dtype=DT) + 0.5
     mb = rows * k * 2 / 1e6
     # Correctness of the fused call at this shape against fp32 torch.
     xf = x.float()
+    if kind == "act_residual":
+        xf = F.silu(xf[:, :k]) * xf[:, k:]
     if kind.startswith("norm"):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()
     want = xf @ ws[0].float().t()
     if kind == "norm_gated":
         want = F.silu(want[:, :n]) * want[:, n:]
-    if kind == "residual":
+    if kind.endswith("residual"):
         want = want + r.float()
     got = _call(kind, x, ws[0], r, g, None).float()
     err = ((got - want).abs().max() / want.abs().max()).item()
@@ -93,13 +101,15 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
     row["no_preload_us"] = time_graph(lambda i: _call(kind, x, ws[i], r, g, late), sets) * 1e6
     row["default_us"] = time_graph(lambda i: _call(kind, x, ws[i], r, g, None), sets) * 1e6
     row["top3"] = [f"{c.block_n}x{c.block_k} w{c.num_warps}: {u:.2f}" for u, c in timed[:3]]
+    row["config"] = best
     row["cublas_TBps"] = mb / row["cublas_us"]
     row["gemv_TBps"] = mb / best_us
     return row
 
 
 def probe_layer(layers: int = 8) -> dict:
-    """One Llama-3-8B layer's batch-1 linear work, cuBLAS + small kernels vs fused GEMVs."""
+    """One Llama-3-8B layer's batch-1 linear work, cuBLAS + small kernels vs fused GEMVs (SiLU
+    in the gate/up epilogue, or in the down projection's prologue)."""
     h, qkv, inter = 4096, 6144, 14336
     mk = lambda n, k: torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5  # noqa: E731
     ws = [(mk(qkv, h), mk(h, h), mk(2 * inter, h), mk(h, inter)) for _ in range(layers)]
@@ -125,10 +135,18 @@ def probe_layer(layers: int = 8) -> dict:
         r = gemv(att, wo, residual=x0)
         return gemv(gemv(r, wgu, norm_weight=g2, gated=True), wd, residual=r)
 
+    def fused_act_layer(i: int) -> torch.Tensor:
+        wq, wo, wgu, wd = ws[i]
+        gemv(x0, wq, norm_weight=g1)
+        att = rms_norm(rms_norm(small, gs, 1e-6)[0], gs, 1e-6)[0].view(1, -1)
+        r = gemv(att, wo, residual=x0)
+        return gemv(gemv(r, wgu, norm_weight=g2), wd, residual=r, act=True)
+
     return {
         "layer": "8b decoder layer, bs 1",
         "cublas_us": time_graph(cublas_layer, layers) * 1e6,
-        "fused_gemv_us": time_graph(fused_layer, layers) * 1e6,
+        "fused_gated_us": time_graph(fused_layer, layers) * 1e6,
+        "fused_act_us": time_graph(fused_act_layer, layers) * 1e6,
         "bytes_floor_us_at_4.3TBps": sum(w.numel() * 2 for w in ws[0]) / 4.3e6,
     }
 
@@ -138,14 +156,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 configs per shape")
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(json.dumps(probe_layer()), flush=True)
+    print("default configs:", json.dumps(probe_layer()), flush=True)
     configs = _configs(args.quick)
     rows = []
     for name, (n, k, kind) in SHAPES.items():
         row = probe_shape(name, n, k, kind, configs)
         rows.append(row)
+        gemv_module.TUNED[(n, k, kind == "norm_gated")] = row.pop("config")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         torch.cuda.empty_cache()
+    print("best configs:", json.dumps(probe_layer()), flush=True)
     print(f"\n{'gemm':>16} {'MB':>7} {'cublas_us':>9} {'TB/s':>5} {'gemv_us':>8} {'TB/s':>5}"
           f" {'no_pre':>7} {'default':>7}  best")  # fmt: skip
     for r in rows:

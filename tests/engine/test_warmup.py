@@ -6,10 +6,8 @@ serving launches no new one."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -21,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import assert_kv_clean, random_prompts  # noqa: E402
+from helpers import assert_kv_clean, force_fused_kernels, random_prompts  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.config import EngineConfig  # noqa: E402
@@ -119,8 +117,8 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
     batches = record_batches(engine)
     allocator = PageAllocator(engine.num_pages)
     with unchanged(engine, allocator):
-        assert run_warmup(engine, allocator) == 5
-    prefill, mixed, decode_graph, decode_eager = batches[0], batches[1], batches[3], batches[4]
+        assert run_warmup(engine, allocator) == 6
+    prefill, mixed, decode_graph, decode_eager = batches[0], batches[1], batches[3], batches[5]
     assert prefill.kind is BatchKind.MIXED and min(prefill.extend_lens) > 1
     assert prefill.prefix_lens[0] > 0  # from a (synthetic) prefix-cache hit
     assert mixed.extend_lens[:2] == [1, 1] and min(mixed.extend_lens[2:]) > 1
@@ -129,6 +127,7 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
     assert decode_graph.kind is BatchKind.DECODE and engine.graphs is not None
     assert engine.graphs.can_run(decode_graph) and not engine.graphs.can_run(decode_eager)
     assert decode_eager.size == 9 and decode_eager.kind is BatchKind.DECODE
+    assert batches[4].num_tokens == 1  # one row: the layers' batch-1 GEMV path
     # Batches of 1 and several requests, token counts odd and even.
     assert {b.size == 1 for b in batches} == {True, False}
     assert {b.num_tokens % 2 for b in batches} == {0, 1}
@@ -156,7 +155,7 @@ def test_warmup_runs_at_construction_unless_skipped(tiny_model_dir, monkeypatch)
 
 def test_warmup_refuses_an_engine_that_ran_batches(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir("llama3")), dtype="float32", device="cpu")
-    assert llm.engine.num_steps == 4  # the warm-up's
+    assert llm.engine.num_steps == 5  # the warm-up's
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(RuntimeError, match="before the first batch"):
         llm.engine.warmup()
@@ -168,7 +167,7 @@ def test_small_limits_skip_or_shrink_the_steps(tiny_model_dir) -> None:
     assert run_warmup(make_engine(path, num_pages=8, page_size=4, skip_warmup=True)) == 0
     engine = make_engine(path, max_prefill_tokens=5, skip_warmup=True)
     batches = record_batches(engine)
-    assert run_warmup(engine) == 4
+    assert run_warmup(engine) == 5
     assert max(sum(e for e in b.extend_lens if e > 1) for b in batches) <= 5
 
 
@@ -237,9 +236,7 @@ def recorded_variants(monkeypatch) -> Iterator[set[tuple]]:
     Gumbel sampling) switched on for CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    import minisgl.layers.fused as fused_switch
     from minisgl.engine import sampler
-    from minisgl.kernels import fused
 
     keys: set[tuple] = set()
     run = InterpretedFunction.run
@@ -249,11 +246,7 @@ def recorded_variants(monkeypatch) -> Iterator[set[tuple]]:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
-    importlib.import_module("minisgl.models.llama")  # imported lazily by build_model
-    switch = fused_switch.fused_kernels
-    for name, module in list(sys.modules.items()):  # every module that imported the switch
-        if name.startswith("minisgl.") and getattr(module, "fused_kernels", None) is switch:
-            monkeypatch.setattr(module, "fused_kernels", lambda x: fused)
+    force_fused_kernels(monkeypatch)
     monkeypatch.setattr(
         sampler, "_use_fused", lambda logits, inp: not (inp.needs_sort or inp.needs_min_p)
     )

@@ -179,6 +179,32 @@ def test_fast_path_matches_reference() -> None:
     assert len(replays) >= NUM_TOKENS - 1, "decode steps should replay CUDA graphs"
 
 
+def test_batch_one_steps_match_reference() -> None:
+    """Requests one at a time: every decode step is one row, which the layers run as fused GEMVs
+    (`DecoderLayer.forward_one_row`, captured in the batch-1 graph)."""
+    from minisgl.models.llama import DecoderLayer
+
+    n = 12
+    reference(0)
+    calls = []
+    one_row = DecoderLayer.forward_one_row
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return one_row(self, *args, **kwargs)
+
+    DecoderLayer.forward_one_row = counting  # type: ignore[method-assign]
+    try:
+        llm = make_llm(fast=True)
+        got = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts(seed=0)[:n]]
+    finally:
+        DecoderLayer.forward_one_row = one_row  # type: ignore[method-assign]
+    assert calls, "no step took the one-row path"
+    worst, compared = compare(_REF_OUTS[0][:n], got)
+    assert compared >= n and worst <= TOL, (worst, compared)
+    assert_kv_clean(llm)
+
+
 def test_page_sizes_and_prefixes_ending_mid_page() -> None:
     for page_size in (1, 16, 32):
         # Chunks of 37 tokens end mid-page; the radix cache shares prefixes among the prompts.

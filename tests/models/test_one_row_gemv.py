@@ -1,0 +1,67 @@
+"""Batch-1 decode steps through the layers' one-row GEMV path (`DecoderLayer.forward_one_row`:
+fused norm / residual / SiLU GEMVs, taken on CUDA) against the layers' torch path, through the
+whole engine. Here the fused kernels are switched on for CPU tensors and run in Triton's
+interpreter; the GPU suite runs the same comparison natively."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
+
+from helpers import assert_kv_clean, force_fused_kernels, random_prompts  # noqa: E402
+from test_qwen3_moe import save_tiny  # noqa: E402
+
+from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.models.llama import DecoderLayer  # noqa: E402
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(autouse=True)
+def _interpreted():
+    if torch.cuda.is_available():
+        pytest.skip("tests/gpu/test_engine_gpu.py covers the path natively")
+    from minisgl.kernels.common import is_interpreted
+    from minisgl.kernels.gemv import _gemv_kernel
+
+    if not is_interpreted(_gemv_kernel):
+        pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
+
+
+def _generate(path: str, prompts: list[list[int]], **kw) -> list[dict]:
+    llm = LLM(path, dtype="float32", device="cpu", skip_warmup=True, **kw)
+    out = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]  # one at a time
+    assert_kv_clean(llm)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "smollm2", "qwen3_moe"])
+def test_one_row_steps_match_the_layers(arch, tiny_model_dir, tmp_path, monkeypatch):
+    if arch == "qwen3_moe":
+        save_tiny(tmp_path, seed=4)
+        path = str(tmp_path)
+    else:
+        path = str(tiny_model_dir(arch))
+    prompts = random_prompts(3, 256, seed=5, lo=2, hi=20)  # both vocabularies hold 256
+    want = _generate(path, prompts, attention_backend="torch")
+
+    force_fused_kernels(monkeypatch)
+    calls = []
+    one_row = DecoderLayer.forward_one_row
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return one_row(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderLayer, "forward_one_row", counting)
+    got = _generate(path, prompts, attention_backend="triton", page_size=4)
+    assert calls, "no step took the one-row path"
+    for g, w in zip(got, want):
+        assert g["token_ids"] == w["token_ids"]
+        torch.testing.assert_close(g["logprobs"], w["logprobs"], atol=1e-4, rtol=0)
