@@ -44,8 +44,14 @@ class GemvConfig:
     preload: bool = True  # first weight tile loaded before the PDL wait
 
 
-# (N, K, gated) -> config measured best on an H200 (bf16); `default_config` for the rest.
-TUNED: dict[tuple[int, int, bool], GemvConfig] = {}
+# (N, K, gated) -> config measured best on an H200 (bf16, `scripts/gemv_probe.py`); the
+# default below for the rest.
+TUNED: dict[tuple[int, int, bool], GemvConfig] = {
+    (28672, 4096, False): GemvConfig(16, 256, 4),  # Llama-3-8B gate/up without the SiLU
+    (6144, 4096, False): GemvConfig(8, 256, 4),  # Llama-3-8B qkv
+    (5120, 2048, False): GemvConfig(4, 256, 4),  # Qwen3-30B-A3B qkv
+    (2048, 4096, False): GemvConfig(4, 1024, 8),  # Qwen3-30B-A3B o_proj
+}
 
 
 def default_config(n: int, k: int, gated: bool) -> GemvConfig:

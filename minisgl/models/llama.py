@@ -3,6 +3,7 @@ Qwen3 (q/k RMSNorm), SmolLM2 (tied embeddings). Pure math: inputs come in as arg
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -26,9 +27,9 @@ from minisgl.layers import (
 from minisgl.layers.fused import fused_kernels
 from minisgl.layers.linear import OneRowGemv, one_row_gemv
 
-# Batch-1 MLP: SiLU-and-multiply in the gate/up GEMV's epilogue (True) or in the down GEMV's
-# prologue (False); the faster on the H200 (`scripts/gemv_probe.py`).
-GATE_IN_GATE_UP = True
+# Batch-1 MLP: SiLU-and-multiply in the gate/up GEMV's epilogue, or in the down GEMV's
+# prologue with `MINISGL_ONE_ROW_SILU_IN_DOWN=1` (an A/B switch).
+GATE_IN_GATE_UP = os.environ.get("MINISGL_ONE_ROW_SILU_IN_DOWN") != "1"
 
 
 class LlamaAttention(nn.Module):
