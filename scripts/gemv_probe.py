@@ -163,7 +163,7 @@ def main() -> None:
     for name, (n, k, kind) in SHAPES.items():
         row = probe_shape(name, n, k, kind, configs)
         rows.append(row)
-        gemv_module.TUNED[(n, k, kind == "norm_gated")] = row.pop("config")
+        gemv_module.TUNED[(n, k, kind == "norm_gated", kind == "act_residual")] = row.pop("config")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         torch.cuda.empty_cache()
     print("best configs:", json.dumps(probe_layer()), flush=True)

@@ -19,7 +19,7 @@ step() {  # step NAME LIMIT CMD...
   timeout --kill-after=10 "$limit" "$@" > "$LOG/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"; tail -n 4 "$LOG/$name.log" | cut -c1-220
 }
-step tests 240 $PY -m pytest -q -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_attention_kernels_gpu.py tests/gpu/test_moe_gpu.py tests/kernels/test_moe_kernel.py -p no:cacheprovider -x
+step tests 300 $PY -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_attention_kernels_gpu.py tests/gpu/test_moe_gpu.py tests/kernels/test_moe_kernel.py tests/kernels/test_gemv.py -p no:cacheprovider -x
 step w2_on 100 $PY -m minisgl.benchmark.latency --model $M/llama-3-8b --load-format dummy
 step w2_off 100 env $VAR=1 $PY -m minisgl.benchmark.latency --model $M/llama-3-8b --load-format dummy
 step moe_on 120 $PY -m minisgl.benchmark.moe --skip-kernels
