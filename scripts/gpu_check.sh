@@ -53,7 +53,8 @@ run() {
 
 M=minisgl/benchmark/models
 if "$PY" -c "import pytest" 2> /dev/null; then
-  run tests 210 "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider -rfE --durations=15
+  run tests 300 "$PY" -m pytest tests/gpu tests/kernels/test_gemv.py tests/kernels/test_moe_kernel.py \
+    -v -p no:cacheprovider -rfE --durations=15
 else
   echo "(pytest is not installed: running tests/gpu/test_engine_gpu.py with its own runner)"
   run tests 210 "$PY" tests/gpu/test_engine_gpu.py
