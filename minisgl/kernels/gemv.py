@@ -100,22 +100,18 @@ def _gemv_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
-    if PRELOAD:  # the weights do not depend on the previous kernel: start reading them now
-        m0 = mask_n[:, None] & (offs_k < K)[None, :]
-        w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
-        if GATED:
-            wu = tl.load(rows + up, mask=m0, other=0.0, eviction_policy="evict_first")
-        if NORM:
-            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    # The first weight tile and the norm weight do not depend on the previous kernel: with
+    # PRELOAD they are read before the PDL wait, otherwise after it.
+    if not PRELOAD:
         pdl_prologue(PDL)
-    else:
+    m0 = mask_n[:, None] & (offs_k < K)[None, :]
+    w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
+    if GATED:
+        wu = tl.load(rows + up, mask=m0, other=0.0, eviction_policy="evict_first")
+    if NORM:
+        g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    if PRELOAD:
         pdl_prologue(PDL)
-        m0 = mask_n[:, None] & (offs_k < K)[None, :]
-        w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
-        if GATED:
-            wu = tl.load(rows + up, mask=m0, other=0.0, eviction_policy="evict_first")
-        if NORM:
-            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     x = _load_x(x_ptr, offs_k, K, ACT)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
