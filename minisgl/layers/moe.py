@@ -3,7 +3,9 @@ are stacked into two tensors and sharded along their intermediate dimension for 
 parallelism, so each rank holds a slice of every expert and one all-reduce ends the layer.
 
 On CUDA with Triton installed the experts run as the fused grouped-GEMM kernels of
-`minisgl.kernels.moe`; everywhere else as `moe_reference` below (the math both must match).
+`minisgl.kernels.moe`; everywhere else as `moe_reference` below (the math both must match). A
+batch-1 decode step on CUDA takes `forward_one_row`: the whole layer, its norm and residual add
+included, in three kernels.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.fused import fused_kernels
 from minisgl.layers.linear import ReplicatedLinear
+from minisgl.layers.norm import RMSNorm
 
 # x [T, H], w13 [E, 2I, H], w2 [E, H, I], router logits [T, E], top_k, renormalize -> [T, H]
 MoEImpl = Callable[
@@ -181,3 +185,15 @@ class SparseMoeBlock(nn.Module):
             self.renormalize,
         )
         return all_reduce(out)
+
+    def forward_one_row(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x + self(norm(x)) for one token where the one-row GEMV path runs (fused kernels, tp
+        1; see `DecoderLayer.forward_one_row`): `minisgl.kernels.moe.one_row_moe`, three
+        launches with the norm and the residual add inside them."""
+        fused = fused_kernels(x)
+        assert fused is not None and self.experts.tp_size == 1
+        experts = self.experts
+        return fused.one_row_moe(  # type: ignore[no-any-return]
+            x, self.gate.weight, experts.gate_up_proj, experts.down_proj, self.top_k,
+            self.renormalize, norm.weight, norm.eps,
+        )  # fmt: skip

@@ -26,6 +26,7 @@ from minisgl.layers import (
 )
 from minisgl.layers.fused import fused_kernels
 from minisgl.layers.linear import OneRowGemv, one_row_gemv
+from minisgl.layers.moe import SparseMoeBlock
 
 # Batch-1 MLP: SiLU-and-multiply in the down GEMV's prologue (the Llama-3-8B layer on the H200:
 # 112.1 us against 114.4 with it in the gate/up GEMV's epilogue, `scripts/gemv_probe.py`), or
@@ -114,8 +115,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token (a batch-1 decode step) on CUDA: each projection is one GEMV kernel that
         takes the norm before it and the residual add or SiLU after it, so a dense layer is six
-        kernels (qkv, RoPE + KV store, attention, o_proj, gate/up, down). Returns the layer's
-        output with the residual already added (and no residual)."""
+        kernels (qkv, RoPE + KV store, attention, o_proj, gate/up, down) and a mixture of
+        experts seven (its router, gate/up and down: `SparseMoeBlock.forward_one_row`). Returns
+        the layer's output with the residual already added (and no residual)."""
         if residual is not None:
             x = x + residual
         attn, ln1, ln2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
@@ -123,8 +125,9 @@ class DecoderLayer(nn.Module):
         a = attn.attend(qkv, positions, ctx)
         x = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=x)
         mlp = self.mlp
-        if not isinstance(mlp, LlamaMLP):  # a mixture of experts takes the normalised x
-            return mlp(ln2.norm(x)), x
+        if isinstance(mlp, SparseMoeBlock):
+            return mlp.forward_one_row(x, ln2), None
+        assert isinstance(mlp, LlamaMLP)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         if GATE_IN_GATE_UP:
             h = gemv(

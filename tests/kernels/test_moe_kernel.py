@@ -184,6 +184,62 @@ def test_pair_gate_up_routes_like_fused_topk(
     assert rel_err(act, want) <= TOL[dtype]
 
 
+def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp64 (the kernels normalise in fp32 without rounding in between)."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "renormalize"), [(128, 8, True), (8, 2, False), (6, 1, True)]
+)
+@pytest.mark.parametrize("config", [None, PAIR], ids=["default", "small"])
+def test_one_row_moe_matches_reference(
+    dtype: torch.dtype, num_experts: int, top_k: int, renormalize: bool, config: Any
+) -> None:
+    """x + MoE(rmsnorm(x)) for one token in three launches (router GEMV with the norm, gate/up
+    normalising x itself, down routing again and adding x) against the layer's math in fp32
+    on the same inputs."""
+    hidden, inter, eps = 64, 40, 1e-5
+    w13, w2 = random_experts(num_experts, hidden, inter, dtype, seed=7)
+    g = torch.Generator().manual_seed(num_experts)
+    router = (torch.randn(num_experts, hidden, generator=g) / 4).to(DEVICE, dtype)
+    norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
+    x = (torch.randn(1, hidden, generator=g) * 3).to(DEVICE, dtype)
+    out = K.one_row_moe(x, router, w13, w2, top_k, renormalize, norm_w, eps, config)
+    assert out.shape == x.shape and out.dtype == dtype
+
+    xn = rms_normed(x, norm_w, eps).float()  # [1, H]
+    routing = select_experts(xn @ router.float().T, top_k, renormalize)
+    want = x.float() + moe_reference(xn, w13.float(), w2.float(), routing)
+    assert rel_err(out, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_kernels_norm_residual_and_reroute(dtype: torch.dtype) -> None:
+    """The pair kernels' one-row options on several tokens: gate/up with the RMSNorm
+    prologue against gate/up of the normalised rows; down routing again from the logits (its
+    routing argument poisoned) and adding a residual, against down with the routing given."""
+    num_tokens, num_experts, top_k, hidden, inter, eps = 3, 16, 4, 48, 40, 1e-6
+    w13, w2 = random_experts(num_experts, hidden, inter, dtype, seed=9)
+    x = (torch.randn(num_tokens, hidden) * 2).to(DEVICE, dtype)
+    norm_w = (torch.rand(hidden) + 0.5).to(DEVICE, dtype)
+    logits = distinct_logits(num_tokens, num_experts, dtype)
+    act, routing = K.pair_gate_up(x, w13, top_k, PAIR.gate_up, logits=logits, renormalize=False,
+                                  norm_weight=norm_w, eps=eps)  # fmt: skip
+    xn = rms_normed(x, norm_w, eps).to(dtype)
+    want, want_routing = K.pair_gate_up(xn, w13, top_k, PAIR.gate_up, logits=logits)
+    assert torch.equal(routing.ids, want_routing.ids)
+    assert rel_err(act, want) <= TOL[dtype]
+
+    residual = torch.randn(num_tokens, hidden).to(DEVICE, dtype)
+    plain = K.pair_down(act, w2, routing, top_k, PAIR.down)
+    poisoned = K.PairRouting(torch.zeros_like(routing.ids), torch.full_like(routing.weights, 9.0))
+    got = K.pair_down(act, w2, poisoned, top_k, PAIR.down, residual=residual, logits=logits)
+    assert rel_err(got, plain.double() + residual.double()) <= TOL[dtype]
+
+
 @pytest.mark.parametrize("config", [None, SMALL, PAIR], ids=["default", "blocked", "pair"])
 def test_no_tokens(config: K.MoEConfig | None) -> None:
     w13, w2 = random_experts(4, 32, 16, torch.float32)
@@ -225,14 +281,15 @@ _POINTER_TYPES = {
 
 def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
     names = kernel.arg_names
-    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr")} | _POINTER_TYPES
+    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "g_ptr", "r_ptr")}
+    types = types | _POINTER_TYPES | {"eps": "fp32"}
     aligned = [n for n in names if n not in constexprs and (n in _ALIGNED_INTS or n in types)]
     return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
 
 
 def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     out = []
-    for cfg in K.DEFAULT_CONFIGS.values():
+    for cfg in (*K.DEFAULT_CONFIGS.values(), K.ONE_ROW_CONFIG):
         if isinstance(cfg, K.PairConfig):
             out += _pair_variants(cfg)
             continue
@@ -249,14 +306,18 @@ def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
 
 def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     out = []
-    for route in (True, False):
-        tile = cfg.gate_up
+    tile = cfg.gate_up
+    for route, norm in ((True, False), (False, False), (True, True)):
         c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
-                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, stride_wk=1)  # fmt: skip
-        name = f"_pair_gate_up_kernel route={route} {tile}"
+                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, NORM=norm, stride_wk=1)  # fmt: skip
+        name = f"_pair_gate_up_kernel route={route} norm={norm} {tile}"
         out.append((name, K._pair_gate_up_kernel, "bf16", c, tile))
-    c = dict(TOP_K=8, BLOCK_N=cfg.down.block_n, BLOCK_K=cfg.down.block_k, BLOCK_TOPK=8, stride_wk=1)
-    out.append((f"_pair_down_kernel {cfg.down}", K._pair_down_kernel, "bf16", c, cfg.down))
+    tile = cfg.down
+    for route in (False, True):  # routing again is the one-row layer's down: with the residual
+        c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=8, stride_wk=1,
+                 ROUTE=route, BLOCK_E=128, RENORMALIZE=True, HAS_RES=route)  # fmt: skip
+        name = f"_pair_down_kernel route={route} {tile}"
+        out.append((name, K._pair_down_kernel, "bf16", c, tile))
     return out
 
 
