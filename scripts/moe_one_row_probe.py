@@ -93,6 +93,7 @@ def chain_us(layers: list[Layer], x0: torch.Tensor, step: Callable[..., torch.Te
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="no tile sweep: the defaults only")
     args = ap.parse_args()
     layers = make_layers(args.layers)
     x0 = torch.randn(1, H, device="cuda").to(DT)
@@ -121,6 +122,12 @@ def main() -> None:
     add("one_row, down without reroute", chain_us(
         layers, x0, lambda x, lw: one_row_layer(x, lw, ONE_ROW_CONFIG, None, False)))  # fmt: skip
     best_router, best_us = None, float("inf")
+    if args.quick:
+        for reroute in (True, False, True, False):
+            add(f"one_row default, reroute={reroute}", chain_us(
+                layers, x0, lambda x, lw: one_row_layer(x, lw, ONE_ROW_CONFIG, None, reroute)))  # fmt: skip
+        print_table("batch-1 MoE layer", rows, ("variant", "us_per_layer", "of_copy_bw"))
+        return
     for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
                       (8, 256, 4), (1, 1024, 2)):  # fmt: skip
         rc = GemvConfig(bn, bk, w)
@@ -155,10 +162,14 @@ def main() -> None:
     best = PairConfig(best_gu, best_dn)
     add(f"best {best} router {best_router}", chain_us(
         layers, x0, lambda x, lw: one_row_layer(x, lw, best, best_router, True)))  # fmt: skip
+    add("best, down without reroute", chain_us(
+        layers, x0, lambda x, lw: one_row_layer(x, lw, best, best_router, False)))  # fmt: skip
     rows.sort(key=lambda r: r["us_per_layer"])  # type: ignore[arg-type, return-value]
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; a layer reads {layer_bytes / 1e6:.1f} MB: "
           f"floor {floor_us:.2f} us")  # fmt: skip
-    shown = rows[:12] + [r for r in rows[12:] if str(r["variant"]).startswith(("old", "one_row"))]
+    shown = rows[:12] + [
+        r for r in rows[12:] if str(r["variant"]).startswith(("old", "one_row", "best"))
+    ]
     print_table(
         "batch-1 MoE layer, fastest first", shown, ("variant", "us_per_layer", "of_copy_bw")
     )

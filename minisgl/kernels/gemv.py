@@ -53,6 +53,7 @@ TUNED: dict[tuple[int, int, bool, bool], GemvConfig] = {
     (128256, 4096, False, False): GemvConfig(32, 256, 4),  # Llama-3 LM head: 238.4 us
     (5120, 2048, False, False): GemvConfig(4, 256, 4),  # Qwen3-30B-A3B qkv: 7.07 us
     (2048, 4096, False, False): GemvConfig(4, 1024, 8),  # Qwen3-30B-A3B o_proj: 5.28 us
+    (128, 2048, False, False): GemvConfig(2, 2048, 8),  # Qwen3-30B-A3B router (moe probe)
 }
 
 
