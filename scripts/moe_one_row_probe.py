@@ -125,7 +125,7 @@ def main() -> None:
     if args.quick:
         for reroute in (True, False, True, False):
             add(f"one_row default, reroute={reroute}", chain_us(
-                layers, x0, lambda x, lw: one_row_layer(x, lw, ONE_ROW_CONFIG, None, reroute)))  # fmt: skip
+                layers, x0, lambda x, lw, r=reroute: one_row_layer(x, lw, ONE_ROW_CONFIG, None, r)))  # fmt: skip
         print_table("batch-1 MoE layer", rows, ("variant", "us_per_layer", "of_copy_bw"))
         return
     for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
