@@ -49,15 +49,6 @@ class KVStore(NamedTuple):
     loc: torch.Tensor  # [T] int64
 
 
-class RopeArgs(NamedTuple):
-    """A layer's rotary embedding as the fused kernels take it (see `RotaryEmbedding`)."""
-
-    cos_sin: torch.Tensor  # [max_pos, D] fp32: cos in the first half, sin in the second
-    q_weight: torch.Tensor | None  # [D] per-head RMSNorm weights (Qwen3), both or neither
-    k_weight: torch.Tensor | None
-    eps: float
-
-
 class AttentionBackend(ABC):
     """Stores a step's new K/V into the paged pool and attends over each request's context.
 
@@ -85,20 +76,6 @@ class AttentionBackend(ABC):
     def kv_store(self, layer: int, meta: object) -> KVStore | None:
         """Where this layer's new K/V go, for a backend that lets the layer's rotary kernel store
         them as it rotates (one kernel less per layer); None: `forward` stores them."""
-        return None
-
-    def decode_rotated(
-        self,
-        q: torch.Tensor,  # [B, num_q_heads, head_dim] not yet rotated
-        k: torch.Tensor,  # [B, num_kv_heads, head_dim] not yet rotated
-        v: torch.Tensor,
-        positions: torch.Tensor,  # [B] int64
-        rope: RopeArgs,
-        layer: int,
-        meta: object,
-    ) -> torch.Tensor | None:  # [B, num_q_heads, head_dim]
-        """A step of decodes only, where the backend can: rotate q and k, store the new K/V and
-        attend in one kernel. None: the caller rotates and calls `forward`."""
         return None
 
     @abstractmethod

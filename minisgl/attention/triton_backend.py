@@ -8,16 +8,14 @@ width and the split count for every replay, and the kernels read the true length
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, AttentionInputs, KVStore, RopeArgs
+from minisgl.attention.base import AttentionBackend, AttentionInputs, KVStore
 from minisgl.kernels.common import num_sms
 from minisgl.kernels.decode import (
     DecodeConfig,
-    DecodeRope,
     choose_num_splits,
     decode_attention,
     default_decode_config,
@@ -25,10 +23,6 @@ from minisgl.kernels.decode import (
 from minisgl.kernels.extend import ExtendConfig, default_extend_config, extend_attention
 from minisgl.kernels.store import store_kv
 from minisgl.kvcache import KVPool, ReqTable
-
-# `MINISGL_DISABLE_DECODE_ROPE=1`: decode steps rotate in the rotary kernel again (A/B runs).
-ENV_DISABLE_DECODE_ROPE = "MINISGL_DISABLE_DECODE_ROPE"
-_ROPE_IN_DECODE = os.environ.get(ENV_DISABLE_DECODE_ROPE) != "1"
 
 
 @dataclass
@@ -93,29 +87,6 @@ class TritonBackend(AttentionBackend):
     def kv_store(self, layer: int, meta: object) -> KVStore:
         assert isinstance(meta, TritonMeta)
         return KVStore(self.pool.k(layer), self.pool.v(layer), meta.inputs.out_loc)
-
-    def decode_rotated(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RopeArgs,
-        layer: int,
-        meta: object,
-    ) -> torch.Tensor | None:
-        """The decode kernel rotates q and k and stores K/V itself (the rotary kernel's work):
-        one kernel less per layer in a decode step."""
-        assert isinstance(meta, TritonMeta)
-        if not _ROPE_IN_DECODE or meta.extend is not None or meta.num_decode != q.shape[0]:
-            return None
-        rotation = DecodeRope(k, v, meta.inputs.out_loc, positions, *rope)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        return decode_attention(
-            q, self.pool.k(layer), self.pool.v(layer), meta.block_table, meta.seq_lens,
-            self.pool.page_size, self.sm_scale, num_splits=meta.num_splits,
-            config=self.decode_config, out=out, rope=rotation,
-        )  # fmt: skip
 
     def forward(
         self,

@@ -68,33 +68,6 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def norm_rope_halves(
-    x1,  # [R, HALF] first halves of R heads, in the model dtype
-    x2,  # [R, HALF] second halves
-    w_ptr,  # [2 * HALF] per-head RMSNorm weight (HAS_NORM)
-    cos,  # [1, HALF] fp32
-    sin,
-    eps,
-    HAS_NORM: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """Optional per-head RMSNorm (Qwen3's q/k norm), then rotate-half (neox) rotary embedding:
-    the two halves of each head, in the input dtype, rounded where the torch layers round (the
-    normalised value, its product with the weight, the rotated result)."""
-    dtype = x1.dtype
-    if HAS_NORM:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
-        offs = tl.arange(0, HALF)
-        w1 = tl.load(w_ptr + offs).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)[None, :]
-        x1 = (w1 * (f1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-        x2 = (w2 * (f2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
-
-
 def check_paged_args(
     q: torch.Tensor,  # [rows, Hq, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]

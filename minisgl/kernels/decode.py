@@ -22,7 +22,6 @@ from minisgl.kernels.common import (
     check_paged_args,
     dot,
     dot_flags,
-    norm_rope_halves,
     num_sms,
     online_softmax_step,
     pdl_args,
@@ -51,29 +50,6 @@ class DecodeConfig:
         for size in (self.block_n, self.block_n_unsplit):
             if size < 16 or size & (size - 1):
                 raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {size}")
-
-
-@dataclass(frozen=True)
-class DecodeRope:
-    """The rotation `decode_attention` applies itself (its q not yet rotated): the new tokens'
-    k and v as projected, where they go, and the rotary table (with Qwen3's q/k RMSNorm)."""
-
-    k: torch.Tensor  # [B, Hkv, D] last dim contiguous
-    v: torch.Tensor  # [B, Hkv, D]
-    loc: torch.Tensor  # [B] int64 KV slot of each new token
-    positions: torch.Tensor  # [B] int64, any stride
-    cos_sin: torch.Tensor  # [max_pos, D] fp32 contiguous: cos in the first half, sin after
-    q_weight: torch.Tensor | None = None  # [D] per-head RMSNorm weights, both or neither
-    k_weight: torch.Tensor | None = None
-    eps: float = 1e-6
-
-    def check(self, q: torch.Tensor, k_cache: torch.Tensor) -> None:
-        batch, _, dim = q.shape
-        for t in (self.k, self.v):
-            assert t.shape == (batch, k_cache.shape[1], dim) and t.stride(-1) == 1
-        assert self.loc.shape == (batch,) and self.positions.shape == (batch,)
-        assert self.cos_sin.dtype == torch.float32 and self.cos_sin.is_contiguous()
-        assert self.cos_sin.shape[1] == dim and (self.q_weight is None) == (self.k_weight is None)
 
 
 def default_decode_config(head_dim: int) -> DecodeConfig:
@@ -115,21 +91,8 @@ def _decode_split_kernel(
     part_o_ptr,  # [B, Hq, num_splits, D] fp32, written otherwise
     part_lse_ptr,  # [B, Hq, num_splits] fp32
     counter_ptr,  # [B, Hkv] int32, zero between launches: splits of a (request, KV head) done
-    k_new_ptr,  # [B, Hkv, D] the new token's k, not yet rotated (ROPE)
-    v_new_ptr,  # [B, Hkv, D] its v (ROPE)
-    loc_ptr,  # [B] int64 KV slot of the new token (ROPE)
-    pos_ptr,  # [B] int64 its position (ROPE)
-    cos_sin_ptr,  # [max_pos, D] fp32: cos in the first half, sin in the second (ROPE)
-    q_w_ptr,  # [D] per-head RMSNorm weights of q and k (ROPE and HAS_NORM)
-    k_w_ptr,
     stride_qb,
     stride_qh,
-    stride_knb,
-    stride_knh,
-    stride_vnb,
-    stride_vnh,
-    stride_pos,
-    eps,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -148,15 +111,9 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    ROPE: tl.constexpr,
-    HAS_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
-    # ROPE: q, k and v are the projections as they come out of the qkv GEMM. Each program
-    # normalises and rotates its group's query heads itself; the program whose split holds the
-    # new token also rotates that token's k and stores k and v into the pool before its loop
-    # reads them (the rotary kernel and the KV store of the unfused step, in this kernel).
     # KV heads vary fastest: CTAs launched together read neighbouring 256-byte head slices of
     # the same tokens, so DRAM sees whole token rows (and whole pages) rather than scattered bits.
     kv_head = tl.program_id(0)
@@ -173,19 +130,11 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
-    if ROPE:
-        q = _rope_new_token(
-            q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, loc_ptr, pos_ptr, cos_sin_ptr, q_w_ptr,
-            k_w_ptr, b, kv_head, heads, mask_h, start, end, seq_len, stride_qb, stride_qh,
-            stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kt, stride_kh, stride_vt,
-            stride_vh, stride_pos, eps, HAS_NORM, BLOCK_H, HEAD_DIM,
-        )  # fmt: skip
-    else:
-        q = tl.load(
-            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_h[:, None],
-            other=0.0,
-        )  # [BLOCK_H, D]
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None],
+        other=0.0,
+    )  # [BLOCK_H, D]
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
@@ -231,43 +180,6 @@ def _decode_split_kernel(
                 part_o_ptr, part_lse_ptr, o_dst, rows, num_valid, mask_h, HEAD_DIM, BLOCK_H,
                 EMULATE_BF16,
             )  # fmt: skip
-
-
-@triton.jit
-def _rope_new_token(
-    q_ptr, k_new_ptr, v_new_ptr, k_ptr, v_ptr, loc_ptr, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr,
-    b, kv_head, heads, mask_h, start, end, seq_len, stride_qb, stride_qh, stride_knb,
-    stride_knh, stride_vnb, stride_vnh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos,
-    eps, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """The group's rotated query heads [BLOCK_H, D]; stores the new token's rotated k and its v
-    at their KV slot when this program's split holds the token."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    offs = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + b * stride_pos)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + offs)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + offs)[None, :]
-    src = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs[None, :]
-    q1 = tl.load(src, mask=mask_h[:, None], other=0.0)
-    q2 = tl.load(src + HALF, mask=mask_h[:, None], other=0.0)
-    q1, q2 = norm_rope_halves(q1, q2, q_w_ptr, cos, sin, eps, HAS_NORM, HALF)
-    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, HEAD_DIM))
-    if (start < seq_len) & (end == seq_len):  # the last token is this split's
-        slot = tl.load(loc_ptr + b)
-        k_src = k_new_ptr + b * stride_knb + kv_head * stride_knh + offs[None, :]
-        k1, k2 = norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, cos, sin, eps,
-                                  HAS_NORM, HALF)  # fmt: skip
-        k_dst = k_ptr + slot * stride_kt + kv_head * stride_kh + offs[None, :]
-        tl.store(k_dst, k1.to(k_ptr.dtype.element_ty))
-        tl.store(k_dst + HALF, k2.to(k_ptr.dtype.element_ty))
-        offs_d = tl.arange(0, HEAD_DIM)
-        v = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + offs_d)
-        tl.store(v_ptr + slot * stride_vt + kv_head * stride_vh + offs_d,
-                 v.to(v_ptr.dtype.element_ty))  # fmt: skip
-    # Every thread's stores before any thread's loads of the pool (a CTA barrier orders global
-    # memory for the block).
-    tl.debug_barrier()
-    return q
 
 
 @triton.jit
@@ -342,16 +254,12 @@ def decode_attention(
     max_seq_len: int | None = None,
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Attention of each request's single query over its whole paged context.
 
     Never syncs with the host. `num_splits` (or, when it is None, the heuristic fed with the
     host-side `max_seq_len`, default `P * page_size`) only affects speed; a CUDA graph captures
     one value and stays correct for every `seq_lens` it replays with.
-
-    With `rope`, q is not yet rotated and the new token's K/V are not yet in the pool: the
-    kernel applies the (q/k RMSNorm and) rotary embedding and stores the token's K/V itself.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -375,28 +283,14 @@ def decode_attention(
         counters = seq_lens
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel)
     pdl = pdl_args(q.device)
-    if rope is not None:
-        rope.check(q, k_cache)
-        k_new, v_new, loc, pos, cos_sin = rope.k, rope.v, rope.loc, rope.positions, rope.cos_sin
-        q_w = rope.q_weight if rope.q_weight is not None else q
-        k_w = rope.k_weight if rope.k_weight is not None else q
-        eps = rope.eps
-    else:  # unread
-        k_new = v_new = cos_sin = q_w = k_w = q
-        loc = pos = seq_lens
-        eps = 0.0
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters,
-        k_new, v_new, loc, pos, cos_sin, q_w, k_w,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), pos.stride(0), eps, k_cache.stride(0), k_cache.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
-        EMULATE_BF16=emulate_bf16, ROPE=rope is not None,
-        HAS_NORM=rope is not None and rope.q_weight is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out
 

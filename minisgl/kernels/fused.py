@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import norm_rope_halves, pdl_args, pdl_prologue
+from minisgl.kernels.common import pdl_args, pdl_prologue
 from minisgl.kernels.gemv import gemv
 from minisgl.kernels.moe import one_row_moe
 
@@ -108,11 +108,19 @@ def _norm_rope_heads(
     src = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    y1, y2 = norm_rope_halves(x1, x2, w_ptr, cos, sin, eps, HAS_NORM, HALF)
+    dtype = x1.dtype
+    if HAS_NORM:  # per-head RMSNorm, rounded to the model dtype like the torch layer's output
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        x1 = (w1 * (f1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (f2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     dst = out_ptr + offs_h[:, None] * stride_out_h + offs_d[None, :]
-    tl.store(dst, y1.to(out_ty), mask=mask)
-    tl.store(dst + HALF, y2.to(out_ty), mask=mask)
+    tl.store(dst, (x1 * cos - x2 * sin).to(dtype).to(out_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype).to(out_ty), mask=mask)
 
 
 @triton.jit

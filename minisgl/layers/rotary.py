@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from minisgl.attention.base import KVStore, RopeArgs
+from minisgl.attention.base import KVStore
 from minisgl.config import RopeConfig
 from minisgl.layers.fused import fused_kernels
 from minisgl.layers.norm import RMSNorm
@@ -92,31 +92,18 @@ class RotaryEmbedding(nn.Module):
         """`forward`, and with a `store` (the backend's `kv_store`) and `v` on the fused path,
         the rotated k and v written into the KV pool by the same kernel: k comes back None then.
         Otherwise (k, v) are left to the attention backend to store."""
-        args = self.fused_args(q, k, q_norm, k_norm)
-        if args is not None:
-            fused = fused_kernels(q)
+        table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
+        fused = fused_kernels(q)
+        if fused is not None and _fusable(fused, q, k, table, q_norm, k_norm):
+            qw = None if q_norm is None else q_norm.weight
+            kw = None if k_norm is None else k_norm.weight
+            eps = 0.0 if q_norm is None else q_norm.eps
             kv = None if store is None or v is None else store
-            return fused.qk_norm_rope(positions, q, k, *args, v, kv)  # type: ignore[union-attr, no-any-return]
+            return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps, v, kv)  # type: ignore[no-any-return]
         if q_norm is not None and k_norm is not None:
             q, k = q_norm.norm(q), k_norm.norm(k)
         cos, sin = rows if rows is not None else self.lookup(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def fused_args(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
-    ) -> RopeArgs | None:
-        """The rotation as the fused kernels take it, when they run for these tensors."""
-        table: torch.Tensor = self.cos_sin  # type: ignore[assignment]
-        fused = fused_kernels(q)
-        if fused is None or not _fusable(fused, q, k, table, q_norm, k_norm):
-            return None
-        qw = None if q_norm is None else q_norm.weight
-        kw = None if k_norm is None else k_norm.weight
-        return RopeArgs(table, qw, kw, 0.0 if q_norm is None else q_norm.eps)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> [T, 1, D] rows (cos | cos) and (-sin | sin) of the torch path."""

@@ -63,13 +63,7 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Qwen3's per-head q/k RMSNorm goes with the rotation (one fused kernel on CUDA), and
-        # so does the KV store where the backend allows it (k comes back None then); in a step
-        # of decodes the attention kernel can do all three itself.
-        rope = self.rotary.fused_args(q, k, self.q_norm, self.k_norm)
-        if rope is not None:
-            out = ctx.backend.decode_rotated(q, k, v, positions, rope, self.attn.layer, ctx.meta)
-            if out is not None:
-                return out.reshape(t, self.num_heads * self.head_dim)
+        # so does the KV store where the backend allows it (k comes back None then).
         store = ctx.backend.kv_store(self.attn.layer, ctx.meta)
         q, k_rot = self.rotary.rotate_and_store(
             positions, q, k, v, store, self.q_norm, self.k_norm, ctx.rope

@@ -117,8 +117,8 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
     batches = record_batches(engine)
     allocator = PageAllocator(engine.num_pages)
     with unchanged(engine, allocator):
-        assert run_warmup(engine, allocator) == 8
-    prefill, mixed, decode_graph, decode_eager = batches[0], batches[1], batches[3], batches[7]
+        assert run_warmup(engine, allocator) == 6
+    prefill, mixed, decode_graph, decode_eager = batches[0], batches[1], batches[3], batches[5]
     assert prefill.kind is BatchKind.MIXED and min(prefill.extend_lens) > 1
     assert prefill.prefix_lens[0] > 0  # from a (synthetic) prefix-cache hit
     assert mixed.extend_lens[:2] == [1, 1] and min(mixed.extend_lens[2:]) > 1
@@ -127,11 +127,7 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
     assert decode_graph.kind is BatchKind.DECODE and engine.graphs is not None
     assert engine.graphs.can_run(decode_graph) and not engine.graphs.can_run(decode_eager)
     assert decode_eager.size == 9 and decode_eager.kind is BatchKind.DECODE
-    # Decodes only, with the long context (the split decode kernel that rotates q and k).
-    assert batches[4].kind is BatchKind.DECODE and batches[4].reqs[0] is mixed.reqs[0]
-    assert batches[5].num_tokens == 1  # one row: the layers' batch-1 GEMV path
-    # A mixed step whose decode row is short: the single-split kernel without the rotation.
-    assert batches[6].extend_lens[0] == 1 and batches[6].extend_lens[1] > 1
+    assert batches[4].num_tokens == 1  # one row: the layers' batch-1 GEMV path
     # Batches of 1 and several requests, token counts odd and even.
     assert {b.size == 1 for b in batches} == {True, False}
     assert {b.num_tokens % 2 for b in batches} == {0, 1}
@@ -159,7 +155,7 @@ def test_warmup_runs_at_construction_unless_skipped(tiny_model_dir, monkeypatch)
 
 def test_warmup_refuses_an_engine_that_ran_batches(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir("llama3")), dtype="float32", device="cpu")
-    assert llm.engine.num_steps == 7  # the warm-up's
+    assert llm.engine.num_steps == 5  # the warm-up's
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(RuntimeError, match="before the first batch"):
         llm.engine.warmup()
@@ -171,7 +167,7 @@ def test_small_limits_skip_or_shrink_the_steps(tiny_model_dir) -> None:
     assert run_warmup(make_engine(path, num_pages=8, page_size=4, skip_warmup=True)) == 0
     engine = make_engine(path, max_prefill_tokens=5, skip_warmup=True)
     batches = record_batches(engine)
-    assert run_warmup(engine) == 7
+    assert run_warmup(engine) == 5
     assert max(sum(e for e in b.extend_lens if e > 1) for b in batches) <= 5
 
 

@@ -96,52 +96,6 @@ def test_decode_matches_reference(
     assert not split_counters(q.device, len(lens) * hkv).any()
 
 
-@pytest.mark.parametrize(
-    "dtype,page_size,num_splits,with_norm",
-    [(torch.float32, 16, 3, True), (torch.float32, 1, 1, False), (torch.bfloat16, 16, 2, True)],
-)
-def test_decode_with_rope_matches_rotary_kernel_then_decode(
-    dtype: torch.dtype, page_size: int, num_splits: int, with_norm: bool
-) -> None:
-    """`decode_attention(rope=...)` rotates q and the new k itself and stores the new K/V: the
-    same pool and the same output as the fused rotary kernel with its KV store, then decode."""
-    from minisgl.kernels.decode import DecodeRope
-    from minisgl.kernels.fused import qk_norm_rope
-    from minisgl.layers.rotary import RopeConfig, RotaryEmbedding
-
-    lens, hq, hkv, dim = [33, 16, 75], 8, 2, 64
-    torch.manual_seed(11)
-    kv = random_paged_kv(lens, page_size, hkv, dim, dtype, DEVICE)
-    qkv = torch.randn(len(lens), (hq + 2 * hkv) * dim, device=DEVICE).to(dtype)
-    q = qkv[:, : hq * dim].view(-1, hq, dim)  # strided views of the projection, as in a model
-    k = qkv[:, hq * dim : (hq + hkv) * dim].view(-1, hkv, dim)
-    v = qkv[:, (hq + hkv) * dim :].view(-1, hkv, dim)
-    last = torch.tensor(lens, device=DEVICE) - 1
-    pages = kv.block_table.gather(1, (last // page_size)[:, None].to(torch.int64))[:, 0]
-    loc = pages.to(torch.int64) * page_size + last % page_size  # the new tokens' slots
-    positions = last + 5  # any positions: the rotation reads them, the lengths do not
-    table = RotaryEmbedding(dim, 256, RopeConfig(theta=10000.0)).cos_sin.to(DEVICE)
-    weights = [(1 + 0.2 * torch.randn(dim, device=DEVICE)).to(dtype) for _ in range(2)]
-    qw, kw = weights if with_norm else (None, None)
-    scale = dim**-0.5
-    args = (kv.block_table, kv.seq_lens, page_size, scale)
-    kw_args = dict(num_splits=num_splits, config=SMALL_DECODE)
-
-    k_cache, v_cache = kv.k_cache.clone(), kv.v_cache.clone()
-    q_rot, _ = qk_norm_rope(positions, q, k, table, qw, kw, 1e-6, v, (k_cache, v_cache, loc))
-    want = decode_attention(q_rot, k_cache, v_cache, *args, **kw_args)
-
-    k_cache2, v_cache2 = kv.k_cache.clone(), kv.v_cache.clone()
-    k_cache2[loc] = float("nan")  # the kernel must write these before reading them
-    v_cache2[loc] = float("nan")
-    rope = DecodeRope(k, v, loc, positions, table, qw, kw, 1e-6)
-    got = decode_attention(q, k_cache2, v_cache2, *args, rope=rope, **kw_args)
-    assert torch.equal(k_cache2.nan_to_num(7.0), k_cache.nan_to_num(7.0))
-    assert torch.equal(v_cache2.nan_to_num(7.0), v_cache.nan_to_num(7.0))
-    assert rel_err(got, want.float()) <= 1e-6
-    assert not split_counters(q.device, len(lens) * hkv).any()
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_empty_request_gives_zeros(num_splits: int) -> None:
     kv = random_paged_kv([0, 20], 16, 2, 64, torch.float32, DEVICE)
