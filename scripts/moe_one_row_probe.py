@@ -62,18 +62,17 @@ def make_layers(n: int) -> list[Layer]:
 
 
 def one_row_layer(
-    x: torch.Tensor, lw: Layer, cfg: PairConfig, router_cfg: GemvConfig | None, reroute: bool
+    x: torch.Tensor, lw: Layer, cfg: PairConfig, router_cfg: GemvConfig | None
 ) -> torch.Tensor:
     logits = gemv(x, lw.router, norm_weight=lw.norm, eps=EPS, config=router_cfg)
     act, routing = pair_gate_up(x, lw.w13, TOP_K, cfg.gate_up, logits=logits, renormalize=True,
                                 norm_weight=lw.norm, eps=EPS)  # fmt: skip
-    return pair_down(act, lw.w2, routing, TOP_K, cfg.down, residual=x,
-                     logits=logits if reroute else None, renormalize=True)  # fmt: skip
+    return pair_down(act, lw.w2, routing, TOP_K, cfg.down, residual=x)
 
 
 def old_layer(x: torch.Tensor, lw: Layer) -> torch.Tensor:
     h = F.rms_norm(x.float(), (H,), eps=EPS).to(DT) * lw.norm
-    return x + fused_moe(h, lw.w13, lw.w2, F.linear(h, lw.router), TOP_K, True)
+    return x + fused_moe(h, lw.w13, lw.w2, F.linear(h, lw.router), TOP_K)
 
 
 def chain_us(layers: list[Layer], x0: torch.Tensor, step: Callable[..., torch.Tensor]) -> float:
@@ -105,7 +104,7 @@ def main() -> None:
     a = x0
     b = x0
     for lw in layers[:2]:
-        a = one_row_layer(a, lw, ONE_ROW_CONFIG, None, True)
+        a = one_row_layer(a, lw, ONE_ROW_CONFIG, None)
         b = old_layer(b, lw)
     err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
     print(f"one-row vs old path, 2 layers: rel err {err:.2e}")
@@ -118,22 +117,15 @@ def main() -> None:
 
     add("old: norm + cuBLAS router + pair + add", chain_us(layers, x0, old_layer))
     add(f"one_row default {ONE_ROW_CONFIG}", chain_us(
-        layers, x0, lambda x, lw: one_row_layer(x, lw, ONE_ROW_CONFIG, None, True)))  # fmt: skip
-    add("one_row, down without reroute", chain_us(
-        layers, x0, lambda x, lw: one_row_layer(x, lw, ONE_ROW_CONFIG, None, False)))  # fmt: skip
+        layers, x0, lambda x, lw: one_row_layer(x, lw, ONE_ROW_CONFIG, None)))  # fmt: skip
     best_router, best_us = None, float("inf")
     if args.quick:
-        for reroute in (True, False, True, False):
-            add(f"one_row default, reroute={reroute}", chain_us(
-                layers, x0, lambda x, lw, r=reroute: one_row_layer(x, lw, ONE_ROW_CONFIG, None, r)))  # fmt: skip
         print_table("batch-1 MoE layer", rows, ("variant", "us_per_layer", "of_copy_bw"))
         return
     for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
                       (8, 256, 4), (1, 1024, 2)):  # fmt: skip
         rc = GemvConfig(bn, bk, w)
-        us = chain_us(
-            layers, x0, lambda x, lw, rc=rc: one_row_layer(x, lw, ONE_ROW_CONFIG, rc, True)
-        )
+        us = chain_us(layers, x0, lambda x, lw, rc=rc: one_row_layer(x, lw, ONE_ROW_CONFIG, rc))
         add(f"router {bn}x{bk} w{w}", us)
         if us < best_us:
             best_router, best_us = rc, us
@@ -142,9 +134,7 @@ def main() -> None:
     best_gu, best_us = ONE_ROW_CONFIG.gate_up, float("inf")
     for t in gate_up_tiles:
         cfg = PairConfig(t, ONE_ROW_CONFIG.down)
-        us = chain_us(
-            layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router, True)
-        )
+        us = chain_us(layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router))
         add(f"gate_up {t.block_n}x{t.block_k} w{t.num_warps}", us)
         if us < best_us:
             best_gu, best_us = t, us
@@ -153,17 +143,13 @@ def main() -> None:
     best_dn = ONE_ROW_CONFIG.down
     for t in down_tiles:
         cfg = PairConfig(best_gu, t)
-        us = chain_us(
-            layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router, True)
-        )
+        us = chain_us(layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router))
         add(f"down {t.block_n}x{t.block_k} w{t.num_warps}", us)
         if us < best_us:
             best_dn, best_us = t, us
     best = PairConfig(best_gu, best_dn)
     add(f"best {best} router {best_router}", chain_us(
-        layers, x0, lambda x, lw: one_row_layer(x, lw, best, best_router, True)))  # fmt: skip
-    add("best, down without reroute", chain_us(
-        layers, x0, lambda x, lw: one_row_layer(x, lw, best, best_router, False)))  # fmt: skip
+        layers, x0, lambda x, lw: one_row_layer(x, lw, best, best_router)))  # fmt: skip
     rows.sort(key=lambda r: r["us_per_layer"])  # type: ignore[arg-type, return-value]
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s; a layer reads {layer_bytes / 1e6:.1f} MB: "
           f"floor {floor_us:.2f} us")  # fmt: skip

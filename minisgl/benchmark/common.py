@@ -121,13 +121,21 @@ def gpu_kernel_table(
     if not gpu:
         raise RuntimeError("the profile holds no GPU kernels (CUPTI unavailable?)")
     durations: dict[str, list[float]] = {}
-    for e in gpu:
+    # How far each kernel moves the end of the GPU's work (in start order): with PDL a kernel
+    # starts early and waits, so its duration overstates it; this is its share of the span.
+    advance: dict[str, float] = {}
+    frontier = -math.inf
+    for e in sorted(gpu, key=lambda e: float(e["ts"])):
         durations.setdefault(str(e["name"]), []).append(float(e["dur"]))  # us
+        end = float(e["ts"]) + float(e["dur"])
+        step = end - frontier if frontier > -math.inf else float(e["dur"])
+        advance[str(e["name"])] = advance.get(str(e["name"]), 0.0) + max(0.0, step)
+        frontier = max(frontier, end)
     busy = sum(sum(d) for d in durations.values())
     rows: list[Row] = [
         {"kernel": name if len(name) <= 90 else name[:87] + "...", "calls": len(d),
          "per_step": len(d) / steps, "us_per_step": sum(d) / steps, "mean_us": sum(d) / len(d),
-         "share": sum(d) / busy}
+         "share": sum(d) / busy, "span_us_per_step": advance[name] / steps}
         for name, d in durations.items()
     ]  # fmt: skip
     rows.sort(key=lambda r: -r["us_per_step"])

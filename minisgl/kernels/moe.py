@@ -16,8 +16,7 @@ latency-bound; two launches after the router GEMM:
 
 `one_row_moe` is the pair path for one token with the layer's surroundings folded in (batch-1
 decode): the router as a one-row GEMV with the RMSNorm in its prologue, the gate/up kernel
-normalising x itself, the down kernel adding the residual and routing again before its PDL wait,
-so that it streams its first weight tiles while the gate/up kernel drains.
+normalising x itself, the down kernel adding the residual.
 
 Blocked path, for everything larger; five launches:
 
@@ -156,17 +155,13 @@ def _route(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    FROM_L2: tl.constexpr = False,
 ):
     """(weights [BLOCK_K] fp32, ids [BLOCK_K] int32) of one token; slots past TOP_K are 0.
-    Ties go to the lower expert id. FROM_L2: read the logits past the SM's L1 cache (for a read
-    before the PDL wait, of logits written two kernels back)."""
+    Ties go to the lower expert id."""
     offs_e = tl.arange(0, BLOCK_E)
-    ptrs = logits_ptr + token * stride_l + offs_e
-    if FROM_L2:
-        x = tl.load(ptrs, mask=offs_e < num_experts, other=-float("inf"), cache_modifier=".cg")
-    else:
-        x = tl.load(ptrs, mask=offs_e < num_experts, other=-float("inf"))
+    x = tl.load(
+        logits_ptr + token * stride_l + offs_e, mask=offs_e < num_experts, other=-float("inf")
+    )
     x = x.to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)  # [BLOCK_E], 0 past num_experts
@@ -609,60 +604,31 @@ def _pair_gate_up_kernel(
 
 
 @triton.jit
-def _pair_down_step(
-    i,  # the step: (slot, I tile) = divmod(i, k_tiles); past the last step, nothing loads
-    ids,  # [BLOCK_TOPK] the token's experts
-    k_tiles,
-    inter,
-    TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-):
-    """(slot, expert, columns of I [BLOCK_K], their mask) of step i."""
-    slot = i // k_tiles
-    offs = (i - slot * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs < tl.where(slot < TOP_K, inter, 0)
-    expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == slot, ids, 0), 0).to(tl.int64)
-    return slot, expert, offs, mask_k
-
-
-@triton.jit
-def _pair_down_weights(
+def _pair_down_loads(
+    act_ptr,
     w_rows,  # [BLOCK_N, 1] pointers to the output rows of expert 0
-    ids,
-    i,
+    ids,  # [BLOCK_TOPK] the token's experts
+    token,
+    i,  # the step: (slot, I tile) = divmod(i, k_tiles); past the last step, nothing loads
     k_tiles,
     inter,
     mask_n,
+    stride_at,
     stride_we,
     stride_wk,
     TOP_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
 ):
-    """Step i's weight tile [BLOCK_N, BLOCK_K]."""
-    _, expert, offs, mask_k = _pair_down_step(i, ids, k_tiles, inter, TOP_K, BLOCK_K, BLOCK_TOPK)
-    w_ptrs = w_rows + expert * stride_we + offs[None, :] * stride_wk
-    return tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-
-
-@triton.jit
-def _pair_down_act(
-    act_ptr,
-    ids,
-    token,
-    i,
-    k_tiles,
-    inter,
-    stride_at,
-    TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-):
-    """Step i's activations [BLOCK_K] (of pair token * K + slot)."""
-    slot, _, offs, mask_k = _pair_down_step(i, ids, k_tiles, inter, TOP_K, BLOCK_K, BLOCK_TOPK)
+    slot = i // k_tiles
+    offs = (i - slot * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs < tl.where(slot < TOP_K, inter, 0)
+    expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == slot, ids, 0), 0).to(tl.int64)
     pair = token * TOP_K + slot
-    return tl.load(act_ptr + pair * stride_at + offs, mask=mask_k, other=0.0)
+    a = tl.load(act_ptr + pair * stride_at + offs, mask=mask_k, other=0.0)  # [BLOCK_K]
+    w_ptrs = w_rows + expert * stride_we + offs[None, :] * stride_wk
+    w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+    return a, w
 
 
 @triton.jit
@@ -670,69 +636,48 @@ def _pair_down_kernel(
     act_ptr,  # [T * K, I]
     w_ptr,  # [E, H, I]
     out_ptr,  # [T, H]
-    ids_ptr,  # [T * K] int32 (unless ROUTE)
-    weights_ptr,  # [T * K] fp32 (unless ROUTE)
-    logits_ptr,  # [T, E] router logits (ROUTE)
+    ids_ptr,  # [T * K] int32
+    weights_ptr,  # [T * K] fp32
     r_ptr,  # [T, H] residual (HAS_RES)
     hidden,  # H (the output columns)
     inter,  # I (the reduction)
-    num_experts,
     stride_at,
     stride_we,
     stride_wn,
     stride_wk,
     stride_ot,
-    stride_l,
     stride_rt,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
-    ROUTE: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of token t's output, summed over its K
     # experts in registers (no atomics, no separate sum). One flat loop over (k, I tile) steps
     # with the next step's loads in flight during this one's products (see the gate/up kernel);
     # the token's experts and weights sit in registers, so no load waits on another.
-    # ROUTE: the program routes the token itself from the router logits, and loads its first
-    # weight tile, before the PDL wait: the logits come from the kernel before the gate/up
-    # kernel, which has finished by the time this one starts (the gate/up programs let this
-    # kernel start only after their own wait on it), so only the activations wait.
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     offs_s = tl.arange(0, BLOCK_TOPK)
-    if ROUTE:
-        routing, ids = _route(
-            logits_ptr, token, stride_l, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E, RENORMALIZE,
-            FROM_L2=True,
-        )  # fmt: skip
-    else:
-        pdl_prologue(PDL)
-        ids = tl.load(ids_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0)
-        routing = tl.load(weights_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0.0)
+    ids = tl.load(ids_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0)
+    routing = tl.load(weights_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0.0)
     w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
     k_tiles = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    w = _pair_down_weights(
-        w_rows, ids, 0, k_tiles, inter, mask_n, stride_we, stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK
-    )
-    if ROUTE:
-        pdl_prologue(PDL)
-    a = _pair_down_act(act_ptr, ids, token, 0, k_tiles, inter, stride_at, TOP_K, BLOCK_K,
-                       BLOCK_TOPK)  # fmt: skip
+    a, w = _pair_down_loads(
+        act_ptr, w_rows, ids, token, 0, k_tiles, inter, mask_n, stride_at, stride_we,
+        stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
+    )  # fmt: skip
     for i in range(1, TOP_K * k_tiles + 1):
-        w_next = _pair_down_weights(
-            w_rows, ids, i, k_tiles, inter, mask_n, stride_we, stride_wk, TOP_K, BLOCK_K,
-            BLOCK_TOPK,
+        a_next, w_next = _pair_down_loads(
+            act_ptr, w_rows, ids, token, i, k_tiles, inter, mask_n, stride_at, stride_we,
+            stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
         )  # fmt: skip
-        a_next = _pair_down_act(act_ptr, ids, token, i, k_tiles, inter, stride_at, TOP_K,
-                                BLOCK_K, BLOCK_TOPK)  # fmt: skip
         weight = tl.sum(tl.where(offs_s == (i - 1) // k_tiles, routing, 0.0), 0)
         acc += w.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
         a, w = a_next, w_next
@@ -796,28 +741,18 @@ def pair_down(
     top_k: int,
     tile: GemmTile,
     residual: torch.Tensor | None = None,  # [T, H] added to the result
-    logits: torch.Tensor | None = None,  # [T, E]: route again from these, before the PDL wait
-    renormalize: bool = False,
 ) -> torch.Tensor:  # [T, H]
-    """sum_k weight_k * down_{expert_k}(act of pair (t, k)) for every token t (+ residual).
-
-    With `logits` the kernel routes each token itself (the same math as the gate/up kernel)
-    and streams its first weight tiles before waiting on the gate/up kernel; the logits must
-    come from the kernel launched *before* that gate/up kernel (as in `one_row_moe`), which
-    PDL guarantees has finished. `routing` is then unread."""
+    """sum_k weight_k * down_{expert_k}(act of pair (t, k)) for every token t (+ residual)."""
     num_tokens = act.shape[0] // top_k
     hidden, inter = w2.shape[1], w2.shape[2]
     assert residual is None or (residual.shape == (num_tokens, hidden) and residual.stride(1) == 1)
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
-    src = logits if logits is not None else routing.weights
     res = residual if residual is not None else out
     grid = (num_tokens, triton.cdiv(hidden, tile.block_n))
     _pair_down_kernel[grid](
-        act, w2, out, routing.ids, routing.weights, src, res, hidden, inter, w2.shape[0],
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), src.stride(0),
-        res.stride(0), TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        BLOCK_TOPK=_topk_block(top_k), ROUTE=logits is not None,
-        BLOCK_E=triton.next_power_of_2(w2.shape[0]), RENORMALIZE=renormalize,
+        act, w2, out, routing.ids, routing.weights, res, hidden, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), res.stride(0), TOP_K=top_k,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=_topk_block(top_k),
         HAS_RES=residual is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **pdl_args(act.device),
     )  # fmt: skip
@@ -912,7 +847,7 @@ def one_row_moe(
     """A whole MoE layer for one token (batch-1 decode) in three launches, none of them a
     separate norm or add: the router as a one-row GEMV that normalises x on the way
     (`minisgl.kernels.gemv`); the pair gate/up kernel, which routes and normalises x itself;
-    the pair down kernel, which routes again and adds the residual."""
+    the pair down kernel, which adds the residual."""
     _check_shapes(x, w13, w2)
     assert x.shape[0] == 1 and router.shape == (w13.shape[0], x.shape[1])
     cfg = config or ONE_ROW_CONFIG
@@ -920,5 +855,4 @@ def one_row_moe(
     logits = gemv(x, router, norm_weight=norm_weight, eps=eps)  # [1, E]
     act, routing = pair_gate_up(x, w13, top_k, cfg.gate_up, logits=logits,
                                 renormalize=renormalize, norm_weight=norm_weight, eps=eps)  # fmt: skip
-    return pair_down(act, w2, routing, top_k, cfg.down, residual=x, logits=logits,
-                     renormalize=renormalize)  # fmt: skip
+    return pair_down(act, w2, routing, top_k, cfg.down, residual=x)

@@ -217,10 +217,9 @@ def test_one_row_moe_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pair_kernels_norm_residual_and_reroute(dtype: torch.dtype) -> None:
+def test_pair_kernels_norm_and_residual(dtype: torch.dtype) -> None:
     """The pair kernels' one-row options on several tokens: gate/up with the RMSNorm
-    prologue against gate/up of the normalised rows; down routing again from the logits (its
-    routing argument poisoned) and adding a residual, against down with the routing given."""
+    prologue against gate/up of the normalised rows; down adding a residual against down."""
     num_tokens, num_experts, top_k, hidden, inter, eps = 3, 16, 4, 48, 40, 1e-6
     w13, w2 = random_experts(num_experts, hidden, inter, dtype, seed=9)
     x = (torch.randn(num_tokens, hidden) * 2).to(DEVICE, dtype)
@@ -235,8 +234,7 @@ def test_pair_kernels_norm_residual_and_reroute(dtype: torch.dtype) -> None:
 
     residual = torch.randn(num_tokens, hidden).to(DEVICE, dtype)
     plain = K.pair_down(act, w2, routing, top_k, PAIR.down)
-    poisoned = K.PairRouting(torch.zeros_like(routing.ids), torch.full_like(routing.weights, 9.0))
-    got = K.pair_down(act, w2, poisoned, top_k, PAIR.down, residual=residual, logits=logits)
+    got = K.pair_down(act, w2, routing, top_k, PAIR.down, residual=residual)
     assert rel_err(got, plain.double() + residual.double()) <= TOL[dtype]
 
 
@@ -313,10 +311,10 @@ def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
         name = f"_pair_gate_up_kernel route={route} norm={norm} {tile}"
         out.append((name, K._pair_gate_up_kernel, "bf16", c, tile))
     tile = cfg.down
-    for route in (False, True):  # routing again is the one-row layer's down: with the residual
+    for res in (False, True):
         c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=8, stride_wk=1,
-                 ROUTE=route, BLOCK_E=128, RENORMALIZE=True, HAS_RES=route)  # fmt: skip
-        name = f"_pair_down_kernel route={route} {tile}"
+                 HAS_RES=res)  # fmt: skip
+        name = f"_pair_down_kernel residual={res} {tile}"
         out.append((name, K._pair_down_kernel, "bf16", c, tile))
     return out
 
