@@ -643,7 +643,15 @@ DECODE_COLUMNS = (
 TUNE_COLUMNS = (
     "tokens", "path", "block_m", "gate_up", "gate_up_us", "down", "down_us", "layer_us",
 )  # fmt: skip
-PROFILE_COLUMNS = ("kernel", "calls", "per_step", "us_per_step", "span_us_per_step", "mean_us", "share")
+PROFILE_COLUMNS = (
+    "kernel",
+    "calls",
+    "per_step",
+    "us_per_step",
+    "span_us_per_step",
+    "mean_us",
+    "share",
+)
 
 
 def summary(result: Row) -> Row:
