@@ -72,7 +72,7 @@ def one_row_layer(
 
 def old_layer(x: torch.Tensor, lw: Layer) -> torch.Tensor:
     h = F.rms_norm(x.float(), (H,), eps=EPS).to(DT) * lw.norm
-    return x + fused_moe(h, lw.w13, lw.w2, F.linear(h, lw.router), TOP_K)
+    return x + fused_moe(h, lw.w13, lw.w2, F.linear(h, lw.router), TOP_K, True)
 
 
 def chain_us(layers: list[Layer], x0: torch.Tensor, step: Callable[..., torch.Tensor]) -> float:
