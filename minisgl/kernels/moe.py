@@ -36,7 +36,6 @@ specification of blocked step 2.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,8 +46,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from minisgl.kernels.common import pdl_args, pdl_prologue
 from minisgl.kernels.gemv import gemv
-
-ROUTE_BY_RANK = tl.constexpr(os.environ.get("MINISGL_MOE_ARGMAX_TOPK") != "1")  # A/B
 
 # ---- tile configurations -----------------------------------------------------------------------
 
@@ -170,26 +167,14 @@ def _route(
     p = p / tl.sum(p, 0)  # [BLOCK_E], 0 past num_experts
     p = tl.where(offs_e < num_experts, p, -1.0)
     offs_k = tl.arange(0, BLOCK_K)
-    if ROUTE_BY_RANK:
-        # Each expert's rank (the experts before it in descending order, ties by id), in one
-        # all-pairs comparison; slot k takes the expert of rank k. Two reductions instead of
-        # 2 * TOP_K, which sit between the router and the first weight load of every program.
-        pe = p[:, None]
-        pj = p[None, :]
-        beats = (pj > pe) | ((pj == pe) & (offs_e[None, :] < offs_e[:, None]))
-        rank = tl.sum(beats.to(tl.int32), 1)  # [BLOCK_E]
-        hit = (rank[None, :] == offs_k[:, None]) & (offs_k < TOP_K)[:, None]  # [BLOCK_K, E]
-        vals = tl.sum(tl.where(hit, p[None, :], 0.0), 1)
-        idxs = tl.sum(tl.where(hit, offs_e[None, :], 0), 1)
-    else:
-        vals = tl.zeros([BLOCK_K], tl.float32)
-        idxs = tl.zeros([BLOCK_K], tl.int32)
-        for k in tl.static_range(TOP_K):  # k rounds of argmax: K is small
-            best = tl.max(p, 0)
-            arg = tl.argmax(p, 0)
-            vals = tl.where(offs_k == k, best, vals)
-            idxs = tl.where(offs_k == k, arg, idxs)
-            p = tl.where(offs_e == arg, -1.0, p)
+    vals = tl.zeros([BLOCK_K], tl.float32)
+    idxs = tl.zeros([BLOCK_K], tl.int32)
+    for k in tl.static_range(TOP_K):  # k rounds of argmax: K is small
+        best = tl.max(p, 0)
+        arg = tl.argmax(p, 0)
+        vals = tl.where(offs_k == k, best, vals)
+        idxs = tl.where(offs_k == k, arg, idxs)
+        p = tl.where(offs_e == arg, -1.0, p)
     if RENORMALIZE:
         vals = vals / tl.sum(vals, 0)
     return vals, idxs
