@@ -33,9 +33,7 @@ from minisgl.kernels.gemv import GemvConfig, gemv
 SHAPES = {
     "8b qkv": (6144, 4096, "norm"),
     "8b o_proj": (4096, 4096, "residual"),
-    "8b gate_up": (14336, 4096, "norm_gated"),
-    "8b down": (4096, 14336, "residual"),
-    "8b gate_up plain": (28672, 4096, "norm"),
+    "8b gate_up": (28672, 4096, "norm"),
     "8b down act": (4096, 14336, "act_residual"),
     "8b lm_head": (128256, 4096, "norm"),
     "30b-a3b qkv": (5120, 2048, "norm"),
@@ -59,21 +57,18 @@ def _configs(quick: bool) -> list[GemvConfig]:
 def _call(kind: str, x, w, r, g, cfg: GemvConfig | None):
     if kind == "norm":
         return gemv(x, w, norm_weight=g, config=cfg)
-    if kind == "norm_gated":
-        return gemv(x, w, norm_weight=g, gated=True, config=cfg)
     if kind == "act_residual":
         return gemv(x, w, residual=r, act=True, config=cfg)
     return gemv(x, w, residual=r, config=cfg)
 
 
 def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig]) -> dict:
-    rows = 2 * n if kind == "norm_gated" else n
-    sets = max(2, -(-(600 << 20) // (rows * k * 2)))
-    ws = [torch.randn(rows, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
+    sets = max(2, -(-(600 << 20) // (n * k * 2)))
+    ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
     x = torch.randn(1, 2 * k if kind == "act_residual" else k, device=DEV, dtype=DT)
     r = torch.randn(1, n, device=DEV, dtype=DT)
     g = torch.rand(k, device=DEV, dtype=DT) + 0.5
-    mb = rows * k * 2 / 1e6
+    mb = n * k * 2 / 1e6
     # Correctness of the fused call at this shape against fp32 torch.
     xf = x.float()
     if kind == "act_residual":
@@ -81,8 +76,6 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
     if kind.startswith("norm"):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()
     want = xf @ ws[0].float().t()
-    if kind == "norm_gated":
-        want = F.silu(want[:, :n]) * want[:, n:]
     if kind.endswith("residual"):
         want = want + r.float()
     got = _call(kind, x, ws[0], r, g, None).float()
@@ -110,7 +103,7 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
 
 def probe_layer(layers: int = 8) -> dict:
     """One Llama-3-8B layer's batch-1 linear work, cuBLAS + small kernels vs fused GEMVs (SiLU
-    in the gate/up epilogue, or in the down projection's prologue)."""
+    in the down projection's prologue, as the model runs them)."""
     h, qkv, inter = 4096, 6144, 14336
     mk = lambda n, k: torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5  # noqa: E731
     ws = [(mk(qkv, h), mk(h, h), mk(2 * inter, h), mk(h, inter)) for _ in range(layers)]
@@ -129,13 +122,6 @@ def probe_layer(layers: int = 8) -> dict:
         m, res = rms_norm(o, g2, 1e-6, res)
         return F.linear(silu_and_mul(F.linear(m, wgu)), wd)
 
-    def fused_layer(i: int) -> torch.Tensor:
-        wq, wo, wgu, wd = ws[i]
-        gemv(x0, wq, norm_weight=g1)
-        att = rms_norm(rms_norm(small, gs, 1e-6)[0], gs, 1e-6)[0].view(1, -1)
-        r = gemv(att, wo, residual=x0)
-        return gemv(gemv(r, wgu, norm_weight=g2, gated=True), wd, residual=r)
-
     def fused_act_layer(i: int) -> torch.Tensor:
         wq, wo, wgu, wd = ws[i]
         gemv(x0, wq, norm_weight=g1)
@@ -146,7 +132,6 @@ def probe_layer(layers: int = 8) -> dict:
     return {
         "layer": "8b decoder layer, bs 1",
         "cublas_us": time_graph(cublas_layer, layers) * 1e6,
-        "fused_gated_us": time_graph(fused_layer, layers) * 1e6,
         "fused_act_us": time_graph(fused_act_layer, layers) * 1e6,
         "bytes_floor_us_at_4.3TBps": sum(w.numel() * 2 for w in ws[0]) / 4.3e6,
     }
@@ -163,7 +148,7 @@ def main() -> None:
     for name, (n, k, kind) in SHAPES.items():
         row = probe_shape(name, n, k, kind, configs)
         rows.append(row)
-        gemv_module.TUNED[(n, k, kind == "norm_gated", kind == "act_residual")] = row.pop("config")
+        gemv_module.TUNED[(n, k, kind == "act_residual")] = row.pop("config")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         torch.cuda.empty_cache()
     print("best configs:", json.dumps(probe_layer()), flush=True)

@@ -11,16 +11,13 @@ cuBLAS adds split-K reduce kernels of its own. Here:
   kernel, no normalised copy of x);
 - or the prologue can be SiLU-and-multiply (`act`): x is [2K], gate then up, and the product
   uses silu(x[:K]) * x[K:] (a down projection straight from the gate/up output);
-- the epilogue can add a bias and a residual (`residual`: y = W x + r, the next residual), or
-  combine the two halves of a gate/up weight (`gated`: program i reads gate rows and the matching
-  up rows and writes silu(gate) * up);
+- the epilogue can add a bias and a residual (`residual`: y = W x + r, the next residual);
 - each program loads its first weight tile *before* waiting on the previous kernel (weights do
   not depend on it), under programmatic dependent launch: the next GEMV's programs are already
   streaming their weights while the previous kernel drains;
 - weights and x are double-buffered in registers, so two tiles per program are in flight.
 
-Each program owns BLOCK_N rows (for `gated`, BLOCK_N gate rows and BLOCK_N up rows) and keeps a
-[BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. Numerics: fp32 products and sums;
+Each program owns BLOCK_N rows and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. Numerics: fp32 products and sums;
 the normalised x is not rounded to the model dtype before the product (the torch layers round it),
 so results agree with them within bf16 rounding, not bit for bit.
 """
@@ -44,23 +41,22 @@ class GemvConfig:
     preload: bool = True  # first weight tile loaded before the PDL wait
 
 
-# (N, K, gated, act) -> config measured best on an H200 (bf16, `scripts/gemv_probe.py`, the
-# best of 17 per shape); the default below for the rest (within 1% of the best for the
-# Llama-3-8B qkv, o_proj, gated gate/up and down).
-TUNED: dict[tuple[int, int, bool, bool], GemvConfig] = {
-    (28672, 4096, False, False): GemvConfig(16, 256, 4),  # Llama-3-8B gate/up, no SiLU: 56.3 us
-    (4096, 14336, False, True): GemvConfig(8, 512, 8),  # Llama-3-8B down after SiLU: 28.7 us
-    (128256, 4096, False, False): GemvConfig(32, 256, 4),  # Llama-3 LM head: 238.4 us
-    (5120, 2048, False, False): GemvConfig(4, 256, 4),  # Qwen3-30B-A3B qkv: 7.07 us
-    (2048, 4096, False, False): GemvConfig(4, 1024, 8),  # Qwen3-30B-A3B o_proj: 5.28 us
-    (128, 2048, False, False): GemvConfig(2, 2048, 8),  # Qwen3-30B-A3B router (moe probe)
+# (N, K, act) -> config measured best on an H200 (bf16, `scripts/gemv_probe.py`, the best of
+# 17 per shape); the default below for the rest (within 1% of the best for the Llama-3-8B qkv
+# and o_proj).
+TUNED: dict[tuple[int, int, bool], GemvConfig] = {
+    (28672, 4096, False): GemvConfig(16, 256, 4),  # Llama-3-8B gate/up: 56.3 us
+    (4096, 14336, True): GemvConfig(8, 512, 8),  # Llama-3-8B down after SiLU: 28.7 us
+    (128256, 4096, False): GemvConfig(32, 256, 4),  # Llama-3 LM head: 238.4 us
+    (5120, 2048, False): GemvConfig(4, 256, 4),  # Qwen3-30B-A3B qkv: 7.07 us
+    (2048, 4096, False): GemvConfig(4, 1024, 8),  # Qwen3-30B-A3B o_proj: 5.28 us
+    (128, 2048, False): GemvConfig(2, 2048, 8),  # Qwen3-30B-A3B router (moe probe)
 }
 
 
-def default_config(n: int, k: int, gated: bool, act: bool = False) -> GemvConfig:
+def default_config(n: int, k: int, act: bool = False) -> GemvConfig:
     """The measured config for this shape, else what did well across the measured ones."""
-    tuned = TUNED.get((n, k, gated, act))
-    return tuned or GemvConfig(4 if gated else 8, 1024 if k >= 1024 else 256, 4)
+    return TUNED.get((n, k, act)) or GemvConfig(8, 1024 if k >= 1024 else 256, 4)
 
 
 @triton.jit
@@ -76,22 +72,20 @@ def _load_x(x_ptr, offs, K, ACT: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [K] contiguous ([2K] if ACT)
-    w_ptr,  # [N (x2 if GATED), K]
+    w_ptr,  # [N, K]
     y_ptr,  # [N] contiguous
-    b_ptr,  # [N (x2 if GATED)] (HAS_BIAS)
+    b_ptr,  # [N] (HAS_BIAS)
     r_ptr,  # [N] residual (HAS_RES)
     g_ptr,  # [K] RMSNorm weight (NORM)
     N,
     K,
     stride_wn,
     stride_wk,
-    up,  # offset of the up half's first row (GATED): N * stride_wn
     eps,
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     NORM: tl.constexpr,
     ACT: tl.constexpr,
-    GATED: tl.constexpr,
     PRELOAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,15 +101,12 @@ def _gemv_kernel(
         pdl_prologue(PDL)
     m0 = mask_n[:, None] & (offs_k < K)[None, :]
     w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
-    if GATED:
-        wu = tl.load(rows + up, mask=m0, other=0.0, eviction_policy="evict_first")
     if NORM:
         g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     if PRELOAD:
         pdl_prologue(PDL)
     x = _load_x(x_ptr, offs_k, K, ACT)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # Next tiles first (masked off past K), then the products of this one.
@@ -124,13 +115,6 @@ def _gemv_kernel(
         w_next = tl.load(
             rows + (k0 + BLOCK_K) * stride_wk, mask=mn, other=0.0, eviction_policy="evict_first"
         )
-        if GATED:
-            wu_next = tl.load(
-                rows + up + (k0 + BLOCK_K) * stride_wk,
-                mask=mn,
-                other=0.0,
-                eviction_policy="evict_first",
-            )
         x_next = _load_x(x_ptr, kn, K, ACT)
         if NORM:  # the norm weight is prefetched with x: no load waits inside an iteration
             g_next = tl.load(g_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
@@ -138,25 +122,13 @@ def _gemv_kernel(
             x = x * g
             g = g_next
         acc += w.to(tl.float32) * x[None, :]
-        if GATED:
-            acc_u += wu.to(tl.float32) * x[None, :]
-            wu = wu_next
         w = w_next
         x = x_next
     y = tl.sum(acc, 1)
-    if GATED:
-        yu = tl.sum(acc_u, 1)
     if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
-        y = y * rstd
-        if GATED:
-            yu = yu * rstd
+        y = y * (1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps))
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if GATED:
-            yu += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if GATED:
-        y = y / (1.0 + tl.exp(-y)) * yu
     if HAS_RES:
         y += tl.load(r_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -177,31 +149,27 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemv(
     x: torch.Tensor,  # [1, K] ([1, 2K] gate then up with act)
-    weight: torch.Tensor,  # [N, K] ([2N, K] gate then up when gated)
-    bias: torch.Tensor | None = None,  # [N] ([2N] when gated)
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
     residual: torch.Tensor | None = None,  # [1, N] added to the result
     norm_weight: torch.Tensor | None = None,  # [K]: x is RMS-normalised and scaled by it first
     eps: float = 1e-6,
-    gated: bool = False,  # silu(gate) * up of the two halves of weight
     act: bool = False,  # x is gate then up: the product uses silu(gate) * up
     config: GemvConfig | None = None,
 ) -> torch.Tensor:  # [1, N], dtype of x
-    rows, k = weight.shape
+    n, k = weight.shape
     assert gemv_supported(x, weight) and x.shape[1] == (2 * k if act else k)
     assert not (act and norm_weight is not None)
-    n = rows // 2 if gated else rows
-    assert not gated or rows % 2 == 0
-    assert bias is None or bias.shape == (rows,)
+    assert bias is None or bias.shape == (n,)
     assert residual is None or (residual.shape == (1, n) and residual.is_contiguous())
     assert norm_weight is None or norm_weight.shape == (k,)
-    cfg = config or default_config(n, k, gated, act)
+    cfg = config or default_config(n, k, act)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
         norm_weight if norm_weight is not None else x, n, k, weight.stride(0), weight.stride(1),
-        n * weight.stride(0), eps,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None,
-        ACT=act, GATED=gated, PRELOAD=cfg.preload, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, **pdl_args(x.device),
+        eps, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        NORM=norm_weight is not None, ACT=act, PRELOAD=cfg.preload, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return y

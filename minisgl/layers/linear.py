@@ -177,7 +177,6 @@ class OneRowGemv(Protocol):
         residual: torch.Tensor | None = None,
         norm_weight: torch.Tensor | None = None,
         eps: float = 1e-6,
-        gated: bool = False,
         act: bool = False,
     ) -> torch.Tensor: ...
 

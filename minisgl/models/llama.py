@@ -3,7 +3,6 @@ Qwen3 (q/k RMSNorm), SmolLM2 (tied embeddings). Pure math: inputs come in as arg
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -27,11 +26,6 @@ from minisgl.layers import (
 from minisgl.layers.fused import fused_kernels
 from minisgl.layers.linear import OneRowGemv, one_row_gemv
 from minisgl.layers.moe import SparseMoeBlock
-
-# Batch-1 MLP: SiLU-and-multiply in the down GEMV's prologue (the Llama-3-8B layer on the H200:
-# 112.1 us against 114.4 with it in the gate/up GEMV's epilogue, `scripts/gemv_probe.py`), or
-# in the gate/up epilogue with `MINISGL_ONE_ROW_SILU_IN_GATE_UP=1` (an A/B switch).
-GATE_IN_GATE_UP = os.environ.get("MINISGL_ONE_ROW_SILU_IN_GATE_UP") == "1"
 
 
 class LlamaAttention(nn.Module):
@@ -129,11 +123,8 @@ class DecoderLayer(nn.Module):
             return mlp.forward_one_row(x, ln2), None
         assert isinstance(mlp, LlamaMLP)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        if GATE_IN_GATE_UP:
-            h = gemv(
-                x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps, gated=True
-            )
-            return gemv(h, down.weight, down.bias, residual=x), None
+        # SiLU-and-multiply in the down GEMV's prologue: the Llama-3-8B layer on the H200 took
+        # 112.1 us against 114.4 with it in a gate/up epilogue (`scripts/gemv_probe.py`).
         h = gemv(x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps)
         return gemv(h, down.weight, down.bias, residual=x, act=True), None
 
