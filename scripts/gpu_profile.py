@@ -1,14 +1,11 @@
 """Where a GPU step's time goes: host phases of the scheduler loop, and the kernels of a step.
 
-PYTHONPATH=. python3 scripts/gpu_profile.py [--parts w1,mixed,decode,w2]
+PYTHONPATH=. python3 scripts/gpu_profile.py [--parts w1,w2] [--host-detail]
 
 - w1: the W1 workload (Qwen3-0.6B shape, dummy weights) with each scheduler phase timed on the
   host: `schedule`, `forward_batch` (until it returns: input copies, graph replay or eager
   launches, sampling launches), `process` split into waiting for the step's tokens and the
   Python work after. Mean ms per step by step kind, against the step period.
-- mixed: torch.profiler over one mixed step (an ~8k-token prefill chunk plus ~200 decodes),
-  top kernels by device time.
-- decode: torch.profiler over 20 decode steps at batch 256, top kernels per step.
 - w2: torch.profiler over 20 decode steps at batch 1 of the Llama-3-8B shape: per-step kernel
   time, kernel count and the sum of gaps, against the measured step period.
 """
