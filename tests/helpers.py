@@ -126,7 +126,7 @@ def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
         ctx = ForwardContext(engine.backend, engine.backend.prepare(inputs))
         with torch.inference_mode():
             hidden = engine.model(engine.table.token_table[slot_ids, pos], pos, ctx)
-            return engine.model.compute_logits(hidden).cpu()
+            return engine.model.compute_logits(hidden).float().cpu()
     finally:
         req.num_computed = 0  # nothing was cached for real: give everything back
         sched.kv.release(req)

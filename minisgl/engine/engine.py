@@ -273,7 +273,7 @@ class Engine:
         if rows is None or not sample_rows:
             empty = torch.empty(0, dtype=torch.int64)
             return ForwardOutput([], empty.to(self.device), empty, None, None, None, None)
-        logits = self.model.compute_logits(rows.hidden)  # type: ignore[operator]  # [S, V] fp32
+        logits = self.model.compute_logits(rows.hidden)  # type: ignore[operator]  # [S, V]
         reqs = [batch.reqs[i] for i in sample_rows]
         sin = SamplingInputs.build(reqs, self.model_config.vocab_size, self.device)
         if any(r.params.has_penalties for r in reqs):

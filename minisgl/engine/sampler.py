@@ -180,10 +180,12 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
-    """logits [B, V] fp32 -> next tokens, and log-probs when asked for."""
+    """logits [B, V] (fp32, or the model's 16-bit dtype: upcast here where the math needs it;
+    argmax and the fused kernel take them as they are, the upcast being exact) -> next tokens,
+    and log-probs when asked for."""
     raw = logits
     if inp.penalties is not None:
-        logits = apply_penalties(logits, inp.penalties)
+        logits = apply_penalties(logits.float(), inp.penalties)
     if inp.all_greedy:
         tokens = logits.argmax(dim=-1)
     elif _use_fused(logits, inp):
@@ -192,6 +194,7 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
         assert inp.keys is not None
         tokens = gumbel_argmax(logits, inp.temperature, inp.keys)
     else:
+        logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
         temp = inp.temperature.clamp(min=1e-5).unsqueeze(1)
         probs = torch.softmax(logits / temp, dim=-1)
@@ -205,7 +208,7 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
         tokens = torch.where(inp.temperature == 0, greedy_tokens, sampled)
     if not (inp.want_logprobs or inp.top_logprobs):
         return SampleOutput(tokens, None, None, None)
-    logp = torch.log_softmax(raw, dim=-1)
+    logp = torch.log_softmax(raw.float(), dim=-1)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_ids = top_lp = None
     if inp.top_logprobs:

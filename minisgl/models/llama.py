@@ -180,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] in fp32."""
-        return self.lm_head(hidden).float()
+        """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts where it needs to:
+        the fused sampling kernel reads them as they are)."""
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
 
     def checkpoint_name(self, name: str) -> tuple[str, str | int | tuple[int, int] | None] | None:
         """Map a checkpoint tensor name to (our parameter name, shard id); None to skip it."""

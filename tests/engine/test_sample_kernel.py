@@ -43,12 +43,16 @@ def _gumbel_ref(logits: torch.Tensor, temp: torch.Tensor, keys: torch.Tensor) ->
     return torch.where(temp == 0, logits.float().argmax(dim=1), scores.argmax(dim=1))
 
 
-@pytest.mark.parametrize("vocab,block", [(1000, 256), (5000, 4096), (300, 128)])
-def test_kernel_matches_torch_gumbel_max(vocab: int, block: int):
+@pytest.mark.parametrize(
+    "vocab,block,dtype",
+    [(1000, 256, torch.float32), (5000, 4096, torch.float32), (300, 128, torch.float32),
+     (1000, 256, torch.bfloat16)],  # bf16: the model's logits as the engine hands them over
+)  # fmt: skip
+def test_kernel_matches_torch_gumbel_max(vocab: int, block: int, dtype: torch.dtype):
     sk = _kernel()
     gen = torch.Generator().manual_seed(vocab)
     batch = 6
-    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(DEVICE)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(DEVICE, dtype)
     temp = torch.tensor([0.6, 1.0, 0.0, 2.0, 0.3, 0.0], device=DEVICE)
     keys = torch.tensor([host_row_key(7 * i + 1, i) for i in range(batch)], device=DEVICE)
     got = sk.gumbel_argmax(logits, temp, keys, block=block)

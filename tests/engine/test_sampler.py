@@ -86,3 +86,21 @@ def test_noise_depends_only_on_seed_and_step():
     # Roughly uniform: mean and variance of 4000 draws.
     assert math.isclose(float(u.mean()), 0.5, abs_tol=0.02)
     assert math.isclose(float(u.var()), 1 / 12, abs_tol=0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_sample_like_their_fp32_upcast(dtype):
+    """The engine hands the sampler the model's logits as they are: every path (greedy, the
+    filtered torch path, log-probs) gives what the fp32 upcast of them gives."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(16, 300, generator=gen) * 3).to(dtype)
+    for kw in ({"temperature": 0}, {"temperature": 0.8}, {"top_k": 20, "top_p": 0.9}):
+        inp = _inputs(16, **kw)
+        inp.want_logprobs, inp.top_logprobs = True, 3
+        got, want = sample(logits, inp), sample(logits.float(), inp)
+        assert torch.equal(got.tokens, want.tokens)
+        for g, w in zip(
+            (got.logprobs, got.top_ids, got.top_logprobs),
+            (want.logprobs, want.top_ids, want.top_logprobs),
+        ):
+            assert g is not None and w is not None and torch.equal(g, w)
