@@ -17,9 +17,10 @@ cuBLAS adds split-K reduce kernels of its own. Here:
   streaming their weights while the previous kernel drains;
 - weights and x are double-buffered in registers, so two tiles per program are in flight.
 
-Each program owns BLOCK_N rows and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. Numerics: fp32 products and sums;
-the normalised x is not rounded to the model dtype before the product (the torch layers round it),
-so results agree with them within bf16 rounding, not bit for bit.
+Each program owns BLOCK_N rows and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at
+the end. Numerics: fp32 products and sums; the normalised x is not rounded to the model dtype
+before the product (the torch layers round it), so results agree with them within bf16 rounding,
+not bit for bit.
 """
 
 from __future__ import annotations

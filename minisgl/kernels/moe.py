@@ -510,7 +510,7 @@ def _pair_gate_up_kernel(
     ids_ptr,  # [T * K] int32: read, or written when ROUTE
     weights_ptr,  # [T * K] fp32: written when ROUTE
     logits_ptr,  # [T, E] router logits, read when ROUTE
-    g_ptr,  # [H] RMSNorm weight (NORM)
+    norm_ptr,  # [H] RMSNorm weight (NORM)
     inter,  # I
     hidden,  # H
     num_experts,
@@ -574,7 +574,7 @@ def _pair_gate_up_kernel(
     # x^2 over all of H, scale x by the norm weight, and the two sums by the rstd at the end.
     ss = tl.zeros([BLOCK_K], tl.float32)
     if NORM:
-        nw = tl.load(g_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        nw = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     for k in range(1, tl.cdiv(hidden, BLOCK_K) + 1):
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
@@ -585,7 +585,7 @@ def _pair_gate_up_kernel(
         u_next = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         a32 = a.to(tl.float32)
         if NORM:
-            nw_next = tl.load(g_ptr + k * BLOCK_K + offs_k, mask=mask_k, other=0.0)
+            nw_next = tl.load(norm_ptr + k * BLOCK_K + offs_k, mask=mask_k, other=0.0)
             ss += a32 * a32
             a32 = a32 * nw
             nw = nw_next.to(tl.float32)

@@ -191,7 +191,7 @@ class SparseMoeBlock(nn.Module):
         1; see `DecoderLayer.forward_one_row`): `minisgl.kernels.moe.one_row_moe`, three
         launches with the norm and the residual add inside them."""
         fused = fused_kernels(x)
-        assert fused is not None and self.experts.tp_size == 1
+        assert fused is not None and self.experts.tp_size == 1 and self.gate.bias is None
         experts = self.experts
         return fused.one_row_moe(  # type: ignore[no-any-return]
             x, self.gate.weight, experts.gate_up_proj, experts.down_proj, self.top_k,

@@ -279,7 +279,7 @@ _POINTER_TYPES = {
 
 def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
     names = kernel.arg_names
-    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "g_ptr", "r_ptr")}
+    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "norm_ptr", "r_ptr")}
     types = types | _POINTER_TYPES | {"eps": "fp32"}
     aligned = [n for n in names if n not in constexprs and (n in _ALIGNED_INTS or n in types)]
     return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
