@@ -129,24 +129,26 @@ def main() -> None:
         add(f"router {bn}x{bk} w{w}", us)
         if us < best_us:
             best_router, best_us = rc, us
+
+    def sweep(
+        label: str, tiles: list[GemmTile], config_of: Callable[[GemmTile], PairConfig]
+    ) -> GemmTile:
+        """The tile of the fastest layer among `config_of(tile)` for each tile."""
+        best_tile, best_us = tiles[0], float("inf")
+        for t in tiles:
+            cfg = config_of(t)
+            us = chain_us(layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router))
+            add(f"{label} {t.block_n}x{t.block_k} w{t.num_warps}", us)
+            if us < best_us:
+                best_tile, best_us = t, us
+        return best_tile
+
     gate_up_tiles = [GemmTile(bn, bk, w, 1) for bn, bk, w in itertools.product(
         (8, 16, 32), (128, 256, 512), (4, 8))]  # fmt: skip
-    best_gu, best_us = ONE_ROW_CONFIG.gate_up, float("inf")
-    for t in gate_up_tiles:
-        cfg = PairConfig(t, ONE_ROW_CONFIG.down)
-        us = chain_us(layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router))
-        add(f"gate_up {t.block_n}x{t.block_k} w{t.num_warps}", us)
-        if us < best_us:
-            best_gu, best_us = t, us
     down_tiles = [GemmTile(bn, bk, w, 1) for bn, bk, w in itertools.product(
         (4, 8, 16), (256, 512, 1024), (4, 8))]  # fmt: skip
-    best_dn = ONE_ROW_CONFIG.down
-    for t in down_tiles:
-        cfg = PairConfig(best_gu, t)
-        us = chain_us(layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router))
-        add(f"down {t.block_n}x{t.block_k} w{t.num_warps}", us)
-        if us < best_us:
-            best_dn, best_us = t, us
+    best_gu = sweep("gate_up", gate_up_tiles, lambda t: PairConfig(t, ONE_ROW_CONFIG.down))
+    best_dn = sweep("down", down_tiles, lambda t: PairConfig(best_gu, t))
     best = PairConfig(best_gu, best_dn)
     add(f"best {best} router {best_router}", chain_us(
         layers, x0, lambda x, lw: one_row_layer(x, lw, best, best_router)))  # fmt: skip
