@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,12 @@ if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
+
+# `MINISGL_TWO_STREAM_DECODE_MIN_BS=N`: decode graphs of N rows or more run their two halves on
+# two streams (see `CudaGraphRunner._forward`). An experiment, not measured yet: 0 (off) unless
+# set.
+ENV_TWO_STREAM_MIN_BS = "MINISGL_TWO_STREAM_DECODE_MIN_BS"
+TWO_STREAM_MIN_BS = int(os.environ.get(ENV_TWO_STREAM_MIN_BS, "0") or 0)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -62,6 +69,7 @@ class CudaGraphRunner:
         self.extend_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.cu_extend = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.side_stream: torch.cuda.Stream | None = None  # the second half's (two streams)
         self.pool: Any = None  # the graphs' shared memory pool, from the first capture
         self.memory_bytes = self._capture_all() if capture else 0
 
@@ -101,25 +109,49 @@ class CudaGraphRunner:
         self.graphs[bs] = graph
 
     def _forward(self, bs: int) -> None:
-        """The captured work: a decode step of the first `bs` rows of the static inputs."""
-        e = self.engine
-        slots, pos, seq_lens = self.inputs[:bs, 0], self.inputs[:bs, 1], self.inputs[:bs, 2]
+        """The captured work: a decode step of the first `bs` rows of the static inputs. From
+        `TWO_STREAM_MIN_BS` rows on (an experiment, off by default) the two halves of the batch
+        run as two forwards on two CUDA streams, so that one half's latency-bound projections
+        can run beside the other's bandwidth-bound attention."""
+        if not TWO_STREAM_MIN_BS or bs < TWO_STREAM_MIN_BS:
+            self._forward_rows(0, bs)
+            return
+        half = bs // 2
+        if self.engine.device.type != "cuda":  # the same parts, one after the other
+            self._forward_rows(0, half)
+            self._forward_rows(half, bs)
+            return
+        main = torch.cuda.current_stream()
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.engine.device)
+        self.side_stream.wait_stream(main)
+        self._forward_rows(0, half)
+        with torch.cuda.stream(self.side_stream):
+            self._forward_rows(half, bs)
+        main.wait_stream(self.side_stream)
+
+    def _forward_rows(self, start: int, end: int) -> None:
+        """The forward of static-input rows [start, end) into the same rows of `hidden`."""
+        e, n = self.engine, end - start
+        rows = self.inputs[start:end]
+        slots, pos, seq_lens = rows[:, 0], rows[:, 1], rows[:, 2]
         out_loc = torch.where(seq_lens > 0, e.token_locations(slots, pos), e.dummy_loc)
         inputs = AttentionInputs(
             req_slots=slots,
             seq_lens=seq_lens.int(),
             prefix_lens=pos.int(),
-            extend_lens=self.extend_lens[:bs],
-            cu_extend=self.cu_extend[: bs + 1],
+            extend_lens=self.extend_lens[:n],
+            cu_extend=self.cu_extend[: n + 1],
             out_loc=out_loc,
             is_decode=True,
             # Upper bounds: they fix the block-table width and the decode split count.
-            seq_lens_host=[e.max_context] * bs,
-            extend_lens_host=[1] * bs,
+            seq_lens_host=[e.max_context] * n,
+            extend_lens_host=[1] * n,
+            row_offset=start,
         )
         ctx = ForwardContext(e.backend, e.backend.prepare(inputs))
-        hidden = e.model(e.table.token_table[slots, pos], pos, ctx)  # [bs, hidden]
-        self.hidden[:bs].copy_(hidden)
+        hidden = e.model(e.table.token_table[slots, pos], pos, ctx)  # [n, hidden]
+        self.hidden[start:end].copy_(hidden)
 
     # ---- replay ------------------------------------------------------------------------------
 

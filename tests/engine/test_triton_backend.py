@@ -19,7 +19,9 @@ pytest.importorskip("triton", reason="Triton is not installed (optional dependen
 from helpers import assert_kv_clean, random_prompts  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.engine import cuda_graph  # noqa: E402
 from minisgl.engine.cuda_graph import CudaGraphRunner, graph_batch_sizes  # noqa: E402
+from minisgl.kernels.decode import split_counters  # noqa: E402
 from minisgl.scheduler import Scheduler  # noqa: E402
 
 NUM_TOKENS = 12
@@ -68,8 +70,14 @@ def test_triton_backend_matches_torch(setup, options):
     assert_kv_clean(llm)
 
 
-def test_padded_decode_steps_with_overlap(setup):
+@pytest.mark.parametrize("two_streams", [False, True], ids=["one-forward", "two-halves"])
+def test_padded_decode_steps_with_overlap(setup, two_streams, monkeypatch):
+    """With `two_streams` the runner's steps of 4+ rows run as two half-batch forwards (one
+    after the other here; on two CUDA streams on a GPU): the same tokens, the decode kernel's
+    split counters of both halves back at zero."""
     path, prompts, params, want = setup
+    if two_streams:
+        monkeypatch.setattr(cuda_graph, "TWO_STREAM_MIN_BS", 4)
     llm = LLM(
         str(path),
         dtype="float32",
@@ -90,9 +98,19 @@ def test_padded_decode_steps_with_overlap(setup):
         return original(batch)
 
     runner.run = spy  # type: ignore[method-assign]
+    starts = []
+    forward_rows = runner._forward_rows
+
+    def rows_spy(start, end):
+        starts.append(start)
+        return forward_rows(start, end)
+
+    runner._forward_rows = rows_spy  # type: ignore[method-assign]
     got = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert any(padded), "some decode step should have had padding rows"
+    assert any(starts) == two_streams  # a second half starts past row 0
+    assert not split_counters(torch.device("cpu"), 64 * llm.engine.pool.num_kv_heads).any()
     # Padding rows wrote only the spare page, which no request owns.
     assert llm.engine.dummy_loc == llm.engine.num_pages * llm.engine.page_size
     assert llm.engine.pool.num_pages == llm.engine.num_pages + 1

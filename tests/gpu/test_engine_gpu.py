@@ -283,6 +283,22 @@ def test_abort_in_flight_then_reuse_the_slot() -> None:
     assert_kv_clean(llm)
 
 
+def test_two_stream_decode_graphs_match_reference() -> None:
+    """Decode graphs of 8+ rows captured as two half-batch forwards on two CUDA streams
+    (`MINISGL_TWO_STREAM_DECODE_MIN_BS`, an experiment): the reference's tokens and log-probs,
+    and every request's KV released."""
+    from minisgl.engine import cuda_graph
+
+    saved = cuda_graph.TWO_STREAM_MIN_BS
+    cuda_graph.TWO_STREAM_MIN_BS = 8
+    try:
+        llm = make_llm(fast=True)
+        assert llm.engine.graphs is not None and llm.engine.graphs.side_stream is not None
+        check_against_reference(llm)
+    finally:
+        cuda_graph.TWO_STREAM_MIN_BS = saved
+
+
 def test_overlap_and_plain_give_the_same_tokens_on_the_fast_path() -> None:
     """Same engine (graphs, Triton), the two loops: seeded sampling and greedy agree."""
     llm = make_llm(fast=True)
