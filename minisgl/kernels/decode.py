@@ -28,6 +28,7 @@ from minisgl.kernels.common import (
     pdl_prologue,
     round_bf16,
     token_slots,
+    zeroed_scratch,
 )
 
 
@@ -219,26 +220,9 @@ def _combine_splits(
     tl.store(o_dst, out.to(o_dst.dtype.element_ty), mask=mask_h[:, None])
 
 
-class _Counters:
-    """Per device, the zeroed int32 counters of the split kernel (grow-only: a CUDA graph keeps
-    the address it captured, so a buffer is never freed once handed out)."""
-
-    buffers: dict[torch.device, list[torch.Tensor]] = {}
-
-
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least `n` int32 counters that are zero whenever no decode kernel runs."""
-    held = _Counters.buffers.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # A zero-fill inside a capture runs only at replay: eager calls would see garbage.
-            raise RuntimeError("run decode_attention once before capturing it in a CUDA graph")
-        held.append(
-            torch.zeros(
-                max(n, 2 * held[-1].numel() if held else 1024), dtype=torch.int32, device=device
-            )
-        )
-    return held[-1]
+    return zeroed_scratch("decode_attention", device, n, torch.int32)
 
 
 def decode_attention(

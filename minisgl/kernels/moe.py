@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from minisgl.kernels.common import pdl_args, pdl_prologue
+from minisgl.kernels.common import pdl_args, pdl_prologue, zeroed_scratch
 from minisgl.kernels.gemv import gemv
 
 # ---- tile configurations -----------------------------------------------------------------------
@@ -948,25 +948,13 @@ def fused_moe(
     return fused_experts(x, w13, w2, weights, ids, cfg)
 
 
-class _Scratch:
-    """Per device, the fused one-row kernel's zeroed fp32 accumulator and its counter
-    (grow-only: a CUDA graph keeps the addresses it captured)."""
-
-    buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def one_row_scratch(device: torch.device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([>= hidden] fp32, [1] int32), zero whenever no fused one-row kernel runs."""
-    held = _Scratch.buffers.get(device)
-    if held is None or held[0].numel() < hidden:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("run one_row_moe once before capturing it in a CUDA graph")
-        held = (
-            torch.zeros(hidden, dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device),
-        )
-        _Scratch.buffers[device] = held
-    return held
+    """([>= hidden] fp32 accumulator, [>= 1] int32 counter) of the fused one-row kernel, zero
+    whenever it does not run."""
+    return (
+        zeroed_scratch("one_row_moe", device, hidden, torch.float32),
+        zeroed_scratch("one_row_moe", device, 1, torch.int32),
+    )
 
 
 def one_row_fused(

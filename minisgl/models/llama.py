@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, make_mlp: type[nn.Module] | None = None) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
