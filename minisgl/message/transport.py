@@ -62,6 +62,13 @@ class Sender:
         self._sock.close()
 
 
+# The kernel hands a process's SIGTERM to any of its threads that does not block it (gloo's,
+# torch's, ZMQ's own); Python then runs the handler when the main thread next executes
+# bytecode, which a recv blocked inside libzmq would not do until a message came. Waiting in
+# slices of this length lets the launcher's SIGTERM stop an idle worker.
+SIGNAL_CHECK_MS = 100
+
+
 class Receiver:
     """The reading end of a pipe (blocking, for the worker processes)."""
 
@@ -71,7 +78,9 @@ class Receiver:
         self._sock.bind(addr)
 
     def recv(self) -> Any:
-        """Wait for the next message."""
+        """Wait for the next message (signal handlers still run while it waits)."""
+        while not self._sock.poll(SIGNAL_CHECK_MS):
+            pass
         return decode(self._sock.recv(copy=True))
 
     def drain(self) -> list[Any]:
