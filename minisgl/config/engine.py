@@ -19,6 +19,7 @@ class EngineConfig:
     page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)
     num_pages: int = 0  # 0: auto, sized from memory
     max_running_requests: int = 256
+    # Tokens of a step that prefills: its decodes plus prompt chunks (at least a quarter).
     max_prefill_tokens: int = 8192
     max_context_len: int = 0  # 0: the model's max_position_embeddings
     cache: str = "radix"  # radix | naive

@@ -97,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens",
         type=int,
         default=8192,
-        help="prompt tokens computed per step at most (longer prompts are chunked)",
+        help=(
+            "tokens per step while prompts wait: decoding requests' tokens plus prefill chunks "
+            "(longer prompts are chunked; prefill keeps at least a quarter)"
+        ),
     )
     s.add_argument(
         "--max-running-requests", type=int, default=256, help="requests decoded together at most"
