@@ -42,14 +42,17 @@ Configs = dict[str, RowsGemmConfig]
 
 def _sweep(quick: bool) -> list[RowsGemmConfig]:
     if quick:
-        return [RowsGemmConfig(*c) for c in [(64, 64, 64, 4, 3), (32, 32, 128, 4, 3)]]
+        base = [(64, 64, 64, 4, 3, 1), (32, 32, 128, 4, 3, 1), (64, 32, 64, 4, 3, 4)]
+        return [RowsGemmConfig(*c) for c in base]
     out = []
-    for bm, bn, bk, w, s in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4)
+    for bm, bn, bk, w, s, split in itertools.product(
+        (32, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4), (1, 2, 4)
     ):
         if bm * bn > 128 * 64 or (w == 8 and bm * bn < 64 * 64):
             continue
-        out.append(RowsGemmConfig(bm, bn, bk, w, s))
+        if split > 1 and (bn > 64 or s != 3):  # K slices: for the narrow tiles of a small N
+            continue
+        out.append(RowsGemmConfig(bm, bn, bk, w, s, split))
     return out
 
 
@@ -131,13 +134,14 @@ def probe_shape(m: int, name: str, ws: list[dict[str, torch.Tensor]], sweep: lis
 
 
 def _name(c: RowsGemmConfig) -> str:
-    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+    split = f" k/{c.split_k}" if c.split_k > 1 else ""
+    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}{split}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="2 configs per shape")
-    parser.add_argument("--rows", default="32,64,128,214,256", help="M values")
+    parser.add_argument("--quick", action="store_true", help="3 configs per shape")
+    parser.add_argument("--rows", default="64,214", help="M values (comma-separated)")
     args = parser.parse_args()
     torch.manual_seed(0)
     ws = _weights(LAYERS)

@@ -92,12 +92,17 @@ ROWS_SHAPES_CUDA = [(214, 4096, 1024), (77, 1024, 3072), (256, 6144, 1024), (5, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True, "act"])
 @pytest.mark.parametrize("extras", ["none", "bias", "residual", "both"])
-def test_rows_gemm_matches_fp64_math(dtype, norm, extras):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_rows_gemm_matches_fp64_math(dtype, norm, extras, split_k):
     rows = _rows_module()
     gen = torch.Generator().manual_seed(hash(("rows", str(dtype), norm, extras)) % 2**31)
     shapes = ROWS_SHAPES_CUDA if DEVICE == "cuda" else ROWS_SHAPES_CPU
-    # Small tiles on the CPU so that the K loop and the row / column masks run.
-    config = None if DEVICE == "cuda" else rows.RowsGemmConfig(16, 16, 16, 2, 2)
+    # Small tiles on the CPU so that the K loop and the row / column masks run; K in slices
+    # (a second kernel sums them) with split_k.
+    if DEVICE == "cuda":
+        config = None if split_k == 1 else rows.RowsGemmConfig(64, 64, 64, 4, 3, split_k)
+    else:
+        config = rows.RowsGemmConfig(16, 16, 16, 2, 2, split_k)
     for m, n, k in shapes:
         w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
         act = norm == "act"
@@ -180,6 +185,7 @@ COMPILE_ROWS = [
     ("rows bf16 act residual 32x32x128 w4 s3", dict(NORM=False, ACT=True, HAS_RES=True, BLOCK_M=32, BLOCK_N=32, BLOCK_K=128), 4, 3),
     ("rows bf16 norm 128x64x64 w8 s3", dict(NORM=True, HAS_RES=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64), 8, 3),
     ("rows bf16 plain 16x64x128 w4 s4", dict(NORM=False, HAS_RES=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), 4, 4),
+    ("rows bf16 norm split 4 64x64x64 w4 s3", dict(NORM=True, HAS_RES=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4), 4, 3),
 ]  # fmt: skip
 
 
@@ -199,11 +205,21 @@ def _compile_all() -> list[dict[str, object]]:
         out.append({"name": name, **compile_sm90(_gemv_kernel, types, c, warps, None, aligned)})
     for name, c, warps, stages in COMPILE_ROWS:
         types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
-        types |= {"eps": "fp32"}
-        c = c | dict(HAS_BIAS=False, IEEE=False, EMULATE_BF16=False, NUM_STAGES=stages)
-        c |= dict(stride_wk=1)
+        types |= {"part_ptr": "*fp32", "ss_ptr": "*fp32", "eps": "fp32"}
+        c = dict(SPLIT_K=1) | c | dict(HAS_BIAS=False, IEEE=False, EMULATE_BF16=False)
+        c |= dict(NUM_STAGES=stages, stride_wk=1)
         c.setdefault("ACT", False)
-        aligned = ["x_ptr", "w_ptr", "y_ptr", "r_ptr", "stride_xm", "stride_wn", "K", "N"]
+        aligned = [
+            "x_ptr",
+            "w_ptr",
+            "y_ptr",
+            "r_ptr",
+            "stride_xm",
+            "stride_wn",
+            "K",
+            "N",
+            "K_SPLIT",
+        ]
         out.append(
             {"name": name, **compile_sm90(_rows_gemm_kernel, types, c, warps, stages, aligned)}
         )
