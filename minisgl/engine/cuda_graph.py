@@ -16,14 +16,17 @@ page, so they never touch a request's cache.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.attention import AttentionInputs
+from minisgl.attention import AttentionBackend, AttentionInputs
+from minisgl.attention.base import KVStore
 from minisgl.core import Batch
 from minisgl.engine.engine import StepRows
 from minisgl.engine.sampler import host_tensor
@@ -36,9 +39,53 @@ logger = logging.getLogger(__name__)
 
 # `MINISGL_TWO_STREAM_DECODE_MIN_BS=N`: decode graphs of N rows or more run their two halves on
 # two streams (see `CudaGraphRunner._forward`). An experiment, not measured yet: 0 (off) unless
-# set.
+# set. `MINISGL_TWO_STREAM_CHAIN=0`: the halves' attention kernels are not chained (both halves
+# then run side by side, in step with each other).
 ENV_TWO_STREAM_MIN_BS = "MINISGL_TWO_STREAM_DECODE_MIN_BS"
 TWO_STREAM_MIN_BS = int(os.environ.get(ENV_TWO_STREAM_MIN_BS, "0") or 0)
+TWO_STREAM_CHAIN = os.environ.get("MINISGL_TWO_STREAM_CHAIN", "1") != "0"
+
+
+def _drain(steps: Iterator[object]) -> None:
+    for _ in steps:
+        pass
+
+
+class ChainedAttention(AttentionBackend):
+    """A backend's attention calls of several micro-batches, made to run one at a time in the
+    order the host issues them (each waits on an event of the one before, across streams). With
+    two half-batches issued layer by layer this is a ping-pong: while one half's attention reads
+    the KV cache at the copy bandwidth, the other half's latency-bound projections, norms and
+    rotation run beside it, and no two attention kernels compete for the bandwidth."""
+
+    def __init__(self, inner: AttentionBackend, chain: list[torch.cuda.Event]) -> None:
+        super().__init__(inner.pool, inner.table, inner.num_q_heads, inner.sm_scale)
+        self.inner = inner
+        self.chain = chain  # shared by the micro-batches: the last attention call's event
+        self.supports_cuda_graph = inner.supports_cuda_graph
+
+    def prepare(self, inputs: AttentionInputs) -> object:
+        return self.inner.prepare(inputs)
+
+    def kv_store(self, layer: int, meta: object) -> KVStore | None:
+        return self.inner.kv_store(layer, meta)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: int,
+        meta: object,
+    ) -> torch.Tensor:
+        stream = torch.cuda.current_stream()
+        if self.chain:
+            stream.wait_event(self.chain[-1])
+        out = self.inner.forward(q, k, v, layer, meta)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self.chain[:] = [done]
+        return out
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -109,29 +156,46 @@ class CudaGraphRunner:
         self.graphs[bs] = graph
 
     def _forward(self, bs: int) -> None:
-        """The captured work: a decode step of the first `bs` rows of the static inputs. From
-        `TWO_STREAM_MIN_BS` rows on (an experiment, off by default) the two halves of the batch
-        run as two forwards on two CUDA streams, so that one half's latency-bound projections
-        can run beside the other's bandwidth-bound attention."""
+        """The captured work: a decode step of the first `bs` rows of the static inputs.
+
+        From `TWO_STREAM_MIN_BS` rows on (an experiment, off by default) the batch runs as two
+        half-batches, the second on a side stream, issued layer by layer in turn, with their
+        attention kernels chained (`ChainedAttention`): one half's latency-bound projections run
+        under the other half's bandwidth-bound attention. Off CUDA the halves run the same way
+        on one stream (what the CPU tests check)."""
         if not TWO_STREAM_MIN_BS or bs < TWO_STREAM_MIN_BS:
-            self._forward_rows(0, bs)
+            _drain(self._rows_steps(0, bs))
             return
         half = bs // 2
-        if self.engine.device.type != "cuda":  # the same parts, one after the other
-            self._forward_rows(0, half)
-            self._forward_rows(half, bs)
+        on_cuda = self.engine.device.type == "cuda"
+        chain: list[torch.cuda.Event] | None = [] if on_cuda and TWO_STREAM_CHAIN else None
+        parts = [self._rows_steps(0, half, chain), self._rows_steps(half, bs, chain)]
+        if not on_cuda:
+            _drain(itertools.zip_longest(*parts))
             return
         main = torch.cuda.current_stream()
         if self.side_stream is None:
             self.side_stream = torch.cuda.Stream(self.engine.device)
         self.side_stream.wait_stream(main)
-        self._forward_rows(0, half)
-        with torch.cuda.stream(self.side_stream):
-            self._forward_rows(half, bs)
+        streams = [main, self.side_stream]
+        _drain(itertools.zip_longest(*(self._on(st, p) for st, p in zip(streams, parts))))
         main.wait_stream(self.side_stream)
 
-    def _forward_rows(self, start: int, end: int) -> None:
-        """The forward of static-input rows [start, end) into the same rows of `hidden`."""
+    @staticmethod
+    def _on(stream: torch.cuda.Stream, steps: Iterator[object]) -> Iterator[object]:
+        """`steps`, each run with `stream` current."""
+        while True:
+            with torch.cuda.stream(stream):
+                step = next(steps, StopIteration)
+            if step is StopIteration:
+                return
+            yield step
+
+    def _rows_steps(
+        self, start: int, end: int, chain: list[torch.cuda.Event] | None = None
+    ) -> Iterator[object]:
+        """The forward of static-input rows [start, end) one layer per step (the last step
+        writes the same rows of `hidden`); with `chain`, through `ChainedAttention`."""
         e, n = self.engine, end - start
         rows = self.inputs[start:end]
         slots, pos, seq_lens = rows[:, 0], rows[:, 1], rows[:, 2]
@@ -149,9 +213,16 @@ class CudaGraphRunner:
             extend_lens_host=[1] * n,
             row_offset=start,
         )
-        ctx = ForwardContext(e.backend, e.backend.prepare(inputs))
-        hidden = e.model(e.table.token_table[slots, pos], pos, ctx)  # [n, hidden]
+        backend = e.backend if chain is None else ChainedAttention(e.backend, chain)
+        ctx = ForwardContext(backend, backend.prepare(inputs))
+        hidden = None
+        ids = e.table.token_table[slots, pos]
+        for hidden in e.model.layer_steps(ids, pos, ctx):  # type: ignore[operator]
+            if hidden is None:
+                yield None
+        assert hidden is not None  # [n, hidden]
         self.hidden[start:end].copy_(hidden)
+        yield hidden
 
     # ---- replay ------------------------------------------------------------------------------
 

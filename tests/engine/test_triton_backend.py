@@ -72,9 +72,9 @@ def test_triton_backend_matches_torch(setup, options):
 
 @pytest.mark.parametrize("two_streams", [False, True], ids=["one-forward", "two-halves"])
 def test_padded_decode_steps_with_overlap(setup, two_streams, monkeypatch):
-    """With `two_streams` the runner's steps of 4+ rows run as two half-batch forwards (one
-    after the other here; on two CUDA streams on a GPU): the same tokens, the decode kernel's
-    split counters of both halves back at zero."""
+    """With `two_streams` the runner's steps of 4+ rows run as two half-batch forwards, their
+    layers in turn (on one stream here; on two CUDA streams on a GPU): the same tokens, the
+    decode kernel's split counters of both halves back at zero."""
     path, prompts, params, want = setup
     if two_streams:
         monkeypatch.setattr(cuda_graph, "TWO_STREAM_MIN_BS", 4)
@@ -99,13 +99,13 @@ def test_padded_decode_steps_with_overlap(setup, two_streams, monkeypatch):
 
     runner.run = spy  # type: ignore[method-assign]
     starts = []
-    forward_rows = runner._forward_rows
+    rows_steps = runner._rows_steps
 
-    def rows_spy(start, end):
+    def rows_spy(start, end, chain=None):
         starts.append(start)
-        return forward_rows(start, end)
+        return rows_steps(start, end, chain)
 
-    runner._forward_rows = rows_spy  # type: ignore[method-assign]
+    runner._rows_steps = rows_spy  # type: ignore[method-assign]
     got = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert any(padded), "some decode step should have had padding rows"
