@@ -4,6 +4,7 @@ compile check runs the real compiler without a GPU."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -43,6 +44,23 @@ def _reference(x, w, bias, residual, norm_weight, eps, act=False):
     return y
 
 
+def check_fused(fused, gen, m, n, k, dtype, norm, extras, bf16_tol=2e-2):
+    """`fused(x, w, ...)` on random [m, k] rows (with the prologue `norm`: True, False or
+    "act", and the epilogue `extras`) against `_reference`."""
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    act = norm == "act"
+    x = (torch.randn(m, 2 * k if act else k, generator=gen) * 2).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if extras in ("bias", "both") else None
+    res = torch.randn(m, n, generator=gen).to(dtype) if extras in ("residual", "both") else None
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm is True else None
+    want = _reference(x, w, bias, res, g, 1e-5, act)
+    dev = [None if t is None else t.to(DEVICE) for t in (x, w, bias, res, g)]
+    got = fused(dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5, act=act)
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else bf16_tol
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
 # (N, K): rows and columns that are not multiples of the blocks, and exact ones.
 SHAPES_CPU = [(40, 200), (64, 128), (5, 72)]
 SHAPES_CUDA = [(6144, 4096), (4096, 14336), (1000, 999)]
@@ -58,21 +76,7 @@ def test_gemv_matches_fp32_math(dtype, norm, extras):
     # Small blocks on the CPU so the K loop and the masks run more than once.
     config = None if DEVICE == "cuda" else gemv.GemvConfig(block_n=8, block_k=32, num_warps=2)
     for n, k in shapes:
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
-        act = norm == "act"
-        x = (torch.randn(1, 2 * k if act else k, generator=gen) * 2).to(dtype)
-        bias = torch.randn(n, generator=gen).to(dtype) if extras in ("bias", "both") else None
-        res = torch.randn(1, n, generator=gen).to(dtype) if extras in ("residual", "both") else None
-        g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm is True else None
-        want = _reference(x, w, bias, res, g, 1e-5, act)
-        dev = [None if t is None else t.to(DEVICE) for t in (x, w, bias, res, g)]
-        got = gemv.gemv(
-            dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
-            act=act, config=config,
-        )  # fmt: skip
-        assert got.shape == (1, n) and got.dtype == dtype
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+        check_fused(functools.partial(gemv.gemv, config=config), gen, 1, n, k, dtype, norm, extras)
 
 
 def _rows_module():
@@ -104,21 +108,8 @@ def test_rows_gemm_matches_fp64_math(dtype, norm, extras, split_k):
     else:
         config = rows.RowsGemmConfig(16, 16, 16, 2, 2, split_k)
     for m, n, k in shapes:
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
-        act = norm == "act"
-        x = (torch.randn(m, 2 * k if act else k, generator=gen) * 2).to(dtype)
-        bias = torch.randn(n, generator=gen).to(dtype) if extras in ("bias", "both") else None
-        res = torch.randn(m, n, generator=gen).to(dtype) if extras in ("residual", "both") else None
-        g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm is True else None
-        want = _reference(x, w, bias, res, g, 1e-5, act)
-        dev = [None if t is None else t.to(DEVICE) for t in (x, w, bias, res, g)]
-        got = rows.rows_gemm(
-            dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
-            act=act, config=config,
-        )  # fmt: skip
-        assert got.shape == (m, n) and got.dtype == dtype
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+        fused = functools.partial(rows.rows_gemm, config=config)
+        check_fused(fused, gen, m, n, k, dtype, norm, extras, bf16_tol=3e-2)
 
 
 def test_rows_gemm_reads_strided_rows_and_weights():
