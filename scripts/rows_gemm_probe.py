@@ -75,7 +75,7 @@ def probe_layer(m: int, ws: list[dict[str, torch.Tensor]], configs: Configs) -> 
     x0 = torch.randn(m, HIDDEN, device=DEV, dtype=DT)
     g1 = torch.rand(HIDDEN, device=DEV, dtype=DT) + 0.5
     g2 = torch.rand(HIDDEN, device=DEV, dtype=DT) + 0.5
-    small = torch.randn(m, 16, 128, device=DEV, dtype=DT)
+    small = torch.randn(m, ATTN // 128, 128, device=DEV, dtype=DT)  # q heads x head_dim
     gs = torch.ones(128, device=DEV, dtype=DT)
 
     def stand_in() -> torch.Tensor:  # RoPE and attention: two small kernels
