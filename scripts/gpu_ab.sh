@@ -3,9 +3,11 @@
 # benchmark with the switch unset ("off") and set ("on"), alternating; a short table last. Logs
 # under $OUT.
 #   OUT=/dir AB=MINISGL_TWO_STREAM_DECODE_MIN_BS=64 STEPS="tests w1" bash scripts/gpu_ab.sh
-# AB: NAME=VALUE (a bare NAME means NAME=1; AB_VAR is the older spelling of it).
+# AB: NAME=VALUE, or several separated by spaces (a bare NAME means NAME=1; AB_VAR is the
+# older spelling of it).
 # STEPS: which of tests w2 moe w1 w2_tp2 to run, in that order (default: all).
-# REPEAT: off/on pairs per benchmark (default 1).
+# REPEAT: off/on pairs per benchmark (default 1). ONLY_ON=1: no "off" runs (a baseline that
+# another A/B of the same call has measured).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -26,12 +28,12 @@ step() {  # step NAME LIMIT CMD...
 ab() {  # ab NAME LIMIT CMD...: CMD without and with the switch, REPEAT times
   local name=$1 limit=$2; shift 2
   for i in $(seq "$REPEAT"); do
-    step "${name}_off$i" "$limit" "$@"
-    step "${name}_on$i" "$limit" env "$AB" "$@"
+    [[ ${ONLY_ON:-0} == 1 ]] || step "${name}_off$i" "$limit" "$@"
+    step "${name}_on$i" "$limit" env $AB "$@"
   done
 }
 if wants tests; then
-  step tests 300 env "$AB" $PY -m pytest -q tests/gpu/test_engine_gpu.py \
+  step tests 300 env $AB $PY -m pytest -q tests/gpu/test_engine_gpu.py \
     tests/gpu/test_attention_kernels_gpu.py tests/gpu/test_moe_gpu.py \
     tests/kernels/test_moe_kernel.py tests/kernels/test_gemv.py -p no:cacheprovider -x
 fi

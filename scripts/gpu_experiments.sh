@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# First measurements of the experiments that are off by default, in two device calls of about
+# 8 minutes each; logs under $OUT, a summary per A/B last.
+#   OUT=/dir bash scripts/gpu_experiments.sh 1   # GPU tests; W1 with the two-stream decode
+#                                                # (chained and not) against without
+#   OUT=/dir bash scripts/gpu_experiments.sh 2   # the batch GEMM: probe, W1 with it; the
+#                                                # batch-1 MoE probes; the L2 bulk prefetch
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PY=${PY:-python3}
+LOG=${OUT:-/tmp/minisgl-experiments}
+PART=${1:-1}
+mkdir -p "$LOG"
+probe() {  # probe NAME LIMIT CMD...: a probe's output, its last lines shown
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$LOG/$name.log" 2>&1
+  echo "== $name rc=$? $(( $(date +%s) - t0 ))s"; tail -n 14 "$LOG/$name.log" | cut -c1-200
+}
+case $PART in
+  1)
+    probe tests 330 "$PY" -m pytest -q -p no:cacheprovider -x tests/gpu tests/kernels/test_gemv.py \
+      tests/kernels/test_moe_kernel.py tests/kernels/test_attention_kernels.py \
+      tests/kernels/test_fused.py tests/engine/test_sample_kernel.py
+    OUT=$LOG/two_stream AB=MINISGL_TWO_STREAM_DECODE_MIN_BS=64 STEPS="w1" bash scripts/gpu_ab.sh \
+      | sed -n '/^== summary/,$p'
+    OUT=$LOG/two_stream_unchained STEPS="w1" ONLY_ON=1 \
+      AB="MINISGL_TWO_STREAM_DECODE_MIN_BS=64 MINISGL_TWO_STREAM_CHAIN=0" bash scripts/gpu_ab.sh \
+      | sed -n '/^== summary/,$p'
+    ;;
+  2)
+    probe rows_gemm_probe 240 "$PY" scripts/rows_gemm_probe.py --quick --rows 8,64,214
+    OUT=$LOG/rows_gemm AB=MINISGL_ROWS_GEMM_MAX_ROWS=256 STEPS="w1" bash scripts/gpu_ab.sh \
+      | sed -n '/^== summary/,$p'
+    probe moe_one_row_probe 120 "$PY" scripts/moe_one_row_probe.py --quick
+    probe bulk_prefetch_probe 90 "$PY" scripts/bulk_prefetch_probe.py
+    ;;
+  *)
+    echo "usage: $0 1|2" >&2
+    exit 2
+    ;;
+esac
