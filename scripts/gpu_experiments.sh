@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # First measurements of the experiments that are off by default, in two device calls of about
 # 8 minutes each; logs under $OUT, a summary per A/B last.
-#   OUT=/dir bash scripts/gpu_experiments.sh 1   # GPU tests; W1 with the two-stream decode
-#                                                # (chained and not) against without
-#   OUT=/dir bash scripts/gpu_experiments.sh 2   # the batch GEMM: probe, W1 with it; the
-#                                                # batch-1 MoE probes; the L2 bulk prefetch
+#   OUT=/dir bash scripts/gpu_experiments.sh 1   # GPU tests; W1 without the two-stream decode
+#                                                # and with it (modes priority, chain)
+#   OUT=/dir bash scripts/gpu_experiments.sh 2   # W1 two-stream mode free; the batch GEMM:
+#                                                # probe, W1 with it; the batch-1 MoE probe;
+#                                                # the L2 bulk prefetch probe
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PY=${PY:-python3}
@@ -24,11 +25,14 @@ case $PART in
       tests/kernels/test_fused.py tests/engine/test_sample_kernel.py
     OUT=$LOG/two_stream AB=MINISGL_TWO_STREAM_DECODE_MIN_BS=64 STEPS="w1" bash scripts/gpu_ab.sh \
       | sed -n '/^== summary/,$p'
-    OUT=$LOG/two_stream_unchained STEPS="w1" ONLY_ON=1 \
-      AB="MINISGL_TWO_STREAM_DECODE_MIN_BS=64 MINISGL_TWO_STREAM_CHAIN=0" bash scripts/gpu_ab.sh \
-      | sed -n '/^== summary/,$p'
+    OUT=$LOG/two_stream_chain STEPS="w1" ONLY_ON=1 \
+      AB="MINISGL_TWO_STREAM_DECODE_MIN_BS=64 MINISGL_TWO_STREAM_MODE=chain" \
+      bash scripts/gpu_ab.sh | sed -n '/^== summary/,$p'
     ;;
   2)
+    OUT=$LOG/two_stream_free STEPS="w1" ONLY_ON=1 \
+      AB="MINISGL_TWO_STREAM_DECODE_MIN_BS=64 MINISGL_TWO_STREAM_MODE=free" \
+      bash scripts/gpu_ab.sh | sed -n '/^== summary/,$p'
     probe rows_gemm_probe 240 "$PY" scripts/rows_gemm_probe.py --quick --rows 8,64,214
     OUT=$LOG/rows_gemm AB=MINISGL_ROWS_GEMM_MAX_ROWS=256 STEPS="w1" bash scripts/gpu_ab.sh \
       | sed -n '/^== summary/,$p'

@@ -37,13 +37,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# `MINISGL_TWO_STREAM_DECODE_MIN_BS=N`: decode graphs of N rows or more run their two halves on
-# two streams (see `CudaGraphRunner._forward`). An experiment, not measured yet: 0 (off) unless
-# set. `MINISGL_TWO_STREAM_CHAIN=0`: the halves' attention kernels are not chained (both halves
-# then run side by side, in step with each other).
+# `MINISGL_TWO_STREAM_DECODE_MIN_BS=N`: decode graphs of N rows or more run as two half-batches
+# on two streams (see `CudaGraphRunner._forward`). An experiment, not measured yet: 0 (off)
+# unless set. `MINISGL_TWO_STREAM_MODE` says how the halves' attention kernels take turns:
+# "priority" (default: on a stream of their own, below the halves' high-priority streams),
+# "chain" (on the halves' streams, each waiting on an event of the one before) or "free" (no
+# turns: the halves run side by side, in step with each other).
 ENV_TWO_STREAM_MIN_BS = "MINISGL_TWO_STREAM_DECODE_MIN_BS"
 TWO_STREAM_MIN_BS = int(os.environ.get(ENV_TWO_STREAM_MIN_BS, "0") or 0)
-TWO_STREAM_CHAIN = os.environ.get("MINISGL_TWO_STREAM_CHAIN", "1") != "0"
+TWO_STREAM_MODES = ("priority", "chain", "free")
+TWO_STREAM_MODE = os.environ.get("MINISGL_TWO_STREAM_MODE", "priority")
+if TWO_STREAM_MODE not in TWO_STREAM_MODES:
+    raise ValueError(
+        f"MINISGL_TWO_STREAM_MODE: {TWO_STREAM_MODE!r} is not one of {TWO_STREAM_MODES}"
+    )
 
 
 def _drain(steps: Iterator[object]) -> None:
@@ -51,17 +58,22 @@ def _drain(steps: Iterator[object]) -> None:
         pass
 
 
-class ChainedAttention(AttentionBackend):
-    """A backend's attention calls of several micro-batches, made to run one at a time in the
-    order the host issues them (each waits on an event of the one before, across streams). With
-    two half-batches issued layer by layer this is a ping-pong: while one half's attention reads
-    the KV cache at the copy bandwidth, the other half's latency-bound projections, norms and
-    rotation run beside it, and no two attention kernels compete for the bandwidth."""
+class TurnTakingAttention(AttentionBackend):
+    """A backend whose attention calls, from several micro-batches on their own streams, run one
+    at a time in the order the host issues them: on `stream` (the attention stream: its order is
+    the turn order), or, without one, each waiting on an event of the call before.
 
-    def __init__(self, inner: AttentionBackend, chain: list[torch.cuda.Event]) -> None:
+    With two half-batches issued layer by layer this is a ping-pong: while one half's attention
+    reads the KV cache at the copy bandwidth, the other half's latency-bound projections, norms
+    and rotation run beside it, and no two attention kernels compete for the bandwidth. On a
+    low-priority attention stream, the block scheduler also hands free SM slots to the halves'
+    kernels first (torch instantiates graphs with node priorities)."""
+
+    def __init__(self, inner: AttentionBackend, stream: torch.cuda.Stream | None) -> None:
         super().__init__(inner.pool, inner.table, inner.num_q_heads, inner.sm_scale)
         self.inner = inner
-        self.chain = chain  # shared by the micro-batches: the last attention call's event
+        self.stream = stream
+        self.last: torch.cuda.Event | None = None  # the previous call's end (no stream)
         self.supports_cuda_graph = inner.supports_cuda_graph
 
     def prepare(self, inputs: AttentionInputs) -> object:
@@ -78,13 +90,22 @@ class ChainedAttention(AttentionBackend):
         layer: int,
         meta: object,
     ) -> torch.Tensor:
-        stream = torch.cuda.current_stream()
-        if self.chain:
-            stream.wait_event(self.chain[-1])
-        out = self.inner.forward(q, k, v, layer, meta)
-        done = torch.cuda.Event()
-        done.record(stream)
-        self.chain[:] = [done]
+        cur = torch.cuda.current_stream()
+        if self.stream is None:
+            if self.last is not None:
+                cur.wait_event(self.last)
+            out = self.inner.forward(q, k, v, layer, meta)
+            self.last = torch.cuda.Event()
+            self.last.record(cur)
+            return out
+        self.stream.wait_stream(cur)  # q, and k / v or their store, are written
+        for t in (q, k, v):  # read on the attention stream: not reused before it is done
+            if t is not None:
+                t.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            out = self.inner.forward(q, k, v, layer, meta)
+        out.record_stream(cur)
+        cur.wait_stream(self.stream)
         return out
 
 
@@ -116,7 +137,8 @@ class CudaGraphRunner:
         self.extend_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.cu_extend = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.side_stream: torch.cuda.Stream | None = None  # the second half's (two streams)
+        # Two-stream decode: the halves' streams and the attention stream, made at first use.
+        self.streams: list[torch.cuda.Stream] = []
         self.pool: Any = None  # the graphs' shared memory pool, from the first capture
         self.memory_bytes = self._capture_all() if capture else 0
 
@@ -159,27 +181,34 @@ class CudaGraphRunner:
         """The captured work: a decode step of the first `bs` rows of the static inputs.
 
         From `TWO_STREAM_MIN_BS` rows on (an experiment, off by default) the batch runs as two
-        half-batches, the second on a side stream, issued layer by layer in turn, with their
-        attention kernels chained (`ChainedAttention`): one half's latency-bound projections run
-        under the other half's bandwidth-bound attention. Off CUDA the halves run the same way
-        on one stream (what the CPU tests check)."""
+        half-batches on two streams, issued layer by layer in turn, their attention kernels
+        taking turns (`TurnTakingAttention`, as `TWO_STREAM_MODE` says): one half's
+        latency-bound projections run under the other half's bandwidth-bound attention. Off
+        CUDA the halves run the same way on one stream (what the CPU tests check)."""
         if not TWO_STREAM_MIN_BS or bs < TWO_STREAM_MIN_BS:
             _drain(self._rows_steps(0, bs))
             return
         half = bs // 2
-        on_cuda = self.engine.device.type == "cuda"
-        chain: list[torch.cuda.Event] | None = [] if on_cuda and TWO_STREAM_CHAIN else None
-        parts = [self._rows_steps(0, half, chain), self._rows_steps(half, bs, chain)]
-        if not on_cuda:
-            _drain(itertools.zip_longest(*parts))
+        if self.engine.device.type != "cuda":
+            _drain(itertools.zip_longest(self._rows_steps(0, half), self._rows_steps(half, bs)))
             return
+        if not self.streams:
+            dev = self.engine.device  # torch's priorities: -1 high, 0 low (the default)
+            self.streams = [torch.cuda.Stream(dev, priority=-1) for _ in range(2)]
+            self.streams.append(torch.cuda.Stream(dev, priority=0))  # attention
+        mode = TWO_STREAM_MODE
+        turns = None
+        if mode != "free":
+            turns = TurnTakingAttention(
+                self.engine.backend, self.streams[2] if mode == "priority" else None
+            )
         main = torch.cuda.current_stream()
-        if self.side_stream is None:
-            self.side_stream = torch.cuda.Stream(self.engine.device)
-        self.side_stream.wait_stream(main)
-        streams = [main, self.side_stream]
-        _drain(itertools.zip_longest(*(self._on(st, p) for st, p in zip(streams, parts))))
-        main.wait_stream(self.side_stream)
+        for st in self.streams:
+            st.wait_stream(main)
+        parts = [self._rows_steps(0, half, turns), self._rows_steps(half, bs, turns)]
+        _drain(itertools.zip_longest(*(self._on(st, p) for st, p in zip(self.streams, parts))))
+        for st in self.streams:
+            main.wait_stream(st)
 
     @staticmethod
     def _on(stream: torch.cuda.Stream, steps: Iterator[object]) -> Iterator[object]:
@@ -192,10 +221,10 @@ class CudaGraphRunner:
             yield step
 
     def _rows_steps(
-        self, start: int, end: int, chain: list[torch.cuda.Event] | None = None
+        self, start: int, end: int, backend: AttentionBackend | None = None
     ) -> Iterator[object]:
         """The forward of static-input rows [start, end) one layer per step (the last step
-        writes the same rows of `hidden`); with `chain`, through `ChainedAttention`."""
+        writes the same rows of `hidden`), through `backend` (default: the engine's)."""
         e, n = self.engine, end - start
         rows = self.inputs[start:end]
         slots, pos, seq_lens = rows[:, 0], rows[:, 1], rows[:, 2]
@@ -213,7 +242,7 @@ class CudaGraphRunner:
             extend_lens_host=[1] * n,
             row_offset=start,
         )
-        backend = e.backend if chain is None else ChainedAttention(e.backend, chain)
+        backend = backend or e.backend
         ctx = ForwardContext(backend, backend.prepare(inputs))
         hidden = None
         ids = e.table.token_table[slots, pos]

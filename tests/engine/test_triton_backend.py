@@ -102,9 +102,9 @@ def test_padded_decode_steps_with_overlap(setup, two_streams, monkeypatch):
     starts = []
     rows_steps = runner._rows_steps
 
-    def rows_spy(start, end, chain=None):
+    def rows_spy(start, end, backend=None):
         starts.append(start)
-        return rows_steps(start, end, chain)
+        return rows_steps(start, end, backend)
 
     runner._rows_steps = rows_spy  # type: ignore[method-assign]
     layer_calls: list[tuple[int, int]] = []  # (layer, first row of its part)
