@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import dot, dot_flags, pdl_args, pdl_prologue, round_bf16
+from minisgl.kernels.gemv import fused_linear_supported
 
 
 @dataclass(frozen=True)
@@ -185,18 +186,6 @@ def _split_k_reduce_kernel(
               NORM, HAS_BIAS, HAS_RES)  # fmt: skip
 
 
-def rows_gemm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Rows with a unit column stride, a float dtype shared with the weight. (Any weight strides
-    work; a row-major weight, as on CUDA, is what the kernel is fast for.)"""
-    return (
-        x.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and weight.dtype == x.dtype
-        and weight.dim() == 2
-        and x.stride(1) == 1
-    )
-
-
 def rows_gemm(
     x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act)
     weight: torch.Tensor,  # [N, K]
@@ -208,7 +197,7 @@ def rows_gemm(
     config: RowsGemmConfig | None = None,
 ) -> torch.Tensor:  # [M, N], dtype of x
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    assert rows_gemm_supported(x, weight) and x.shape[1] == (2 * k if act else k)
+    assert fused_linear_supported(x, weight) and x.shape[1] == (2 * k if act else k)
     assert not (act and norm_weight is not None)
     assert bias is None or bias.shape == (n,)
     assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
