@@ -244,14 +244,11 @@ class CudaGraphRunner:
         )
         backend = backend or e.backend
         ctx = ForwardContext(backend, backend.prepare(inputs))
-        hidden = None
         ids = e.table.token_table[slots, pos]
-        for hidden in e.model.layer_steps(ids, pos, ctx):  # type: ignore[operator]
-            if hidden is None:
-                yield None
-        assert hidden is not None  # [n, hidden]
-        self.hidden[start:end].copy_(hidden)
-        yield hidden
+        for out in e.model.layer_steps(ids, pos, ctx):  # type: ignore[operator]
+            if out is not None:  # the last step: the final hidden states [n, hidden]
+                self.hidden[start:end].copy_(out)
+            yield out
 
     # ---- replay ------------------------------------------------------------------------------
 

@@ -20,13 +20,15 @@ pytest.importorskip("triton", reason="Triton is not installed (optional dependen
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _gemv_module():
-    from minisgl.kernels import gemv
+def _kernels():
+    """(minisgl.kernels.gemv, minisgl.kernels.rows_gemm), runnable here: on the CPU only when
+    Triton's interpreter was on before minisgl.kernels was first imported (skip otherwise)."""
+    from minisgl.kernels import gemv, rows_gemm
     from minisgl.kernels.common import is_interpreted
 
     if DEVICE == "cpu" and not is_interpreted(gemv._gemv_kernel):
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
-    return gemv
+    return gemv, rows_gemm
 
 
 def _reference(x, w, bias, residual, norm_weight, eps, act=False):
@@ -70,22 +72,13 @@ SHAPES_CUDA = [(6144, 4096), (4096, 14336), (1000, 999)]
 @pytest.mark.parametrize("norm", [False, True, "act"])
 @pytest.mark.parametrize("extras", ["none", "bias", "residual", "both"])
 def test_gemv_matches_fp32_math(dtype, norm, extras):
-    gemv = _gemv_module()
+    gemv = _kernels()[0]
     gen = torch.Generator().manual_seed(hash((str(dtype), norm, extras)) % 2**31)
     shapes = SHAPES_CUDA if DEVICE == "cuda" else SHAPES_CPU
     # Small blocks on the CPU so the K loop and the masks run more than once.
     config = None if DEVICE == "cuda" else gemv.GemvConfig(block_n=8, block_k=32, num_warps=2)
     for n, k in shapes:
         check_fused(functools.partial(gemv.gemv, config=config), gen, 1, n, k, dtype, norm, extras)
-
-
-def _rows_module():
-    from minisgl.kernels import rows_gemm
-    from minisgl.kernels.common import is_interpreted
-
-    if DEVICE == "cpu" and not is_interpreted(rows_gemm._rows_gemm_kernel):
-        pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
-    return rows_gemm
 
 
 # (M, N, K) for the batch version: row and column counts off the tiles, and exact ones.
@@ -98,7 +91,7 @@ ROWS_SHAPES_CUDA = [(214, 4096, 1024), (77, 1024, 3072), (256, 6144, 1024), (5, 
 @pytest.mark.parametrize("extras", ["none", "bias", "residual", "both"])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_rows_gemm_matches_fp64_math(dtype, norm, extras, split_k):
-    rows = _rows_module()
+    rows = _kernels()[1]
     gen = torch.Generator().manual_seed(hash(("rows", str(dtype), norm, extras)) % 2**31)
     shapes = ROWS_SHAPES_CUDA if DEVICE == "cuda" else ROWS_SHAPES_CPU
     # Small tiles on the CPU so that the K loop and the row / column masks run; K in slices
@@ -114,7 +107,7 @@ def test_rows_gemm_matches_fp64_math(dtype, norm, extras, split_k):
 
 def test_rows_gemm_reads_strided_rows_and_weights():
     """Rows of a wider buffer (a view with a row stride above K), as the layers hand them."""
-    rows = _rows_module()
+    rows = _kernels()[1]
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(24, 40, generator=gen)
     wide = torch.randn(5, 64, generator=gen)
@@ -139,7 +132,7 @@ def test_gemv_supported_rejects_what_it_cannot_run():
 
 def test_gemv_reads_a_column_major_weight():
     """A weight whose memory is [K, N] (the CPU layers' layout) gives the same result."""
-    gemv = _gemv_module()
+    gemv = _kernels()[0]
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(24, 40, generator=gen)
     x = torch.randn(1, 40, generator=gen)
