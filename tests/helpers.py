@@ -161,3 +161,16 @@ def force_fused_kernels(monkeypatch: Any) -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("minisgl.") and getattr(module, "fused_kernels", None) is switch:
             monkeypatch.setattr(module, "fused_kernels", lambda x: fused)
+
+
+def record_batches(engine: Any) -> list[Any]:
+    """Every `Batch` the engine runs from now on (its `forward_batch` wrapped)."""
+    seen: list[Any] = []
+    forward = engine.forward_batch
+
+    def spy(batch: Any) -> Any:
+        seen.append(batch)
+        return forward(batch)
+
+    engine.forward_batch = spy
+    return seen

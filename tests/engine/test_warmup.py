@@ -19,11 +19,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import assert_kv_clean, force_fused_kernels, random_prompts  # noqa: E402
+from helpers import assert_kv_clean, force_fused_kernels, random_prompts, record_batches  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.config import EngineConfig  # noqa: E402
-from minisgl.core import Batch, BatchKind  # noqa: E402
+from minisgl.core import BatchKind  # noqa: E402
 from minisgl.engine import Engine  # noqa: E402
 from minisgl.engine.warmup import (  # noqa: E402
     WarmupRun,
@@ -54,18 +54,6 @@ def with_graph_runner(engine: Engine, max_bs: int) -> None:
     from minisgl.engine.cuda_graph import CudaGraphRunner
 
     engine.graphs = CudaGraphRunner(engine, capture=False, max_bs=max_bs)
-
-
-def record_batches(engine: Engine) -> list[Batch]:
-    seen: list[Batch] = []
-    forward = engine.forward_batch
-
-    def spy(batch: Batch) -> Any:
-        seen.append(batch)
-        return forward(batch)
-
-    engine.forward_batch = spy  # type: ignore[method-assign]
-    return seen
 
 
 # ---- the plan ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import assert_kv_clean, random_prompts
+from helpers import assert_kv_clean, random_prompts, record_batches
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Batch, Req
@@ -23,15 +23,8 @@ def model_path(tiny_model_dir):
 def run_steps(path: Any, budget: int, prompts: list[list[int]]) -> tuple[list[Batch], LLM]:
     """`prompts` added at once and stepped to the end; every batch the engine ran."""
     llm = LLM(str(path), dtype="float32", device="cpu", max_prefill_tokens=budget)
-    sched, engine = llm.scheduler, llm.scheduler.engine
-    batches: list[Batch] = []
-    forward = engine.forward_batch
-
-    def spy(batch: Batch) -> Any:
-        batches.append(batch)
-        return forward(batch)
-
-    engine.forward_batch = spy  # type: ignore[method-assign]
+    sched = llm.scheduler
+    batches: list[Batch] = record_batches(sched.engine)
     for i, p in enumerate(prompts):
         sched.add_request(Req(rid=str(i), prompt_ids=p, params=GREEDY, seed=0))
     while sched.has_work:
