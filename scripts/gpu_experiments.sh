@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# First measurements of the experiments that are off by default, in two device calls of about
+# First measurements of the experiments that are off by default, in device calls of at most
 # 8 minutes each; logs under $OUT, a summary per A/B last.
 #   OUT=/dir bash scripts/gpu_experiments.sh 1   # GPU tests; W1 without the two-stream decode
 #                                                # and with it (modes priority, chain)
-#   OUT=/dir bash scripts/gpu_experiments.sh 2   # W1 two-stream mode free; the batch GEMM:
-#                                                # probe, W1 with it; the batch-1 MoE probe;
-#                                                # the L2 bulk prefetch probe
+#   OUT=/dir bash scripts/gpu_experiments.sh 2   # the kernel tests part 1 left; the batch GEMM:
+#                                                # probe, W1 with it; decode split counts
+#   OUT=/dir bash scripts/gpu_experiments.sh 3   # the batch-1 MoE probe; the L2 prefetch probe
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PY=${PY:-python3}
@@ -30,12 +30,17 @@ case $PART in
       bash scripts/gpu_ab.sh | sed -n '/^== summary/,$p'
     ;;
   2)
-    OUT=$LOG/two_stream_free STEPS="w1" ONLY_ON=1 \
-      AB="MINISGL_TWO_STREAM_DECODE_MIN_BS=64 MINISGL_TWO_STREAM_MODE=free" \
+    # The test files part 1's 330 s did not reach, the batch GEMM (probe, then W1 with it) and
+    # the decode split counts on W1-like ragged batches (W1's page size).
+    probe tests_rest 160 "$PY" -m pytest -q -p no:cacheprovider -x --durations=8 \
+      tests/kernels/test_attention_kernels.py tests/kernels/test_fused.py \
+      tests/engine/test_sample_kernel.py tests/kernels/test_gemv.py tests/kernels/test_moe_kernel.py
+    probe rows_gemm_probe 150 "$PY" scripts/rows_gemm_probe.py --quick --rows 8,64,214
+    OUT=$LOG/rows_gemm AB=MINISGL_ROWS_GEMM_MAX_ROWS=256 STEPS="w1" ONLY_ON=1 \
       bash scripts/gpu_ab.sh | sed -n '/^== summary/,$p'
-    probe rows_gemm_probe 240 "$PY" scripts/rows_gemm_probe.py --quick --rows 8,64,214
-    OUT=$LOG/rows_gemm AB=MINISGL_ROWS_GEMM_MAX_ROWS=256 STEPS="w1" bash scripts/gpu_ab.sh \
-      | sed -n '/^== summary/,$p'
+    probe decode_splits 140 "$PY" -m minisgl.benchmark.kernels --w1 --page-size 32
+    ;;
+  3)
     probe moe_one_row_probe 120 "$PY" scripts/moe_one_row_probe.py --quick
     probe bulk_prefetch_probe 90 "$PY" scripts/bulk_prefetch_probe.py
     ;;

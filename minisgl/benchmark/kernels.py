@@ -225,18 +225,24 @@ def tune_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
     return rows
 
 
+# W1's decode steps: (batch, mean context, spread) of the 129-256 steps (late prompts done, contexts
+# 560-1080) and of the 33-128 tail (the long-output requests, contexts ~500-2000).
+W1_DECODE_SHAPES = [(200, 820, 0.32), (80, 1250, 0.6), (48, 1400, 0.5)]
+
+
 def tune_w1_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
-    """W1's late decode steps: ~200 requests with contexts spread over 560-1080 tokens."""
+    """Decode tiles and split counts on W1-like ragged batches (None: the default split)."""
     from minisgl.kernels.decode import DecodeConfig
 
     rows = []
-    for splits, bn, w, st in itertools.product((None, 2, 3, 4), (32, 64, 128), (4, 8), (2, 3, 4)):
-        cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st)
-        label = {"batch": 200, "context": 820, "num_splits": splits, "block_n": bn,
-                 "num_warps": w, "num_stages": st}  # fmt: skip
+    for (b, c, spread), splits, bn, st in itertools.product(
+        W1_DECODE_SHAPES, (None, 1, 2, 3, 4, 6), (64, 128), (2, 3)
+    ):
+        cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_stages=st)
+        label = {"batch": b, "context": c, "num_splits": splits, "block_n": bn, "num_stages": st}
         rows.append(
-            _attempt(label, run_decode, 200, 820, page_size, timer, copy_bw, num_splits=splits,
-                     config=cfg, spread=0.32)
+            _attempt(label, run_decode, b, c, page_size, timer, copy_bw, num_splits=splits,
+                     config=cfg, spread=spread)
         )  # fmt: skip
     return rows
 
@@ -282,9 +288,12 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     copy_bw = measure_copy_bandwidth(timer)
     ps = args.page_size
     if args.w1:  # only the W1-shape sweep
-        rows = sorted(tune_w1_decode(timer, copy_bw, ps), key=lambda r: r.get("time_us", math.inf))
+        rows = sorted(
+            tune_w1_decode(timer, copy_bw, ps),
+            key=lambda r: (r["batch"], r.get("time_us", math.inf)),
+        )
         print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
-        print_table("W1-like ragged decode (batch 200, contexts 560-1080)", rows, DECODE_COLUMNS)
+        print_table("W1-like ragged decode batches", rows, DECODE_COLUMNS)
         return {"copy_bytes_per_s": copy_bw, "tune_w1_decode": rows}
     matmul_rate = measure_matmul_rate(timer)
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s, bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s")
