@@ -167,16 +167,43 @@ def run_mixed_and_decode(llm: Any) -> None:
         sync()
     print("\n== mixed step (200 decodes + ~8k prefill tokens; 2 steps profiled)")
     kernel_table(prof, 1)
+    for r in list(sched.running) + list(sched.waiting):
+        sched.abort(r.rid)
+    while sched.has_work:
+        sched.step()
+    # W1's decode steps: batch ~200 at contexts ~560-1080, the tail ~80 at ~500-2000.
+    for batch, context in ((200, 820), (80, 1250)):
+        profile_decode(llm, batch, context)
+
+
+def profile_decode(llm: Any, batch: int, context: int) -> None:
+    """Decode steps of `batch` requests at about `context` tokens: the step period without the
+    profiler, then the kernels of 20 profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=2000, temperature=0.6, ignore_eos=True)
+    for i in range(batch):
+        sched.add_request(Req(rid=f"c{i}", prompt_ids=[(i * 13 + j) % 9000 for j in range(context)],
+                              params=params, seed=i))  # fmt: skip
+    while sched.waiting or any(r.num_computed < r.prompt_len for r in sched.running):
+        sched.step()
     for _ in range(5):
         sched.step()
     sync()
+    t = time.perf_counter()
+    for _ in range(30):
+        sched.step()
+    sync()
+    period = (time.perf_counter() - t) / 30
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             sched.step()
         sync()
-    print(f"\n== decode, batch {len(sched.running)}: 20 steps")
-    kernel_table(prof, 20)
-    for r in list(sched.running) + list(sched.waiting):
+    print(f"\n== decode, batch {len(sched.running)} at ~{context} tokens: period "
+          f"{period * 1e3:.3f} ms (no profiler); 20 profiled steps")  # fmt: skip
+    kernel_table(prof, 20, top=25)
+    for r in list(sched.running):
         sched.abort(r.rid)
     while sched.has_work:
         sched.step()
