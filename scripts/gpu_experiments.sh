@@ -5,7 +5,7 @@
 #                                                # and with it (modes priority, chain)
 #   OUT=/dir bash scripts/gpu_experiments.sh 2   # the kernel tests part 1 left; the batch GEMM:
 #                                                # probe, W1 with it; decode split counts
-#   OUT=/dir bash scripts/gpu_experiments.sh 3   # the batch-1 MoE probe; the L2 prefetch probe
+#   OUT=/dir bash scripts/gpu_experiments.sh 3   # decode GEMM formulations; W1's prefill chunk
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PY=${PY:-python3}
@@ -41,8 +41,12 @@ case $PART in
     probe decode_splits 140 "$PY" -m minisgl.benchmark.kernels --w1 --page-size 32
     ;;
   3)
-    probe moe_one_row_probe 120 "$PY" scripts/moe_one_row_probe.py --quick
-    probe bulk_prefetch_probe 90 "$PY" scripts/bulk_prefetch_probe.py
+    # Ways to call the decode step's GEMMs; W1 with smaller and larger prefill chunks.
+    probe decode_gemm_probe 150 "$PY" scripts/decode_gemm_probe.py
+    for tokens in 4096 16384; do
+      probe "w1_prefill_$tokens" 100 "$PY" -m minisgl.benchmark.offline \
+        --model minisgl/benchmark/models/qwen3-0.6b --load-format dummy --max-prefill-tokens "$tokens"
+    done
     ;;
   *)
     echo "usage: $0 1|2" >&2
