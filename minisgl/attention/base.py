@@ -27,9 +27,6 @@ class AttentionInputs:
     # Host copies, known when the step is built (no device sync needed to read them).
     seq_lens_host: list[int]
     extend_lens_host: list[int]
-    # Rows of the step before these, when a step runs as parts at the same time (two CUDA
-    # streams): a backend's per-row scratch of this part starts there.
-    row_offset: int = 0
 
     @property
     def batch_size(self) -> int:

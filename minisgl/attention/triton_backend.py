@@ -44,7 +44,6 @@ class TritonMeta:
     num_decode: int  # leading rows with one new token: the decode kernel takes them
     num_splits: int  # decode: splits per request (fixed for a captured batch size)
     extend: ExtendPart | None  # the remaining rows: the extend kernel takes them
-    counter_offset: int = 0  # the decode kernel's first split counter (`row_offset` rows in)
 
 
 class TritonBackend(AttentionBackend):
@@ -83,10 +82,7 @@ class TritonBackend(AttentionBackend):
                 cu_extend=inputs.cu_extend[nd:] - nd,
                 max_extend_len=max(ext[nd:]),
             )
-        return TritonMeta(
-            inputs, block_table[:nd], inputs.seq_lens[:nd], nd, num_splits, extend,
-            counter_offset=inputs.row_offset * self.pool.num_kv_heads,
-        )  # fmt: skip
+        return TritonMeta(inputs, block_table[:nd], inputs.seq_lens[:nd], nd, num_splits, extend)
 
     def kv_store(self, layer: int, meta: object) -> KVStore:
         assert isinstance(meta, TritonMeta)
@@ -111,7 +107,6 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_table, meta.seq_lens, ps, self.sm_scale,
                 num_splits=meta.num_splits, config=self.decode_config, out=out[:nd],
-                counter_offset=meta.counter_offset,
             )  # fmt: skip
         if ext is not None:
             extend_attention(

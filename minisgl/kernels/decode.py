@@ -238,7 +238,6 @@ def decode_attention(
     max_seq_len: int | None = None,
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given
-    counter_offset: int = 0,  # first split counter of this call (calls running at once differ)
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Attention of each request's single query over its whole paged context.
 
@@ -262,8 +261,7 @@ def decode_attention(
     if num_splits > 1:
         part_o = q.new_empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32)
         part_lse = q.new_empty(batch, num_q_heads, num_splits, dtype=torch.float32)
-        n = batch * num_kv_heads
-        counters = split_counters(q.device, counter_offset + n)[counter_offset:]
+        counters = split_counters(q.device, batch * num_kv_heads)
     else:
         part_o = part_lse = out  # unused by the kernel
         counters = seq_lens

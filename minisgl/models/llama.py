@@ -3,7 +3,7 @@ Qwen3 (q/k RMSNorm), SmolLM2 (tied embeddings). Pure math: inputs come in as arg
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
@@ -148,23 +148,13 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        *_, hidden = self.layer_steps(input_ids, positions, ctx)
-        assert hidden is not None
-        return hidden
-
-    def layer_steps(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> Iterator[torch.Tensor | None]:
-        """The forward one layer at a time: None after each layer, then the final hidden states
-        [T, hidden]. (Two micro-batches of a CUDA-graph step interleave their layers.)"""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         if fused_kernels(h) is None:  # the fused rotation kernel reads the table itself
             ctx = replace(ctx, rope=self.rotary.lookup(positions))
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, ctx)
-            yield None
-        yield self.norm(h, residual)[0]
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,12 +180,6 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions, ctx)
-
-    def layer_steps(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> Iterator[torch.Tensor | None]:
-        """`forward` one layer at a time (`LlamaModel.layer_steps`)."""
-        return self.model.layer_steps(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts where it needs to:

@@ -283,37 +283,6 @@ def test_abort_in_flight_then_reuse_the_slot() -> None:
     assert_kv_clean(llm)
 
 
-def test_two_stream_decode_graphs_match_reference() -> None:
-    """Decode graphs of 8+ rows captured as two half-batches on two CUDA streams
-    (`MINISGL_TWO_STREAM_DECODE_MIN_BS`, an experiment), their attention kernels taking turns on
-    a low-priority stream: the reference's tokens and log-probs, and every request's KV
-    released."""
-    check_two_streams("priority")
-
-
-def test_two_stream_chained_decode_graphs_match_reference() -> None:
-    """The same with the attention kernels chained by events on the halves' streams."""
-    check_two_streams("chain")
-
-
-def test_two_stream_side_by_side_decode_graphs_match_reference() -> None:
-    """The same with the halves side by side (no turns)."""
-    check_two_streams("free")
-
-
-def check_two_streams(mode: str) -> None:
-    from minisgl.engine import cuda_graph
-
-    saved = cuda_graph.TWO_STREAM_MIN_BS, cuda_graph.TWO_STREAM_MODE
-    cuda_graph.TWO_STREAM_MIN_BS, cuda_graph.TWO_STREAM_MODE = 8, mode
-    try:
-        llm = make_llm(fast=True)
-        assert llm.engine.graphs is not None and len(llm.engine.graphs.streams) == 3
-        check_against_reference(llm)
-    finally:
-        cuda_graph.TWO_STREAM_MIN_BS, cuda_graph.TWO_STREAM_MODE = saved
-
-
 def test_rows_gemm_steps_match_reference() -> None:
     """Steps of up to 256 rows (decode graphs included) through the fused batch GEMM
     (`MINISGL_ROWS_GEMM_MAX_ROWS`, an experiment): the reference's tokens and log-probs."""
