@@ -56,32 +56,34 @@ def main() -> None:
     torch.manual_seed(0)
     default_lib = torch.backends.cuda.preferred_blas_library()
     print(f"torch {torch.__version__}, default BLAS library {default_lib}")
-    rows = []
+    rows: list[tuple[str, int, float, dict[str, float]]] = []  # gemm, M, MB, us per variant
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(LAYERS)]
         wts = [w.t().contiguous() for w in ws]
-        mb = n * k * 2 / 1e6
+        mb = round(n * k * 2 / 1e6, 1)
         for m in ROWS:
             x = torch.randn(m, k, device=DEV, dtype=DT)
             want = F.linear(x.float(), ws[0].float())
-            row: dict[str, object] = {"gemm": name, "M": m, "MB": round(mb, 1)}
+            us: dict[str, float] = {}
             variants = _variants(x, ws, wts)
             for label, fn in variants.items():
-                err = ((fn(0).float() - want).abs().max() / want.abs().max()).item()  # type: ignore[union-attr]
+                got = fn(0)
+                assert isinstance(got, torch.Tensor)
+                err = ((got.float() - want).abs().max() / want.abs().max()).item()
                 assert err < 2e-2, (label, err)
-                row[label] = round(time_graph(fn, LAYERS) * 1e6, 2)
+                us[label] = round(time_graph(fn, LAYERS) * 1e6, 2)
             torch.backends.cuda.preferred_blas_library("cublaslt")
-            row["lt"] = round(time_graph(variants["linear"], LAYERS) * 1e6, 2)
+            us["lt"] = round(time_graph(variants["linear"], LAYERS) * 1e6, 2)
             torch.backends.cuda.preferred_blas_library(default_lib)
-            rows.append(row)
-            print(json.dumps(row))
+            rows.append((name, m, mb, us))
+            print(json.dumps({"gemm": name, "M": m, "MB": mb, **us}))
     labels = ["linear", "lt", "mm_t", "split2", "split4"]
     print("\nmicroseconds per GEMM (28 distinct weights in a graph)")
     print(f"{'gemm':>8} {'M':>4} {'MB':>5} " + " ".join(f"{x:>7}" for x in labels))
-    for r in rows:
-        print(f"{r['gemm']:>8} {r['M']:>4} {r['MB']:>5} " + " ".join(f"{r[x]:>7}" for x in labels))
+    for name, m, mb, us in rows:
+        print(f"{name:>8} {m:>4} {mb:>5} " + " ".join(f"{us[x]:>7}" for x in labels))
     for m in ROWS:
-        tot = {x: sum(float(r[x]) for r in rows if r["M"] == m) for x in labels}  # type: ignore[arg-type]
+        tot = {x: sum(us[x] for _, mm, _, us in rows if mm == m) for x in labels}
         print(f"layer sum M={m}: " + ", ".join(f"{x} {v:.1f}" for x, v in tot.items()))
 
 
