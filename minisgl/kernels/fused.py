@@ -15,17 +15,8 @@ import triton.language as tl
 from minisgl.kernels.common import pdl_args, pdl_prologue
 from minisgl.kernels.gemv import gemv
 from minisgl.kernels.moe import one_row_moe
-from minisgl.kernels.rows_gemm import rows_gemm
 
-__all__ = [
-    "gemv",
-    "one_row_moe",
-    "qk_norm_rope",
-    "rms_norm",
-    "rotary_supported",
-    "rows_gemm",
-    "silu_and_mul",
-]
+__all__ = ["gemv", "one_row_moe", "qk_norm_rope", "rms_norm", "rotary_supported", "silu_and_mul"]
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:

@@ -138,14 +138,9 @@ def _gemv_kernel(
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row of x, a float dtype shared with the weight. (Any weight strides work; rows with
     a unit column stride, as on CUDA, are what the kernel is fast for.)"""
-    return x.dim() == 2 and x.shape[0] == 1 and fused_linear_supported(x, weight)
-
-
-def fused_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Rows of x with a unit column stride, in a float dtype shared with the 2-D weight: what
-    the fused GEMV and the batch GEMM (`minisgl.kernels.rows_gemm`) take."""
     return (
         x.dim() == 2
+        and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and weight.dtype == x.dtype
         and weight.dim() == 2

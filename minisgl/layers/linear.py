@@ -166,9 +166,8 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class FusedGemm(Protocol):
-    """`minisgl.kernels.gemv.gemv` (one row) or `minisgl.kernels.rows_gemm.rows_gemm`:
-    y = epilogue(W prologue(x))."""
+class OneRowGemv(Protocol):
+    """`minisgl.kernels.gemv.gemv`: y = epilogue(W prologue(x)) for a one-row x."""
 
     def __call__(
         self,
@@ -184,25 +183,16 @@ class FusedGemm(Protocol):
 
 ENV_DISABLE_ONE_ROW = "MINISGL_DISABLE_ONE_ROW_GEMV"
 _ONE_ROW = os.environ.get(ENV_DISABLE_ONE_ROW) != "1"
-# `MINISGL_ROWS_GEMM_MAX_ROWS=N`: steps of 2..N tokens take the fused batch GEMM as well. An
-# experiment, not measured yet (`scripts/rows_gemm_probe.py`): 0 (off) unless set.
-ENV_ROWS_GEMM_MAX_ROWS = "MINISGL_ROWS_GEMM_MAX_ROWS"
-ROWS_GEMM_MAX_ROWS = int(os.environ.get(ENV_ROWS_GEMM_MAX_ROWS, "0") or 0)
 
 
-def fused_gemm(x: torch.Tensor, rows: bool = True) -> FusedGemm | None:
-    """The fused GEMM kernel for a layer's input `x` when the layer should use it: where the
-    fused kernels run (CUDA), without tensor parallelism (the row-parallel projections would
-    need their all-reduce between the product and the residual add), for one row (the GEMV,
-    unless `MINISGL_DISABLE_ONE_ROW_GEMV=1`) or, with `rows`, for up to `ROWS_GEMM_MAX_ROWS`.
-    None: use the layers as they are."""
-    if x.dim() != 2 or get_tp_info().size != 1:
-        return None
-    m = x.shape[0]
-    one = m == 1 and _ONE_ROW
-    if not (one or (rows and 1 < m <= ROWS_GEMM_MAX_ROWS)):
+def one_row_gemv(x: torch.Tensor) -> OneRowGemv | None:
+    """The fused one-row GEMV for `x` when a layer should use it: one token where the fused
+    kernels run (CUDA), and no tensor parallelism (the row-parallel projections would need their
+    all-reduce between the product and the residual add). None: use the layers as they are
+    (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B runs)."""
+    if not _ONE_ROW or x.dim() != 2 or x.shape[0] != 1 or get_tp_info().size != 1:
         return None
     fused = fused_kernels(x)
     if fused is None:
         return None
-    return fused.gemv if one else fused.rows_gemm  # type: ignore[no-any-return]
+    return fused.gemv  # type: ignore[no-any-return]

@@ -188,7 +188,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward_one_row(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """x + self(norm(x)) for one token where the one-row GEMV path runs (fused kernels, tp
-        1; see `DecoderLayer.forward_fused`): `minisgl.kernels.moe.one_row_moe`, three
+        1; see `DecoderLayer.forward_one_row`): `minisgl.kernels.moe.one_row_moe`, three
         launches with the norm and the residual add inside them."""
         fused = fused_kernels(x)
         assert fused is not None and self.experts.tp_size == 1 and self.gate.bias is None

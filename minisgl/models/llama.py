@@ -24,7 +24,7 @@ from minisgl.layers import (
     silu_and_mul,
 )
 from minisgl.layers.fused import fused_kernels
-from minisgl.layers.linear import FusedGemm, fused_gemm
+from minisgl.layers.linear import OneRowGemv, one_row_gemv
 from minisgl.layers.moe import SparseMoeBlock
 
 
@@ -91,44 +91,42 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, residual): the layer's result is their sum (no residual: the output)."""
-        # The MoE block's fused path (`forward_one_row`) takes one row only.
-        gemm = fused_gemm(x, rows=isinstance(self.mlp, LlamaMLP))
-        if gemm is not None:
-            return self.forward_fused(gemm, x, residual, positions, ctx)
+        gemv = one_row_gemv(x)
+        if gemv is not None:
+            return self.forward_one_row(gemv, x, residual, positions, ctx)
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def forward_fused(
+    def forward_one_row(
         self,
-        gemm: FusedGemm,
+        gemv: OneRowGemv,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer with fused projections (on CUDA, from `fused_gemm`: a batch-1 decode step,
-        or a few rows with the batch-GEMM experiment on): each projection is one kernel that
+        """One token (a batch-1 decode step) on CUDA: each projection is one GEMV kernel that
         takes the norm before it and the residual add or SiLU after it, so a dense layer is six
         kernels (qkv, RoPE + KV store, attention, o_proj, gate/up, down) and a mixture of
-        experts at batch 1 seven (its router, gate/up and down: `SparseMoeBlock.forward_one_row`).
-        Returns the layer's output with the residual already added (and no residual)."""
+        experts seven (its router, gate/up and down: `SparseMoeBlock.forward_one_row`). Returns
+        the layer's output with the residual already added (and no residual)."""
         if residual is not None:
             x = x + residual
         attn, ln1, ln2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        qkv = gemm(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
         a = attn.attend(qkv, positions, ctx)
-        x = gemm(a, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        x = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=x)
         mlp = self.mlp
         if isinstance(mlp, SparseMoeBlock):
             return mlp.forward_one_row(x, ln2), None
         assert isinstance(mlp, LlamaMLP)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        # SiLU-and-multiply in the down GEMM's prologue: the Llama-3-8B layer on the H200 took
+        # SiLU-and-multiply in the down GEMV's prologue: the Llama-3-8B layer on the H200 took
         # 112.1 us against 114.4 with it in a gate/up epilogue (`scripts/gemv_probe.py`).
-        h = gemm(x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps)
-        return gemm(h, down.weight, down.bias, residual=x, act=True), None
+        h = gemv(x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps)
+        return gemv(h, down.weight, down.bias, residual=x, act=True), None
 
 
 class LlamaModel(nn.Module):

@@ -181,24 +181,24 @@ def test_fast_path_matches_reference() -> None:
 
 def test_batch_one_steps_match_reference() -> None:
     """Requests one at a time: every decode step is one row, which the layers run as fused GEMVs
-    (`DecoderLayer.forward_fused`, captured in the batch-1 graph)."""
+    (`DecoderLayer.forward_one_row`, captured in the batch-1 graph)."""
     from minisgl.models.llama import DecoderLayer
 
     n = 12
     reference(0)
     calls = []
-    one_row = DecoderLayer.forward_fused
+    one_row = DecoderLayer.forward_one_row
 
     def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return one_row(self, *args, **kwargs)
 
-    DecoderLayer.forward_fused = counting  # type: ignore[method-assign]
+    DecoderLayer.forward_one_row = counting  # type: ignore[method-assign]
     try:
         llm = make_llm(fast=True)
         got = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts(seed=0)[:n]]
     finally:
-        DecoderLayer.forward_fused = one_row  # type: ignore[method-assign]
+        DecoderLayer.forward_one_row = one_row  # type: ignore[method-assign]
     assert calls, "no step took the one-row path"
     worst, compared = compare(_REF_OUTS[0][:n], got)
     assert compared >= n and worst <= TOL, (worst, compared)
@@ -281,19 +281,6 @@ def test_abort_in_flight_then_reuse_the_slot() -> None:
         if r is not victim:
             assert tokens_agree(ref[i], r.output_ids) and len(r.output_ids) == NUM_TOKENS
     assert_kv_clean(llm)
-
-
-def test_rows_gemm_steps_match_reference() -> None:
-    """Steps of up to 256 rows (decode graphs included) through the fused batch GEMM
-    (`MINISGL_ROWS_GEMM_MAX_ROWS`, an experiment): the reference's tokens and log-probs."""
-    from minisgl.layers import linear
-
-    saved = linear.ROWS_GEMM_MAX_ROWS
-    linear.ROWS_GEMM_MAX_ROWS = 256
-    try:
-        check_against_reference(make_llm(fast=True))
-    finally:
-        linear.ROWS_GEMM_MAX_ROWS = saved
 
 
 def test_overlap_and_plain_give_the_same_tokens_on_the_fast_path() -> None:

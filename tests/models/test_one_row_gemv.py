@@ -1,4 +1,4 @@
-"""Batch-1 decode steps through the layers' one-row GEMV path (`DecoderLayer.forward_fused`:
+"""Batch-1 decode steps through the layers' one-row GEMV path (`DecoderLayer.forward_one_row`:
 fused norm / residual / SiLU GEMVs, taken on CUDA) against the layers' torch path, through the
 whole engine. Here the fused kernels are switched on for CPU tensors and run in Triton's
 interpreter; the GPU suite runs the same comparison natively."""
@@ -34,27 +34,11 @@ def _interpreted():
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
 
 
-def _generate(path: str, prompts: list[list[int]], batched: bool = False, **kw) -> list[dict]:
+def _generate(path: str, prompts: list[list[int]], **kw) -> list[dict]:
     llm = LLM(path, dtype="float32", device="cpu", skip_warmup=True, **kw)
-    if batched:
-        out = llm.generate(prompts, PARAMS, use_tqdm=False)
-    else:
-        out = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]  # one at a time
+    out = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]  # one at a time
     assert_kv_clean(llm)
     return out
-
-
-def _count_fused_calls(monkeypatch) -> list[int]:
-    """Row counts of the steps that took `DecoderLayer.forward_fused` (once per layer)."""
-    rows: list[int] = []
-    fused = DecoderLayer.forward_fused
-
-    def counting(self, gemm, x, *args, **kwargs):
-        rows.append(x.shape[0])
-        return fused(self, gemm, x, *args, **kwargs)
-
-    monkeypatch.setattr(DecoderLayer, "forward_fused", counting)
-    return rows
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "smollm2", "qwen3_moe"])
@@ -69,44 +53,15 @@ def test_one_row_steps_match_the_layers(arch, tiny_model_dir, tmp_path, monkeypa
 
     force_fused_kernels(monkeypatch)
     calls = []
-    one_row = DecoderLayer.forward_fused
+    one_row = DecoderLayer.forward_one_row
 
     def counting(self, *args, **kwargs):
         calls.append(1)
         return one_row(self, *args, **kwargs)
 
-    monkeypatch.setattr(DecoderLayer, "forward_fused", counting)
+    monkeypatch.setattr(DecoderLayer, "forward_one_row", counting)
     got = _generate(path, prompts, attention_backend="triton", page_size=4)
     assert calls, "no step took the one-row path"
-    for g, w in zip(got, want):
-        assert g["token_ids"] == w["token_ids"]
-        torch.testing.assert_close(g["logprobs"], w["logprobs"], atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen3_moe"])
-def test_batched_steps_through_the_rows_gemm_match_the_layers(
-    arch, tiny_model_dir, tmp_path, monkeypatch
-):
-    """Decode batches and short prefills of up to 12 rows through the fused batch GEMM; the
-    MoE model keeps its MoE layers on the torch path at more than one row."""
-    from minisgl.layers import linear
-
-    if arch == "qwen3_moe":
-        save_tiny(tmp_path, seed=4)
-        path = str(tmp_path)
-    else:
-        path = str(tiny_model_dir(arch))
-    prompts = random_prompts(5, 256, seed=6, lo=1, hi=4)
-    want = _generate(path, prompts, batched=True, attention_backend="torch")
-
-    force_fused_kernels(monkeypatch)
-    monkeypatch.setattr(linear, "ROWS_GEMM_MAX_ROWS", 12)
-    calls = _count_fused_calls(monkeypatch)
-    got = _generate(path, prompts, batched=True, attention_backend="triton", page_size=4)
-    if arch == "qwen3_moe":
-        assert set(calls) <= {1}  # its layers take the fused path at one row only
-    else:
-        assert max(calls) > 1, "no step of several rows took the batch GEMM"
     for g, w in zip(got, want):
         assert g["token_ids"] == w["token_ids"]
         torch.testing.assert_close(g["logprobs"], w["logprobs"], atol=1e-4, rtol=0)
