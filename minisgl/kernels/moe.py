@@ -36,7 +36,6 @@ specification of blocked step 2.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from minisgl.kernels.common import pdl_args, pdl_prologue, zeroed_scratch
+from minisgl.kernels.common import pdl_args, pdl_prologue
 from minisgl.kernels.gemv import gemv
 
 # ---- tile configurations -----------------------------------------------------------------------
@@ -104,23 +103,6 @@ DEFAULT_CONFIGS: dict[float, MoEConfig] = {
     256: FusedMoEConfig(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3)),
     math.inf: FusedMoEConfig(128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3)),
 }
-
-
-@dataclass(frozen=True)
-class OneRowFusedConfig:
-    """Tiles of `_one_row_fused_kernel` (an experiment): BLOCK_I intermediate rows per program
-    (TOP_K * I / BLOCK_I programs), the gate/up GEMV's BLOCK_K, the down columns' BLOCK_H."""
-
-    # sm_90 compile: 125 registers, no spills (64 x 128 x 4 warps needs all 255).
-    block_i: int = 32
-    block_k: int = 128
-    block_h: int = 256
-    num_warps: int = 8
-
-
-# `MINISGL_ONE_ROW_MOE_FUSED=1`: `one_row_moe` runs gate/up and down as one kernel (an
-# experiment, not measured yet; see `_one_row_fused_kernel`).
-ONE_ROW_FUSED = os.environ.get("MINISGL_ONE_ROW_MOE_FUSED") == "1"
 
 # `one_row_moe` (batch-1 decode, the norm and residual inside): any expert count.
 # `scripts/moe_one_row_probe.py` on an H200 at the Qwen3-30B-A3B shape: 31.1 us per layer with
@@ -521,68 +503,6 @@ def down_gemm(
 
 
 @triton.jit
-def _gate_up_rows(
-    x_ptr,  # [H] the token's row
-    w_ptr,  # [2I, H] the expert's gate rows, then its up rows
-    norm_ptr,  # [H] RMSNorm weight (NORM)
-    offs_n,  # [BLOCK_N] rows of I
-    mask_n,
-    inter,
-    hidden,
-    eps,
-    stride_wn,
-    stride_wk,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-):
-    """(gate, up) [BLOCK_N] fp32: the expert's gate and up rows `offs_n` times x (a GEMV).
-
-    Products summed per lane in fp32, reduced across the K lanes once at the end. Triton
-    pipelines only loads that feed a tl.dot, so the loop prefetches by hand: tile k + 1's loads
-    are in flight while tile k is multiplied (at k + 1 == n_k they are all masked off). NORM: x
-    is RMS-normalised on the way, as in the one-row GEMV (minisgl.kernels.gemv): sum x^2 over
-    all of H, scale x by the norm weight, and the two sums by the rstd at the end."""
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_k  # [BLOCK_K]
-    g_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-    u_ptrs = g_ptrs + inter * stride_wn  # [BLOCK_N, BLOCK_K]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    mask_k = offs_k < hidden
-    a = tl.load(x_ptrs, mask=mask_k, other=0.0)
-    g = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    u = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    ss = tl.zeros([BLOCK_K], tl.float32)
-    if NORM:
-        nw = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    for k in range(1, tl.cdiv(hidden, BLOCK_K) + 1):
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
-        mask_k = offs_k < hidden - k * BLOCK_K
-        a_next = tl.load(x_ptrs, mask=mask_k, other=0.0)
-        g_next = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        u_next = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        a32 = a.to(tl.float32)
-        if NORM:
-            nw_next = tl.load(norm_ptr + k * BLOCK_K + offs_k, mask=mask_k, other=0.0)
-            ss += a32 * a32
-            a32 = a32 * nw
-            nw = nw_next.to(tl.float32)
-        acc_g += g.to(tl.float32) * a32[None, :]
-        acc_u += u.to(tl.float32) * a32[None, :]
-        a, g, u = a_next, g_next, u_next
-    gate = tl.sum(acc_g, 1)  # [BLOCK_N]
-    up = tl.sum(acc_u, 1)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps)
-        gate = gate * rstd
-        up = up * rstd
-    return gate, up
-
-
-@triton.jit
 def _pair_gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]: gate rows [0, I), up rows [I, 2I)
@@ -631,11 +551,53 @@ def _pair_gate_up_kernel(
     else:
         expert = tl.load(ids_ptr + pair)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < inter
-    gate, up = _gate_up_rows(
-        x_ptr + token * stride_xt, w_ptr + expert.to(tl.int64) * stride_we, norm_ptr, offs_n,
-        mask_n, inter, hidden, eps, stride_wn, stride_wk, BLOCK_N, BLOCK_K, NORM,
-    )  # fmt: skip
+    x_ptrs = x_ptr + token * stride_xt + offs_k  # [BLOCK_K]
+    g_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_n[:, None] * stride_wn
+        + offs_k[None, :] * stride_wk
+    )  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + inter * stride_wn
+    # Products summed per lane in fp32, reduced across the K lanes once at the end. Triton
+    # pipelines only loads that feed a tl.dot, so the loop prefetches by hand: tile k + 1's
+    # loads are in flight while tile k is multiplied (at k + 1 == n_k they are all masked off).
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    mask_k = offs_k < hidden
+    a = tl.load(x_ptrs, mask=mask_k, other=0.0)
+    g = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    u = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    # NORM: x is RMS-normalised on the way, as in the one-row GEMV (minisgl.kernels.gemv): sum
+    # x^2 over all of H, scale x by the norm weight, and the two sums by the rstd at the end.
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    if NORM:
+        nw = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    for k in range(1, tl.cdiv(hidden, BLOCK_K) + 1):
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+        mask_k = offs_k < hidden - k * BLOCK_K
+        a_next = tl.load(x_ptrs, mask=mask_k, other=0.0)
+        g_next = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        u_next = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        a32 = a.to(tl.float32)
+        if NORM:
+            nw_next = tl.load(norm_ptr + k * BLOCK_K + offs_k, mask=mask_k, other=0.0)
+            ss += a32 * a32
+            a32 = a32 * nw
+            nw = nw_next.to(tl.float32)
+        acc_g += g.to(tl.float32) * a32[None, :]
+        acc_u += u.to(tl.float32) * a32[None, :]
+        a, g, u = a_next, g_next, u_next
+    gate = tl.sum(acc_g, 1)  # [BLOCK_N]
+    up = tl.sum(acc_u, 1)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps)
+        gate = gate * rstd
+        up = up * rstd
     h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
     out_ptrs = act_ptr + pair.to(tl.int64) * stride_at + offs_n
     tl.store(out_ptrs, h.to(act_ptr.dtype.element_ty), mask=mask_n)
@@ -724,83 +686,6 @@ def _pair_down_kernel(
         out += tl.load(r_ptr + token * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + token * stride_ot + offs_n
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _one_row_fused_kernel(
-    x_ptr,  # [H] the residual stream (not normalised)
-    w13_ptr,  # [E, 2I, H]
-    w2_ptr,  # [E, H, I]
-    logits_ptr,  # [E] router logits
-    norm_ptr,  # [H] RMSNorm weight
-    acc_ptr,  # [H] fp32 scratch, zero between launches
-    counter_ptr,  # [1] int32, zero between launches: programs done
-    out_ptr,  # [H]
-    inter,
-    hidden,
-    num_experts,
-    eps,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_w2e,
-    stride_w2h,
-    TOP_K: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """x + MoE(rmsnorm(x)) of one token after its router, in one kernel (an experiment, see
-    `one_row_moe`). Program (k, i) takes the token's k-th expert and BLOCK_I rows of its
-    intermediate dimension: their silu(gate) * up (x normalised on the way), then those
-    columns of the expert's down projection times the routing weight, added into an fp32 [H]
-    accumulator with atomics. The last program to finish adds the residual, writes the output
-    and zeroes the scratch for the next launch."""
-    pdl_prologue(PDL)
-    slot = tl.program_id(0)
-    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask_i = offs_i < inter
-    vals, idxs = _route(logits_ptr, 0, 0, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E, RENORMALIZE)
-    pick = tl.arange(0, BLOCK_TOPK) == slot
-    expert = tl.sum(tl.where(pick, idxs, 0), 0).to(tl.int64)
-    weight = tl.sum(tl.where(pick, vals, 0.0), 0)
-    gate, up = _gate_up_rows(
-        x_ptr, w13_ptr + expert * stride_we, norm_ptr, offs_i, mask_i, inter, hidden, eps,
-        stride_wn, stride_wk, BLOCK_I, BLOCK_K, True,
-    )  # fmt: skip
-    # Rounded to the model dtype as the two-kernel path stores it, then weighted.
-    act = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty).to(tl.float32)
-    act = act * weight
-    w2_rows = w2_ptr + expert * stride_w2e + offs_i[None, :]  # [1, BLOCK_I]
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < hidden
-    w = tl.load(w2_rows + offs_h[:, None] * stride_w2h, mask=mask_h[:, None] & mask_i[None, :],
-                other=0.0)  # fmt: skip
-    for h0 in range(0, hidden, BLOCK_H):  # the next tile's loads in flight during this one's
-        nh = h0 + BLOCK_H + offs_h
-        mask_n = nh < hidden
-        w_next = tl.load(w2_rows + nh[:, None] * stride_w2h, mask=mask_n[:, None] & mask_i[None, :],
-                         other=0.0)  # fmt: skip
-        part = tl.sum(w.to(tl.float32) * act[None, :], 1)  # [BLOCK_H]
-        tl.atomic_add(acc_ptr + h0 + offs_h, part, mask=h0 + offs_h < hidden, sem="relaxed")
-        w = w_next
-    # Every thread's atomics before the count; the count's release/acquire orders them before
-    # the last program's reads (which bypass L1).
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        for h0 in range(0, hidden, BLOCK_H):
-            hh = h0 + offs_h
-            m = hh < hidden
-            total = tl.load(acc_ptr + hh, mask=m, other=0.0, cache_modifier=".cg")
-            total += tl.load(x_ptr + hh, mask=m, other=0.0).to(tl.float32)
-            tl.store(out_ptr + hh, total.to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(acc_ptr + hh, tl.zeros([BLOCK_H], tl.float32), mask=m)
-        tl.store(counter_ptr, 0)
 
 
 class PairRouting(NamedTuple):
@@ -948,41 +833,6 @@ def fused_moe(
     return fused_experts(x, w13, w2, weights, ids, cfg)
 
 
-def one_row_scratch(device: torch.device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([>= hidden] fp32 accumulator, [>= 1] int32 counter) of the fused one-row kernel, zero
-    whenever it does not run."""
-    return (
-        zeroed_scratch("one_row_moe", device, hidden, torch.float32),
-        zeroed_scratch("one_row_moe", device, 1, torch.int32),
-    )
-
-
-def one_row_fused(
-    x: torch.Tensor,  # [1, H]
-    logits: torch.Tensor,  # [1, E]
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    norm_weight: torch.Tensor,
-    eps: float,
-    config: OneRowFusedConfig | None = None,
-) -> torch.Tensor:  # [1, H]: x + MoE(rmsnorm(x)) after the router
-    """`_one_row_fused_kernel`: gate/up and down of the token's experts in one launch."""
-    cfg = config or OneRowFusedConfig()
-    num_experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
-    acc, counter = one_row_scratch(x.device, hidden)
-    out = torch.empty_like(x)
-    _one_row_fused_kernel[(top_k, triton.cdiv(inter, cfg.block_i))](
-        x, w13, w2, logits, norm_weight, acc, counter, out, inter, hidden, num_experts, eps,
-        w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), TOP_K=top_k,
-        BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k, BLOCK_H=cfg.block_h,
-        BLOCK_TOPK=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, num_warps=cfg.num_warps, **pdl_args(x.device),
-    )  # fmt: skip
-    return out
-
-
 def one_row_moe(
     x: torch.Tensor,  # [1, H] the residual stream (not normalised)
     router: torch.Tensor,  # [E, H]
@@ -993,20 +843,16 @@ def one_row_moe(
     norm_weight: torch.Tensor,  # [H] the RMSNorm before the layer
     eps: float,
     config: PairConfig | None = None,
-    fused: bool = ONE_ROW_FUSED,
 ) -> torch.Tensor:  # [1, H]: x + MoE(rmsnorm(x))
     """A whole MoE layer for one token (batch-1 decode) in three launches, none of them a
     separate norm or add: the router as a one-row GEMV that normalises x on the way
     (`minisgl.kernels.gemv`); the pair gate/up kernel, which routes and normalises x itself;
-    the pair down kernel, which adds the residual. With `fused` (an experiment) gate/up and down
-    are one launch (`one_row_fused`)."""
+    the pair down kernel, which adds the residual."""
     _check_shapes(x, w13, w2)
     assert x.shape[0] == 1 and router.shape == (w13.shape[0], x.shape[1])
     cfg = config or ONE_ROW_CONFIG
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     logits = gemv(x, router, norm_weight=norm_weight, eps=eps)  # [1, E]
-    if fused:
-        return one_row_fused(x, logits, w13, w2, top_k, renormalize, norm_weight, eps)
     act, routing = pair_gate_up(x, w13, top_k, cfg.gate_up, logits=logits,
                                 renormalize=renormalize, norm_weight=norm_weight, eps=eps)  # fmt: skip
     return pair_down(act, w2, routing, top_k, cfg.down, residual=x)

@@ -194,7 +194,7 @@ def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 @pytest.mark.parametrize(
     ("num_experts", "top_k", "renormalize"), [(128, 8, True), (8, 2, False), (6, 1, True)]
 )
-@pytest.mark.parametrize("config", [None, PAIR, "fused"], ids=["default", "small", "fused"])
+@pytest.mark.parametrize("config", [None, PAIR], ids=["default", "small"])
 def test_one_row_moe_matches_reference(
     dtype: torch.dtype, num_experts: int, top_k: int, renormalize: bool, config: Any
 ) -> None:
@@ -207,14 +207,7 @@ def test_one_row_moe_matches_reference(
     router = (torch.randn(num_experts, hidden, generator=g) / 4).to(DEVICE, dtype)
     norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
     x = (torch.randn(1, hidden, generator=g) * 3).to(DEVICE, dtype)
-    if config == "fused":  # gate/up and down in one kernel, small tiles (loops run twice)
-        tiles = K.OneRowFusedConfig(block_i=16, block_k=32, block_h=32)
-        logits = K.gemv(x, router, norm_weight=norm_w, eps=eps)
-        out = K.one_row_fused(x, logits, w13, w2, top_k, renormalize, norm_w, eps, tiles)
-        acc, counter = K.one_row_scratch(x.device, hidden)
-        assert not acc.any() and not counter.any()  # zero again for the next launch
-    else:
-        out = K.one_row_moe(x, router, w13, w2, top_k, renormalize, norm_w, eps, config)
+    out = K.one_row_moe(x, router, w13, w2, top_k, renormalize, norm_w, eps, config)
     assert out.shape == x.shape and out.dtype == dtype
 
     xn = rms_normed(x, norm_w, eps).float()  # [1, H]
@@ -286,9 +279,7 @@ _POINTER_TYPES = {
 
 def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
     names = kernel.arg_names
-    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "norm_ptr", "r_ptr",
-                                      "w13_ptr", "w2_ptr")}  # fmt: skip
-    types |= {"acc_ptr": "*fp32", "counter_ptr": "*i32"}
+    types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "norm_ptr", "r_ptr")}
     types = types | _POINTER_TYPES | {"eps": "fp32"}
     aligned = [n for n in names if n not in constexprs and (n in _ALIGNED_INTS or n in types)]
     return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
@@ -328,21 +319,13 @@ def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     return out
 
 
-def _fused_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
-    cfg = K.OneRowFusedConfig()
-    c = dict(TOP_K=8, BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k, BLOCK_H=cfg.block_h,
-             BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, stride_wk=1)  # fmt: skip
-    tile = K.GemmTile(cfg.block_i, cfg.block_k, cfg.num_warps, 1)
-    return [(f"_one_row_fused_kernel {cfg}", K._one_row_fused_kernel, "bf16", c, tile)]
-
-
 def _compile_all() -> list[dict[str, Any]]:
     results = []
     topk = dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True)
     results.append({"name": "topk e128 k8", **_compile(K._topk_kernel, "bf16", topk, 4, 1)})
     align = dict(NUM_EXPERTS=128, BINS=256, BLOCK_M=16, CHUNK=1024)
     results.append({"name": "align e128", **_compile(K._align_kernel, "bf16", align, 4, 1)})
-    for name, kernel, dtype, c, tile in _gemm_variants() + _fused_variants():
+    for name, kernel, dtype, c, tile in _gemm_variants():
         results.append(
             {"name": name, **_compile(kernel, dtype, c, tile.num_warps, tile.num_stages)}
         )
@@ -352,7 +335,7 @@ def _compile_all() -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
     results = run_compile_script(__file__)
-    assert len(results) == 2 + len(_gemm_variants()) + len(_fused_variants())
+    assert len(results) == 2 + len(_gemm_variants())
     assert not [r for r in results if r["local"] > 0], f"register spills: {results}"
     # An H100/H200 SM has 227 KiB of shared memory for one block (some tuned tiles use more
     # than half of it: one block per SM measured faster there).
