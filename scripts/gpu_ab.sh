@@ -2,7 +2,7 @@
 # A/B runs of one switch on a GPU host: the GPU test suites once with the switch set, then each
 # benchmark with the switch unset ("off") and set ("on"), alternating; a short table last. Logs
 # under $OUT.
-#   OUT=/dir AB=MINISGL_TWO_STREAM_DECODE_MIN_BS=64 STEPS="tests w1" bash scripts/gpu_ab.sh
+#   OUT=/dir AB=MINISGL_DISABLE_PDL STEPS="tests w1" bash scripts/gpu_ab.sh
 # AB: NAME=VALUE, or several separated by spaces (a bare NAME means NAME=1; AB_VAR is the
 # older spelling of it).
 # STEPS: which of tests w2 moe w1 w2_tp2 to run, in that order (default: all).
