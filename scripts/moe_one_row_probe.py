@@ -118,7 +118,17 @@ def main() -> None:
     add("old: norm + cuBLAS router + pair + add", chain_us(layers, x0, old_layer))
     add(f"one_row default {ONE_ROW_CONFIG}", chain_us(
         layers, x0, lambda x, lw: one_row_layer(x, lw, ONE_ROW_CONFIG, None)))  # fmt: skip
-    best_router: GemvConfig | None = None
+    best_router, best_us = None, float("inf")
+    if args.quick:
+        print_table("batch-1 MoE layer", rows, ("variant", "us_per_layer", "of_copy_bw"))
+        return
+    for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
+                      (8, 256, 4), (1, 1024, 2)):  # fmt: skip
+        rc = GemvConfig(bn, bk, w)
+        us = chain_us(layers, x0, lambda x, lw, rc=rc: one_row_layer(x, lw, ONE_ROW_CONFIG, rc))
+        add(f"router {bn}x{bk} w{w}", us)
+        if us < best_us:
+            best_router, best_us = rc, us
 
     def sweep(
         label: str, tiles: list[GemmTile], config_of: Callable[[GemmTile], PairConfig]
@@ -128,36 +138,15 @@ def main() -> None:
         for t in tiles:
             cfg = config_of(t)
             us = chain_us(layers, x0, lambda x, lw, cfg=cfg: one_row_layer(x, lw, cfg, best_router))
-            add(f"{label} {t.block_n}x{t.block_k} w{t.num_warps} ahead {t.num_stages}", us)
+            add(f"{label} {t.block_n}x{t.block_k} w{t.num_warps}", us)
             if us < best_us:
                 best_tile, best_us = t, us
         return best_tile
 
-    if args.quick:  # the default tiles loading 1 or 2 loop steps ahead, and neighbours
-        best_gu = sweep("gate_up", [GemmTile(*t) for t in (
-            (16, 128, 4, 1), (16, 128, 4, 2), (8, 128, 4, 2), (16, 64, 4, 2), (32, 128, 8, 2))],
-            lambda t: PairConfig(t, ONE_ROW_CONFIG.down))  # fmt: skip
-        best_dn = sweep("down", [GemmTile(*t) for t in (
-            (8, 1024, 4, 1), (8, 1024, 4, 2), (8, 512, 4, 2), (16, 512, 4, 2), (4, 1024, 4, 2))],
-            lambda t: PairConfig(best_gu, t))  # fmt: skip
-        best = PairConfig(best_gu, best_dn)
-        add(f"best {best}", chain_us(
-            layers, x0, lambda x, lw: one_row_layer(x, lw, best, None)))  # fmt: skip
-        print_table("batch-1 MoE layer", rows, ("variant", "us_per_layer", "of_copy_bw"))
-        return
-    best_us = float("inf")
-    for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
-                      (8, 256, 4), (1, 1024, 2)):  # fmt: skip
-        rc = GemvConfig(bn, bk, w)
-        us = chain_us(layers, x0, lambda x, lw, rc=rc: one_row_layer(x, lw, ONE_ROW_CONFIG, rc))
-        add(f"router {bn}x{bk} w{w}", us)
-        if us < best_us:
-            best_router, best_us = rc, us
-
-    gate_up_tiles = [GemmTile(bn, bk, w, a) for bn, bk, w, a in itertools.product(
-        (8, 16, 32), (128, 256, 512), (4, 8), (1, 2))]  # fmt: skip
-    down_tiles = [GemmTile(bn, bk, w, a) for bn, bk, w, a in itertools.product(
-        (4, 8, 16), (256, 512, 1024), (4, 8), (1, 2))]  # fmt: skip
+    gate_up_tiles = [GemmTile(bn, bk, w, 1) for bn, bk, w in itertools.product(
+        (8, 16, 32), (128, 256, 512), (4, 8))]  # fmt: skip
+    down_tiles = [GemmTile(bn, bk, w, 1) for bn, bk, w in itertools.product(
+        (4, 8, 16), (256, 512, 1024), (4, 8))]  # fmt: skip
     best_gu = sweep("gate_up", gate_up_tiles, lambda t: PairConfig(t, ONE_ROW_CONFIG.down))
     best_dn = sweep("down", down_tiles, lambda t: PairConfig(best_gu, t))
     best = PairConfig(best_gu, best_dn)

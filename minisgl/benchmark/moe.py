@@ -462,7 +462,7 @@ TUNE_TILES_TALL = tuple(itertools.product((64, 128), (64, 128), (4, 8), (3,))) +
     (64, 64, 4, 4),
 )
 # The pair path's GEMV tiles (num_stages does nothing there: its loads feed no tl.dot).
-TUNE_TILES_PAIR = tuple(itertools.product((8, 16, 32), (128, 256, 512, 1024), (4, 8), (1, 2)))
+TUNE_TILES_PAIR = tuple(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1,)))
 PAIR_TUNE_MAX_ROWS = 0.5  # rows per expert up to which the pair path is tried too
 TUNE_SETS = 4  # routings each timed call cycles through (see routing_sets)
 

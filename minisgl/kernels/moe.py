@@ -72,9 +72,9 @@ class FusedMoEConfig:
 class PairConfig:
     """The pair path: GEMV tiles ([BLOCK_N, BLOCK_K] of one expert's weights per loop step) of
     the per-pair gate/up kernel and the per-token down kernel. Their loads feed no tl.dot, so
-    Triton does not pipeline them: the kernels prefetch by hand, `num_stages` (1 or 2) loop
-    steps ahead, and the loads in flight per SM grow with that, BLOCK_N * BLOCK_K and the number
-    of programs (one per pair and BLOCK_N columns of I; one per token and BLOCK_N columns of H)."""
+    Triton does not pipeline them and num_stages has no effect: the kernels prefetch one step
+    ahead by hand, and the loads in flight per SM grow with BLOCK_N * BLOCK_K and the number of
+    programs (one per pair and BLOCK_N columns of I; one per token and BLOCK_N columns of H)."""
 
     gate_up: GemmTile
     down: GemmTile
@@ -108,7 +108,7 @@ DEFAULT_CONFIGS: dict[float, MoEConfig] = {
 # `scripts/moe_one_row_probe.py` on an H200 at the Qwen3-30B-A3B shape: 31.1 us per layer with
 # the router's GEMV (2 x 2048, 8 warps; `minisgl.kernels.gemv.TUNED`), 37.8 with the tiles of
 # the pair path's DEFAULT_CONFIGS entry, 40.3 for the norm + router + pair kernels + add.
-ONE_ROW_CONFIG = PairConfig(GemmTile(16, 128, 4, 2), GemmTile(8, 1024, 4, 2))
+ONE_ROW_CONFIG = PairConfig(GemmTile(16, 128, 4, 1), GemmTile(8, 1024, 4, 1))
 
 
 def default_config(
@@ -503,37 +503,6 @@ def down_gemm(
 
 
 @triton.jit
-def _pair_gate_up_loads(
-    x_row, g_rows, u_rows, norm_ptr, mask_n, k, hidden, stride_wk,
-    BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-):  # fmt: skip
-    """Tile k of the pair gate/up loop: x [BLOCK_K], gate and up rows [BLOCK_N, BLOCK_K], the
-    norm weight [BLOCK_K] (NORM; x again otherwise, unused). Past the last tile: masked off."""
-    offs = k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs < hidden
-    mask = mask_n[:, None] & mask_k[None, :]
-    a = tl.load(x_row + offs, mask=mask_k, other=0.0)
-    g = tl.load(g_rows + offs[None, :] * stride_wk, mask=mask, other=0.0)
-    u = tl.load(u_rows + offs[None, :] * stride_wk, mask=mask, other=0.0)
-    if NORM:
-        nw = tl.load(norm_ptr + offs, mask=mask_k, other=0.0)
-    else:
-        nw = a
-    return a, g, u, nw
-
-
-@triton.jit
-def _pair_gate_up_step(acc_g, acc_u, ss, a, g, u, nw, NORM: tl.constexpr):
-    a32 = a.to(tl.float32)
-    if NORM:
-        ss += a32 * a32
-        a32 = a32 * nw.to(tl.float32)
-    acc_g += g.to(tl.float32) * a32[None, :]
-    acc_u += u.to(tl.float32) * a32[None, :]
-    return acc_g, acc_u, ss
-
-
-@triton.jit
 def _pair_gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]: gate rows [0, I), up rows [I, 2I)
@@ -560,7 +529,6 @@ def _pair_gate_up_kernel(
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     NORM: tl.constexpr,
-    AHEAD: tl.constexpr,  # 1 or 2: loop steps whose loads are in flight
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -583,41 +551,47 @@ def _pair_gate_up_kernel(
     else:
         expert = tl.load(ids_ptr + pair)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < inter
-    x_row = x_ptr + token * stride_xt
-    g_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-    u_rows = g_rows + inter * stride_wn
+    x_ptrs = x_ptr + token * stride_xt + offs_k  # [BLOCK_K]
+    g_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_n[:, None] * stride_wn
+        + offs_k[None, :] * stride_wk
+    )  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + inter * stride_wn
     # Products summed per lane in fp32, reduced across the K lanes once at the end. Triton
-    # pipelines only loads that feed a tl.dot, so the loop prefetches by hand: the loads of the
-    # next AHEAD tiles are in flight while a tile is multiplied (past the last tile they are
-    # masked off). NORM: x is RMS-normalised on the way, as in the one-row GEMV
-    # (minisgl.kernels.gemv): sum x^2 over all of H, scale x by the norm weight, and the two
-    # sums by the rstd at the end.
+    # pipelines only loads that feed a tl.dot, so the loop prefetches by hand: tile k + 1's
+    # loads are in flight while tile k is multiplied (at k + 1 == n_k they are all masked off).
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    mask_k = offs_k < hidden
+    a = tl.load(x_ptrs, mask=mask_k, other=0.0)
+    g = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    u = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    # NORM: x is RMS-normalised on the way, as in the one-row GEMV (minisgl.kernels.gemv): sum
+    # x^2 over all of H, scale x by the norm weight, and the two sums by the rstd at the end.
     ss = tl.zeros([BLOCK_K], tl.float32)
-    n_k = tl.cdiv(hidden, BLOCK_K)
-    a, g, u, nw = _pair_gate_up_loads(
-        x_row, g_rows, u_rows, norm_ptr, mask_n, 0, hidden, stride_wk, BLOCK_K, NORM
-    )
-    if AHEAD == 1:
-        for k in range(1, n_k + 1):
-            a1, g1, u1, nw1 = _pair_gate_up_loads(
-                x_row, g_rows, u_rows, norm_ptr, mask_n, k, hidden, stride_wk, BLOCK_K, NORM
-            )
-            acc_g, acc_u, ss = _pair_gate_up_step(acc_g, acc_u, ss, a, g, u, nw, NORM)
-            a, g, u, nw = a1, g1, u1, nw1
-    else:
-        a1, g1, u1, nw1 = _pair_gate_up_loads(
-            x_row, g_rows, u_rows, norm_ptr, mask_n, 1, hidden, stride_wk, BLOCK_K, NORM
-        )
-        for k in range(2, n_k + 2):
-            a2, g2, u2, nw2 = _pair_gate_up_loads(
-                x_row, g_rows, u_rows, norm_ptr, mask_n, k, hidden, stride_wk, BLOCK_K, NORM
-            )
-            acc_g, acc_u, ss = _pair_gate_up_step(acc_g, acc_u, ss, a, g, u, nw, NORM)
-            a, g, u, nw = a1, g1, u1, nw1
-            a1, g1, u1, nw1 = a2, g2, u2, nw2
+    if NORM:
+        nw = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    for k in range(1, tl.cdiv(hidden, BLOCK_K) + 1):
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+        mask_k = offs_k < hidden - k * BLOCK_K
+        a_next = tl.load(x_ptrs, mask=mask_k, other=0.0)
+        g_next = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        u_next = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        a32 = a.to(tl.float32)
+        if NORM:
+            nw_next = tl.load(norm_ptr + k * BLOCK_K + offs_k, mask=mask_k, other=0.0)
+            ss += a32 * a32
+            a32 = a32 * nw
+            nw = nw_next.to(tl.float32)
+        acc_g += g.to(tl.float32) * a32[None, :]
+        acc_u += u.to(tl.float32) * a32[None, :]
+        a, g, u = a_next, g_next, u_next
     gate = tl.sum(acc_g, 1)  # [BLOCK_N]
     up = tl.sum(acc_u, 1)
     if NORM:
@@ -678,7 +652,6 @@ def _pair_down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
     HAS_RES: tl.constexpr,
-    AHEAD: tl.constexpr,  # 1 or 2: loop steps whose loads are in flight
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -700,41 +673,19 @@ def _pair_down_kernel(
         act_ptr, w_rows, ids, token, 0, k_tiles, inter, mask_n, stride_at, stride_we,
         stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
     )  # fmt: skip
-    if AHEAD == 1:
-        for i in range(1, TOP_K * k_tiles + 1):
-            a_next, w_next = _pair_down_loads(
-                act_ptr, w_rows, ids, token, i, k_tiles, inter, mask_n, stride_at, stride_we,
-                stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
-            )  # fmt: skip
-            weight = tl.sum(tl.where(offs_s == (i - 1) // k_tiles, routing, 0.0), 0)
-            acc += w.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
-            a, w = a_next, w_next
-    else:
-        a1, w1 = _pair_down_loads(
-            act_ptr, w_rows, ids, token, 1, k_tiles, inter, mask_n, stride_at, stride_we,
+    for i in range(1, TOP_K * k_tiles + 1):
+        a_next, w_next = _pair_down_loads(
+            act_ptr, w_rows, ids, token, i, k_tiles, inter, mask_n, stride_at, stride_we,
             stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
         )  # fmt: skip
-        for i in range(2, TOP_K * k_tiles + 2):
-            a2, w2 = _pair_down_loads(
-                act_ptr, w_rows, ids, token, i, k_tiles, inter, mask_n, stride_at, stride_we,
-                stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
-            )  # fmt: skip
-            weight = tl.sum(tl.where(offs_s == (i - 2) // k_tiles, routing, 0.0), 0)
-            acc += w.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
-            a, w = a1, w1
-            a1, w1 = a2, w2
+        weight = tl.sum(tl.where(offs_s == (i - 1) // k_tiles, routing, 0.0), 0)
+        acc += w.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
+        a, w = a_next, w_next
     out = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_RES:
         out += tl.load(r_ptr + token * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + token * stride_ot + offs_n
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-def _ahead(tile: GemmTile) -> int:
-    """A pair kernel's loop steps loaded ahead: the tile's num_stages, 1 or 2 (see PairConfig)."""
-    if tile.num_stages not in (1, 2):
-        raise ValueError(f"pair path tiles load 1 or 2 steps ahead (num_stages), got {tile}")
-    return tile.num_stages
 
 
 class PairRouting(NamedTuple):
@@ -777,8 +728,8 @@ def pair_gate_up(
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), src.stride(0),
         TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
         BLOCK_TOPK=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, NORM=norm_weight is not None, AHEAD=_ahead(tile),
-        num_warps=tile.num_warps, num_stages=1, **pdl_args(x.device),
+        RENORMALIZE=renormalize, NORM=norm_weight is not None, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return act, routing
 
@@ -802,8 +753,8 @@ def pair_down(
         act, w2, out, routing.ids, routing.weights, res, hidden, inter, act.stride(0),
         w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), res.stride(0), TOP_K=top_k,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=_topk_block(top_k),
-        HAS_RES=residual is not None, AHEAD=_ahead(tile), num_warps=tile.num_warps,
-        num_stages=1, **pdl_args(act.device),
+        HAS_RES=residual is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl_args(act.device),
     )  # fmt: skip
     return out
 

@@ -37,12 +37,8 @@ if DEVICE == "cpu" and not COMPILE_MODE and not isinstance(K._align_kernel, K.In
 # doubles the error of each bf16 intermediate there.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2 if DEVICE == "cpu" else 1e-2}
 SMALL = K.FusedMoEConfig(16, K.GemmTile(16, 16), K.GemmTile(32, 16))
-PAIR = K.PairConfig(K.GemmTile(16, 32, 4, 1), K.GemmTile(16, 16, 4, 1))
-# The pair kernels loading 2 loop steps ahead (num_stages) instead of 1.
-PAIR2 = K.PairConfig(K.GemmTile(16, 16, 4, 2), K.GemmTile(16, 16, 4, 2))
-CONFIGS = pytest.mark.parametrize(
-    "config", [SMALL, PAIR, PAIR2], ids=["blocked", "pair", "pair-ahead2"]
-)
+PAIR = K.PairConfig(K.GemmTile(16, 32), K.GemmTile(16, 16))
+CONFIGS = pytest.mark.parametrize("config", [SMALL, PAIR], ids=["blocked", "pair"])
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -198,7 +194,7 @@ def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 @pytest.mark.parametrize(
     ("num_experts", "top_k", "renormalize"), [(128, 8, True), (8, 2, False), (6, 1, True)]
 )
-@pytest.mark.parametrize("config", [None, PAIR, PAIR2], ids=["default", "small", "ahead2"])
+@pytest.mark.parametrize("config", [None, PAIR], ids=["default", "small"])
 def test_one_row_moe_matches_reference(
     dtype: torch.dtype, num_experts: int, top_k: int, renormalize: bool, config: Any
 ) -> None:
@@ -221,8 +217,7 @@ def test_one_row_moe_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pair", [PAIR, PAIR2], ids=["ahead1", "ahead2"])
-def test_pair_kernels_norm_and_residual(dtype: torch.dtype, pair: K.PairConfig) -> None:
+def test_pair_kernels_norm_and_residual(dtype: torch.dtype) -> None:
     """The pair kernels' one-row options on several tokens: gate/up with the RMSNorm
     prologue against gate/up of the normalised rows; down adding a residual against down."""
     num_tokens, num_experts, top_k, hidden, inter, eps = 3, 16, 4, 48, 40, 1e-6
@@ -230,16 +225,16 @@ def test_pair_kernels_norm_and_residual(dtype: torch.dtype, pair: K.PairConfig) 
     x = (torch.randn(num_tokens, hidden) * 2).to(DEVICE, dtype)
     norm_w = (torch.rand(hidden) + 0.5).to(DEVICE, dtype)
     logits = distinct_logits(num_tokens, num_experts, dtype)
-    act, routing = K.pair_gate_up(x, w13, top_k, pair.gate_up, logits=logits, renormalize=False,
+    act, routing = K.pair_gate_up(x, w13, top_k, PAIR.gate_up, logits=logits, renormalize=False,
                                   norm_weight=norm_w, eps=eps)  # fmt: skip
     xn = rms_normed(x, norm_w, eps).to(dtype)
-    want, want_routing = K.pair_gate_up(xn, w13, top_k, pair.gate_up, logits=logits)
+    want, want_routing = K.pair_gate_up(xn, w13, top_k, PAIR.gate_up, logits=logits)
     assert torch.equal(routing.ids, want_routing.ids)
     assert rel_err(act, want) <= TOL[dtype]
 
     residual = torch.randn(num_tokens, hidden).to(DEVICE, dtype)
-    plain = K.pair_down(act, w2, routing, top_k, pair.down)
-    got = K.pair_down(act, w2, routing, top_k, pair.down, residual=residual)
+    plain = K.pair_down(act, w2, routing, top_k, PAIR.down)
+    got = K.pair_down(act, w2, routing, top_k, PAIR.down, residual=residual)
     assert rel_err(got, plain.double() + residual.double()) <= TOL[dtype]
 
 
@@ -292,9 +287,7 @@ def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, st
 
 def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     out = []
-    # The pair kernels loading 2 steps ahead at the batch-1 tiles (more registers live).
-    ahead2 = K.PairConfig(K.GemmTile(16, 128, 4, 2), K.GemmTile(8, 1024, 4, 2))
-    for cfg in (*K.DEFAULT_CONFIGS.values(), K.ONE_ROW_CONFIG, ahead2):
+    for cfg in (*K.DEFAULT_CONFIGS.values(), K.ONE_ROW_CONFIG):
         if isinstance(cfg, K.PairConfig):
             out += _pair_variants(cfg)
             continue
@@ -314,14 +307,13 @@ def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     tile = cfg.gate_up
     for route, norm in ((True, False), (False, False), (True, True)):
         c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
-                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, NORM=norm, AHEAD=tile.num_stages,
-                 stride_wk=1)  # fmt: skip
+                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, NORM=norm, stride_wk=1)  # fmt: skip
         name = f"_pair_gate_up_kernel route={route} norm={norm} {tile}"
         out.append((name, K._pair_gate_up_kernel, "bf16", c, tile))
     tile = cfg.down
     for res in (False, True):
         c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=8, stride_wk=1,
-                 HAS_RES=res, AHEAD=tile.num_stages)  # fmt: skip
+                 HAS_RES=res)  # fmt: skip
         name = f"_pair_down_kernel residual={res} {tile}"
         out.append((name, K._pair_down_kernel, "bf16", c, tile))
     return out
@@ -334,9 +326,9 @@ def _compile_all() -> list[dict[str, Any]]:
     align = dict(NUM_EXPERTS=128, BINS=256, BLOCK_M=16, CHUNK=1024)
     results.append({"name": "align e128", **_compile(K._align_kernel, "bf16", align, 4, 1)})
     for name, kernel, dtype, c, tile in _gemm_variants():
-        # The pair kernels launch with num_stages=1 (theirs says how far they load ahead).
-        stages = 1 if "AHEAD" in c else tile.num_stages
-        results.append({"name": name, **_compile(kernel, dtype, c, tile.num_warps, stages)})
+        results.append(
+            {"name": name, **_compile(kernel, dtype, c, tile.num_warps, tile.num_stages)}
+        )
     return results
 
 
