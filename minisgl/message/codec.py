@@ -14,6 +14,7 @@ from minisgl.message.types import (
     ChatMessage,
     DetokOut,
     EngineInfo,
+    FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
     RequestError,
@@ -43,6 +44,7 @@ _TYPES: tuple[type, ...] = (
     RequestError,
     EngineInfo,
     FlushCacheReq,
+    FlushCacheOut,
 )
 _CODES = {cls: code for code, cls in enumerate(_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES}

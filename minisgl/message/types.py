@@ -64,6 +64,17 @@ class AbortReq:
 class FlushCacheReq:
     """Drop every prefix-cache entry nobody uses (benchmarks start each run cold with it)."""
 
+    token: int = 0  # echoed in the `FlushCacheOut` that answers it
+
+
+@dataclass
+class FlushCacheOut:
+    """The scheduler's answer to a `FlushCacheReq`: it flushes only when no request is in
+    flight (running requests hold cache pages)."""
+
+    token: int
+    in_flight: int  # requests that kept the cache from being flushed; 0: flushed
+
 
 @dataclass
 class TokenOut:

@@ -17,6 +17,7 @@ from minisgl.engine import Engine
 from minisgl.message import (
     AbortReq,
     EngineInfo,
+    FlushCacheOut,
     FlushCacheReq,
     SchedulerOut,
     SchedulerStats,
@@ -62,6 +63,7 @@ class SchedulerProcess:
         self.inbox = inbox
         self.outbox = outbox
         self.pending: list[TokenOut] = []  # outputs produced outside a step (aborts, refusals)
+        self.flush_answers: list[FlushCacheOut] = []  # sent after this iteration's stats
 
     def recv_messages(self, block: bool) -> list[Any]:
         """Every new request and abort; waits for the first one when `block`.
@@ -78,7 +80,7 @@ class SchedulerProcess:
         elif isinstance(msg, AbortReq):
             self._abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
-            self._flush_cache()
+            self._flush_cache(msg.token)
         else:
             raise TypeError(f"scheduler: unexpected message {type(msg).__name__}")
 
@@ -95,15 +97,15 @@ class SchedulerProcess:
         if req is not None:  # None: it finished already, and that output went out
             self.pending.append(token_out(req, []))
 
-    def _flush_cache(self) -> None:
+    def _flush_cache(self, token: int) -> None:
         s = self.scheduler
-        if s.has_work:  # running requests hold cache pages; flushing half of it helps nobody
-            logger.warning(
-                "flush_cache ignored: %d requests are in flight", len(s.running) + len(s.waiting)
-            )
-            return
-        s.flush_cache()
-        logger.info("prefix cache flushed")
+        in_flight = len(s.running) + len(s.waiting)
+        if in_flight:  # running requests hold cache pages; flushing half of it helps nobody
+            logger.warning("flush_cache refused: %d requests are in flight", in_flight)
+        else:
+            s.flush_cache()
+            logger.info("prefix cache flushed")
+        self.flush_answers.append(FlushCacheOut(token, in_flight))
 
     def run_once(self) -> None:
         for msg in self.recv_messages(block=not self.scheduler.has_work):
@@ -112,6 +114,11 @@ class SchedulerProcess:
         if self.scheduler.has_work:
             outputs += [token_out(ev.req, ev.new_tokens) for ev in self.scheduler.step()]
         self.outbox.send(SchedulerOut(outputs, self.stats()))
+        # After the stats: when the API server hears that the cache was flushed, its metrics
+        # already show it.
+        for answer in self.flush_answers:
+            self.outbox.send(answer)
+        self.flush_answers.clear()
 
     def run_forever(self) -> None:
         while True:

@@ -25,6 +25,7 @@ from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, Ge
 logger = logging.getLogger(__name__)
 
 SUPERVISE_PERIOD_S = 0.2
+FLUSH_TIMEOUT_S = 60.0  # the scheduler answers between two steps
 
 
 @dataclass
@@ -142,12 +143,19 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
-        """Drop the prefix cache's unused entries once no request is in flight (benchmarks)."""
+        """Drop the prefix cache's unused entries (benchmarks start cold with it). Refused
+        with 400 while requests are in flight: they hold cache pages."""
         try:
-            _client(state).flush_cache()
+            in_flight = await asyncio.wait_for(_client(state).flush_cache(), FLUSH_TIMEOUT_S)
         except EngineUnavailable as e:
             return error_response(503, f"the engine is unavailable: {e}")
-        return JSONResponse({"status": "flush requested"})
+        except asyncio.TimeoutError:
+            return error_response(503, f"the scheduler did not answer in {FLUSH_TIMEOUT_S} s")
+        if in_flight:
+            return error_response(
+                400, f"the prefix cache was not flushed: requests in flight: {in_flight}"
+            )
+        return JSONResponse({"status": "flushed"})
 
     @app.get("/health")
     async def health() -> JSONResponse:

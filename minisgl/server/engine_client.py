@@ -18,6 +18,7 @@ import zmq.asyncio
 from minisgl.message import (
     AbortReq,
     DetokOut,
+    FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
     RequestError,
@@ -130,6 +131,8 @@ class EngineClient:
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None  # why no request can be served any more
         self.stats: SchedulerStats | None = None
+        self._flushes: dict[int, asyncio.Future[int]] = {}  # token -> requests in flight
+        self._next_flush = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
@@ -172,11 +175,19 @@ class EngineClient:
         if self.failure is None:
             self._tokenizer.send(AbortReq(rid))
 
-    def flush_cache(self) -> None:
-        """Ask the scheduler to drop unused prefix-cache entries (ignored while it is busy)."""
+    async def flush_cache(self) -> int:
+        """Ask the scheduler to drop unused prefix-cache entries; the number of requests in
+        flight that kept it from doing so (0: flushed; the stats already show it)."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
-        self._tokenizer.send(FlushCacheReq())
+        self._next_flush += 1
+        token = self._next_flush
+        answer = self._flushes[token] = asyncio.get_running_loop().create_future()
+        try:
+            self._tokenizer.send(FlushCacheReq(token))
+            return await answer
+        finally:
+            self._flushes.pop(token, None)
 
     def fail_all(self, reason: str) -> None:
         """End every live request with `EngineUnavailable`; later submits fail the same way."""
@@ -185,6 +196,9 @@ class EngineClient:
         for stream in set(self._streams.values()):
             stream.queue.put_nowait(EngineUnavailable(reason))
         self._streams.clear()
+        for answer in self._flushes.values():
+            if not answer.done():
+                answer.set_exception(EngineUnavailable(reason))
 
     async def _receive_loop(self) -> None:
         while True:
@@ -194,6 +208,10 @@ class EngineClient:
                 self.metrics.set_scheduler_stats(msg.stats)
                 for out in msg.outputs:
                     self._deliver(out)
+            elif isinstance(msg, FlushCacheOut):
+                answer = self._flushes.get(msg.token)
+                if answer is not None and not answer.done():
+                    answer.set_result(msg.in_flight)
             elif isinstance(msg, RequestError):
                 for rid in msg.rids:
                     stream = self._streams.pop(rid, None)

@@ -13,6 +13,7 @@ from minisgl.message import (
     AbortReq,
     DetokOut,
     EngineInfo,
+    FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
     RequestError,
@@ -76,7 +77,10 @@ class DetokenizerWorker:
         self.scheduler = scheduler
         self.api = api
 
-    def handle(self, msg: SchedulerOut) -> None:
+    def handle(self, msg: SchedulerOut | FlushCacheOut) -> None:
+        if isinstance(msg, FlushCacheOut):  # for the API server, in order with the outputs
+            self.api.send(msg)
+            return
         outputs: list[StrOut] = []
         for out in msg.outputs:
             text_out, abort = self.detokenizer.process(out)

@@ -14,6 +14,7 @@ from minisgl.message import (
     ChatMessage,
     DetokOut,
     EngineInfo,
+    FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
     RequestError,
@@ -41,7 +42,8 @@ EXAMPLES = [
     GenerateReq(["a", "b"], [-(2**63), 2**63 - 1], SamplingParams(), None, input_ids=[1, 2]),
     TokenizedReq("r", [1, 2, 3], SamplingParams(stop_token_ids=[4], logprobs=True), 3),
     AbortReq("r"),
-    FlushCacheReq(),
+    FlushCacheReq(7),
+    FlushCacheOut(7, 3),
     SchedulerOut(
         [TokenOut("r", [5], True, "stop", 3, 1, ["\n"], True, [-0.1], [[5, 6]], [[-0.1, -2.5]])],
         STATS,
