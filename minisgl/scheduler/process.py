@@ -99,8 +99,10 @@ class SchedulerProcess:
 
     def _flush_cache(self, token: int) -> None:
         s = self.scheduler
-        in_flight = len(s.running) + len(s.waiting)
-        if in_flight:  # running requests hold cache pages; flushing half of it helps nobody
+        # Running requests hold cache pages (flushing half of it helps nobody); a step still in
+        # flight (overlap) may write pages of requests that just finished: it counts as one.
+        in_flight = len(s.running) + len(s.waiting) or int(s.has_work)
+        if in_flight:
             logger.warning("flush_cache refused: %d requests are in flight", in_flight)
         else:
             s.flush_cache()
