@@ -68,26 +68,6 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-class _Scratch:
-    """Zeroed scratch buffers by (use, device, dtype); grow-only: a CUDA graph keeps the address
-    it captured, so a buffer is never freed once handed out."""
-
-    buffers: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
-
-
-def zeroed_scratch(use: str, device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """At least `n` elements that are zero whenever no kernel of `use` runs (those kernels zero
-    what they used before they finish: split counters, atomic accumulators)."""
-    held = _Scratch.buffers.setdefault((use, device, dtype), [])
-    if not held or held[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # A zero-fill inside a capture runs only at replay: eager calls would see garbage.
-            raise RuntimeError(f"run {use} once before capturing it in a CUDA graph")
-        size = max(n, 2 * held[-1].numel() if held else 1024)
-        held.append(torch.zeros(size, dtype=dtype, device=device))
-    return held[-1]
-
-
 def check_paged_args(
     q: torch.Tensor,  # [rows, Hq, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]

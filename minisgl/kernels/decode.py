@@ -28,7 +28,6 @@ from minisgl.kernels.common import (
     pdl_prologue,
     round_bf16,
     token_slots,
-    zeroed_scratch,
 )
 
 
@@ -220,9 +219,22 @@ def _combine_splits(
     tl.store(o_dst, out.to(o_dst.dtype.element_ty), mask=mask_h[:, None])
 
 
+# Split counters by device; grow-only: a CUDA graph keeps the address it captured, so a buffer
+# is never freed once handed out.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least `n` int32 counters that are zero whenever no decode kernel runs."""
-    return zeroed_scratch("decode_attention", device, n, torch.int32)
+    """At least `n` int32 counters that are zero whenever no decode kernel runs (the last
+    split of each (request, KV head) zeroes its counter before the kernel finishes)."""
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A zero-fill inside a capture runs only at replay: eager calls would see garbage.
+            raise RuntimeError("run decode_attention once before capturing it in a CUDA graph")
+        size = max(n, 2 * held[-1].numel() if held else 1024)
+        held.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def decode_attention(

@@ -64,7 +64,7 @@ class AbortReq:
 class FlushCacheReq:
     """Drop every prefix-cache entry nobody uses (benchmarks start each run cold with it)."""
 
-    token: int = 0  # echoed in the `FlushCacheOut` that answers it
+    token: int  # echoed in the `FlushCacheOut` that answers it
 
 
 @dataclass

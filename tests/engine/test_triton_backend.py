@@ -20,6 +20,7 @@ from helpers import assert_kv_clean, random_prompts  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.engine.cuda_graph import CudaGraphRunner, graph_batch_sizes  # noqa: E402
+from minisgl.kernels.decode import split_counters  # noqa: E402
 from minisgl.scheduler import Scheduler  # noqa: E402
 
 NUM_TOKENS = 12
@@ -93,6 +94,8 @@ def test_padded_decode_steps_with_overlap(setup):
     got = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert any(padded), "some decode step should have had padding rows"
+    # The decode kernel's split counters are back at zero after every step.
+    assert not split_counters(torch.device("cpu"), 64 * llm.engine.pool.num_kv_heads).any()
     # Padding rows wrote only the spare page, which no request owns.
     assert llm.engine.dummy_loc == llm.engine.num_pages * llm.engine.page_size
     assert llm.engine.pool.num_pages == llm.engine.num_pages + 1
