@@ -24,7 +24,6 @@ import torch
 
 from minisgl.attention import AttentionInputs
 from minisgl.core import Batch
-from minisgl.engine import graph_pdl
 from minisgl.engine.engine import StepRows
 from minisgl.engine.sampler import host_tensor
 from minisgl.layers import ForwardContext
@@ -64,7 +63,6 @@ class CudaGraphRunner:
         self.cu_extend = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = None  # the graphs' shared memory pool, from the first capture
-        self.pdl_edges = 0  # edges into GEMMs made programmatic (graph_pdl), all graphs
         self.memory_bytes = self._capture_all() if capture else 0
 
     # ---- capture -----------------------------------------------------------------------------
@@ -79,13 +77,11 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(self.engine.device)[0]
         logger.info(
-            "CUDA graphs: %d batch sizes (1..%d) captured in %.1f s, %.0f MiB, %d edges into GEMMs "
-            "programmatic",
+            "CUDA graphs: %d batch sizes (1..%d) captured in %.1f s, %.0f MiB",
             len(self.sizes),
             self.max_bs,
             time.perf_counter() - start,
             used / (1 << 20),
-            self.pdl_edges,
         )
         return used
 
@@ -97,29 +93,12 @@ class CudaGraphRunner:
             for _ in range(2):
                 self._forward(bs)
         torch.cuda.current_stream().wait_stream(stream)
-        pdl = graph_pdl.enabled(self.engine.device)
-        graph = torch.cuda.CUDAGraph(keep_graph=pdl)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._forward(bs)
-        if pdl:
-            self.pdl_edges += graph_pdl.rewrite_verified(
-                graph.raw_cuda_graph(), lambda: self._gemm_shapes(bs), self.engine.dtype,
-                self.engine.device,
-            )  # fmt: skip
-            graph.instantiate()
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[bs] = graph
-
-    def _gemm_shapes(self, bs: int) -> list[tuple[int, int, int]]:
-        """(M, K, N) of the model's dense projections in a step of `bs` rows."""
-        shapes: set[tuple[int, int, int]] = set()
-        for module in self.engine.model.modules():
-            weight = getattr(module, "weight", None)
-            linear = "Linear" in type(module).__name__
-            if linear and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                shapes.add((bs, int(weight.shape[1]), int(weight.shape[0])))
-        return sorted(shapes)
 
     def _forward(self, bs: int) -> None:
         """The captured work: a decode step of the first `bs` rows of the static inputs."""
