@@ -107,7 +107,6 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_table, meta.seq_lens, ps, self.sm_scale,
                 num_splits=meta.num_splits, config=self.decode_config, out=out[:nd],
-                after_kv_store=True,  # the store above, or the layer's rotary kernel, just ran
             )  # fmt: skip
         if ext is not None:
             extend_attention(

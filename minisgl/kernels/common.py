@@ -68,15 +68,6 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at `ptrs` (one `prefetch.global.L2` per element; every address must
-    be valid memory). Holds no registers and returns nothing; GPU only (not the interpreter)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
 def check_paged_args(
     q: torch.Tensor,  # [rows, Hq, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]

@@ -12,7 +12,6 @@ launch needs no host sync (CUDA-graph safe).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,6 @@ from minisgl.kernels.common import (
     online_softmax_step,
     pdl_args,
     pdl_prologue,
-    prefetch_l2,
     round_bf16,
     token_slots,
 )
@@ -113,12 +111,9 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if not PREFETCH:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)
     # KV heads vary fastest: CTAs launched together read neighbouring 256-byte head slices of
     # the same tokens, so DRAM sees whole token rows (and whole pages) rather than scattered bits.
     kv_head = tl.program_id(0)
@@ -129,18 +124,6 @@ def _decode_split_kernel(
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if PREFETCH:
-        # While the kernel before this one (the KV store) still runs: the lengths and the block
-        # table are not its outputs, so read them now, and pull the first key/value block into
-        # L2 (coherent for every SM, so the newest row, which that kernel writes, is right
-        # either way). The loop's first loads then hit L1 / L2 after the wait.
-        pos = start + tl.arange(0, BLOCK_N)
-        page = tl.load(block_table_ptr + b * stride_bt + pos // PAGE_SIZE, mask=pos < end, other=0)
-        rows = (page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE)[:, None]
-        lines = tl.arange(0, LINES)[None, :] * (HEAD_DIM // LINES)  # an address per 128 bytes
-        prefetch_l2(k_ptr + kv_head * stride_kh + rows * stride_kt + lines)
-        prefetch_l2(v_ptr + kv_head * stride_vh + rows * stride_vt + lines)
-        pdl_prologue(PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -267,18 +250,12 @@ def decode_attention(
     max_seq_len: int | None = None,
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given
-    after_kv_store: bool = False,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Attention of each request's single query over its whole paged context.
 
     Never syncs with the host. `num_splits` (or, when it is None, the heuristic fed with the
     host-side `max_seq_len`, default `P * page_size`) only affects speed; a CUDA graph captures
     one value and stays correct for every `seq_lens` it replays with.
-
-    `after_kv_store`: the caller promises that the kernel launched just before this one wrote
-    neither `seq_lens` nor `block_table` (the attention backend's KV store writes K/V rows and
-    nothing else). With programmatic dependent launch each program then reads them, and asks L2
-    for its first block of K/V, before it waits for that kernel to end.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -309,19 +286,9 @@ def decode_attention(
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
-        EMULATE_BF16=emulate_bf16, PREFETCH=after_kv_store and pdl["PDL"] and prefetch_on(num_splits),
-        LINES=max(1, head_dim * q.element_size() // 128), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl,
+        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out
-
-
-ENV_DECODE_PREFETCH = "MINISGL_DECODE_PREFETCH"  # experiment: "1" every launch, "split" split ones
-
-
-def prefetch_on(num_splits: int) -> bool:
-    mode = os.environ.get(ENV_DECODE_PREFETCH, "0")
-    return mode == "1" or (mode == "split" and num_splits > 1)
 
 
 def _check_decode_args(

@@ -21,9 +21,6 @@ DECODE = [
     ("decode bf16 d64 g3 ps1 split", "bf16", dict(GROUP=3, HEAD_DIM=64, BLOCK_N=128, PAGE_SIZE=1, SINGLE_SPLIT=False), 4, 3),
     ("decode fp32 d128 g1 ps16 split", "fp32", dict(GROUP=1, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False), 4, 2),
     ("decode fp16 d256 g8 ps64", "fp16", dict(GROUP=8, HEAD_DIM=256, BLOCK_N=32, PAGE_SIZE=64, SINGLE_SPLIT=True), 4, 2),
-    ("decode bf16 d128 g2 ps32 prefetch", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, PREFETCH=True, LINES=2), 4, 3),
-    ("decode bf16 d128 g8 ps32 split prefetch", "bf16", dict(GROUP=8, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=32, SINGLE_SPLIT=False, PREFETCH=True, LINES=2), 4, 3),
-    ("decode bf16 d64 g3 ps1 split prefetch", "bf16", dict(GROUP=3, HEAD_DIM=64, BLOCK_N=128, PAGE_SIZE=1, SINGLE_SPLIT=False, PREFETCH=True, LINES=1), 4, 3),
 ]  # fmt: skip
 EXTEND = [
     ("extend bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16), 8, 2),
@@ -51,8 +48,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        c = {"PREFETCH": False, "LINES": 1} | c
-        c |= dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
+        c = c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
         types = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
