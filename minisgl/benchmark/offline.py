@@ -188,10 +188,41 @@ class StepRecorder:
         return rows
 
 
+class CompileRecorder:
+    """Names of the Triton kernel variants compiled (or loaded from the disk cache) while it is
+    entered: a warm-up that missed a variant shows up here as host time in the timed run."""
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        self.previous: Any = None
+
+    def __enter__(self) -> CompileRecorder:
+        try:
+            from triton import knobs
+        except ImportError:  # no triton (CPU without it), or one too old for knobs
+            return self
+        self.previous = knobs.runtime.jit_cache_hook
+
+        def hook(**kwargs: Any) -> bool:
+            fn = kwargs.get("fn")
+            self.compiled.append(str(getattr(fn, "name", fn)))
+            return False  # compile as usual
+
+        knobs.runtime.jit_cache_hook = hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        knobs.runtime.jit_cache_hook = self.previous
+
+
 def run_minisgl(args: argparse.Namespace, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
     llm = TokenIdLLM(str(args.model), **engine_options(args))
     warm_up(llm, wl)
-    with StepRecorder(llm) as rec:
+    with StepRecorder(llm) as rec, CompileRecorder() as compiles:
         seconds, tokens = time_generate(llm, wl)
         end = time.perf_counter()
     engine = llm.engine
@@ -204,6 +235,7 @@ def run_minisgl(args: argparse.Namespace, wl: Workload, bandwidth: float) -> tup
     }
     row["num_pages"] = engine.num_pages
     row["steps"] = rec.breakdown(end, mb, bandwidth)
+    row["compiled_in_timed_run"] = compiles.compiled
     return row, llm
 
 
