@@ -1,6 +1,10 @@
-"""W4, online serving (BENCHMARKS.md), CPU variant: `python -m minisgl.benchmark.serving`.
+"""W4, online serving (BENCHMARKS.md): `python -m minisgl.benchmark.serving`.
 
-The default SmolLM2 model on this machine. Workload: `random.Random(seed)` draws every prompt's
+The default SmolLM2 model on a CPU; on a GPU host a config-only model directory with
+`--load-format dummy` (e.g. `minisgl/benchmark/models/qwen3-0.6b`), which gets a synthetic
+word-level tokenizer of the config's vocabulary (token i is the word "t<i>": the requests are
+token ids, and the server streams their text), and `--mem-fraction` below 0.5 for the server,
+so that the offline engine fits on the same GPU. `scripts/gpu_serving.sh` runs it there. Workload: `random.Random(seed)` draws every prompt's
 length (32-256 tokens), then its token ids (0-9999), then every output length (16-96 tokens);
 temperature 0.6 with a per-request seed, `ignore_eos`. In one run:
 
@@ -25,11 +29,15 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DEFAULT_RATES = ("1", "2", "4", "inf")
@@ -60,10 +68,10 @@ TEMPERATURE = 0.6
 # ---- offline ---------------------------------------------------------------------------------
 
 
-def load_offline(model: str | None) -> Any:
+def load_offline(model: str | None, options: dict[str, Any]) -> Any:
     from minisgl import LLM, SamplingParams
 
-    llm = LLM(model)
+    llm = LLM(model, **options)
     warm = Workload.draw(4, 1000, (16, 32), (4, 4))
     llm.generate(warm.prompts, SamplingParams(max_tokens=4), use_tqdm=False)
     return llm
@@ -145,7 +153,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
-def summarize(traces: list[RequestTrace]) -> dict[str, Any]:
+def summarize(traces: list[RequestTrace], work: Workload) -> dict[str, Any]:
     start = min(t.sent for t in traces)
     seconds = max(t.done for t in traces) - start
     tokens = sum(t.completion_tokens for t in traces)
@@ -156,9 +164,12 @@ def summarize(traces: list[RequestTrace]) -> dict[str, Any]:
         for t in traces
         if t.first is not None and t.completion_tokens > 1
     ]
+    # ignore_eos: every request must stream exactly its max_tokens (a short or lost one counts)
+    short = sum(t.completion_tokens != m for t, m in zip(traces, work.output_lens, strict=True))
     return {
         "seconds": seconds,
         "requests": len(traces),
+        "incomplete": short,
         "output_tokens": tokens,
         "request_s": len(traces) / seconds,
         "output_tok_s": tokens / seconds,
@@ -189,7 +200,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None
 class ServerProcess:
     """`python -m minisgl` on a free port, for the duration of a `with` block."""
 
-    def __init__(self, model: str | None, log_path: str) -> None:
+    def __init__(self, model: str | None, log_path: str, extra: Sequence[str] = ()) -> None:
         import socket
 
         with socket.socket() as s:
@@ -198,6 +209,7 @@ class ServerProcess:
         argv = [sys.executable, "-m", "minisgl", "--port", str(self.port), "--log-level", "warning"]
         if model:
             argv += ["--model", model]
+        argv += extra
         self.log_path = log_path
         with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -234,7 +246,7 @@ def flush_cache(url: str, timeout: float = 60) -> None:
 
 def run_online(work: Workload, url: str, rate: float, seed: int) -> dict[str, Any]:
     flush_cache(url)
-    return summarize(asyncio.run(run_rate(url, work, rate, seed)))
+    return summarize(asyncio.run(run_rate(url, work, rate, seed)), work)
 
 
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -284,6 +296,34 @@ def print_table(offline: dict[str, float] | None, online: dict[str, Any]) -> Non
         )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def needs_synthetic_tokenizer(model: str | None, load_format: str) -> bool:
+    if model is None or load_format != "dummy" or not Path(model).is_dir():
+        return False
+    return not any((Path(model) / name).exists() for name in TOKENIZER_FILES)
+
+
+def synthetic_tokenizer_model(model: str, directory: Path) -> str:
+    """A copy of the config-only model directory `model` in `directory`, with a word-level
+    tokenizer of the config's vocabulary: token i is the word "t<i>", the end of sequence the
+    config's first EOS id. Decoding joins words with spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    vocab = {f"t{i}": i for i in range(int(config["vocab_size"]))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    eos = config.get("eos_token_id", 0)
+    eos = eos[0] if isinstance(eos, list) else eos
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"t{eos}"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    shutil.copy(Path(model) / "config.json", directory / "config.json")
+    return str(directory)
+
+
 def parse_range(text: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in text.split("-"))
     return lo, hi
@@ -310,19 +350,41 @@ def main(argv: list[str] | None = None) -> None:
         help="alternating offline / saturated runs (the best of each counts)",
     )
     p.add_argument("--server-log", default="minisgl-bench-server.log")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="the server's share of the GPU's memory; the offline engine then loads after it and "
+        "keeps its default (0.9 of the total, less what the server holds)",
+    )
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     work = Workload.draw(args.num_requests, args.seed, args.prompt_len, args.output_len)
-    if args.url:
-        llm = None if args.skip_offline else load_offline(args.model)
-        runs = measure(work, args.url, llm, rates, args.repeats, args.seed)
-    else:
-        with ServerProcess(args.model, args.server_log) as server:
-            # The offline engine loads while the server does; neither runs while the other is
-            # measured (both sit idle between their runs).
-            llm = None if args.skip_offline else load_offline(args.model)
-            server.wait_ready()
-            runs = measure(work, server.url, llm, rates, args.repeats, args.seed)
+    options: dict[str, Any] = {"load_format": args.load_format}
+    extra = ["--load-format", args.load_format]
+    if args.mem_fraction is not None:
+        extra += ["--mem-fraction", str(args.mem_fraction)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if needs_synthetic_tokenizer(model, args.load_format):
+            model = synthetic_tokenizer_model(model, Path(tmp))
+            print(f"{args.model} has no tokenizer: a synthetic one of its vocabulary in {model}")
+        if args.url:
+            llm = None if args.skip_offline else load_offline(model, options)
+            runs = measure(work, args.url, llm, rates, args.repeats, args.seed)
+        else:
+            with ServerProcess(model, args.server_log, extra) as server:
+                # On a CPU the offline engine loads while the server does; on a GPU after it
+                # (each sizes its KV pool from the memory left). Neither runs while the other
+                # is measured (both sit idle between their runs).
+                after = args.mem_fraction is not None
+                if not after:
+                    llm = None if args.skip_offline else load_offline(model, options)
+                server.wait_ready()
+                if after:
+                    llm = None if args.skip_offline else load_offline(model, options)
+                runs = measure(work, server.url, llm, rates, args.repeats, args.seed)
     offline_runs, online, saturated_runs = runs
     offline = best(offline_runs) if offline_runs else None
     report(args, work, offline, online, offline_runs, saturated_runs)
@@ -337,6 +399,9 @@ def report(
     saturated_runs: list[dict[str, Any]],
 ) -> None:
     print_table(offline, online)
+    for rate, summary in online.items():
+        if summary["incomplete"]:
+            print(f"rate {rate}: {summary['incomplete']} requests did not stream all their tokens")
     ratio = online["inf"]["output_tok_s"] / offline["output_tok_s"] if offline else None
     if ratio is not None:
         print(
@@ -344,7 +409,9 @@ def report(
             f"{args.repeats} alternating runs each)"
         )
     result = {
-        "workload": "W4-cpu",
+        "workload": "W4",
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "load_format": args.load_format,
         "num_requests": args.num_requests,
         "prompt_tokens": sum(len(x) for x in work.prompts),
         "output_tokens": work.output_tokens,

@@ -60,6 +60,10 @@ class EngineConfig:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction: must be in (0, 1], got {self.mem_fraction}")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs: must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.reserve_ratio <= 1.0:
             raise ValueError(f"reserve_ratio: must be in (0, 1], got {self.reserve_ratio}")
         if not 0.0 < self.min_reserve_ratio <= 1.0:

@@ -106,6 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-running-requests", type=int, default=256, help="requests decoded together at most"
     )
     s.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory the engine may fill (weights, CUDA graphs, activations, "
+        "then the KV pool with the rest); on a CPU --num-pages sizes the pool",
+    )
+    s.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=256,
+        help="decode batches up to this size replay CUDA graphs (padded to a captured size); "
+        "0 disables the graphs",
+    )
+    s.add_argument(
+        "--disable-overlap",
+        action="store_true",
+        help="schedule each step after the previous step's tokens are back (by default on "
+        "CUDA the host prepares step N+1 while the GPU runs step N)",
+    )
+    s.add_argument(
         "--max-context-len",
         type=int,
         default=0,
@@ -160,6 +180,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         max_context_len=args.max_context_len,
+        mem_fraction=args.mem_fraction,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        overlap=not args.disable_overlap,
         cache=args.cache,
         tp_size=args.tp_size,
         nnodes=args.nnodes,

@@ -32,6 +32,9 @@ FLAGS = [
     "--node-rank",
     "--dist-init-addr",
     "--skip-warmup",
+    "--mem-fraction",
+    "--cuda-graph-max-bs",
+    "--disable-overlap",
 ]
 
 
@@ -79,9 +82,17 @@ def test_flags_map_onto_the_engine_config() -> None:
             "--log-level",
             "debug",
             "--skip-warmup",
+            "--mem-fraction",
+            "0.5",
+            "--cuda-graph-max-bs",
+            "0",
+            "--disable-overlap",
         ]
     )
     e = cfg.engine
+    assert (e.mem_fraction, e.cuda_graph_max_bs, e.overlap) == (0.5, 0, False)
+    default = parse_args([]).engine
+    assert (default.mem_fraction, default.cuda_graph_max_bs, default.overlap) == (0.9, 256, True)
     assert (cfg.host, cfg.port, cfg.api_key, cfg.log_level) == ("0.0.0.0", 8000, "k", "debug")
     assert (e.cache, e.page_size, e.max_prefill_tokens, e.max_running_requests) == (
         "naive",
@@ -149,6 +160,9 @@ def test_bad_multi_node_flags(
         ["--tp-size", "0"],
         ["--max-running-requests", "0"],
         ["--api-key", ""],
+        ["--mem-fraction", "0"],
+        ["--mem-fraction", "1.5"],
+        ["--cuda-graph-max-bs", "-1"],
     ],
 )
 def test_bad_values_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
