@@ -25,8 +25,17 @@ timeout 420 $PY -m minisgl.benchmark.serving --url $URL --model "$SYN" --load-fo
   --num-requests "$REQUESTS" --prompt-len 100-1024 --output-len 100-1024 \
   --rates "$RATES" --repeats 2 > "$LOG/w4.log" 2>&1
 echo "== w4 rc=$?"
+# Which process limits the server at saturation: CPU per process during one saturated run.
+$PY -m minisgl.benchmark.serving --url $URL --model "$SYN" --load-format dummy --skip-offline \
+  --num-requests "$REQUESTS" --prompt-len 100-1024 --output-len 100-1024 --rates inf \
+  --repeats 1 > "$LOG/w4_saturated.log" 2>&1 &
+BENCH=$!
+$PY scripts/proc_cpu.py --pid $SERVER --pid $BENCH --interval 0.25 > "$LOG/cpu.log" 2>&1 &
+SAMPLER=$!
+wait $BENCH; echo "== saturated run rc=$?"; kill $SAMPLER; wait $SAMPLER
 timeout 120 $PY scripts/server_abort_check.py --url $URL > "$LOG/abort.log" 2>&1
 echo "== abort check rc=$?"
 kill $SERVER; wait $SERVER
 echo "== server exit rc=$? (143 = SIGTERM)"; tail -n 5 "$LOG/server.log"
-grep -v '^{' "$LOG/w4.log" | tail -n 12; tail -n 1 "$LOG/abort.log"
+grep -v '^{' "$LOG/w4.log" | tail -n 12; grep -v '^{' "$LOG/cpu.log"
+grep -v '^{' "$LOG/w4_saturated.log" | tail -n 3; tail -n 1 "$LOG/abort.log"

@@ -11,6 +11,7 @@ their tensor-parallel ranks, which take their config from rank 0 and stop when i
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -38,6 +39,28 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0
 
 
+# What `ps`, `top` and /proc/PID/comm show for each worker (Linux keeps 15 bytes).
+WORKER_NAMES = {
+    "scheduler": "minisgl:sched",
+    "tokenizer": "minisgl:tok",
+    "detokenizer": "minisgl:detok",
+}
+
+
+def set_process_name(name: str) -> None:
+    """The OS-level name of this process (Linux; elsewhere nothing happens)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _named_main(os_name: str, target: Callable[..., None], *args: Any) -> None:
+    set_process_name(os_name)
+    target(*args)
+
+
 class StartupError(RuntimeError):
     """A worker process failed while loading; the message carries its traceback."""
 
@@ -62,8 +85,15 @@ class Workers:
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> Child:
         parent_conn, child_conn = self._mp.Pipe()
         proc = self._mp.Process(
-            target=target,
-            args=(*args, child_conn, os.getpid(), self.config.log_level),
+            target=_named_main,
+            args=(
+                WORKER_NAMES[name],
+                target,
+                *args,
+                child_conn,
+                os.getpid(),
+                self.config.log_level,
+            ),
             name=f"minisgl-{name}",
         )
         proc.start()

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -73,6 +74,14 @@ def client(server: Server) -> openai.OpenAI:
 def http(server: Server) -> Iterator[httpx.Client]:
     with server.http() as c:
         yield c
+
+
+@pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="needs Linux /proc")
+def test_worker_processes_are_named(server: Server) -> None:
+    """`ps` / `top` tell the workers apart: each sets its OS-level process name."""
+    for worker, name in (("scheduler", "sched"), ("tokenizer", "tok"), ("detokenizer", "detok")):
+        comm = Path(f"/proc/{server.worker_pid(worker)}/comm").read_text().strip()
+        assert comm == f"minisgl:{name}"
 
 
 def chat(client: openai.OpenAI, messages: Any = COUNT, **kw: Any) -> Any:
