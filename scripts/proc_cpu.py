@@ -92,17 +92,15 @@ def main() -> None:
             last[pid] = used
         prev_t = now
     wall = prev_t - start
-    rows = sorted(
-        ({"pid": pid, "name": names[pid], "cpu_s": last[pid] - first[pid],
-          "mean_pct": 100 * (last[pid] - first[pid]) / wall, "peak_pct": 100 * peak.get(pid, 0.0)}
-         for pid in last),
-        key=lambda r: -r["cpu_s"],
-    )  # fmt: skip
+    used = {pid: last[pid] - first[pid] for pid in last}
     print(f"{'process':<18} {'pid':>7} {'cpu s':>7} {'mean %':>7} {'peak %':>7}  ({wall:.1f} s)")
-    for r in rows:
-        if r["cpu_s"] > 0.05:
-            print(f"{r['name']:<18} {r['pid']:>7} {r['cpu_s']:>7.1f} {r['mean_pct']:>7.0f} "
-                  f"{r['peak_pct']:>7.0f}")  # fmt: skip
+    rows = []
+    for pid in sorted(used, key=lambda q: -used[q]):
+        mean, top = 100 * used[pid] / wall, 100 * peak.get(pid, 0.0)
+        rows.append({"pid": pid, "name": names[pid], "cpu_s": used[pid], "mean_pct": mean,
+                     "peak_pct": top})  # fmt: skip
+        if used[pid] > 0.05:
+            print(f"{names[pid]:<18} {pid:>7} {used[pid]:>7.1f} {mean:>7.0f} {top:>7.0f}")
     print(json.dumps({"wall_s": wall, "processes": rows}))
 
 
