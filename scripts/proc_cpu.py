@@ -92,15 +92,15 @@ def main() -> None:
             last[pid] = used
         prev_t = now
     wall = prev_t - start
-    used = {pid: last[pid] - first[pid] for pid in last}
+    spent = {pid: last[pid] - first[pid] for pid in last}
     print(f"{'process':<18} {'pid':>7} {'cpu s':>7} {'mean %':>7} {'peak %':>7}  ({wall:.1f} s)")
     rows = []
-    for pid in sorted(used, key=lambda q: -used[q]):
-        mean, top = 100 * used[pid] / wall, 100 * peak.get(pid, 0.0)
-        rows.append({"pid": pid, "name": names[pid], "cpu_s": used[pid], "mean_pct": mean,
+    for pid in sorted(spent, key=lambda q: -spent[q]):
+        mean, top = 100 * spent[pid] / wall, 100 * peak.get(pid, 0.0)
+        rows.append({"pid": pid, "name": names[pid], "cpu_s": spent[pid], "mean_pct": mean,
                      "peak_pct": top})  # fmt: skip
-        if used[pid] > 0.05:
-            print(f"{names[pid]:<18} {pid:>7} {used[pid]:>7.1f} {mean:>7.0f} {top:>7.0f}")
+        if spent[pid] > 0.05:
+            print(f"{names[pid]:<18} {pid:>7} {spent[pid]:>7.1f} {mean:>7.0f} {top:>7.0f}")
     print(json.dumps({"wall_s": wall, "processes": rows}))
 
 
