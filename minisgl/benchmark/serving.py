@@ -129,20 +129,63 @@ async def one_request(
     return trace
 
 
-async def run_rate(url: str, work: Workload, rate: float, seed: int) -> list[RequestTrace]:
+async def run_rate(
+    url: str,
+    work: Workload,
+    rate: float,
+    seed: int,
+    ids: Sequence[int] | None = None,
+    start_at: float | None = None,
+) -> list[RequestTrace]:
+    """Send `work` (request i with seed `ids[i]`, default i) at `rate` requests/s (Poisson
+    arrivals; inf: all at once), from `start_at` (a perf_counter time) if given."""
     import openai
 
     rng = random.Random(seed)
+    ids = range(len(work.prompts)) if ids is None else ids
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
     tasks = []
     async with client:
-        for i, (prompt, m) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        for i, prompt, m in zip(ids, work.prompts, work.output_lens, strict=True):
             tasks.append(
                 asyncio.create_task(one_request(client, prompt, m, i, time.perf_counter()))
             )
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         return list(await asyncio.gather(*tasks))
+
+
+def _client_part(
+    url: str, work: Workload, rate: float, seed: int, ids: list[int], start_at: float
+) -> list[RequestTrace]:
+    return asyncio.run(run_rate(url, work, rate, seed, ids, start_at))
+
+
+def run_clients(url: str, work: Workload, rate: float, seed: int, procs: int) -> list[RequestTrace]:
+    """`run_rate` from `procs` client processes, each with every procs-th request and a
+    procs-th of the rate (together still Poisson at `rate`): one Python process parsing every
+    streamed chunk is itself the bottleneck of a fast server. Traces in request order."""
+    if procs <= 1:
+        return asyncio.run(run_rate(url, work, rate, seed))
+    import multiprocessing
+
+    n = len(work.prompts)
+    parts = [list(range(k, n, procs)) for k in range(procs)]
+    start_at = time.perf_counter() + 3.0  # CLOCK_MONOTONIC: one clock for every process
+    args = [
+        (url, Workload([work.prompts[i] for i in ids], [work.output_lens[i] for i in ids]),
+         rate / procs, seed + k, ids, start_at)
+        for k, ids in enumerate(parts)
+    ]  # fmt: skip
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        results = pool.starmap(_client_part, args)
+    traces: list[RequestTrace | None] = [None] * n
+    for ids, part in zip(parts, results, strict=True):
+        for i, trace in zip(ids, part, strict=True):
+            traces[i] = trace
+    return [t for t in traces if t is not None]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -244,9 +287,9 @@ def flush_cache(url: str, timeout: float = 60) -> None:
     r.raise_for_status()
 
 
-def run_online(work: Workload, url: str, rate: float, seed: int) -> dict[str, Any]:
+def run_online(work: Workload, url: str, rate: float, seed: int, procs: int = 1) -> dict[str, Any]:
     flush_cache(url)
-    return summarize(asyncio.run(run_rate(url, work, rate, seed)), work)
+    return summarize(run_clients(url, work, rate, seed, procs), work)
 
 
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -254,7 +297,13 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(
-    work: Workload, url: str, llm: Any, rates: list[float], repeats: int, seed: int
+    work: Workload,
+    url: str,
+    llm: Any,
+    rates: list[float],
+    repeats: int,
+    seed: int,
+    procs: int = 1,
 ) -> tuple[list[dict[str, float]], dict[str, Any], list[dict[str, Any]]]:
     """Offline and saturated runs alternating, then every finite rate once."""
     warm = Workload.draw(4, seed + 1000, (16, 32), (4, 4))
@@ -263,10 +312,10 @@ def measure(
     for _ in range(repeats):
         if llm is not None:
             offline_runs.append(run_offline(llm, work))
-        saturated_runs.append(run_online(work, url, float("inf"), seed))
+        saturated_runs.append(run_online(work, url, float("inf"), seed, procs))
     online: dict[str, Any] = {"inf": best(saturated_runs)}
     for rate in (r for r in rates if r != float("inf")):
-        online[str(rate)] = run_online(work, url, rate, seed)
+        online[str(rate)] = run_online(work, url, rate, seed, procs)
     return offline_runs, online, saturated_runs
 
 
@@ -352,6 +401,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-log", default="minisgl-bench-server.log")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes sending the requests (one Python client tops out near 10k "
+        "streamed tokens/s; a GPU server needs several)",
+    )
+    p.add_argument(
         "--mem-fraction",
         type=float,
         default=None,
@@ -372,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{args.model} has no tokenizer: a synthetic one of its vocabulary in {model}")
         if args.url:
             llm = None if args.skip_offline else load_offline(model, options)
-            runs = measure(work, args.url, llm, rates, args.repeats, args.seed)
+            runs = measure(work, args.url, llm, rates, args.repeats, args.seed, args.client_procs)
         else:
             with ServerProcess(model, args.server_log, extra) as server:
                 # On a CPU the offline engine loads while the server does; on a GPU after it
@@ -384,7 +440,9 @@ def main(argv: list[str] | None = None) -> None:
                 server.wait_ready()
                 if after:
                     llm = None if args.skip_offline else load_offline(model, options)
-                runs = measure(work, server.url, llm, rates, args.repeats, args.seed)
+                runs = measure(
+                    work, server.url, llm, rates, args.repeats, args.seed, args.client_procs
+                )
     offline_runs, online, saturated_runs = runs
     offline = best(offline_runs) if offline_runs else None
     report(args, work, offline, online, offline_runs, saturated_runs)
@@ -413,6 +471,7 @@ def report(
         "model": args.model or "SmolLM2-135M-Instruct",
         "load_format": args.load_format,
         "num_requests": args.num_requests,
+        "client_procs": args.client_procs,
         "prompt_tokens": sum(len(x) for x in work.prompts),
         "output_tokens": work.output_tokens,
         "offline": offline,
