@@ -4,9 +4,11 @@ The default SmolLM2 model on a CPU; on a GPU host a config-only model directory 
 `--load-format dummy` (e.g. `minisgl/benchmark/models/qwen3-0.6b`), which gets a synthetic
 word-level tokenizer of the config's vocabulary (token i is the word "t<i>": the requests are
 token ids, and the server streams their text), and `--mem-fraction` below 0.5 for the server,
-so that the offline engine fits on the same GPU. `scripts/gpu_serving.sh` runs it there. Workload: `random.Random(seed)` draws every prompt's
-length (32-256 tokens), then its token ids (0-9999), then every output length (16-96 tokens);
-temperature 0.6 with a per-request seed, `ignore_eos`. In one run:
+so that the offline engine fits on the same GPU. `scripts/gpu_serving.sh` runs it there.
+
+Workload: `random.Random(seed)` draws every prompt's length (32-256 tokens by default), then its
+token ids (0-9999), then every output length (16-96 tokens); temperature 0.6 with a per-request
+seed, `ignore_eos`. In one run:
 
 1. offline: `LLM.generate` on all prompts at once (the throughput the server should approach),
    in this process;
@@ -160,7 +162,12 @@ async def run_rate(
 def _client_part(
     url: str, work: Workload, rate: float, seed: int, ids: list[int], start_at: float
 ) -> list[RequestTrace]:
-    return asyncio.run(run_rate(url, work, rate, seed, ids, start_at))
+    try:
+        return asyncio.run(run_rate(url, work, rate, seed, ids, start_at))
+    except Exception as e:
+        # The openai client's errors do not unpickle in the parent, and a Pool whose result
+        # cannot be unpickled waits forever: send a plain one.
+        raise RuntimeError(f"a client process failed: {type(e).__name__}: {e}") from None
 
 
 def run_clients(url: str, work: Workload, rate: float, seed: int, procs: int) -> list[RequestTrace]:
