@@ -20,12 +20,13 @@ from typing import Any
 import httpx
 import openai
 
+from minisgl.benchmark.serving import open_stream
 
-async def one(client: Any, prompt: list[int], max_tokens: int, cancel_after: int | None) -> int:
-    stream = await client.completions.create(
-        model="default", prompt=prompt, max_tokens=max_tokens, temperature=0.6, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+
+async def one(
+    client: Any, prompt: list[int], max_tokens: int, seed: int, cancel_after: int | None
+) -> int:
+    stream = await open_stream(client, prompt, max_tokens, seed)
     chunks, tokens = 0, 0
     async for chunk in stream:
         chunks += 1
@@ -44,7 +45,7 @@ async def storm(url: str, n: int, vocab: int) -> tuple[int, int]:
         jobs = []
         for i in range(n):
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(50, 600))]
-            jobs.append(one(client, prompt, 256, rng.randint(1, 20) if i % 2 else None))
+            jobs.append(one(client, prompt, 256, i, rng.randint(1, 20) if i % 2 else None))
         results = await asyncio.gather(*jobs)
     full = sum(r == 256 for r in results)
     return full, sum(r == -1 for r in results)

@@ -106,11 +106,9 @@ class RequestTrace:
     completion_tokens: int = 0
 
 
-async def one_request(
-    client: Any, prompt: list[int], max_tokens: int, seed: int, sent: float
-) -> RequestTrace:
-    trace = RequestTrace(sent)
-    stream = await client.completions.create(
+async def open_stream(client: Any, prompt: list[int], max_tokens: int, seed: int) -> Any:
+    """One streamed `/v1/completions` request of the workload (token ids in, usage at the end)."""
+    return await client.completions.create(
         model="default",
         prompt=prompt,
         max_tokens=max_tokens,
@@ -120,6 +118,13 @@ async def one_request(
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
+
+
+async def one_request(
+    client: Any, prompt: list[int], max_tokens: int, seed: int, sent: float
+) -> RequestTrace:
+    trace = RequestTrace(sent)
+    stream = await open_stream(client, prompt, max_tokens, seed)
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
@@ -433,20 +438,22 @@ def main(argv: list[str] | None = None) -> None:
         if needs_synthetic_tokenizer(model, args.load_format):
             model = synthetic_tokenizer_model(model, Path(tmp))
             print(f"{args.model} has no tokenizer: a synthetic one of its vocabulary in {model}")
+
+        def load() -> Any:
+            return None if args.skip_offline else load_offline(model, options)
+
         if args.url:
-            llm = None if args.skip_offline else load_offline(model, options)
-            runs = measure(work, args.url, llm, rates, args.repeats, args.seed, args.client_procs)
+            runs = measure(
+                work, args.url, load(), rates, args.repeats, args.seed, args.client_procs
+            )
         else:
             with ServerProcess(model, args.server_log, extra) as server:
                 # On a CPU the offline engine loads while the server does; on a GPU after it
                 # (each sizes its KV pool from the memory left). Neither runs while the other
                 # is measured (both sit idle between their runs).
-                after = args.mem_fraction is not None
-                if not after:
-                    llm = None if args.skip_offline else load_offline(model, options)
+                llm = load() if args.mem_fraction is None else None
                 server.wait_ready()
-                if after:
-                    llm = None if args.skip_offline else load_offline(model, options)
+                llm = llm if args.mem_fraction is None else load()
                 runs = measure(
                     work, server.url, llm, rates, args.repeats, args.seed, args.client_procs
                 )
