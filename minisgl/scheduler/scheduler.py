@@ -5,16 +5,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, FinishReason, Req, ReqStatus, resolve_max_tokens
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import PageAllocator, make_prefix_cache
 from minisgl.scheduler.kv_manager import KVManager, pages_for
-
-if TYPE_CHECKING:
-    from minisgl.distributed.sync import RequestSync
+from minisgl.scheduler.sync import RequestSync
 
 logger = logging.getLogger(__name__)
 

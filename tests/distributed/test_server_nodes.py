@@ -16,7 +16,8 @@ from server.serving_helpers import descendants, free_port, start_server
 from minisgl import LLM, SamplingParams
 from minisgl.__main__ import main
 from minisgl.config import EngineConfig
-from minisgl.distributed.group import host_store, publish_config, store_address
+from minisgl.distributed.group import host_store, store_address
+from minisgl.runtime.rendezvous import publish_config
 
 VOCAB = 385
 MAX_TOKENS = 8
