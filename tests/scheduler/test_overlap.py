@@ -120,14 +120,16 @@ def test_abort_while_its_step_is_in_flight(model_path):
         sched.step()
     assert sched._in_flight is not None
     victim = reqs[2]
-    assert victim in sched._in_flight[0].reqs, "the victim's next step should be in flight"
-    slot = victim.slot
+    assert victim in sched._in_flight.reqs, "the victim's next step should be in flight"
+    slot, pages = victim.slot, list(victim.pages)
     assert sched.abort(victim.rid) is victim
     sched.check_invariants()
-    # A new request takes the freed slot at once; the in-flight step must not disturb it.
+    # Its slot and pages wait for the step in flight; a request admitted meanwhile gets others.
+    assert sched.kv_accounting()["released"] > 0
     late = _add(llm, prompts[2], greedy, "late")
     sched.step()
-    assert late.slot == slot
+    own = late.pages[late.cache_len // llm.engine.page_size :]  # not shared through the cache
+    assert late.slot != slot and not set(own) & set(pages)
     run_checked(llm)
     assert victim.finish_reason is not None and victim.finish_reason.value == "abort"
     assert len(victim.output_ids) < NUM_TOKENS
@@ -171,15 +173,26 @@ def test_penalty_inputs_come_from_the_token_table(model_path, monkeypatch):
     original = engine._penalties
     checked = []
 
-    def check(reqs, rows):
-        pen = original(reqs, rows)
-        for i, r in enumerate(reqs):
+    reqs = {}
+
+    def check(seqs, num_out, rows):
+        pen = original(seqs, num_out, rows)
+        for i, s in enumerate(seqs):
+            r = reqs[s]
             prompt = [t for t in pen.prompt_tokens[i].tolist() if t >= 0]
             out = [t for t in pen.output_tokens[i].tolist() if t >= 0]
             assert prompt == r.prompt_ids
             assert out == r.output_ids
-        checked.append(len(reqs))
+        checked.append(len(seqs))
         return pen
+
+    launch = llm.scheduler._launch
+
+    def remember(step_reqs, batch):
+        reqs.update(zip(batch.seqs, step_reqs))
+        return launch(step_reqs, batch)
+
+    monkeypatch.setattr(llm.scheduler, "_launch", remember)
 
     monkeypatch.setattr(engine, "_penalties", check)
     params = SamplingParams(max_tokens=8, temperature=0.5, frequency_penalty=0.4, seed=1)
