@@ -44,7 +44,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
     overlap: bool = True  # overlap scheduling (CUDA only)
     # The engine runs a few synthetic steps at start-up so serving never waits on a JIT
-    # compile of a kernel variant (`minisgl.engine.warmup`); tests and tools may skip them.
+    # compile of a kernel variant (`minisgl.scheduler.warmup`); tests and tools may skip them.
     skip_warmup: bool = False
     # Share of a request's remaining max_tokens that admission reserves KV for. It starts at
     # `reserve_ratio` and falls linearly to `min_reserve_ratio` over `reserve_decay_steps` steps
