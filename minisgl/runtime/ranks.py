@@ -104,9 +104,10 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 def build_scheduler(config: EngineConfig, control: Any, sync: RequestSync) -> Scheduler:
-    """This rank's engine and scheduler. Every rank's engine builds its pool, CUDA graphs and
-    warm-up for the same page count: the smallest that any rank's memory holds (schedulers
-    that counted different pages would admit different requests and fall out of step)."""
+    """This rank's engine and scheduler. Every rank's engine builds its pool and CUDA graphs
+    for the same page count, the smallest that any rank's memory holds, so the schedulers' warm-up
+    steps and admissions are the same on every rank (schedulers that counted different pages
+    would admit different requests and fall out of step)."""
     engine = Engine(config, agree_num_pages=lambda pages: agree_on_min(pages, control))
     return Scheduler(engine, sync=sync)
 
