@@ -86,6 +86,7 @@ class LLM:
         reqs = [self._make_req(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:  # validate all before admitting any, so a bad one leaves nothing behind
             self.scheduler.check_request(r.prompt_len, r.params.max_tokens)
+            self.scheduler.check_grammar(r.params)
         for r in reqs:
             self.scheduler.add_request(r)
         self._run(reqs, use_tqdm)

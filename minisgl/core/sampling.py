@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from minisgl.core.constraint import CONSTRAINT_KINDS, Constraint
 from minisgl.core.errors import InvalidRequestError
 
 
@@ -29,6 +30,11 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     stop: tuple[str, ...] = field(default=())
+    # At most one grammar the output must follow (`minisgl.constrain`): a JSON schema (as JSON
+    # text), a regular expression, or an EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples inside (hashable, immutable).
@@ -61,6 +67,19 @@ class SamplingParams:
             raise bad("top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise bad(given[1], f"only one constraint per request, got {' and '.join(given)}")
+        _ = self.constraint  # checks its shape
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The grammar the output must follow, if any."""
+        for kind in CONSTRAINT_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return Constraint(kind, text)
+        return None
 
     @property
     def greedy(self) -> bool:

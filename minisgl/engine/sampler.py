@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import SeqInfo
+from minisgl.engine.step import TokenMask
 
 _M32 = 0xFFFFFFFF
 
@@ -86,6 +87,7 @@ class SamplingInputs:
     want_logprobs: bool
     penalties: PenaltyInputs | None = None
     keys: torch.Tensor | None = None  # [B] int64 `row_keys(seeds, steps)`, mixed on the host
+    token_mask: TokenMask | None = None  # grammars: tokens the constrained rows may sample
 
     @staticmethod
     def build(
@@ -145,6 +147,17 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.to(device, non_blocking=True)
 
 
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """Set the disallowed tokens of the constrained rows of logits [B, V] to -inf, in place
+    (rows without a constraint are untouched; no host sync); returns `logits`. `mask.bits`
+    is on the logits' device."""
+    import xgrammar as xgr
+
+    vocab = min(logits.shape[1], mask.bits.shape[1] * 32)
+    xgr.apply_token_bitmask_inplace(logits, mask.bits, vocab_size=vocab, indices=mask.rows)
+    return logits
+
+
 @dataclass
 class PenaltyInputs:
     """Tokens seen so far per row (padded with -1) and the penalty strengths."""
@@ -187,6 +200,10 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     argmax and the fused kernel take them as they are, the upcast being exact) -> next tokens,
     and log-probs when asked for."""
     raw = logits
+    if inp.token_mask is not None:
+        # In place unless the raw distribution is still wanted (log-probs are of the raw one).
+        keep_raw = inp.want_logprobs or bool(inp.top_logprobs)
+        logits = apply_token_mask(logits.clone() if keep_raw else logits, inp.token_mask)
     if inp.penalties is not None:
         logits = apply_penalties(logits.float(), inp.penalties)
     if inp.all_greedy:
