@@ -15,7 +15,14 @@ from minisgl.attention import AttentionInputs, make_backend
 from minisgl.config import EngineConfig, ModelConfig, resolve_engine_config
 from minisgl.core import Batch, Req
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
-from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample, to_device
+from minisgl.engine.sampler import (
+    PenaltyInputs,
+    SampleOutput,
+    SamplingInputs,
+    StopMask,
+    sample,
+    to_device,
+)
 from minisgl.engine.warmup import run_warmup
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
@@ -278,6 +285,10 @@ class Engine:
         sin = SamplingInputs.build(reqs, self.model_config.vocab_size, self.device)
         if any(r.params.has_penalties for r in reqs):
             sin.penalties = self._penalties(reqs, rows)
+        if any(r.params.min_tokens for r in reqs):  # `num_sampled - 1`: outputs before this one
+            pending = [r.num_sampled - 1 < r.params.min_tokens for r in reqs]
+            stop_ids = [r.stop_ids for r in reqs]
+            sin.stop_mask = StopMask.build(pending, stop_ids, logits.shape[1], self.device)
         out = sample(logits, sin)
         # The sampled token becomes the input of the request's next step.
         self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()
