@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -29,19 +30,20 @@ from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.output import OutputOptions, RequestOutput
 from minisgl.weights import load_tokenizer, resolve_source
 
-WORDS = (
+PROSE = (
     "the sea is wide and deep under a grey sky where waves roll over stones while gulls cry "
-    "above boats that drift slowly toward harbour lights café naïve 海 😀 , . ; : ( ) \n"
-).split(" ")
+    "above boats that drift slowly toward harbour lights café naïve 海 😀 , . ; : ( )"
+)
 STOPS = ("<<END>>", "\n\n\n\n", "STOP HERE", "Observation:")  # absent from the text
 
 
 def token_stream(tokenizer: Any, n: int, seed: int = 0) -> list[int]:
     """`n` token ids of prose-like text with punctuation and multi-byte characters."""
     rng = random.Random(seed)
+    words = [*PROSE.split(), "\n"]
     ids: list[int] = []
     while len(ids) < n:
-        text = " ".join(rng.choice(WORDS) for _ in range(400))
+        text = " ".join(rng.choice(words) for _ in range(400))
         ids += tokenizer(text)["input_ids"]
     return ids[:n]
 
@@ -126,7 +128,8 @@ def main() -> None:
                 "total_ms": sum(per_token) * 1e3,
             }
         )
-    print(f"{n} tokens, one per event, median of {args.repeat} runs per token ({platform.node()})")
+    where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    print(f"{n} tokens, one per event, median of {args.repeat} runs per token ({where})")
     print(f"{'variant':42s} {'first 1/4 us/tok':>17s} {'last 1/4 us/tok':>16s} {'last/first':>11s}")
     for r in rows:
         print(
