@@ -717,7 +717,7 @@ def test_stop_token_ids_answer_alike(
 def france(stack: Stack) -> Greedy:
     """The greedy answer to FRANCE, which ends early with EOS, continued past it."""
     prompt = stack.llm.apply_chat_template(FRANCE)
-    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, skip_special_tokens=False)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, skip_special_tokens=False)
     out = stack.llm.generate([prompt], sp, use_tqdm=False)[0]
     assert "<|im_end|>" in out["text"], out["text"]
     return Greedy(prompt, out["token_ids"], out["text"], [])
@@ -727,7 +727,7 @@ def france(stack: Stack) -> Greedy:
 def test_special_tokens_answer_alike(
     stack: Stack, client: openai.OpenAI, http: httpx.Client, france: Greedy, skip: bool
 ) -> None:
-    kw: dict[str, Any] = {"max_tokens": 20, "skip_special_tokens": skip}
+    kw: dict[str, Any] = {"max_tokens": 12, "skip_special_tokens": skip}
     eos = both_doors(stack, client, http, france.prompt, **kw)  # ends at EOS
     assert (eos["finish_reason"], eos["matched_stop"]) == ("stop", EOS)
     assert eos["token_ids"][-1] == EOS and "<|im_end|>" not in eos["text"]
@@ -744,7 +744,7 @@ def test_min_tokens_outlasts_eos_and_stop_strings(
     stack: Stack, client: openai.OpenAI, http: httpx.Client, france: Greedy
 ) -> None:
     n_eos = france.ids.index(EOS)  # where EOS would end it
-    out = both_doors(stack, client, http, france.prompt, max_tokens=20, min_tokens=n_eos + 3)
+    out = both_doors(stack, client, http, france.prompt, max_tokens=12, min_tokens=n_eos + 3)
     assert len(out["token_ids"]) >= n_eos + 3 and EOS not in out["token_ids"][: n_eos + 3]
     assert out["text"].startswith(france.text[: france.text.index("<|im_end|>")])
 
@@ -767,7 +767,7 @@ def test_min_tokens_skips_stop_strings_before_it(
 
 def test_matched_stop_in_generate_meta_info(http: httpx.Client, france: Greedy) -> None:
     def meta(**sp: Any) -> dict[str, Any]:
-        sp = {"max_new_tokens": 20, "temperature": 0, **sp}
+        sp = {"max_new_tokens": 12, "temperature": 0, **sp}
         body = {"input_ids": france.prompt, "sampling_params": sp}
         return dict(http.post("/generate", json=body).json()["meta_info"])
 
@@ -779,7 +779,7 @@ def test_matched_stop_in_generate_meta_info(http: httpx.Client, france: Greedy) 
         json={
             "input_ids": france.prompt,
             "stream": True,
-            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "stop": ["Paris"]},
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": ["Paris"]},
         },
     ).text.split("\n\n")
     last = json.loads(next(e for e in reversed(events) if e.startswith("data: {"))[6:])
