@@ -25,7 +25,7 @@ class Grammars:
     """Grammar state of every constrained request of one scheduler, keyed by request id."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
-        self._load_tokenizer = load_tokenizer
+        self.load_tokenizer = load_tokenizer  # called on the first constraint
         self.vocab_size = vocab_size
         self._compiler: GrammarCompiler | None = None
         self._jobs: dict[str, Future[Any]] = {}  # compiling
@@ -37,7 +37,7 @@ class Grammars:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = GrammarCompiler(self._load_tokenizer, self.vocab_size)
+            self._compiler = GrammarCompiler(self.load_tokenizer, self.vocab_size)
         return self._compiler
 
     def add(self, req: Req) -> None:
