@@ -32,6 +32,8 @@ PROMPTS = [
     "Write a date in ISO format:",
     "Tell me a short story about a cat.",
     "List three colours.",
+    "Explain why the sky is blue.",
+    "Write a haiku about rain.",
 ]
 N = 40
 
@@ -53,6 +55,8 @@ def mixed(llm: LLM) -> list[SamplingParams]:
     return [
         params(json_schema=json.dumps(PERSON), max_tokens=64),
         params(regex=r"\d{4}-\d{2}-\d{2}"),
+        params(),
+        params(),
         params(),
         params(),
     ]
@@ -84,7 +88,7 @@ def test_mixed_batch(llm, overlap) -> None:
 
 
 def test_mixed_batch_with_retraction(tmp_path) -> None:
-    small = LLM(dtype="float32", device="cpu", num_pages=48, page_size=4, reserve_ratio=0.1)
+    small = LLM(dtype="float32", device="cpu", num_pages=40, page_size=4, reserve_ratio=0.1)
     alone = small.generate([chat_ids(small, p) for p in PROMPTS[2:]], params(), use_tqdm=False)
     out = run(small, overlap=True)
     assert small.scheduler.stats["retractions"] > 0, "the small pool should retract"
