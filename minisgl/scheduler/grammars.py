@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
@@ -60,6 +61,12 @@ class Grammars:
             self._compiled[rid] = job.result()
         except GrammarError as e:
             self._failed[rid] = str(e)
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a compile finishes or `timeout` seconds pass (a loop with nothing else to
+        do)."""
+        if self._jobs:
+            futures.wait(list(self._jobs.values()), timeout, futures.FIRST_COMPLETED)
 
     def is_ready(self, req: Req) -> bool:
         return req.rid not in self._jobs

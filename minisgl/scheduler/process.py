@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 def token_out(req: Req, new_ids: list[int], error: str | None = None) -> TokenOut:
     """What the detokenizer needs to know about `req` after it gained `new_ids`."""
     p, n = req.params, len(new_ids)
+    error = error or req.error
     out = TokenOut(
         rid=req.rid,
         new_ids=new_ids,

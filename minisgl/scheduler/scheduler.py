@@ -28,6 +28,8 @@ from minisgl.weights import load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_POLL_S = 0.01  # how long an idle loop waits for a grammar to compile before looking again
+
 
 class Step(NamedTuple):
     """A launched step, as the scheduler remembers it until its results are processed."""
@@ -184,7 +186,10 @@ class Scheduler:
         if self.sync is not None:  # take in what rank 0 received (tensor parallelism)
             self.sync.exchange(self)
         refused, self._refused = self._refused, []
-        return refused + (self.run_overlapped() if self.overlap else self.run_normal())
+        events = self.run_overlapped() if self.overlap else self.run_normal()
+        if not (self.running or self._in_flight or refused):
+            self.grammars.wait(GRAMMAR_POLL_S)  # only requests whose grammar still compiles
+        return refused + events
 
     def grammar_ready(self, rid: str) -> None:
         """Request `rid`'s grammar has compiled (or failed to): it may be admitted now."""
