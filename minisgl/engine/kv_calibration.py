@@ -1,0 +1,100 @@
+"""FP8 KV-cache scales at start-up: the checkpoint's when it has them, else calibrated on a
+built-in text when asked (`kv_cache_calibrate` tokens), else 1.0."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+from torch import nn
+
+from minisgl.attention import AttentionInputs
+from minisgl.attention.calibrate import CalibrationBackend
+from minisgl.engine.calibration_text import TEXT
+from minisgl.kernels.fp8 import kv_scale_from_amax
+from minisgl.kvcache import KVPool, ReqTable
+from minisgl.layers import ForwardContext
+from minisgl.weights import ModelSource, load_tokenizer
+from minisgl.weights.fp8 import KVScales
+
+logger = logging.getLogger(__name__)
+
+CHUNK_TOKENS = 512  # each chunk is one fresh sequence
+
+
+def calibration_ids(src: ModelSource | None, vocab_size: int, num_tokens: int) -> list[int]:
+    """`num_tokens` ids of the built-in text (repeated if it is shorter). A model directory
+    without a tokenizer (dummy-weight benchmarks) gets the text's UTF-8 bytes as ids."""
+    ids: list[int] | None = None
+    if src is not None:
+        try:
+            ids = list(load_tokenizer(src).encode(TEXT))
+        except (OSError, ValueError, TypeError):
+            ids = None
+    if not ids:
+        ids = [b % vocab_size for b in TEXT.encode()]
+    return list(itertools.islice(itertools.cycle(ids), num_tokens))
+
+
+@torch.inference_mode()
+def calibrate(
+    model: nn.Module,
+    pool: KVPool,
+    table: ReqTable,
+    num_q_heads: int,
+    sm_scale: float,
+    ids: list[int],
+) -> torch.Tensor:  # [2, layers, kv_heads] fp32 scales
+    """Run `ids` through the model in fresh sequences of CHUNK_TOKENS and derive the scales
+    from the largest |K| and |V| each (layer, KV head) held."""
+    backend = CalibrationBackend(pool, table, num_q_heads, sm_scale)
+    device = pool.device
+    for start in range(0, len(ids), CHUNK_TOKENS):
+        chunk = ids[start : start + CHUNK_TOKENS]
+        n = len(chunk)
+
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        inputs = AttentionInputs(
+            req_slots=torch.zeros(1, dtype=torch.int64, device=device),
+            seq_lens=i32([n]),
+            prefix_lens=i32([0]),
+            extend_lens=i32([n]),
+            cu_extend=i32([0, n]),
+            out_loc=torch.empty(0, dtype=torch.int64, device=device),
+            is_decode=n == 1,
+            seq_lens_host=[n],
+            extend_lens_host=[n],
+        )
+        positions = torch.arange(n, device=device)
+        ids_t = torch.tensor(chunk, dtype=torch.int64, device=device)
+        model(ids_t, positions, ForwardContext(backend, backend.prepare(inputs)))
+    return kv_scale_from_amax(backend.amax)
+
+
+def init_kv_scales(
+    pool: KVPool,
+    model: nn.Module,
+    table: ReqTable,
+    num_q_heads: int,
+    sm_scale: float,
+    calibrate_tokens: int,
+    checkpoint: KVScales | None,
+    src: ModelSource | None,
+    vocab_size: int,
+) -> None:
+    """Set an FP8 pool's scales (nothing to do for a 16-bit pool)."""
+    if not pool.quantized:
+        return
+    if calibrate_tokens:
+        ids = calibration_ids(src, vocab_size, calibrate_tokens)
+        scales = calibrate(model, pool, table, num_q_heads, sm_scale, ids)
+        pool.set_scales(scales[0], scales[1])
+        logger.info("FP8 KV scales calibrated on %d tokens", len(ids))
+    elif checkpoint is not None:
+        pool.set_scales(checkpoint.k.to(pool.device), checkpoint.v.to(pool.device))
+        logger.info("FP8 KV scales from the checkpoint")
+    else:
+        logger.info("FP8 KV cache without scales (1.0): values beyond +-448 saturate")
