@@ -10,6 +10,7 @@ is rounded with a relative error of at most 2^-4; there is no infinity, so value
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -104,3 +105,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
     scale = amax / FP8_MAX
     return to_fp8(xf / scale), scale
+
+
+class ExpertScales(NamedTuple):
+    """The fp32 scales of FP8 (e4m3) expert stacks: one per output row, or per 128 x 128 block."""
+
+    w13: torch.Tensor  # [E, 2I] per row, or [E, cdiv(2I, 128), cdiv(H, 128)]
+    w2: torch.Tensor  # [E, H] per row, or [E, cdiv(H, 128), cdiv(I, 128)]

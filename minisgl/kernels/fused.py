@@ -19,10 +19,19 @@ from minisgl.kernels.common import (
     pdl_prologue,
     quantize_fp8,
 )
+from minisgl.kernels.fp8_gemm import fp8_linear
 from minisgl.kernels.gemv import gemv
 from minisgl.kernels.moe import one_row_moe
 
-__all__ = ["gemv", "one_row_moe", "qk_norm_rope", "rms_norm", "rotary_supported", "silu_and_mul"]
+__all__ = [
+    "fp8_linear",
+    "gemv",
+    "one_row_moe",
+    "qk_norm_rope",
+    "rms_norm",
+    "rotary_supported",
+    "silu_and_mul",
+]
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:

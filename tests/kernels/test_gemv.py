@@ -114,6 +114,11 @@ COMPILE = [
     ("bf16 norm 4x256 w4", dict(NORM=True, HAS_RES=False, BLOCK_N=4, BLOCK_K=256), 4),
     ("bf16 norm 2x2048 w8", dict(NORM=True, HAS_RES=False, BLOCK_N=2, BLOCK_K=2048), 8),
     ("bf16 act residual 8x1024 w4", dict(NORM=False, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024), 4),
+    # FP8 (e4m3) weights: a scale per row, or per 128 x 128 block
+    ("fp8 row norm 16x512 w4", dict(NORM=True, HAS_RES=False, BLOCK_N=16, BLOCK_K=512, W_SCALE=1), 4),
+    ("fp8 block norm 16x512 w4", dict(NORM=True, HAS_RES=False, BLOCK_N=16, BLOCK_K=512, W_SCALE=2), 4),
+    ("fp8 row act residual 8x1024 w4", dict(NORM=False, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024, W_SCALE=1), 4),
+    ("fp8 block act residual 8x512 w8", dict(NORM=False, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=512, W_SCALE=2), 8),
 ]  # fmt: skip
 
 
@@ -125,9 +130,10 @@ def _compile_all() -> list[dict[str, object]]:
     out = []
     for name, c, warps in COMPILE:
         types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
-        types |= {"eps": "fp32"}
-        c = c | dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
-        c.setdefault("ACT", False)
+        types |= {"eps": "fp32", "s_ptr": "*fp32"}
+        if c.get("W_SCALE"):
+            types["w_ptr"] = "*fp8e4nv"
+        c = {"ACT": False, "W_SCALE": 0} | c | dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
         aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
         out.append({"name": name, **compile_sm90(_gemv_kernel, types, c, warps, None, aligned)})
     return out
