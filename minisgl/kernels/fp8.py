@@ -107,6 +107,19 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(xf / scale), scale
 
 
+def round_trip_activations(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x [..., K] as the FP8 GEMMs see it: quantized per token (and per `group` columns), then
+    multiplied back, in x's dtype. The reference path's copy of the tensor-core GEMMs' input."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    cols = k if group is None else group
+    parts = []
+    for start in range(0, k, cols):
+        q, s = quantize_activations(rows[:, start : start + cols])
+        parts.append(q.float() * s)
+    return torch.cat(parts, dim=1).to(x.dtype).reshape(x.shape)
+
+
 class ExpertScales(NamedTuple):
     """The fp32 scales of FP8 (e4m3) expert stacks: one per output row, or per 128 x 128 block."""
 

@@ -7,7 +7,11 @@ says where each checkpoint part goes (`_place`); the weight format says how it i
 
 FP8 layers multiply on the GPU by weight-only GEMV (the weights widened in registers, 16-bit
 activations) up to `QuantConfig.gemv_max_rows` rows, and on FP8 tensor cores with activations
-quantized per token above that; elsewhere with the dequantized weights.
+quantized per token above that; elsewhere with the weights dequantized on use and the same
+rounding of the activations, so the CPU path is the reference of the GPU's numerics. (At tensor-parallel
+sizes above 1 a row-parallel layer's activations are quantized per rank's shard of each token:
+with per-channel weights that differs from tp=1 by e4m3 rounding above the switch; block-scaled
+weights quantize per 128 columns, which shards do not cut.)
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import nn
 
 from minisgl.config import QuantConfig
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.kernels.fp8 import FP8_DTYPE, is_fp8
+from minisgl.kernels.fp8 import FP8_DTYPE, is_fp8, round_trip_activations
 from minisgl.layers.fused import fused_kernels
 from minisgl.layers.weight_format import (
     Place,
@@ -85,7 +89,6 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.quant = quant
-        self.dtype = torch.get_default_dtype()  # the model's: layers are built under it
         self.weight_scale: nn.Parameter | None = None
         if quant is None:
             self.weight = _weight(out_local, in_local, self._load_weight)
@@ -155,46 +158,38 @@ class LinearBase(nn.Module):
             copy_part(param.data, part, self._place(sid), f"{type(self).__name__} bias")
 
     def finish_loading(self) -> None:
-        """After the last checkpoint tensor: every FP8 part has its scales; on a CPU the FP8
-        weight becomes its dequantized values (the reference path multiplies with those)."""
-        if self.quant is None:
-            return
+        """After the last checkpoint tensor: every FP8 part has its scales."""
         unscaled = self._fp8_parts - self._scaled_parts
         if unscaled:
             raise ValueError(
                 f"{type(self).__name__}: the checkpoint has FP8 weights without scales "
                 f"(parts {sorted(map(str, unscaled))}); a weight_scale tensor is missing"
             )
-        if self.weight.device.type == "cpu" and self.fp8:
-            assert self.weight_scale is not None
-            w = dequantized(self.weight.data, self.weight_scale.data, self.quant, self.dtype)
-            # [in, out] memory, as `_weight` lays out a CPU weight
-            self.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
-            self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
 
     # ---- compute ------------------------------------------------------------------------------
 
-    @property
-    def fp8(self) -> bool:
-        """The weight is stored in e4m3 (on a CPU it is dequantized once loaded)."""
-        return is_fp8(self.weight.dtype)
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in] -> x W^T + bias [..., out]."""
-        if not self.fp8:
+        """x [..., in] -> x W^T + bias [..., out]. FP8 weights: up to `gemv_max_rows` rows with
+        x as it is (weight-only), above that with x rounded to e4m3 per token (per token and
+        128 columns for block-scaled weights), as the FP8 tensor-core GEMMs take it; the
+        reference path (CPU, or CUDA without the fused kernels) rounds x the same way."""
+        if self.quant is None:
             return F.linear(x, self.weight, bias)
-        assert self.quant is not None and self.weight_scale is not None
+        weight_only = x.numel() <= self.quant.gemv_max_rows * x.shape[-1]
+        assert self.weight_scale is not None
         fused = fused_kernels(x)
-        if fused is None:  # the reference: the e4m3 values times their scales
-            w = dequantized(self.weight, self.weight_scale, self.quant, x.dtype)
-            return F.linear(x, w, bias)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.quant.gemv_max_rows:
-            y = fused.gemv(x2, self.weight, bias, weight_scale=self.weight_scale)
-        else:
-            y = fused.fp8_linear(x2, self.weight, self.weight_scale, bias)
-        return y.reshape(*shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
+        if fused is not None:
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            if weight_only:
+                y = fused.gemv(x2, self.weight, bias, weight_scale=self.weight_scale)
+            else:
+                y = fused.fp8_linear(x2, self.weight, self.weight_scale, bias)
+            return y.reshape(*shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
+        w = dequantized(self.weight, self.weight_scale, self.quant, x.dtype)
+        if not weight_only:
+            x = round_trip_activations(x, self.quant.weight_block)
+        return F.linear(x, w, bias)
 
     def one_row(
         self,
@@ -206,10 +201,9 @@ class LinearBase(nn.Module):
         act: bool = False,
     ) -> torch.Tensor:
         """`gemv` with this layer's weight (and bias, and FP8 scales): the batch-1 path."""
-        scale = self.weight_scale if self.fp8 else None
         return gemv(
             x, self.weight, self.bias, residual=residual, norm_weight=norm_weight, eps=eps,
-            act=act, weight_scale=scale,
+            act=act, weight_scale=self.weight_scale,
         )  # fmt: skip
 
 

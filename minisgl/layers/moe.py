@@ -9,7 +9,7 @@ included, in three kernels.
 
 FP8 experts (`QuantConfig`) hold e4m3 stacks with fp32 scales per output row or per 128 x 128
 block (`minisgl.layers.weight_format`); the fused kernels widen them in registers, the reference
-dequantizes each expert it uses (on a CPU the stacks are dequantized once loaded).
+dequantizes each expert it uses.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from minisgl.layers.norm import RMSNorm
 from minisgl.layers.weight_format import (
     Place,
     copy_part,
-    dequantized,
     load_fp8_weight,
     load_scale_part,
     scale_shape,
@@ -160,7 +159,6 @@ class MoEExperts(nn.Module):
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.local = intermediate // tp.size
         self.quant = quant
-        self.dtype = torch.get_default_dtype()  # the model's: layers are built under it
         dtype = None if quant is None else FP8_DTYPE
         # [E, 2 * I_local, H]: gate rows, then up rows, of this rank's slice
         self.gate_up_proj = _param((num_experts, 2 * self.local, hidden), self._load_gate_up, dtype)
@@ -181,10 +179,9 @@ class MoEExperts(nn.Module):
 
     @property
     def scales(self) -> ExpertScales | None:
-        """The FP8 stacks' scales; None for 16/32-bit (or, on a CPU, dequantized) experts."""
-        if not is_fp8(self.gate_up_proj.dtype):
+        """The FP8 stacks' scales; None for 16/32-bit experts."""
+        if self.gate_up_proj_scale is None or self.down_proj_scale is None:
             return None
-        assert self.gate_up_proj_scale is not None and self.down_proj_scale is not None
         return ExpertScales(self.gate_up_proj_scale, self.down_proj_scale)
 
     def _gate_up_place(self, part: int) -> Place:
@@ -255,19 +252,12 @@ class MoEExperts(nn.Module):
         self._scaled_parts.add(("down_proj", shard_id, 0))
 
     def finish_loading(self) -> None:
-        """Every FP8 part has its scales; on a CPU the stacks become their dequantized values."""
-        if self.quant is None:
-            return
+        """After the last checkpoint tensor: every FP8 part has its scales."""
         unscaled = self._fp8_parts - self._scaled_parts
         if unscaled:
             raise ValueError(
                 f"the checkpoint has FP8 expert weights without scales, e.g. {min(unscaled)}"
             )
-        scales = self.scales
-        if self.gate_up_proj.device.type == "cpu" and scales is not None:
-            for name, scale in (("gate_up_proj", scales.w13), ("down_proj", scales.w2)):
-                w = dequantized(getattr(self, name).data, scale.data, self.quant, self.dtype)
-                setattr(self, name, nn.Parameter(w, requires_grad=False))
 
 
 def _param(

@@ -5,8 +5,9 @@ Checkpoint tensors reach a parameter as *parts* (a whole projection, or q / k / 
 fused one) and land in it by a `Place`, which each layer computes from its tensor-parallel rank.
 An FP8 weight takes an e4m3 part as it is (its scales come as a part of their own) or quantizes
 a 16/32-bit part whole, before any sharding, so every tensor-parallel size stores the same
-values. On a CPU, FP8 weights are dequantized once loaded: the reference path computes with
-exactly the e4m3 values times their scales.
+values. FP8 weights stay e4m3 on every device; the reference path (CPU, or CUDA without the
+fused kernels) dequantizes them on use, computing with exactly the e4m3 values times their
+scales.
 """
 
 from __future__ import annotations

@@ -32,7 +32,12 @@ from minisgl.kernels.fp8 import dequantize_weight, quantize_rows
 
 VOCAB = 384
 ATOL = 1e-4  # fp32 sums in another order, over logits of order 10
-OPTS: dict[str, Any] = {"num_pages": 1024, "skip_warmup": True, "dtype": "float32"}
+# Weight-only at every batch size: the comparisons isolate the weights' rounding. (Above
+# `fp8_gemv_max_rows` rows activations round to e4m3 too: `test_activations_round_above_the_switch`.)
+WEIGHT_ONLY = 1 << 30
+OPTS: dict[str, Any] = {
+    "num_pages": 1024, "skip_warmup": True, "dtype": "float32", "fp8_gemv_max_rows": WEIGHT_ONLY
+}  # fmt: skip
 
 
 def make(path: Path, **options: Any) -> LLM:
@@ -179,6 +184,34 @@ def test_per_row_quantization_round_trip_is_e4m3():
     torch.testing.assert_close(back.abs().amax(1), w.abs().amax(1), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("block", [None, 128])
+def test_activations_round_above_the_switch(block):
+    """An FP8 linear layer (CPU reference path): up to `gemv_max_rows` rows x is used as it
+    is; above, x is rounded to e4m3 per token (per token and 128 columns with block scales),
+    as the FP8 tensor-core GEMMs take it."""
+    from minisgl.config import QuantConfig
+    from minisgl.kernels.fp8 import quantize_activations
+    from minisgl.layers import ColumnParallelLinear
+    from minisgl.layers.weight_format import dequantized
+    from minisgl.weights.loader import finish_loading
+
+    quant = QuantConfig(weight_block=block, gemv_max_rows=4)
+    layer = ColumnParallelLinear(256, 128, quant=quant)
+    w = torch.randn(128, 256) / 16
+    layer.weight.weight_loader(layer.weight, w)
+    finish_loading(layer)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale is not None
+    w_deq = dequantized(layer.weight.data, layer.weight_scale.data, quant, torch.float32)
+    assert not torch.equal(w_deq, w)
+    x = torch.randn(9, 256) * torch.logspace(-2, 1, 9)[:, None]
+    torch.testing.assert_close(layer(x[:4]), x[:4] @ w_deq.t(), atol=1e-5, rtol=1e-5)
+    cols = 256 if block is None else 128
+    parts = [quantize_activations(x[:, i : i + cols]) for i in range(0, 256, cols)]
+    x_q = torch.cat([q.float() * s for q, s in parts], dim=1)
+    torch.testing.assert_close(layer(x), x_q @ w_deq.t(), atol=1e-5, rtol=1e-5)
+    assert (layer(x) - x @ w_deq.t()).abs().max() > 1e-3
+
+
 # ---- tensor parallelism -------------------------------------------------------------------------
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
@@ -188,14 +221,17 @@ TP_ATOL = 1e-5  # fp32: tp changes only the order of the sums
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["online", "hf-block"])
 def test_fp8_tp2_equals_tp1(models, tmp_path, case):
+    """Online per-channel weights, weight-only; block-scaled weights with activations rounded
+    per 128 columns above the default switch (shards do not cut those groups)."""
     if case == "online":
         path, options = models["dense"], {"quantization": "fp8"}
     else:
-        path, options = save_fp8_checkpoint(models["dense"], tmp_path / "c", case), {}
+        path = save_fp8_checkpoint(models["dense"], tmp_path / "c", case)
+        options = {"fp8_gemv_max_rows": 1}
     prompts = random_prompts(3, VOCAB, seed=5, lo=3, hi=30)
     outs = []
     for tp in (1, 2):
-        with LLM(str(path), **{**OPTS, "num_pages": 512}, tp_size=tp, **options) as llm:
+        with LLM(str(path), **{**OPTS, "num_pages": 512, **options}, tp_size=tp) as llm:
             outs.append(llm.generate(prompts, GREEDY, use_tqdm=False))
     for r, o in zip(*outs):
         assert o["token_ids"] == r["token_ids"]
