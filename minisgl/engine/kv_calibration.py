@@ -23,17 +23,23 @@ logger = logging.getLogger(__name__)
 CHUNK_TOKENS = 512  # each chunk is one fresh sequence
 
 
-def calibration_ids(src: ModelSource | None, vocab_size: int, num_tokens: int) -> list[int]:
-    """`num_tokens` ids of the built-in text (repeated if it is shorter). A model directory
-    without a tokenizer (dummy-weight benchmarks) gets the text's UTF-8 bytes as ids."""
-    ids: list[int] | None = None
+def text_ids(src: ModelSource | None, vocab_size: int) -> list[int]:
+    """The built-in text in the model's tokens. A model directory without a tokenizer
+    (dummy-weight benchmarks; transformers may build an empty one there) gets the text's UTF-8
+    bytes as ids."""
     if src is not None:
         try:
             ids = list(load_tokenizer(src).encode(TEXT))
         except (OSError, ValueError, TypeError):
-            ids = None
-    if not ids:
-        ids = [b % vocab_size for b in TEXT.encode()]
+            ids = []
+        if len(ids) > 100 and max(ids) < vocab_size:
+            return ids
+    return [b % vocab_size for b in TEXT.encode()]
+
+
+def calibration_ids(src: ModelSource | None, vocab_size: int, num_tokens: int) -> list[int]:
+    """`num_tokens` ids of the built-in text (repeated if it is shorter)."""
+    ids = text_ids(src, vocab_size)
     return list(itertools.islice(itertools.cycle(ids), num_tokens))
 
 
@@ -53,21 +59,7 @@ def calibrate(
     for start in range(0, len(ids), CHUNK_TOKENS):
         chunk = ids[start : start + CHUNK_TOKENS]
         n = len(chunk)
-
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        inputs = AttentionInputs(
-            req_slots=torch.zeros(1, dtype=torch.int64, device=device),
-            seq_lens=i32([n]),
-            prefix_lens=i32([0]),
-            extend_lens=i32([n]),
-            cu_extend=i32([0, n]),
-            out_loc=torch.empty(0, dtype=torch.int64, device=device),
-            is_decode=n == 1,
-            seq_lens_host=[n],
-            extend_lens_host=[n],
-        )
+        inputs = AttentionInputs.fresh_prefill(n, device)  # nothing is stored
         positions = torch.arange(n, device=device)
         ids_t = torch.tensor(chunk, dtype=torch.int64, device=device)
         model(ids_t, positions, ForwardContext(backend, backend.prepare(inputs)))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.fp8 import is_fp8, kv_scale_from_amax, quantize_kv
+from minisgl.kernels.fp8 import is_fp8, quantize_kv
 from minisgl.kernels.reference import context_slots
 
 
@@ -43,6 +43,7 @@ def random_paged_kv(
     With `poison`, every slot that is not part of some request's context (spare pages, the tail
     of a last page, table entries past a request's pages) holds NaN, so a kernel that reads
     outside a context produces NaN. Without it the whole pool is random (cheap for huge pools).
+    An e4m3 pool (`torch.float8_e4m3fn`) comes with per-KV-head scales (`PagedKV.kv_scales`).
     """
     pages_per_req = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_req) + spare_pages
@@ -81,13 +82,19 @@ def _fp8_paged_kv(
     page_size: int,
     poison: bool,
 ) -> PagedKV:
+    """e4m3 pools of normal values with a magnitude per KV head, quantized with 8 sigma of
+    headroom, filled a chunk of slots at a time (a benchmark's pool has billions of values)."""
     device = table.device
     caches, scales = [], []
     for _ in range(2):  # K, then V
         magnitude = 2.0 ** torch.randint(-3, 4, (shape[1],), device=device).float()  # [Hkv]
-        values = torch.randn(shape, device=device) * magnitude[:, None]
-        scale = kv_scale_from_amax(values.abs().amax(dim=(0, 2)))
-        cache = quantize_kv(values, scale)
+        scale = magnitude * 8 / 448
+        cache = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+        step = max(1, (1 << 24) // (shape[1] * shape[2]))
+        for start in range(0, shape[0], step):
+            rows = min(step, shape[0] - start)
+            values = torch.randn((rows, *shape[1:]), device=device) * magnitude[:, None]
+            cache[start : start + rows] = quantize_kv(values, scale)
         if poison:
             keep = torch.zeros(shape[0], dtype=torch.bool, device=device)
             keep[context_slots_of(table, seq_lens, page_size)] = True

@@ -187,3 +187,25 @@ def test_fp8_kv_options_are_checked():
         LLM(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="only an fp8_e4m3 KV cache"):
         LLM(kv_cache_calibrate=16)
+
+
+def test_accuracy_scorer_is_the_engine_path(tiny_model_dir):
+    """`benchmark.accuracy.text_log_probs` (one prefill over a pool of its own): the baseline
+    equals transformers' log-probs; with an FP8 KV cache it equals the engine's own prefill
+    through its pool (the same e4m3 K/V), and differs from the baseline."""
+    from helpers import load_hf
+
+    from minisgl.benchmark.accuracy import compare, text_log_probs
+
+    path = tiny_model_dir("llama3")
+    ids = random_prompts(1, VOCAB, seed=8, lo=120, hi=121)[0]
+    base = text_log_probs(make(path), ids)
+    with torch.no_grad():
+        hf = load_hf(path)(torch.tensor([ids])).logits[0].log_softmax(-1)
+    torch.testing.assert_close(base, hf, atol=1e-4, rtol=0)
+    fp8 = make(path, **FP8, kv_cache_calibrate=64)
+    got = text_log_probs(fp8, ids)
+    torch.testing.assert_close(got, log_probs(fp8, ids), atol=1e-5, rtol=0)
+    row = compare(base, got, ids)
+    assert row["mean_kl"] > 0 and 0.5 < row["top1_agreement"] <= 1
+    assert compare(base, base, ids)["mean_kl"] == 0
