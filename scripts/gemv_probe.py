@@ -12,7 +12,10 @@
    SiLU, down + residual; or SiLU in down's prologue): microseconds per layer over 8 layers'
    worth of distinct weights, with the default configs and again with the best of the sweep.
 
-Run on a GPU host: `PYTHONPATH=. python3 scripts/gemv_probe.py [--quick]`.
+Run on a GPU host: `PYTHONPATH=. python3 scripts/gemv_probe.py [--quick] [--fp8]`. With
+`--fp8` the weights are e4m3 with a scale per row (the FP8 linear layers' weight-only path):
+bytes count one per weight, cuBLAS stays the bf16 reference, and the table printed is
+`TUNED_FP8`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ SHAPES = {
 }
 DEV = torch.device("cuda")
 DT = torch.bfloat16
+FP8 = {"on": False}  # --fp8: e4m3 weights with per-row scales
 
 
 def _configs(quick: bool) -> list[GemvConfig]:
@@ -55,34 +59,55 @@ def _configs(quick: bool) -> list[GemvConfig]:
 
 
 def _call(kind: str, x, w, r, g, cfg: GemvConfig | None):
+    scale = None
+    if isinstance(w, tuple):  # e4m3 weight and its per-row scales
+        w, scale = w
     if kind == "norm":
-        return gemv(x, w, norm_weight=g, config=cfg)
+        return gemv(x, w, norm_weight=g, config=cfg, weight_scale=scale)
     if kind == "act_residual":
-        return gemv(x, w, residual=r, act=True, config=cfg)
-    return gemv(x, w, residual=r, config=cfg)
+        return gemv(x, w, residual=r, act=True, config=cfg, weight_scale=scale)
+    return gemv(x, w, residual=r, config=cfg, weight_scale=scale)
+
+
+def _weights(n: int, k: int, sets: int) -> list:
+    ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
+    if not FP8["on"]:
+        return ws
+    from minisgl.kernels.fp8 import quantize_rows
+
+    return [quantize_rows(w) for w in ws]
+
+
+def _dense(w) -> torch.Tensor:
+    """The bf16 values a (possibly e4m3) weight stands for."""
+    if isinstance(w, tuple):
+        return (w[0].float() * w[1][:, None]).to(DT)
+    return w
 
 
 def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig]) -> dict:
-    sets = max(2, -(-(600 << 20) // (n * k * 2)))
-    ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
+    elem = 1 if FP8["on"] else 2
+    sets = max(2, -(-(600 << 20) // (n * k * elem)))
+    ws = _weights(n, k, sets)
     x = torch.randn(1, 2 * k if kind == "act_residual" else k, device=DEV, dtype=DT)
     r = torch.randn(1, n, device=DEV, dtype=DT)
     g = torch.rand(k, device=DEV, dtype=DT) + 0.5
-    mb = n * k * 2 / 1e6
+    mb = n * k * elem / 1e6
     # Correctness of the fused call at this shape against fp32 torch.
     xf = x.float()
     if kind == "act_residual":
         xf = F.silu(xf[:, :k]) * xf[:, k:]
     if kind.startswith("norm"):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()
-    want = xf @ ws[0].float().t()
+    want = xf @ _dense(ws[0]).float().t()
     if kind.endswith("residual"):
         want = want + r.float()
     got = _call(kind, x, ws[0], r, g, None).float()
     err = ((got - want).abs().max() / want.abs().max()).item()
     row: dict = {"gemm": name, "N": n, "K": k, "kind": kind, "MB": round(mb, 1), "rel_err": err}
     xk = x[:, :k].contiguous()  # cuBLAS gets the plain product at this shape
-    row["cublas_us"] = time_graph(lambda i: F.linear(xk, ws[i]), sets) * 1e6
+    dense = [_dense(w) for w in ws[: max(2, sets // elem // 2)]]
+    row["cublas_us"] = time_graph(lambda i: F.linear(xk, dense[i]), len(dense)) * 1e6
     timed = []
     for cfg in configs:
         us = time_graph(lambda i, c=cfg: _call(kind, x, ws[i], r, g, c), sets) * 1e6
@@ -96,7 +121,7 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
     row["default_us"] = time_graph(lambda i: _call(kind, x, ws[i], r, g, None), sets) * 1e6
     row["top3"] = [f"{c.block_n}x{c.block_k} w{c.num_warps}: {u:.2f}" for u, c in timed[:3]]
     row["config"] = best
-    row["cublas_TBps"] = mb / row["cublas_us"]
+    row["cublas_TBps"] = n * k * 2 / 1e6 / row["cublas_us"]
     row["gemv_TBps"] = mb / best_us
     return row
 
@@ -140,20 +165,25 @@ def probe_layer(layers: int = 8) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="3 configs per shape")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 weights, per-row scales")
     args = parser.parse_args()
+    FP8["on"] = args.fp8
     torch.manual_seed(0)
-    print("default configs:", json.dumps(probe_layer()), flush=True)
+    if not args.fp8:
+        print("default configs:", json.dumps(probe_layer()), flush=True)
     configs = _configs(args.quick)
     rows = []
     for name, (n, k, kind) in SHAPES.items():
         row = probe_shape(name, n, k, kind, configs)
         rows.append(row)
-        gemv_module.TUNED[(n, k, kind == "act_residual")] = row.pop("config")
+        table = gemv_module.TUNED_FP8 if args.fp8 else gemv_module.TUNED
+        table[(n, k, kind == "act_residual")] = row.pop("config")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         torch.cuda.empty_cache()
-    print("best configs:", json.dumps(probe_layer()), flush=True)
-    print("TUNED = {")
-    for key, cfg in gemv_module.TUNED.items():
+    if not args.fp8:
+        print("best configs:", json.dumps(probe_layer()), flush=True)
+    print("TUNED_FP8 = {" if args.fp8 else "TUNED = {")
+    for key, cfg in (gemv_module.TUNED_FP8 if args.fp8 else gemv_module.TUNED).items():
         print(f"    {key}: GemvConfig({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}),")
     print("}")
     print(f"\n{'gemm':>16} {'MB':>7} {'cublas_us':>9} {'TB/s':>5} {'gemv_us':>8} {'TB/s':>5}"

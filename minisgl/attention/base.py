@@ -65,12 +65,13 @@ class AttentionInputs:
 
 class KVStore(NamedTuple):
     """Where one layer's new K/V rows of a step go: `k_cache[loc] = k; v_cache[loc] = v` (an FP8
-    cache: k / k_scale and v / v_scale per KV head, rounded to e4m3)."""
+    cache: (k - k_shift) / k_scale and v / v_scale per KV head, rounded to e4m3)."""
 
     k_cache: torch.Tensor  # [slots, num_kv_heads, head_dim]
     v_cache: torch.Tensor
     loc: torch.Tensor  # [T] int64
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8: [num_kv_heads] fp32 each
+    k_shift: torch.Tensor | None = None  # FP8: [num_kv_heads, head_dim] fp32
 
 
 class AttentionBackend(ABC):

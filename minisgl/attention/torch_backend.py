@@ -99,6 +99,7 @@ class _LayerKV:
     k_cache: torch.Tensor  # [slots, Hkv, D]
     v_cache: torch.Tensor
     scales: tuple[torch.Tensor, torch.Tensor] | None  # [Hkv] fp32 each
+    k_shift: torch.Tensor | None  # [Hkv, D] fp32, subtracted from keys before they are stored
 
     def store(
         self, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -109,14 +110,15 @@ class _LayerKV:
             self.k_cache.index_copy_(0, loc, k)
             self.v_cache.index_copy_(0, loc, v)
             return k, v
-        k, v = quantize_kv(k, self.scales[0]), quantize_kv(v, self.scales[1])
+        k, v = quantize_kv(k, self.scales[0], self.k_shift), quantize_kv(v, self.scales[1])
         # index_copy_ has no e4m3 kernel on the CPU: copy the bytes.
         self.k_cache.view(torch.uint8).index_copy_(0, loc, k.view(torch.uint8))
         self.v_cache.view(torch.uint8).index_copy_(0, loc, v.view(torch.uint8))
         return k, v
 
     def dequantize(self, x: torch.Tensor, which: int, dtype: torch.dtype) -> torch.Tensor:
-        """Stored rows [..., Hkv, D] -> values in `dtype` (which: 0 for K, 1 for V)."""
+        """Stored rows [..., Hkv, D] -> values in `dtype` (which: 0 for K, 1 for V; keys stay
+        shifted: attention does not see the shift)."""
         if self.scales is None:
             return x.to(dtype)
         return dequantize_kv(x, self.scales[which], dtype)
@@ -175,7 +177,8 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta, TorchMeta)
         assert k is not None and v is not None, "the torch backend stores K/V itself (no kv_store)"
-        kv = _LayerKV(self.pool.k(layer), self.pool.v(layer), self.pool.scales(layer))
+        pool = self.pool
+        kv = _LayerKV(pool.k(layer), pool.v(layer), pool.scales(layer), pool.k_shift(layer))
         new_k, new_v = kv.store(meta.inputs.out_loc, k, v)
         if meta.inputs.is_decode:
             return self._decode(q, kv, meta)

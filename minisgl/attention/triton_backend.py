@@ -87,7 +87,8 @@ class TritonBackend(AttentionBackend):
     def kv_store(self, layer: int, meta: object) -> KVStore:
         assert isinstance(meta, TritonMeta)
         pool = self.pool
-        return KVStore(pool.k(layer), pool.v(layer), meta.inputs.out_loc, pool.scales(layer))
+        loc = meta.inputs.out_loc
+        return KVStore(pool.k(layer), pool.v(layer), loc, pool.scales(layer), pool.k_shift(layer))
 
     def forward(
         self,
@@ -102,7 +103,7 @@ class TritonBackend(AttentionBackend):
         scales = self.pool.scales(layer)
         if k is not None:  # else the layer's rotary kernel stored them (`kv_store`)
             assert v is not None
-            store_kv(k_cache, v_cache, meta.inputs.out_loc, k, v, scales)
+            store_kv(k_cache, v_cache, meta.inputs.out_loc, k, v, scales, self.pool.k_shift(layer))
         ps, nd, ext = self.pool.page_size, meta.num_decode, meta.extend
         out = torch.empty_like(q)
         if nd:

@@ -57,6 +57,7 @@ def text_log_probs(llm: LLM, ids: list[int]) -> torch.Tensor:
         engine.pool.dtype, device,
     )  # fmt: skip
     pool.all_scales().copy_(engine.pool.all_scales())
+    pool.set_k_shift(engine.pool.all_k_shifts())
     table = ReqTable(1, n, 1, device)
     table.write_pages(0, 0, list(range(n)))
     mcfg = engine.model_config

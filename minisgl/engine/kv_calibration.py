@@ -1,10 +1,12 @@
 """FP8 KV-cache scales at start-up: the checkpoint's when it has them, else calibrated on a
-built-in text when asked (`kv_cache_calibrate` tokens), else 1.0."""
+built-in text when asked (`kv_cache_calibrate` tokens; with the key shift, see `KVPool`), else
+1.0."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +45,11 @@ def calibration_ids(src: ModelSource | None, vocab_size: int, num_tokens: int) -
     return list(itertools.islice(itertools.cycle(ids), num_tokens))
 
 
+class Calibration(NamedTuple):
+    scales: torch.Tensor  # [2 (K, V), layers, kv_heads] fp32
+    k_shift: torch.Tensor  # [layers, kv_heads, head_dim] fp32
+
+
 @torch.inference_mode()
 def calibrate(
     model: nn.Module,
@@ -51,11 +58,18 @@ def calibrate(
     num_q_heads: int,
     sm_scale: float,
     ids: list[int],
-) -> torch.Tensor:  # [2, layers, kv_heads] fp32 scales
-    """Run `ids` through the model in fresh sequences of CHUNK_TOKENS and derive the scales
-    from the largest |K| and |V| each (layer, KV head) held."""
-    backend = CalibrationBackend(pool, table, num_q_heads, sm_scale)
-    device = pool.device
+) -> Calibration:
+    """Run `ids` through the model twice, in fresh sequences of CHUNK_TOKENS: first for the
+    keys' mean per (layer, KV head, channel), the key shift; then for the largest |K - shift|
+    and |V| per (layer, KV head), which set the scales."""
+    first = _observe(CalibrationBackend(pool, table, num_q_heads, sm_scale), model, ids)
+    shift = first.k_mean
+    second = _observe(CalibrationBackend(pool, table, num_q_heads, sm_scale, shift), model, ids)
+    return Calibration(kv_scale_from_amax(second.amax), shift)
+
+
+def _observe(backend: CalibrationBackend, model: nn.Module, ids: list[int]) -> CalibrationBackend:
+    device = backend.pool.device
     for start in range(0, len(ids), CHUNK_TOKENS):
         chunk = ids[start : start + CHUNK_TOKENS]
         n = len(chunk)
@@ -63,7 +77,7 @@ def calibrate(
         positions = torch.arange(n, device=device)
         ids_t = torch.tensor(chunk, dtype=torch.int64, device=device)
         model(ids_t, positions, ForwardContext(backend, backend.prepare(inputs)))
-    return kv_scale_from_amax(backend.amax)
+    return backend
 
 
 def init_kv_scales(
@@ -82,9 +96,10 @@ def init_kv_scales(
         return
     if calibrate_tokens:
         ids = calibration_ids(src, vocab_size, calibrate_tokens)
-        scales = calibrate(model, pool, table, num_q_heads, sm_scale, ids)
-        pool.set_scales(scales[0], scales[1])
-        logger.info("FP8 KV scales calibrated on %d tokens", len(ids))
+        cal = calibrate(model, pool, table, num_q_heads, sm_scale, ids)
+        pool.set_scales(cal.scales[0], cal.scales[1])
+        pool.set_k_shift(cal.k_shift)
+        logger.info("FP8 KV scales and key shift calibrated on %d tokens", len(ids))
     elif checkpoint is not None:
         pool.set_scales(checkpoint.k.to(pool.device), checkpoint.v.to(pool.device))
         logger.info("FP8 KV scales from the checkpoint")

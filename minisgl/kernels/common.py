@@ -100,6 +100,15 @@ def check_kv_scales(
     return fp8
 
 
+def key_shift(k_cache: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """An FP8 cache's [Hkv, D] fp32 key shift (zeros when none is given; unread otherwise)."""
+    if shift is None:
+        return torch.zeros(k_cache.shape[1:], dtype=torch.float32, device=k_cache.device)
+    assert shift.shape == k_cache.shape[1:] and shift.dtype == torch.float32
+    assert shift.is_contiguous()
+    return shift
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(
@@ -122,12 +131,13 @@ def dot_flags(dtype: torch.dtype, kernel: object, kv_fp8: bool = False) -> tuple
 
 
 @triton.jit
-def quantize_fp8(x, scale, EMULATE_FP8: tl.constexpr):
-    """x [H, D] / scale [H] in fp32, clamped to e4m3's +-448 (a store then rounds it to e4m3):
-    `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter, whose fp32 -> e4m3 cast
-    rounds ties away from zero and drops the carry into the exponent, so 127.99 becomes 64):
-    round to the e4m3 grid here, so the cast only sees values it can represent."""
-    y = x.to(tl.float32) / scale[:, None]
+def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
+    """(x [H, D] - shift [H, D] or 0) / scale [H] in fp32, clamped to e4m3's +-448 (a store then
+    rounds it to e4m3): `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter,
+    whose fp32 -> e4m3 cast rounds ties away from zero and drops the carry into the exponent, so
+    127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
+    represent."""
+    y = (x.to(tl.float32) - shift) / scale[:, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EMULATE_FP8:
         y = round_e4m3(y)

@@ -37,8 +37,10 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
 def quantize_kv(
     x: torch.Tensor,  # [T, Hkv, D]
     scale: torch.Tensor,  # [Hkv] fp32
+    shift: torch.Tensor | None = None,  # [Hkv, D] fp32, subtracted first (keys)
 ) -> torch.Tensor:  # [T, Hkv, D] e4m3
-    return to_fp8(x.float() / scale[:, None])
+    xf = x.float() if shift is None else x.float() - shift
+    return to_fp8(xf / scale[:, None])
 
 
 def dequantize_kv(

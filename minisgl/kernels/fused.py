@@ -15,6 +15,7 @@ import triton.language as tl
 from minisgl.kernels.common import (
     check_kv_scales,
     emulate_fp8,
+    key_shift,
     pdl_args,
     pdl_prologue,
     quantize_fp8,
@@ -114,6 +115,7 @@ def _norm_rope_heads(
     sin,
     eps,
     scale_ptr,  # [H] fp32: each head's result is divided by its scale (QUANT)
+    shift_ptr,  # [H, 2 * HALF] fp32: and first has this subtracted (QUANT)
     HAS_NORM: tl.constexpr,
     QUANT: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
@@ -139,8 +141,9 @@ def _norm_rope_heads(
     y2 = (x2 * cos + x1 * sin).to(dtype)
     if QUANT:  # into an FP8 cache: divided by the head's scale (`kernels.fp8.quantize_kv`)
         scale = tl.load(scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)
-        y1 = quantize_fp8(y1, scale, EMULATE_FP8)
-        y2 = quantize_fp8(y2, scale, EMULATE_FP8)
+        shift = shift_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        y1 = quantize_fp8(y1, scale, tl.load(shift, mask=mask, other=0.0), EMULATE_FP8)
+        y2 = quantize_fp8(y2, scale, tl.load(shift + HALF, mask=mask, other=0.0), EMULATE_FP8)
     out_ty = out_ptr.dtype.element_ty
     dst = out_ptr + offs_h[:, None] * stride_out_h + offs_d[None, :]
     tl.store(dst, y1.to(out_ty), mask=mask)
@@ -159,6 +162,7 @@ def _qk_norm_rope_kernel(
     loc_ptr,  # [T] int64 KV slot of each token (STORE)
     k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    k_shift_ptr,  # [Hkv, D] fp32 (KV_FP8)
     q_w_ptr,  # [D] (HAS_NORM)
     k_w_ptr,  # [D] (HAS_NORM)
     pos_ptr,  # [T] int64 (any stride)
@@ -194,15 +198,15 @@ def _qk_norm_rope_kernel(
     if tl.program_id(1) == 0:
         _norm_rope_heads(
             q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * (2 * HALF), q_w_ptr, stride_qh,
-            2 * HALF, num_q_heads, cos, sin, eps, k_scale_ptr, HAS_NORM, False, False, HALF,
-            BLOCK_H,
+            2 * HALF, num_q_heads, cos, sin, eps, k_scale_ptr, k_shift_ptr, HAS_NORM, False, False,
+            HALF, BLOCK_H,
         )  # fmt: skip
     elif STORE:  # the rotated k and the new v straight into the paged KV pool
         slot = tl.load(loc_ptr + t)
         _norm_rope_heads(
             k_ptr + t * stride_kt, k_cache_ptr + slot * stride_ckt, k_w_ptr, stride_kh,
-            stride_ckh, num_kv_heads, cos, sin, eps, k_scale_ptr, HAS_NORM, KV_FP8, EMULATE_FP8,
-            HALF, BLOCK_H,
+            stride_ckh, num_kv_heads, cos, sin, eps, k_scale_ptr, k_shift_ptr, HAS_NORM, KV_FP8,
+            EMULATE_FP8, HALF, BLOCK_H,
         )  # fmt: skip
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < num_kv_heads
@@ -212,14 +216,15 @@ def _qk_norm_rope_kernel(
             mask=mask_h[:, None],
         )
         if KV_FP8:
-            v = quantize_fp8(v, tl.load(v_scale_ptr + offs_h, mask=mask_h, other=1.0), EMULATE_FP8)
+            v_scale = tl.load(v_scale_ptr + offs_h, mask=mask_h, other=1.0)
+            v = quantize_fp8(v, v_scale, 0.0, EMULATE_FP8)
         v_dst = v_cache_ptr + slot * stride_cvt + offs_h[:, None] * stride_cvh + offs_v[None, :]
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
         _norm_rope_heads(
             k_ptr + t * stride_kt, k_out_ptr + t * num_kv_heads * (2 * HALF), k_w_ptr, stride_kh,
-            2 * HALF, num_kv_heads, cos, sin, eps, k_scale_ptr, HAS_NORM, False, False, HALF,
-            BLOCK_H,
+            2 * HALF, num_kv_heads, cos, sin, eps, k_scale_ptr, k_shift_ptr, HAS_NORM, False, False,
+            HALF, BLOCK_H,
         )  # fmt: skip
 
 
@@ -238,12 +243,14 @@ def qk_norm_rope(
     v: torch.Tensor | None = None,  # [T, Hkv, D], with `store`
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k_cache, v_cache, loc
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
+    k_shift: torch.Tensor | None = None,  # FP8 cache: [Hkv, D] fp32 subtracted from k (else 0)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Optional per-head RMSNorm of q and k, then rotate-half (neox) rotary embedding, in one
     launch; new contiguous tensors. With `store` = (k_cache [slots, Hkv, D], v_cache, loc [T]
     int64) and `v`, the rotated k and v go into the KV pool at slots `loc` instead (the KV store
-    and the rotation in one kernel) and k comes back None; into an FP8 pool divided by its
-    per-head `kv_scales` (the rotated k rounded to the model dtype first, as unfused)."""
+    and the rotation in one kernel) and k comes back None; into an FP8 pool minus `k_shift`
+    and divided by its per-head `kv_scales` (the rotated k rounded to the model dtype first, as
+    unfused)."""
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.is_contiguous()
@@ -266,8 +273,10 @@ def qk_norm_rope(
     if tokens == 0:
         return q_out, k_out
     k_scale, v_scale = kv_scales if kv_scales is not None else (cos_sin, cos_sin)  # unread
+    shift = key_shift(kc, k_shift) if fp8 else cos_sin
     _qk_norm_rope_kernel[(tokens, 2)](
         q, k, vv, q_out, k_out if k_out is not None else q_out, kc, vc, loc, k_scale, v_scale,
+        shift,
         q_weight if has_norm else q, k_weight if has_norm else k, positions, cos_sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), positions.stride(0), q_heads,

@@ -63,8 +63,15 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 }
 
 
-def default_config(n: int, k: int, act: bool = False) -> GemvConfig:
+# The same for FP8 (e4m3) weights: `scripts/gemv_probe.py --fp8` prints it; until then FP8
+# weights take the bf16 table's tiles (the same elements per tile, half the bytes).
+TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {}
+
+
+def default_config(n: int, k: int, act: bool = False, fp8: bool = False) -> GemvConfig:
     """The measured config for this shape, else what did well across the measured ones."""
+    if fp8 and (n, k, act) in TUNED_FP8:
+        return TUNED_FP8[(n, k, act)]
     return TUNED.get((n, k, act)) or GemvConfig(8, 1024 if k >= 1024 else 256, 4)
 
 
@@ -204,7 +211,7 @@ def gemv(
     assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
     assert norm_weight is None or norm_weight.shape == (k,)
     w_scale = _check_weight_scale(weight, weight_scale)
-    cfg = config or default_config(n, k, act)
+    cfg = config or default_config(n, k, act, fp8=w_scale != 0)
     if w_scale == 2:
         assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

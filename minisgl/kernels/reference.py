@@ -24,9 +24,10 @@ def store_kv_ref(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     kv_scales: KVScales | None = None,
+    k_shift: torch.Tensor | None = None,  # [Hkv, D] fp32 with kv_scales
 ) -> None:
     if kv_scales is not None:
-        k_cache[loc] = quantize_kv(k, kv_scales[0])
+        k_cache[loc] = quantize_kv(k, kv_scales[0], k_shift)
         v_cache[loc] = quantize_kv(v, kv_scales[1])
         return
     k_cache[loc] = k.to(k_cache.dtype)

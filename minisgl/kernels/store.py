@@ -10,6 +10,7 @@ import triton.language as tl
 from minisgl.kernels.common import (
     check_kv_scales,
     emulate_fp8,
+    key_shift,
     pdl_args,
     pdl_prologue,
     quantize_fp8,
@@ -25,6 +26,7 @@ def _store_kv_kernel(
     v_ptr,
     k_scale_ptr,  # [NUM_HEADS] fp32 (KV_FP8)
     v_scale_ptr,
+    k_shift_ptr,  # [NUM_HEADS, HEAD_DIM] fp32 (KV_FP8)
     stride_ck,
     stride_ckh,
     stride_cv,
@@ -52,8 +54,9 @@ def _store_kv_kernel(
     if KV_FP8:
         ks = tl.load(k_scale_ptr + offs_h, mask=offs_h < NUM_HEADS, other=1.0)
         vs = tl.load(v_scale_ptr + offs_h, mask=offs_h < NUM_HEADS, other=1.0)
-        k = quantize_fp8(k, ks, EMULATE_FP8)
-        v = quantize_fp8(v, vs, EMULATE_FP8)
+        k_shift = tl.load(k_shift_ptr + offs_h[:, None] * HEAD_DIM + offs_d[None, :], mask=mask)
+        k = quantize_fp8(k, ks, k_shift, EMULATE_FP8)
+        v = quantize_fp8(v, vs, 0.0, EMULATE_FP8)
     k_dst = k_cache_ptr + slot * stride_ck + offs_h[:, None] * stride_ckh + offs_d[None, :]
     v_dst = v_cache_ptr + slot * stride_cv + offs_h[:, None] * stride_cvh + offs_d[None, :]
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -67,9 +70,10 @@ def store_kv(
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], may be a strided view (e.g. of a fused qkv)
     v: torch.Tensor,  # [T, num_kv_heads, head_dim]
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [num_kv_heads] fp32 each
+    k_shift: torch.Tensor | None = None,  # FP8 cache: [num_kv_heads, head_dim] fp32 (else 0)
 ) -> None:
     """`k_cache[loc] = k; v_cache[loc] = v` in one launch (converting to the cache dtype; into an
-    FP8 cache as k / k_scale and v / v_scale per KV head)."""
+    FP8 cache as (k - k_shift) / k_scale and v / v_scale per KV head)."""
     num_tokens, num_heads, head_dim = k.shape
     assert v.shape == k.shape and loc.shape == (num_tokens,)
     assert k_cache.shape[1:] == (num_heads, head_dim) and v_cache.shape == k_cache.shape
@@ -81,6 +85,7 @@ def store_kv(
     if num_tokens == 0:
         return
     k_scale, v_scale = scales if scales is not None else (k, v)  # unread without KV_FP8
+    shift = key_shift(k_cache, k_shift) if fp8 else k
     _store_kv_kernel[(num_tokens,)](
         k_cache,
         v_cache,
@@ -89,6 +94,7 @@ def store_kv(
         v,
         k_scale,
         v_scale,
+        shift,
         k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0),

@@ -37,7 +37,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types = {n: f"*{dt}" for n in names}
         types |= {"q_w_ptr": f"*{dt}", "k_w_ptr": f"*{dt}", "pos_ptr": "*i64", "loc_ptr": "*i64"}
         types |= {"cos_sin_ptr": "*fp32", "eps": "fp32"}
-        types |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+        types |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_shift_ptr": "*fp32"}
         for norm, store in ((True, True), (True, False), (False, True), (False, False)):
             c = dict(HAS_NORM=norm, STORE=store, KV_FP8=False, EMULATE_FP8=False, HALF=64)
             name = f"qk_norm_rope {dt} norm={norm} store={store}"

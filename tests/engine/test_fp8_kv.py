@@ -144,23 +144,43 @@ def test_fp8_kv_chunked_prefill_and_retraction_give_the_same_answers(qwen3):
     assert_kv_clean(small)
 
 
-def test_calibrated_scales_are_twice_the_largest_k_and_v_over_448(qwen3):
+def test_calibration_shifts_keys_by_their_mean_and_scales_twice_the_largest_over_448(qwen3):
     """Against transformers: K (after q/k-norm and RoPE) and V of the same tokens, read from
-    its KV cache."""
+    its KV cache. The key shift is the keys' mean per (layer, head, channel); the scales map
+    twice the largest |K - shift| and |V| of each head to 448."""
     from helpers import load_hf
 
     from minisgl.engine.kv_calibration import calibration_ids
 
     n = 200
     llm = make(qwen3, **FP8, kv_cache_calibrate=n)
+    pool = llm.engine.pool
     ids = calibration_ids(None, VOCAB, n)  # the tiny model has no tokenizer: the text's bytes
     with torch.no_grad():
         cache = load_hf(qwen3)(torch.tensor([ids]), use_cache=True).past_key_values
-    for layer in range(llm.engine.pool.num_layers):
+    for layer in range(pool.num_layers):
         k, v = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # [Hkv, T, D]
-        want = torch.stack([k.abs().amax(dim=(1, 2)), v.abs().amax(dim=(1, 2))]) * 2 / FP8_MAX
-        got = llm.engine.pool.all_scales()[:, layer]
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+        shift = k.mean(dim=1)  # [Hkv, D]
+        torch.testing.assert_close(pool.all_k_shifts()[layer], shift, rtol=1e-4, atol=1e-5)
+        k_off = (k - shift[:, None]).abs().amax(dim=(1, 2))
+        want = torch.stack([k_off, v.abs().amax(dim=(1, 2))]) * 2 / FP8_MAX
+        torch.testing.assert_close(pool.all_scales()[:, layer], want, rtol=1e-4, atol=0)
+
+
+def test_the_key_shift_leaves_attention_unchanged(qwen3):
+    """Attention over keys minus a per-(head, channel) constant is the same attention: every
+    score of a query moves by the same amount. An fp32 reference check of the invariance the
+    FP8 pool relies on (the torch backend's attention, fp32 pool, shifted keys)."""
+    from minisgl.kernels import reference as ref
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(30, h, 16, generator=gen) for h in (4, 2, 2))
+    shift = torch.randn(2, 16, generator=gen) * 5
+    pos = torch.arange(30)
+    torch.testing.assert_close(
+        ref.attend_ref(q, k - shift, v, pos, 0.25), ref.attend_ref(q, k, v, pos, 0.25),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
 
 
 def test_checkpoint_kv_scales_reach_the_pool(tmp_path):

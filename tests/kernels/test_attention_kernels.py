@@ -284,7 +284,8 @@ def test_extend_fp8_kv_matches_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_fp8(dtype: torch.dtype) -> None:
-    """The kernel writes `quantize_kv`'s bytes: x / scale of its head, saturated at +-448."""
+    """The kernel writes `quantize_kv`'s bytes: (k - shift) / scale and v / scale of its head,
+    saturated at +-448."""
     from minisgl.kernels.fp8 import quantize_kv
 
     torch.manual_seed(7)
@@ -295,8 +296,9 @@ def test_store_kv_fp8(dtype: torch.dtype) -> None:
     kv = (torch.randn(t, 2 * hkv + 4, d, device=DEVICE) * 30).to(dtype)  # strided views
     k, v = kv[:, :hkv], kv[:, hkv : 2 * hkv]
     scales = (torch.tensor([0.01, 0.1, 1.0], device=DEVICE),) * 2
-    store_kv(k_cache, v_cache, loc, k, v, scales)
-    assert torch.equal(k_cache[loc].float(), quantize_kv(k, scales[0]).float())
+    shift = torch.randn(hkv, d, device=DEVICE) * 5
+    store_kv(k_cache, v_cache, loc, k, v, scales, shift)
+    assert torch.equal(k_cache[loc].float(), quantize_kv(k, scales[0], shift).float())
     assert torch.equal(v_cache[loc].float(), quantize_kv(v, scales[1]).float())
     assert k_cache[loc].float().abs().max() == 448  # saturated, not NaN
     untouched = torch.ones(slots, dtype=torch.bool, device=DEVICE)

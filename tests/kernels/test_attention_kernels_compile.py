@@ -62,7 +62,7 @@ def _compile_all() -> list[dict[str, Any]]:
     for cache in ("bf16", "fp8e4nv"):
         types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "loc_ptr": "*i64"}
         types |= {"k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"}
-        types |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+        types |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_shift_ptr": "*fp32"}
         fp8 = cache == "fp8e4nv"
         c = dict(NUM_HEADS=8, BLOCK_H=8, HEAD_DIM=128, KV_FP8=fp8, EMULATE_FP8=False)
         store = _compile(_store_kv_kernel, types, c, 4, 1)

@@ -120,8 +120,9 @@ def test_qk_norm_rope_with_strided_positions_and_heads(dtype, with_norm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_rope_stores_into_an_fp8_pool(dtype):
-    """Into an e4m3 pool, the rotated k (rounded to the model dtype first, as unfused) and v are
-    divided by their head's scale: the same bytes as `quantize_kv` of the unfused results."""
+    """Into an e4m3 pool, the rotated k (rounded to the model dtype first, as unfused) minus the
+    key shift, and v, are divided by their head's scale: the same bytes as `quantize_kv` of the
+    unfused results."""
     from minisgl.kernels.fp8 import quantize_kv
 
     fused = _fused()
@@ -140,10 +141,12 @@ def test_qk_norm_rope_stores_into_an_fp8_pool(dtype):
     v_cache = torch.zeros_like(k_cache)
     loc = torch.tensor([7, 0, 19, 3, 12, 8], device=DEVICE)
     table = rope.cos_sin.to(DEVICE)
+    shift = torch.randn(2, 64, generator=gen)
     fused.qk_norm_rope(
         positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table,
         *[n.weight.to(DEVICE, dtype) for n in norms], eps=1e-6, v=v.to(DEVICE),
         store=(k_cache, v_cache, loc), kv_scales=tuple(s.to(DEVICE) for s in scales),
+        k_shift=shift.to(DEVICE),
     )  # fmt: skip
     _, want_k = fused.qk_norm_rope(
         positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table,
@@ -151,7 +154,7 @@ def test_qk_norm_rope_stores_into_an_fp8_pool(dtype):
     )  # fmt: skip
     got_k, got_v = k_cache[loc].cpu().float(), v_cache[loc].cpu().float()
     assert torch.isfinite(got_k).all() and got_k.abs().max() == 448  # some values saturated
-    assert torch.equal(got_k, quantize_kv(want_k.cpu(), scales[0]).float())
+    assert torch.equal(got_k, quantize_kv(want_k.cpu(), scales[0], shift).float())
     assert torch.equal(got_v, quantize_kv(v, scales[1]).float())
 
 
