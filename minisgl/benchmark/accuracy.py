@@ -27,6 +27,7 @@ import torch
 
 from minisgl.attention import AttentionInputs, make_backend
 from minisgl.benchmark.common import Row, device_info, emit_json, print_table, release_memory
+from minisgl.core import TableWrite
 from minisgl.engine.kv_calibration import text_ids
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
@@ -59,7 +60,7 @@ def text_log_probs(llm: LLM, ids: list[int]) -> torch.Tensor:
     pool.all_scales().copy_(engine.pool.all_scales())
     pool.set_k_shift(engine.pool.all_k_shifts())
     table = ReqTable(1, n, 1, device)
-    table.write_pages(0, 0, list(range(n)))
+    table.apply([TableWrite(slot=0, start=0, values=list(range(n)))], [])
     mcfg = engine.model_config
     backend = make_backend(
         engine.config.attention_backend, pool, table, engine.backend.num_q_heads,

@@ -3,11 +3,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
@@ -15,14 +12,16 @@ from minisgl.attention import AttentionInputs, make_backend
 from minisgl.config import (
     EngineConfig,
     ModelConfig,
+    apply_env_switches,
     resolve_engine_config,
     resolve_model_quantization,
 )
-from minisgl.core import Batch, Req
+from minisgl.core import Batch, SeqInfo
+from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.kv_calibration import init_kv_scales
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
 from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample, to_device
-from minisgl.engine.warmup import run_warmup
+from minisgl.engine.step import ForwardOutput, StepInputs, StepRows
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
 from minisgl.models import build_model
@@ -35,50 +34,7 @@ from minisgl.weights import (
 )
 from minisgl.weights.fp8 import KVScales
 
-if TYPE_CHECKING:
-    from minisgl.engine.cuda_graph import CudaGraphRunner
-
 logger = logging.getLogger(__name__)
-
-# Environment switches (for benchmarks and bisecting): "1" turns the feature off.
-ENV_DISABLE_OVERLAP = "MINISGL_DISABLE_OVERLAP"
-ENV_DISABLE_CUDA_GRAPH = "MINISGL_DISABLE_CUDA_GRAPH"
-
-
-@dataclass
-class ForwardOutput:
-    """Tokens sampled by one step, for the rows of the batch whose `sample` flag was set."""
-
-    sample_rows: list[int]  # batch rows that sampled, in order
-    tokens: torch.Tensor  # [S] int64 on the device
-    tokens_host: torch.Tensor  # [S] int64 on the host (filled once `ready` has fired)
-    logprobs_host: torch.Tensor | None
-    top_ids_host: torch.Tensor | None
-    top_logprobs_host: torch.Tensor | None
-    ready: torch.cuda.Event | None  # None on the CPU: already complete
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-@dataclass
-class StepRows:
-    """Where the sampled rows of a step live: their hidden states and request-table cells."""
-
-    hidden: torch.Tensor  # [S, hidden] final hidden state of each sampling row's last token
-    req_slots: torch.Tensor  # [S] int64
-    seq_lens: torch.Tensor  # [S] int64, the sampled token's position in the token table
-
-
-class StepInputs(NamedTuple):
-    """The device inputs of an eager step."""
-
-    attn: AttentionInputs  # `out_loc` still empty
-    positions: torch.Tensor  # [T] int64, position of each new token
-    token_slots: torch.Tensor  # [T] int64, request slot of each new token
-    seq_lens: torch.Tensor  # [B] int64
-    cu_extend: torch.Tensor  # [B+1] int64
 
 
 @contextlib.contextmanager
@@ -91,26 +47,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
-    """`MINISGL_DISABLE_OVERLAP=1` / `MINISGL_DISABLE_CUDA_GRAPH=1` turn those features off."""
-    if os.environ.get(ENV_DISABLE_OVERLAP) == "1":
-        cfg = replace(cfg, overlap=False)
-    if os.environ.get(ENV_DISABLE_CUDA_GRAPH) == "1":
-        cfg = replace(cfg, cuda_graph_max_bs=0)
-    return cfg
-
-
 class Engine:
-    """Owns the model, the KV pool and the request table; runs one batch per call.
+    """Owns the model and every device tensor (KV pool, request table, CUDA graphs); runs
+    one step per call.
 
-    The scheduler builds a `Batch`, calls `forward_batch`, and reads back `ForwardOutput`.
-    Every device operation of a step (input gathers, the model, sampling, the token-table write)
-    and every host-to-device table write goes to one CUDA stream, in the order the host issues
-    them. So the host may free a page or a request slot while a step that uses it still runs:
-    whatever reuses it is enqueued later and runs after that step.
+    The scheduler hands `forward_batch` a step plan (`Batch`): its rows, and the request-table
+    writes queued since the previous plan, which the engine applies before the step's kernels.
+    It reads back `ForwardOutput`, whose `ready` event fires once the step has completed on the
+    device; the scheduler gives a released request's pages and slot to another request only
+    after that (so no reuse depends on how the device orders its work).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, agree_num_pages: Callable[[int], int] | None = None
+    ) -> None:
+        """`agree_num_pages` (tensor parallelism) gets the page count this rank's memory holds
+        and returns the count every rank uses (the runtime passes the minimum over the ranks):
+        the pool and the CUDA graphs are then built for it, the same on every rank.
+        """
         src = resolve_source(config.model)
         self.model_config: ModelConfig = load_model_config(src)
         self.config = apply_env_switches(resolve_engine_config(config, self.model_config.dtype))
@@ -123,11 +77,9 @@ class Engine:
         torch.manual_seed(cfg.seed)
         kv_scales = self._build_model(src)
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
-        self._build_kv(src, kv_scales)
+        self._build_kv(agree_num_pages, src, kv_scales)
         self.graphs = self._capture_graphs()
         self.num_steps = 0  # batches run so far (the warm-up's included)
-        if not cfg.skip_warmup:
-            self.warmup()
 
     def _build_model(self, src: ModelSource) -> KVScales | None:
         """The model with its weights; returns the checkpoint's FP8 KV scales if it has any."""
@@ -142,7 +94,12 @@ class Engine:
         self.model.eval()
         return kv_scales
 
-    def _build_kv(self, src: ModelSource, kv_scales: KVScales | None) -> None:
+    def _build_kv(
+        self,
+        agree_num_pages: Callable[[int], int] | None,
+        src: ModelSource,
+        kv_scales: KVScales | None,
+    ) -> None:
         cfg, mcfg = self.config, self.model_config
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
         num_kv_heads, num_q_heads = attn.num_kv_heads, attn.num_heads
@@ -150,9 +107,9 @@ class Engine:
             cfg.max_running_requests, self.max_context, cfg.page_size, self.device
         )
         reserve = graph_reserve_bytes(cfg, mcfg, self.max_context) if self._wants_graphs() else 0
-        self.num_pages = cfg.num_pages or plan_num_pages(
-            cfg, mcfg, num_kv_heads, self.max_context, reserve
-        )
+        own = cfg.num_pages or plan_num_pages(cfg, mcfg, num_kv_heads, self.max_context, reserve)
+        self.num_pages = agree_num_pages(own) if agree_num_pages else own
+        self.config = cfg = replace(cfg, num_pages=self.num_pages)
         # One page more than the scheduler hands out: padding rows of a CUDA-graph batch write
         # their K/V there, never into a request's page.
         self.pool = KVPool(
@@ -169,13 +126,13 @@ class Engine:
             self.pool, self.model, self.table, num_q_heads, sm_scale, cfg.kv_cache_calibrate,
             kv_scales, src, mcfg.vocab_size,
         )  # fmt: skip
-        self.dummy_loc = self.num_pages * cfg.page_size
+        self.dummy_loc = self.pool.spare_loc
         self.backend = make_backend(
             cfg.attention_backend, self.pool, self.table, num_q_heads, sm_scale
         )
-        logger.info(
-            "KV pool: %d pages of %d tokens, %s", self.num_pages, cfg.page_size, cfg.kv_cache_dtype
-        )
+        agreed = f" (the ranks' minimum; this rank's budget holds {own})" if agree_num_pages else ""
+        logger.info("KV pool: %d pages of %d tokens, %s%s", self.num_pages, cfg.page_size,
+                    cfg.kv_cache_dtype, agreed)  # fmt: skip
 
     def _wants_graphs(self) -> bool:
         """Decode CUDA graphs: on CUDA, unless disabled, with a backend that can be captured."""
@@ -186,24 +143,7 @@ class Engine:
     def _capture_graphs(self) -> CudaGraphRunner | None:
         if not (self._wants_graphs() and self.backend.supports_cuda_graph):
             return None
-        from minisgl.engine.cuda_graph import CudaGraphRunner
-
         return CudaGraphRunner(self)
-
-    def warmup(self) -> None:
-        """Run the start-up steps of `minisgl.engine.warmup` (every eager kernel variant that
-        serving reaches), then wait for the device. Only on an engine without requests: the
-        steps take request slots and write KV pages that no scheduler has handed out yet."""
-        if self.num_steps:
-            raise RuntimeError(
-                "Engine.warmup runs before the first batch only: its steps overwrite KV pages "
-                "that a scheduler may have handed out since"
-            )
-        start = time.perf_counter()
-        steps = run_warmup(self)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        logger.info("warm-up: %d steps in %.2f s", steps, time.perf_counter() - start)
 
     @property
     def page_size(self) -> int:
@@ -213,7 +153,11 @@ class Engine:
 
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> ForwardOutput:
+        """Apply the plan's table writes, run its step, sample; returns without waiting."""
         self.num_steps += 1
+        if self.config.debug_kv:
+            self.pool.poison(batch.freed_pages)
+        self.table.apply(batch.page_writes, batch.token_writes)
         rows: StepRows | None
         if self.graphs is not None and self.graphs.can_run(batch):
             rows = self.graphs.run(batch)
@@ -250,8 +194,7 @@ class Engine:
         b, t = batch.size, batch.num_tokens
         prefix, ext, seq_lens_host = batch.prefix_lens, batch.extend_lens, batch.seq_lens
         cu = [0, *itertools.accumulate(ext)]
-        slots = [r.slot for r in batch.reqs]
-        assert None not in slots
+        slots = batch.slots
         decode = t == b
         # New token i of request r is step row cu[r] + i at position prefix[r] + i: its row
         # plus shift[r]. (A host list of T positions cost 0.7 ms at T = 8,000: building it
@@ -298,20 +241,21 @@ class Engine:
             empty = torch.empty(0, dtype=torch.int64)
             return ForwardOutput([], empty.to(self.device), empty, None, None, None, None)
         logits = self.model.compute_logits(rows.hidden)  # type: ignore[operator]  # [S, V]
-        reqs = [batch.reqs[i] for i in sample_rows]
-        sin = SamplingInputs.build(reqs, self.model_config.vocab_size, self.device)
-        if any(r.params.has_penalties for r in reqs):
-            sin.penalties = self._penalties(reqs, rows)
+        seqs = [batch.seqs[i] for i in sample_rows]
+        out_index = [batch.out_index[i] for i in sample_rows]
+        sin = SamplingInputs.build(seqs, out_index, self.model_config.vocab_size, self.device)
+        if any(s.params.has_penalties for s in seqs):
+            sin.penalties = self._penalties(seqs, out_index, rows)
         out = sample(logits, sin)
         # The sampled token becomes the input of the request's next step.
         self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()
         return self._to_host(sample_rows, out)
 
-    def _penalties(self, reqs: list[Req], rows: StepRows) -> PenaltyInputs:
-        """Prompt and earlier output tokens, read from the token table on the device: with
-        overlap scheduling the host does not know the previous step's token yet."""
-        prompt_lens = [r.prompt_len for r in reqs]
-        num_out = [r.num_sampled - 1 for r in reqs]  # outputs before the one being sampled
+    def _penalties(self, seqs: list[SeqInfo], num_out: list[int], rows: StepRows) -> PenaltyInputs:
+        """Prompt and the `num_out` earlier output tokens of each row, read from the token
+        table on the device: with overlap scheduling the host does not know the previous
+        step's token yet."""
+        prompt_lens = [s.prompt_len for s in seqs]
         plen = to_device(prompt_lens, torch.int64, self.device)
 
         def gather(start: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -329,9 +273,9 @@ class Engine:
         return PenaltyInputs(
             prompt_tokens=gather(torch.zeros_like(plen), prompt_lens),
             output_tokens=gather(plen, num_out),
-            presence=f([r.params.presence_penalty for r in reqs]),
-            frequency=f([r.params.frequency_penalty for r in reqs]),
-            repetition=f([r.params.repetition_penalty for r in reqs]),
+            presence=f([s.params.presence_penalty for s in seqs]),
+            frequency=f([s.params.frequency_penalty for s in seqs]),
+            repetition=f([s.params.repetition_penalty for s in seqs]),
         )
 
     def _to_host(self, rows: list[int], out: SampleOutput) -> ForwardOutput:

@@ -219,12 +219,16 @@ TP_ATOL = 1e-5  # fp32: tp changes only the order of the sums
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["online", "hf-block"])
+@pytest.mark.parametrize("case", ["online", "hf-block", "kv-calibrated"])
 def test_fp8_tp2_equals_tp1(models, tmp_path, case):
     """Online per-channel weights, weight-only; block-scaled weights with activations rounded
-    per 128 columns above the default switch (shards do not cut those groups)."""
+    per 128 columns above the default switch (shards do not cut those groups); an FP8 KV cache
+    calibrated on each rank for the heads it holds."""
     if case == "online":
         path, options = models["dense"], {"quantization": "fp8"}
+    elif case == "kv-calibrated":
+        path = models["dense"]
+        options = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "kv_cache_calibrate": 256}
     else:
         path = save_fp8_checkpoint(models["dense"], tmp_path / "c", case)
         options = {"fp8_gemv_max_rows": 1}
