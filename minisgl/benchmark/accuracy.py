@@ -37,9 +37,11 @@ from minisgl.weights import resolve_source
 # (name, engine options)
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("baseline", {}),
-    ("fp8 KV, scales 1.0", {"kv_cache_dtype": "fp8_e4m3"}),
-    ("fp8 KV, calibrated", {"kv_cache_dtype": "fp8_e4m3", "kv_cache_calibrate": 2048}),
+    ("fp8 KV (scales 1.0)", {"kv_cache_dtype": "fp8_e4m3"}),
+    ("fp8 KV (calibrated)", {"kv_cache_dtype": "fp8_e4m3", "kv_cache_calibrate": 2048}),
     ("fp8 weights", {"quantization": "fp8"}),
+    # As decode steps of up to FP8_GEMV_MAX_ROWS rows run: activations not rounded.
+    ("fp8 weights (weight-only)", {"quantization": "fp8", "fp8_gemv_max_rows": 1 << 30}),
     ("fp8 weights + KV", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3",
                           "kv_cache_calibrate": 2048}),
 ]  # fmt: skip

@@ -63,8 +63,8 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 }
 
 
-# The same for FP8 (e4m3) weights: `scripts/gemv_probe.py --fp8` prints it; until then FP8
-# weights take the bf16 table's tiles (the same elements per tile, half the bytes).
+# The same for FP8 (e4m3) weights: `python -m minisgl.benchmark.gemv --fp8` prints it; until
+# then FP8 weights take the bf16 table's tiles (the same elements per tile, half the bytes).
 TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {}
 
 
