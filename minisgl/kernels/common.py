@@ -137,7 +137,8 @@ def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
     whose fp32 -> e4m3 cast rounds ties away from zero and drops the carry into the exponent, so
     127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
     represent."""
-    y = (x.to(tl.float32) - shift) / scale[:, None]
+    # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference
+    y = tl.math.div_rn(x.to(tl.float32) - shift, scale[:, None] + tl.zeros_like(x.to(tl.float32)))
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EMULATE_FP8:
         y = round_e4m3(y)

@@ -4,13 +4,14 @@ run time (imports Triton).
 - `quantize_activations`: one scale per token (`group=None`), or per token and 128 columns for
   block-scaled weights; x / scale rounded to e4m3, as `minisgl.kernels.fp8.quantize_activations`.
 - `fp8_linear`: y = (x_q * x_scale) @ (w_q * w_scale)^T + bias on FP8 tensor cores. Weights with
-  one scale per output channel go to cuBLASLt (`torch._scaled_mm`, row-wise scales) when the
-  output is bf16 and the shapes suit it; 128 x 128 block scales (and the rest) to the Triton
-  kernel below, which multiplies each 128-deep partial product by its two scales.
+  one scale per output channel go to torch's row-wise scaled GEMM (`torch._scaled_mm`; Hopper)
+  when the output is bf16 and the shapes suit it; 128 x 128 block scales (and the rest, and Ada)
+  to the Triton kernel below, which multiplies each 128-deep partial product by its two scales.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,14 @@ def _act_quant_kernel(
     for k in range(start, end, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k + offs, mask=k + offs < end, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+    # IEEE divisions (Triton's `/` may be approximate): the torch reference's e4m3 values
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK], 448.0, tl.float32))
+    scale = tl.max(scale, 0)  # max of equal-or-smaller quotients: the row's largest / 448
     tl.store(s_ptr + row * tl.num_programs(1) + group, scale)
     for k in range(start, end, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k + offs, mask=k + offs < end, other=0.0)
-        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+        y = tl.math.div_rn(x.to(tl.float32), tl.full([BLOCK], 0.0, tl.float32) + scale)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if EMULATE_FP8:  # the interpreter's e4m3 cast rounds wrongly (see `quantize_fp8`)
             y = round_e4m3(y)
         tl.store(q_ptr + row * K + k + offs, y.to(q_ptr.dtype.element_ty), mask=k + offs < end)
@@ -197,10 +201,22 @@ def fp8_gemm(
     return c
 
 
+@functools.cache
+def _rowwise_capable(device: torch.device) -> bool:
+    """torch's row-wise scaled FP8 GEMM runs on Hopper and newer (CPUs emulate it)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def scaled_mm_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """cuBLASLt's row-wise FP8 GEMM: per-channel weight scales, bf16 out, 16-aligned K and N."""
+    """torch's row-wise FP8 GEMM: per-channel weight scales, bf16 out, 16-aligned K and N."""
     n, k = weight.shape
-    return scale.dim() == 1 and x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+    return (
+        scale.dim() == 1
+        and x.dtype == torch.bfloat16
+        and k % 16 == 0
+        and n % 16 == 0
+        and _rowwise_capable(x.device)
+    )
 
 
 def fp8_linear(
@@ -212,11 +228,14 @@ def fp8_linear(
     """x W^T (+ bias) with x quantized to e4m3 per token (per token and 128 columns for
     block-scaled weights) on FP8 tensor cores."""
     x = x.contiguous()
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
     if scaled_mm_supported(x, weight, scale):
         xq, xs = quantize_activations(x)
-        return torch._scaled_mm(
-            xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), bias=bias, out_dtype=x.dtype
+        y = torch._scaled_mm(
+            xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype
         )
+        return y if bias is None else y + bias
     group = BLOCK if scale.dim() == 2 else None
     xq, xs = quantize_activations(x, group)
     return fp8_gemm(xq, xs, weight, scale, x.dtype, bias)

@@ -215,6 +215,8 @@ def gemv(
     if w_scale == 2:
         assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
     scale = weight_scale if weight_scale is not None else y
     _gemv_kernel[(triton.cdiv(n, cfg.block_n) * m,)](
         x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
