@@ -111,8 +111,18 @@ class LinearBase(nn.Module):
         return Place(0, out, 0, 0, in_)
 
     def _part_sizes(self) -> list[tuple[ShardId, int]]:
-        """A fused checkpoint tensor's parts and their rows (unsharded), in order."""
+        """A checkpoint tensor's parts (several for a fused one) and their rows (unsharded)."""
         return [(None, self.weight.shape[0])]
+
+    def _in_features(self) -> int:
+        """The columns of a checkpoint tensor (unsharded)."""
+        return int(self.weight.shape[1])
+
+    def _check_part(self, part: torch.Tensor, shard_id: ShardId, what: str) -> None:
+        rows = dict(self._part_sizes())[shard_id]
+        want = (rows, self._in_features()) if part.dim() == 2 else (rows,)
+        if tuple(part.shape) != want:
+            raise ValueError(f"{what}: checkpoint shape {tuple(part.shape)} is not {want}")
 
     def _parts(
         self, loaded: torch.Tensor, shard_id: ShardId, rows_per: int = 1
@@ -133,6 +143,7 @@ class LinearBase(nn.Module):
     def _load_weight(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId = None) -> None:  # fmt: skip
         what = f"{type(self).__name__} weight"
         for sid, part in self._parts(loaded, shard_id):
+            self._check_part(part, sid, what)
             place = self._place(sid)
             if self.quant is None:
                 if is_fp8(part.dtype):
@@ -154,8 +165,10 @@ class LinearBase(nn.Module):
             self._scaled_parts.add(sid)
 
     def _load_bias(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId = None) -> None:  # fmt: skip
+        what = f"{type(self).__name__} bias"
         for sid, part in self._parts(loaded, shard_id):
-            copy_part(param.data, part, self._place(sid), f"{type(self).__name__} bias")
+            self._check_part(part, sid, what)
+            copy_part(param.data, part, self._place(sid), what)
 
     def finish_loading(self) -> None:
         """After the last checkpoint tensor: every FP8 part has its scales."""
@@ -233,6 +246,9 @@ class ColumnParallelLinear(LinearBase):
     def _place(self, shard_id: ShardId) -> Place:
         n = self.out_local
         return Place(0, n, self.tp_rank * n, 0, self.weight.shape[1])
+
+    def _part_sizes(self) -> list[tuple[ShardId, int]]:
+        return [(None, self.out_local * self.tp_size)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -329,6 +345,9 @@ class RowParallelLinear(LinearBase):
     def _place(self, shard_id: ShardId) -> Place:
         n = self.in_local
         return Place(0, self.weight.shape[0], 0, self.tp_rank * n, n)
+
+    def _in_features(self) -> int:
+        return self.in_local * self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))
