@@ -131,8 +131,7 @@ class Engine:
             cfg.attention_backend, self.pool, self.table, num_q_heads, sm_scale
         )
         agreed = f" (the ranks' minimum; this rank's budget holds {own})" if agree_num_pages else ""
-        logger.info("KV pool: %d pages of %d tokens, %s%s", self.num_pages, cfg.page_size,
-                    cfg.kv_cache_dtype, agreed)  # fmt: skip
+        logger.info("KV pool: %d pages of %d tokens%s", self.num_pages, cfg.page_size, agreed)
 
     def _wants_graphs(self) -> bool:
         """Decode CUDA graphs: on CUDA, unless disabled, with a backend that can be captured."""
