@@ -36,7 +36,7 @@ step() {  # step NAME LIMIT CMD...
 }
 off() {  # off NAME LIMIT CMD...: the "off" side (in AB_TREE when given)
   if [[ -n $AB_TREE ]]; then
-    (cd "$AB_TREE" && export PYTHONPATH=$AB_TREE && step "$@")
+    (cd "$AB_TREE" && export PYTHONPATH=$AB_TREE${PYTHONPATH:+:$PYTHONPATH} && step "$@")
   else
     step "$@"
   fi

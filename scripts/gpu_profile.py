@@ -62,7 +62,7 @@ class PhaseTimer:
             self.acc["_sched"]["schedule"] += time.perf_counter() - t
             return b
 
-        def forward(batch: Any) -> Any:
+        def forward(batch: Any, mask: Any = None) -> Any:
             kind = "mixed" if batch.num_tokens != batch.size else batch_bucket(batch.size)
             t = time.perf_counter()
             self.launches.append((t, kind))
@@ -70,11 +70,11 @@ class PhaseTimer:
                 # Python time by function, and a warning at every op that syncs with the GPU.
                 torch.cuda.set_sync_debug_mode("warn")
                 self.host_detail.enable()
-                out = self.orig[1](batch)
+                out = self.orig[1](batch, mask)
                 self.host_detail.disable()
                 torch.cuda.set_sync_debug_mode(0)
             else:
-                out = self.orig[1](batch)
+                out = self.orig[1](batch, mask)
             self.acc[kind]["forward_host"] += time.perf_counter() - t
             self.acc[kind]["steps"] += 1
             self.kind = kind

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,11 @@ def tiny_model_dir(tmp_path_factory):
         return made[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The real SmolLM2 tokenizer (converted from the embedded GGUF once per session)."""
+    from minisgl.tokenizer.loading import load_and_save
+
+    return load_and_save(None, tmp_path_factory.mktemp("tokenizer"))

@@ -185,9 +185,9 @@ def record_batches(engine: Any) -> list[Any]:
     seen: list[Any] = []
     forward = engine.forward_batch
 
-    def spy(batch: Any) -> Any:
+    def spy(batch: Any, mask: Any = None) -> Any:
         seen.append(batch)
-        return forward(batch)
+        return forward(batch, mask)
 
     engine.forward_batch = spy
     return seen

@@ -151,11 +151,11 @@ class StepRecorder:
         self.steps: list[tuple[float, int, int, int]] = []  # (time, batch, tokens, sum seq_lens)
 
     def __enter__(self) -> StepRecorder:
-        def record(batch: Batch) -> Any:
+        def record(batch: Batch, mask: Any = None) -> Any:
             self.steps.append(
                 (time.perf_counter(), batch.size, batch.num_tokens, sum(batch.seq_lens))
             )
-            return self.original(batch)
+            return self.original(batch, mask)
 
         self.engine.forward_batch = record  # type: ignore[method-assign]
         return self

@@ -53,6 +53,7 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # Eos ids that end this request (the model's unless ignore_eos) plus stop_token_ids.
     stop_ids: frozenset[int] = frozenset()
+    error: str | None = None  # why it ended without running, or ran into a fault of ours
 
     @property
     def slot(self) -> int | None:

@@ -1,6 +1,6 @@
 """The engine: model, KV pool and one call per step (`forward_batch`)."""
 
 from minisgl.engine.engine import Engine
-from minisgl.engine.step import ForwardOutput
+from minisgl.engine.step import ForwardOutput, TokenMask
 
-__all__ = ["Engine", "ForwardOutput"]
+__all__ = ["Engine", "ForwardOutput", "TokenMask"]

@@ -20,8 +20,15 @@ from minisgl.core import Batch, SeqInfo
 from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.kv_calibration import init_kv_scales
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
-from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample, to_device
-from minisgl.engine.step import ForwardOutput, StepInputs, StepRows
+from minisgl.engine.sampler import (
+    PenaltyInputs,
+    SampleOutput,
+    SamplingInputs,
+    StopMask,
+    sample,
+    to_device,
+)
+from minisgl.engine.step import ForwardOutput, StepInputs, StepRows, TokenMask
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
 from minisgl.models import build_model
@@ -151,8 +158,15 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_batch(self, batch: Batch) -> ForwardOutput:
-        """Apply the plan's table writes, run its step, sample; returns without waiting."""
+    def forward_batch(
+        self, batch: Batch, mask: Callable[[], TokenMask] | None = None
+    ) -> ForwardOutput:
+        """Apply the plan's table writes, run its step, sample; returns without waiting.
+
+        `mask` (a step with constrained rows) is called once the model's work is launched and
+        before sampling: the caller may still be learning the previous step's tokens, which
+        the mask depends on, while the device runs this one.
+        """
         self.num_steps += 1
         if self.config.debug_kv:
             self.pool.poison(batch.freed_pages)
@@ -162,7 +176,7 @@ class Engine:
             rows = self.graphs.run(batch)
         else:
             rows = self._run_eager(batch)
-        return self._sample(batch, rows)
+        return self._sample(batch, rows, mask)
 
     def _run_eager(self, batch: Batch) -> StepRows | None:
         step = self._step_inputs(batch)
@@ -234,7 +248,9 @@ class Engine:
 
     # ---- sampling ----------------------------------------------------------------------------
 
-    def _sample(self, batch: Batch, rows: StepRows | None) -> ForwardOutput:
+    def _sample(
+        self, batch: Batch, rows: StepRows | None, mask: Callable[[], TokenMask] | None
+    ) -> ForwardOutput:
         sample_rows = [i for i, s in enumerate(batch.sample) if s]
         if rows is None or not sample_rows:
             empty = torch.empty(0, dtype=torch.int64)
@@ -245,6 +261,13 @@ class Engine:
         sin = SamplingInputs.build(seqs, out_index, self.model_config.vocab_size, self.device)
         if any(s.params.has_penalties for s in seqs):
             sin.penalties = self._penalties(seqs, out_index, rows)
+        if any(s.params.min_tokens for s in seqs):  # out_index: outputs before this one
+            pending = [n < s.params.min_tokens for s, n in zip(seqs, out_index)]
+            stop_ids = [s.stop_ids for s in seqs]
+            sin.stop_mask = StopMask.build(pending, stop_ids, logits.shape[1], self.device)
+        if mask is not None:
+            m = mask()
+            sin.token_mask = TokenMask(m.bits.to(self.device, non_blocking=True), m.rows)
         out = sample(logits, sin)
         # The sampled token becomes the input of the request's next step.
         self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()

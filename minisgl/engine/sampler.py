@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import array
 import functools
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from minisgl.core import SeqInfo
+from minisgl.engine.step import TokenMask
 
 _M32 = 0xFFFFFFFF
 
@@ -86,6 +88,8 @@ class SamplingInputs:
     want_logprobs: bool
     penalties: PenaltyInputs | None = None
     keys: torch.Tensor | None = None  # [B] int64 `row_keys(seeds, steps)`, mixed on the host
+    token_mask: TokenMask | None = None  # grammars: tokens the constrained rows may sample
+    stop_mask: StopMask | None = None  # stop ids rows may not sample yet (min_tokens)
 
     @staticmethod
     def build(
@@ -145,6 +149,55 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.to(device, non_blocking=True)
 
 
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """Set the disallowed tokens of the constrained rows of logits [B, V] to -inf, in place
+    (rows without a constraint are untouched; no host sync); returns `logits`. `mask.bits`
+    is on the logits' device."""
+    import xgrammar as xgr
+
+    vocab = min(logits.shape[1], mask.bits.shape[1] * 32)
+    xgr.apply_token_bitmask_inplace(logits, mask.bits, vocab_size=vocab, indices=mask.rows)
+    return logits
+
+
+@dataclass
+class StopMask:
+    """(row, token id) pairs whose logits are -inf this step: the stop ids of rows that have
+    fewer outputs than their `min_tokens` (vLLM's semantics: a request's stop tokens cannot
+    be sampled until it has `min_tokens` outputs)."""
+
+    rows: torch.Tensor  # [K] int64
+    ids: torch.Tensor  # [K] int64
+
+    @staticmethod
+    def build(
+        pending: Sequence[bool],
+        stop_ids: Sequence[Collection[int]],
+        vocab: int,
+        device: torch.device,
+    ) -> StopMask | None:
+        """Per row: whether min_tokens is still pending, and its stop ids (EOS unless
+        ignore_eos, plus stop_token_ids). None when no row masks anything. Ids outside the
+        vocabulary are never sampled anyway (and would index out of bounds)."""
+        pairs = [
+            (row, t)
+            for row, (p, ids) in enumerate(zip(pending, stop_ids, strict=True))
+            if p
+            for t in ids
+            if t < vocab
+        ]
+        if not pairs:
+            return None
+        flat = to_device([r for r, _ in pairs] + [t for _, t in pairs], torch.int64, device)
+        return StopMask(flat[: len(pairs)], flat[len(pairs) :])
+
+
+def mask_stop_ids(logits: torch.Tensor, mask: StopMask) -> torch.Tensor:
+    """logits [B, V] -> a copy with the masked (row, id) pairs at -inf (no host sync)."""
+    inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put((mask.rows, mask.ids), inf)
+
+
 @dataclass
 class PenaltyInputs:
     """Tokens seen so far per row (padded with -1) and the penalty strengths."""
@@ -187,8 +240,14 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     argmax and the fused kernel take them as they are, the upcast being exact) -> next tokens,
     and log-probs when asked for."""
     raw = logits
+    if inp.token_mask is not None:
+        # In place unless the raw distribution is still wanted (log-probs are of the raw one).
+        keep_raw = inp.want_logprobs or bool(inp.top_logprobs)
+        logits = apply_token_mask(logits.clone() if keep_raw else logits, inp.token_mask)
     if inp.penalties is not None:
         logits = apply_penalties(logits.float(), inp.penalties)
+    if inp.stop_mask is not None:
+        logits = mask_stop_ids(logits, inp.stop_mask)
     if inp.all_greedy:
         tokens = logits.argmax(dim=-1)
     elif _use_fused(logits, inp):

@@ -45,6 +45,15 @@ class StepRows:
     seq_lens: torch.Tensor  # [S] int64, the sampled token's position in the token table
 
 
+class TokenMask(NamedTuple):
+    """Which tokens the constrained rows of a step may sample (built on the host)."""
+
+    # [S, ceil(V / 32)] int32, a row per sampling row of the step (all bits set for rows
+    # without a constraint): bit j of word w allows token 32 * w + j
+    bits: torch.Tensor
+    rows: list[int]  # the sampling rows that have a constraint (the others are not touched)
+
+
 class StepInputs(NamedTuple):
     """The device inputs of an eager step."""
 

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 def token_out(req: Req, new_ids: list[int], error: str | None = None) -> TokenOut:
     """What the detokenizer needs to know about `req` after it gained `new_ids`."""
     p, n = req.params, len(new_ids)
+    error = error or req.error
     out = TokenOut(
         rid=req.rid,
         new_ids=new_ids,
@@ -38,6 +39,8 @@ def token_out(req: Req, new_ids: list[int], error: str | None = None) -> TokenOu
         cached_tokens=req.cached_tokens,
         stop=list(p.stop),
         skip_special_tokens=p.skip_special_tokens,
+        min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
         error=error,
     )
     if n and p.logprobs:

@@ -5,18 +5,30 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from minisgl.config import EngineConfig
-from minisgl.core import Batch, FinishReason, Req, ReqStatus, resolve_max_tokens
-from minisgl.engine import Engine, ForwardOutput
+from minisgl.core import (
+    Batch,
+    FinishReason,
+    Req,
+    ReqStatus,
+    SamplingParams,
+    resolve_max_tokens,
+)
+from minisgl.engine import Engine, ForwardOutput, TokenMask
 from minisgl.kvcache import PageAllocator, SlotAllocator, make_prefix_cache
+from minisgl.scheduler.grammars import Grammars
 from minisgl.scheduler.kv_manager import KVManager, pages_for
 from minisgl.scheduler.sync import RequestSync
 from minisgl.scheduler.warmup import run_warmup
+from minisgl.weights import load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.01  # how long an idle loop waits for a grammar to compile before looking again
 
 
 class Step(NamedTuple):
@@ -62,7 +74,10 @@ class Scheduler:
         eos_ids: tuple[int, ...] = (),
         sync: RequestSync | None = None,
         overlap: bool | None = None,
+        tokenizer_loader: Callable[[], Any] | None = None,
     ) -> None:
+        """`tokenizer_loader`: the model's tokenizer, for grammars (called on first need; the
+        default loads it from the model's files)."""
         self.engine = engine
         # Overlap scheduling (on by default on CUDA); `overlap=True` forces it anywhere (tests).
         self.overlap = engine.config.overlap if overlap is None else overlap
@@ -91,6 +106,9 @@ class Scheduler:
             self._warmup()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        vocab = engine.model_config.vocab_size
+        self.grammars = Grammars(tokenizer_loader or self._model_tokenizer, vocab)
+        self._refused: list[StepEvent] = []  # finished before running (a grammar that failed)
         self._arrivals = 0
         self.stats = {
             "prompt_tokens": 0,
@@ -99,6 +117,9 @@ class Scheduler:
             "generated_tokens": 0,
             "retractions": 0,
         }
+
+    def _model_tokenizer(self) -> Any:
+        return load_tokenizer(resolve_source(self.config.model))
 
     def _warmup(self) -> None:
         """The start-up steps of `minisgl.scheduler.warmup` (every eager kernel variant that
@@ -115,6 +136,12 @@ class Scheduler:
             prompt_len, max_tokens, self.max_context, self.num_pages * self.page_size
         )
 
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (blocks; cached): GrammarError (an
+        InvalidRequestError) if it is bad. For callers with no front end that checked it."""
+        if params.constraint is not None:
+            self.grammars.compiler.compile(params.constraint)
+
     def add_request(self, req: Req) -> None:
         self.check_request(req.prompt_len, req.params.max_tokens)
         stop = set(req.params.stop_token_ids)
@@ -125,6 +152,7 @@ class Scheduler:
         self._arrivals += 1
         self.stats["prompt_tokens"] += req.prompt_len
         self.waiting.append(req)
+        self.grammars.add(req)
         if self.sync is not None:
             self.sync.publish_add(req)
 
@@ -152,9 +180,28 @@ class Scheduler:
 
     def step(self) -> list[StepEvent]:
         """Run one step: `run_overlapped` when overlap scheduling is on, else `run_normal`."""
+        if self.sync is None or self.sync.rank == 0:
+            for rid in self.grammars.poll():
+                self.grammar_ready(rid)
         if self.sync is not None:  # take in what rank 0 received (tensor parallelism)
             self.sync.exchange(self)
-        return self.run_overlapped() if self.overlap else self.run_normal()
+        refused, self._refused = self._refused, []
+        events = self.run_overlapped() if self.overlap else self.run_normal()
+        if not (self.running or self._in_flight or refused):
+            self.grammars.wait(GRAMMAR_POLL_S)  # only requests whose grammar still compiles
+        return refused + events
+
+    def grammar_ready(self, rid: str) -> None:
+        """Request `rid`'s grammar has compiled (or failed to): it may be admitted now."""
+        if self.sync is not None:
+            self.sync.publish_grammar_ready(rid)
+        self.grammars.mark_ready(rid)
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        error = None if req is None else self.grammars.failure(req)
+        if req is not None and error is not None:
+            req.error = error
+            self._finish(req, FinishReason.ABORT)
+            self._refused.append(StepEvent(req, [], True))
 
     def run_normal(self) -> list[StepEvent]:
         """Schedule, run and process one batch; the step's tokens come back in this call."""
@@ -166,19 +213,41 @@ class Scheduler:
 
         The new batch is scheduled before the previous step's tokens are known: its input ids
         come from the device token table, and a request that the previous step finishes (EOS)
-        has at most one extra step in flight, whose token is dropped. Pages and slots freed
-        here may still be written by the launched step; anything that reuses them runs after
-        it on the same stream (see `Engine`).
+        has at most one extra step in flight, whose token is dropped. What requests released
+        here comes back once the launched step has completed (`_reclaim`).
+
+        A step with constrained rows needs the previous step's tokens for its token mask: the
+        engine launches the model, then calls back, and the previous step is processed (and
+        the mask filled) while the device runs the new step's forward.
         """
         planned = self.schedule()
-        launched = None if planned is None else self._launch(*planned)
-        prev, self._in_flight = self._in_flight, launched
-        return [] if prev is None else self.process(prev)
+        prev, events = self._in_flight, None
 
-    def _launch(self, reqs: list[Req], batch: Batch) -> Step:
+        def process_prev() -> None:
+            nonlocal events
+            if prev is not None and events is None:
+                events = self.process(prev)
+
+        launched = None if planned is None else self._launch(*planned, before_mask=process_prev)
+        self._in_flight = launched
+        process_prev()
+        return events or []
+
+    def _launch(
+        self, reqs: list[Req], batch: Batch, before_mask: Callable[[], None] | None = None
+    ) -> Step:
         self._launched += 1
         self.kv.launched(self._launched, reqs)
-        return Step(self._launched, reqs, batch, self.engine.forward_batch(batch))
+        mask = None
+        if self.grammars.constrained(reqs):
+            sampling = [r for r, s in zip(reqs, batch.sample) if s]
+
+            def mask() -> TokenMask:
+                if before_mask is not None:
+                    before_mask()
+                return self.grammars.mask(sampling)
+
+        return Step(self._launched, reqs, batch, self.engine.forward_batch(batch, mask))
 
     def _reclaim(self, block: bool = False) -> None:
         """Give back what released requests held once the steps that may use it completed;
@@ -279,13 +348,16 @@ class Scheduler:
                     budget -= n
                     room -= need
         reserved = sum(self._reserved(r) for r in self.running) if self.waiting else 0
-        while self.waiting and budget > 0 and self.kv.slots.num_free > 0:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or self.kv.slots.num_free == 0:
+                break
+            if not self.grammars.is_ready(req):
+                continue  # its grammar still compiles: the requests behind it may go first
             if len(req.output_ids) != req.num_sampled:
                 break  # retracted with a token still in flight: its ids are not all known yet
             if not self._can_admit(req, reserved):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self._admit(req)
             reserved += self._reserved(req)
             n = min(budget, req.seq_len - req.num_computed)
@@ -312,6 +384,7 @@ class Scheduler:
 
     def _admit(self, req: Req) -> None:
         self.kv.attach(req)
+        self.grammars.admit(req)
         if req.num_retractions == 0:
             req.cached_tokens = req.num_computed
             self.stats["cached_tokens"] += req.num_computed
@@ -369,7 +442,11 @@ class Scheduler:
             ids, lps = out.top_ids_host[k, :n].tolist(), out.top_logprobs_host[k, :n].tolist()
             req.output_top_logprobs.append(list(zip(ids, lps)))
         # Lengths the host knows: with overlap, `seq_len` already counts tokens in flight.
-        if token in req.stop_ids:
+        if not self.grammars.accept(req, token):  # the mask allowed it: a bug of ours
+            logger.error("request %s: its grammar refused token %d", req.rid, token)
+            req.error = "internal error: the output left the request's grammar"
+            self._finish(req, FinishReason.ABORT)
+        elif token in req.stop_ids:
             self._finish(req, FinishReason.STOP)
         elif (
             len(req.output_ids) >= req.params.max_tokens
@@ -379,6 +456,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
+        self.grammars.drop(req.rid)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req, self._launched)

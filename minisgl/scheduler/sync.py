@@ -36,10 +36,13 @@ class RequestSink(Protocol):
 
     def abort(self, rid: str) -> Req | None: ...
 
+    def grammar_ready(self, rid: str) -> None: ...
+
 
 BLAME_WAIT_S = 1.0
 
-# One recorded operation: ["add", rid, prompt_ids, params, seed] | ["abort", rid] | ["stop"].
+# One recorded operation: ["add", rid, prompt_ids, params, seed] | ["abort", rid] |
+# ["grammar_ready", rid] | ["stop"].
 Op = list[Any]
 
 
@@ -81,6 +84,12 @@ class RequestSync:
         else:
             self._check_replaying()
 
+    def publish_grammar_ready(self, rid: str) -> None:
+        if self.rank == 0:
+            self._ops.append(["grammar_ready", rid])
+        else:
+            self._check_replaying()
+
     def _check_replaying(self) -> None:
         assert self._replaying, f"rank {self.rank} takes requests only from rank 0"
 
@@ -116,6 +125,8 @@ class RequestSync:
             sink.add_request(decode_req(op))
         elif kind == "abort":
             sink.abort(op[1])
+        elif kind == "grammar_ready":
+            sink.grammar_ready(op[1])
         elif kind == "stop":
             raise EngineStopped
         else:

@@ -14,7 +14,8 @@ the order the scheduler builds batches (one-token decode rows first, then prefil
    its reduction compile), then two prefill rows, the first a chunk that samples nothing, the
    second with top-k / top-p / min-p, penalties and log-probs (the sort-based sampler);
 3. prefill of the chunk's rest, alone, from a prefix that does not end on a page boundary;
-4. decode of short contexts (the single-split decode kernel), eager without CUDA graphs, then
+4. decode of short contexts (the single-split decode kernel), eager without CUDA graphs, two of
+   its rows under a grammar's token mask (the mask kernel, with the Gumbel and sort samplers), then
    a decode of one request alone (the batch-1 GEMV path of the layers);
 5. with CUDA graphs, an eager decode batch one request above the largest captured size;
 6. a model with MoE layers on CUDA: one prefill per power of two up to the prefill budget. The
@@ -38,8 +39,11 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
+from minisgl.constrain import bitmask_width
 from minisgl.core import Batch, Req, SamplingParams, SeqInfo, TableWrite
-from minisgl.engine import Engine, ForwardOutput
+from minisgl.engine import Engine, ForwardOutput, TokenMask
 from minisgl.kvcache import PageAllocator, SlotAllocator
 from minisgl.scheduler.kv_manager import pages_for
 
@@ -126,8 +130,9 @@ class WarmupRun:
         self.reqs.append(req)
         return req
 
-    def step(self, rows: list[tuple[Req, int]]) -> None:
-        """One batch as the scheduler builds it: (request, new tokens) rows, decodes first."""
+    def step(self, rows: list[tuple[Req, int]], masked: tuple[Req, ...] = ()) -> None:
+        """One batch as the scheduler builds it: (request, new tokens) rows, decodes first;
+        the `masked` rows sample under a grammar's token mask (one that allows everything)."""
         reqs = [r for r, _ in rows]
         prefix = [r.num_computed for r in reqs]
         extend = [n for _, n in rows]
@@ -149,8 +154,18 @@ class WarmupRun:
             page_writes=self.page_writes,
         )
         self.token_writes, self.page_writes = [], []
+        mask = None
+        if masked:
+            sampling = [r for r, s in zip(reqs, sample) if s]
+            vocab = self.engine.model_config.vocab_size
+            bits = torch.full((len(sampling), bitmask_width(vocab)), -1, dtype=torch.int32)
+            mask_rows = [i for i, r in enumerate(sampling) if r in masked]
+
+            def mask() -> TokenMask:
+                return TokenMask(bits, mask_rows)
+
         # Nothing reads the tokens back: the next step takes its inputs from the token table.
-        self.last = self.engine.forward_batch(batch)
+        self.last = self.engine.forward_batch(batch, mask)
         self.steps += 1
 
     def _grow(self, req: Req, tokens: int) -> None:
@@ -223,7 +238,7 @@ def mixed_steps(run: WarmupRun, sizes: WarmupSizes) -> None:
     d = run.add(sizes.filtered, FILTERED)
     run.step([(a, 1), (b, 1), (c, c1), (d, sizes.filtered)])
     run.step([(c, c2)])
-    run.step([(b, 1), (c, 1), (d, 1)])
+    run.step([(b, 1), (c, 1), (d, 1)], masked=(b, d))
     run.step([(b, 1)])
 
 

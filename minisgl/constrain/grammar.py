@@ -1,0 +1,118 @@
+"""Grammars compiled for one model's vocabulary: JSON schema, regex, EBNF (xgrammar).
+
+Compiling costs from under a millisecond to a second, so it never runs on a serving loop:
+`GrammarCompiler.submit` compiles on a small thread pool (xgrammar's C++ releases the GIL) and
+caches the result by the grammar's text (LRU, bounded in bytes, xgrammar's own cache). The
+tokenizer is loaded on the pool's first job too, so a process that never sees a constraint
+never pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.core import Constraint, InvalidRequestError
+
+# Whitespace the JSON grammars allow between tokens: enough for pretty-printed nesting, not
+# so much that a model can idle in blanks until max_tokens.
+JSON_MAX_WHITESPACE = 8
+CACHE_BYTES = 256 << 20
+_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class GrammarError(InvalidRequestError):
+    """A schema, regex or grammar that cannot be compiled (the message names the field)."""
+
+
+@dataclass
+class CompileStats:
+    compiled: int = 0  # grammars compiled (cache misses)
+    hits: int = 0  # served from the cache
+    seconds: float = 0.0  # time spent compiling
+
+
+class GrammarCompiler:
+    """Compiles constraints against a tokenizer's vocabulary (padded to `vocab_size`)."""
+
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        stop_ids: list[int] | None = None,
+        threads: int = 2,
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._stop_ids = stop_ids
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minisgl-grammar")
+        self._lock = threading.Lock()
+        self._xgr: Any = None
+        self._known: set[Constraint] = set()  # compiled once: a repeat is a cache hit
+        self.stats = CompileStats()
+
+    def submit(self, constraint: Constraint) -> Future[Any]:
+        """Compile on the pool; the future raises GrammarError for a bad grammar."""
+        return self._pool.submit(self.compile, constraint)
+
+    def compile(self, constraint: Constraint) -> Any:
+        """The xgrammar CompiledGrammar of `constraint` (blocks; raises GrammarError)."""
+        compiler = self._compiler()
+        start = time.perf_counter()
+        try:
+            compiled = _compile(compiler, constraint)
+        except (RuntimeError, ValueError) as e:
+            raise GrammarError(f"{constraint.kind}: {_reason(e)}") from None
+        with self._lock:
+            if constraint in self._known:
+                self.stats.hits += 1
+            else:
+                self._known.add(constraint)
+                self.stats.compiled += 1
+                self.stats.seconds += time.perf_counter() - start
+        return compiled
+
+    def tokenizer_info(self) -> Any:
+        return self._compiler().tokenizer_info
+
+    def _compiler(self) -> Any:
+        with self._lock:
+            if self._xgr is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._load_tokenizer(),
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self._stop_ids,
+                )
+                self._xgr = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES
+                )
+            return self._xgr
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compile(compiler: Any, c: Constraint) -> Any:
+    if c.kind == "json_schema":
+        schema = json.loads(c.text)  # already checked to be JSON
+        return compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+        )
+    if c.kind == "regex":
+        return compiler.compile_regex(c.text)
+    if c.kind == "ebnf":
+        return compiler.compile_grammar(c.text)
+    raise AssertionError(c.kind)
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its "[time] source.cc:line:" prefix."""
+    return _PREFIX.sub("", str(e).strip())

@@ -1,0 +1,104 @@
+"""The scheduler's constrained requests: compile jobs, readiness, matchers and each step's
+token mask.
+
+A constrained request waits in the queue until its grammar has compiled (later requests may
+be admitted before it); compiling runs on `GrammarCompiler`'s pool, never on the loop. With
+tensor parallelism rank 0 decides when a grammar is ready (`poll`) and every rank marks it at
+the same step (`mark_ready`), so all ranks admit the same requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
+from typing import Any
+
+from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar, fill_bitmask
+from minisgl.core import Req
+from minisgl.engine.step import TokenMask
+
+logger = logging.getLogger(__name__)
+
+
+class Grammars:
+    """Grammar state of every constrained request of one scheduler, keyed by request id."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+        self.load_tokenizer = load_tokenizer  # called on the first constraint
+        self.vocab_size = vocab_size
+        self._compiler: GrammarCompiler | None = None
+        self._jobs: dict[str, Future[Any]] = {}  # compiling
+        self._compiled: dict[str, Any] = {}  # ready, not admitted yet
+        self._failed: dict[str, str] = {}  # the compile's error, for the request's answer
+        self._matchers: dict[str, RequestGrammar] = {}  # admitted (kept through retraction)
+        self.num_constrained = 0  # constrained requests added so far
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.load_tokenizer, self.vocab_size)
+        return self._compiler
+
+    def add(self, req: Req) -> None:
+        constraint = req.params.constraint
+        if constraint is not None:
+            self._jobs[req.rid] = self.compiler.submit(constraint)
+            self.num_constrained += 1
+
+    def poll(self) -> list[str]:
+        """Requests whose compile has finished since the last call (rank 0 asks)."""
+        return [rid for rid, job in self._jobs.items() if job.done()]
+
+    def mark_ready(self, rid: str) -> None:
+        """The request may be admitted from now on (blocks until its compile is done: on rank
+        0 it is; another rank's compile of the same grammar has had the same head start)."""
+        job = self._jobs.pop(rid, None)
+        if job is None:  # aborted meanwhile
+            return
+        try:
+            self._compiled[rid] = job.result()
+        except GrammarError as e:
+            self._failed[rid] = str(e)
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a compile finishes or `timeout` seconds pass (a loop with nothing else to
+        do)."""
+        if self._jobs:
+            futures.wait(list(self._jobs.values()), timeout, futures.FIRST_COMPLETED)
+
+    def is_ready(self, req: Req) -> bool:
+        return req.rid not in self._jobs
+
+    def failure(self, req: Req) -> str | None:
+        """Why the request's grammar could not be compiled (then it must be refused)."""
+        return self._failed.pop(req.rid, None)
+
+    def admit(self, req: Req) -> None:
+        compiled = self._compiled.pop(req.rid, None)
+        if compiled is not None:  # a retracted request keeps the matcher it has
+            self._matchers[req.rid] = RequestGrammar(compiled, sorted(req.stop_ids))
+
+    def accept(self, req: Req, token: int) -> bool:
+        """Advance the request's matcher (True for an unconstrained request)."""
+        m = self._matchers.get(req.rid)
+        return m is None or m.accept(token)
+
+    def drop(self, rid: str) -> None:
+        for table in (self._jobs, self._compiled, self._failed, self._matchers):
+            table.pop(rid, None)  # type: ignore[attr-defined]
+
+    def constrained(self, reqs: list[Req]) -> bool:
+        return bool(self._matchers) and any(r.rid in self._matchers for r in reqs)
+
+    def mask(self, reqs: list[Req]) -> TokenMask:
+        """The allowed next tokens of the constrained ones among `reqs` (the rows of a step
+        that sample, in order), from their matchers' current state."""
+        matchers = [self._matchers.get(r.rid) for r in reqs]
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        return TokenMask(fill_bitmask(matchers, self.vocab_size), rows)
+
+    def close(self) -> None:
+        if self._compiler is not None:
+            self._compiler.close()

@@ -1,0 +1,124 @@
+"""Grammars compiled against the real SmolLM2 vocabulary: what they allow token by token, the
+errors a bad one gives, and the cache."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar, fill_bitmask
+from minisgl.core import Constraint, InvalidRequestError
+
+VOCAB = 49152
+EOS = 2  # SmolLM2's <|im_end|>
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Any) -> GrammarCompiler:
+    return GrammarCompiler(lambda: tokenizer, VOCAB, stop_ids=[EOS])
+
+
+def allowed(grammar: RequestGrammar) -> set[int]:
+    bits = fill_bitmask([grammar], VOCAB)[0]
+    words = bits.tolist()
+    return {32 * w + j for w, word in enumerate(words) for j in range(32) if word >> j & 1}
+
+
+def walk(tokenizer: Any, grammar: RequestGrammar, text: str) -> None:
+    """Feed `text`'s tokens one by one, checking each is among the allowed ones first."""
+    for t in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        assert t in allowed(grammar), (text, tokenizer.decode([t]))
+        assert grammar.accept(t)
+
+
+def test_json_schema_allows_valid_output_and_eos_only_at_the_end(compiler, tokenizer) -> None:
+    c = Constraint("json_schema", json.dumps(PERSON))
+    g = RequestGrammar(compiler.compile(c), [EOS])
+    text = '{"name": "Ada", "age": 36}'
+    jsonschema.validate(json.loads(text), PERSON)
+    assert EOS not in allowed(g)
+    walk(tokenizer, g, text[:-1])
+    assert EOS not in allowed(g)  # the object is not closed yet
+    walk(tokenizer, g, "}")
+    assert allowed(g) >= {EOS}
+    assert g.accept(EOS) and g.terminated
+
+
+def test_json_schema_refuses_what_the_schema_forbids(compiler, tokenizer) -> None:
+    g = RequestGrammar(compiler.compile(Constraint("json_schema", json.dumps(PERSON))), [EOS])
+    walk(tokenizer, g, '{"name": "Ada", "age": ')
+    minus = tokenizer("-", add_special_tokens=False)["input_ids"][0]
+    assert minus not in allowed(g)  # minimum 0
+    assert not g.accept(minus)
+
+
+def test_regex_and_ebnf(compiler, tokenizer) -> None:
+    date = RequestGrammar(compiler.compile(Constraint("regex", r"\d{4}-\d{2}-\d{2}")), [EOS])
+    walk(tokenizer, date, "2024-01-31")
+    assert allowed(date) == {EOS}
+    expr = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= [0-9]+ | "(" expr ")"
+"""
+    g = RequestGrammar(compiler.compile(Constraint("ebnf", expr)), [EOS])
+    walk(tokenizer, g, "(1+2)-30")
+    assert EOS in allowed(g)
+    paren = tokenizer(")", add_special_tokens=False)["input_ids"][0]
+    assert paren not in allowed(g)  # no open parenthesis left
+
+
+@pytest.mark.parametrize(
+    "kind, text, reason",
+    [
+        ("json_schema", '{"type": "objectx"}', "objectx"),
+        ("regex", "([a-z", "Unclosed"),
+        ("ebnf", 'root ::= "a" | foo', "foo"),
+    ],
+)
+def test_bad_grammars_name_the_field_and_the_reason(compiler, kind, text, reason) -> None:
+    with pytest.raises(GrammarError, match=f"^{kind}: .*{reason}") as e:
+        compiler.compile(Constraint(kind, text))
+    assert ".cc" not in str(e.value)  # no C++ source location
+    with pytest.raises(GrammarError):  # the same through the pool
+        compiler.submit(Constraint(kind, text)).result()
+
+
+def test_constraint_shape_is_checked_before_compiling() -> None:
+    with pytest.raises(InvalidRequestError, match="json_schema: not valid JSON"):
+        Constraint("json_schema", "{'type': 'object'}")
+    with pytest.raises(InvalidRequestError, match="regex: must be a non-empty string"):
+        Constraint("regex", "")
+    with pytest.raises(InvalidRequestError, match="unknown kind"):
+        Constraint("lark", "start: x")
+
+
+def test_repeats_are_cache_hits(tokenizer) -> None:
+    compiler = GrammarCompiler(lambda: tokenizer, VOCAB, stop_ids=[EOS])
+    c = Constraint("regex", "[ab]{3}")
+    first = compiler.submit(c).result()
+    again = compiler.compile(c)
+    assert compiler.stats.compiled == 1 and compiler.stats.hits == 1
+    g1, g2 = RequestGrammar(first, [EOS]), RequestGrammar(again, [EOS])
+    assert torch.equal(fill_bitmask([g1], VOCAB), fill_bitmask([g2], VOCAB))
+
+
+def test_unconstrained_rows_allow_everything(compiler) -> None:
+    g = RequestGrammar(compiler.compile(Constraint("regex", "a")), [EOS])
+    bits = fill_bitmask([None, g], VOCAB)
+    assert bool((bits[0] == -1).all())
+    assert not bool((bits[1] == -1).all())

