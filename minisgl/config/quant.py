@@ -106,13 +106,22 @@ def check_fp8_device(device: torch.device, what: str) -> None:
     """FP8 on CUDA needs compute capability 8.9 (Ada, Hopper) or newer; CPUs emulate it."""
     if device.type != "cuda":
         return
-    cap = torch.cuda.get_device_capability(device)
-    if cap < FP8_MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(
-            f"{what} needs a GPU of compute capability >= 8.9 (Ada, Hopper); {name} is "
-            f"{cap[0]}.{cap[1]}: drop the FP8 option (or use an unquantized checkpoint)"
-        )
+    error = fp8_capability_error(
+        torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), what
+    )
+    if error is not None:
+        raise ValueError(error)
+
+
+def fp8_capability_error(gpu: str, capability: tuple[int, int], what: str) -> str | None:
+    """Why `what` cannot run on a GPU of this compute capability (None: it can)."""
+    if capability >= FP8_MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (
+        f"{what} needs a GPU of compute capability >= 8.9 (Ada, Hopper); {gpu} is "
+        f"{major}.{minor}: drop the FP8 option (or use an unquantized checkpoint)"
+    )
 
 
 def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:

@@ -172,6 +172,15 @@ def test_unsupported_checkpoint_quantization_is_refused(models, tmp_path):
         LLM(quantization="int4")
 
 
+def test_gpus_below_compute_capability_8_9_are_refused_by_name():
+    from minisgl.config.quant import fp8_capability_error
+
+    error = fp8_capability_error("NVIDIA A100-SXM4-80GB", (8, 0), "FP8 weights")
+    assert error is not None and "A100" in error and "8.0" in error and ">= 8.9" in error
+    assert fp8_capability_error("NVIDIA L40S", (8, 9), "FP8 weights") is None
+    assert fp8_capability_error("NVIDIA H200", (9, 0), "--kv-cache-dtype fp8_e4m3") is None
+
+
 def test_per_row_quantization_round_trip_is_e4m3():
     """The online quantization's own numerics: every value within 2^-4 of the original
     (relative to its row's largest, scaled to 448), the largest of each row exact."""
