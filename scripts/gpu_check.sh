@@ -127,7 +127,7 @@ w2 = last_json("w2")
 if w2:
     rows.append(("W2", f"median {f(w2.get('median_itl_ms'))} ms", f"p99 {f(w2.get('p99_itl_ms'))} ms",
                  f"floor {f(w2.get('floor_ms'))} ms, itl/floor {f(w2.get('itl_over_floor'))} (target <= 1.10), "
-                 f"strict floor {f(w2.get('floor_strict_ms'))} ms"))
+                 f"all-params floor {f(w2.get('floor_all_params_ms'))} ms"))
 hf = last_json("hf")
 if hf:
     rows.append(("W1 vs HF", f"{f(hf.get('output_tok_per_s'), 5)} tok/s", f"HF {f(hf.get('hf_output_tok_per_s'), 4)} tok/s",

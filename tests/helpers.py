@@ -191,3 +191,111 @@ def record_batches(engine: Any) -> list[Any]:
 
     engine.forward_batch = spy
     return seen
+
+
+# ---- FP8 checkpoints ----------------------------------------------------------------------------
+
+FP8_LAYOUTS = ("hf-block", "hf-tensor", "ct-channel", "ct-block")
+_FP8_LINEAR = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)  # fmt: skip
+
+
+def _is_fp8_linear(name: str) -> bool:
+    if not name.startswith("model.layers.") or not name.endswith(".weight"):
+        return False
+    base = name.removesuffix(".weight")
+    return base.endswith(_FP8_LINEAR) or ".mlp.experts." in base
+
+
+def _quantize_for(layout: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, the checkpoint's scale tensor, the values they stand for)."""
+    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows, to_fp8
+
+    if layout.endswith("block"):
+        q, s = quantize_blocks(w)
+        return q, s, dequantize_weight(q, s, 128, torch.float32)
+    if layout == "hf-tensor":
+        s = (w.abs().max() / 448.0).reshape(())
+        q = to_fp8(w.float() / s)
+        return q, s, q.float() * s
+    q, s = quantize_rows(w)
+    return q, s[:, None], dequantize_weight(q, s, None, torch.float32)
+
+
+def save_fp8_checkpoint(src: Path, dst: Path, layout: str, kv_scales: bool = False) -> Path:
+    """The float HF checkpoint at `src` as an FP8 one at `dst` in `layout` (HF `quant_method:
+    fp8` with 128 x 128 `weight_scale_inv` or a per-tensor `weight_scale` and a static
+    `input_scale`; compressed-tensors per channel or per block), and beside it at
+    `dst / "dequantized"` the float checkpoint of the values the FP8 one stands for. Every
+    decoder linear weight and expert is FP8; embeddings, norms, the router and the LM head stay
+    float, as such checkpoints ship them."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    assert layout in FP8_LAYOUTS
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    fp8: dict[str, torch.Tensor] = {}
+    deq: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if not _is_fp8_linear(name):
+            fp8[name] = deq[name] = w
+            continue
+        q, s, values = _quantize_for(layout, w)
+        fp8[name] = q
+        suffix = "_inv" if layout == "hf-block" else ""
+        fp8[name.removesuffix("weight") + "weight_scale" + suffix] = s
+        if layout == "hf-tensor":  # static activation scales: minisgl quantizes per token
+            fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)
+        deq[name] = values.to(w.dtype)
+    if kv_scales:
+        layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")}
+        for i in layers:
+            fp8[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05 * (i + 1))
+            fp8[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.01 * (i + 1))
+    config = json.loads((src / "config.json").read_text())
+    for path, weights, quant in ((dst, fp8, _fp8_config(layout)), (dst / "dequantized", deq, None)):
+        path.mkdir(parents=True, exist_ok=True)
+        for extra in src.iterdir():
+            if extra.is_file() and extra.suffix != ".safetensors" and extra.name != "config.json":
+                shutil.copy(extra, path / extra.name)
+        save_file(weights, str(path / "model.safetensors"))
+        cfg = dict(config)
+        if quant is not None:
+            cfg["quantization_config"] = quant
+        (path / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _fp8_config(layout: str) -> dict[str, Any]:
+    if layout == "hf-block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": [128, 128]}  # fmt: skip
+    if layout == "hf-tensor":
+        return {"quant_method": "fp8", "activation_scheme": "static"}
+    strategy = "block" if layout == "ct-block" else "channel"
+    weights: dict[str, Any] = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": strategy,
+    }
+    if strategy == "block":
+        weights["block_structure"] = [128, 128]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    }  # fmt: skip

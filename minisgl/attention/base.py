@@ -40,13 +40,38 @@ class AttentionInputs:
     def max_extend_len(self) -> int:
         return max(self.extend_lens_host)
 
+    @classmethod
+    def fresh_prefill(cls, num_tokens: int, device: torch.device) -> AttentionInputs:
+        """One sequence of `num_tokens` new tokens in request-table row 0, no cached prefix, its
+        K/V going to pool slots 0 .. num_tokens - 1 (outside the engine's steps: calibration,
+        scoring)."""
+
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        n = num_tokens
+        return cls(
+            req_slots=torch.zeros(1, dtype=torch.int64, device=device),
+            seq_lens=i32([n]),
+            prefix_lens=i32([0]),
+            extend_lens=i32([n]),
+            cu_extend=i32([0, n]),
+            out_loc=torch.arange(n, device=device),
+            is_decode=n == 1,
+            seq_lens_host=[n],
+            extend_lens_host=[n],
+        )
+
 
 class KVStore(NamedTuple):
-    """Where one layer's new K/V rows of a step go: `k_cache[loc] = k; v_cache[loc] = v`."""
+    """Where one layer's new K/V rows of a step go: `k_cache[loc] = k; v_cache[loc] = v` (an FP8
+    cache: (k - k_shift) / k_scale and v / v_scale per KV head, rounded to e4m3)."""
 
     k_cache: torch.Tensor  # [slots, num_kv_heads, head_dim]
     v_cache: torch.Tensor
     loc: torch.Tensor  # [T] int64
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8: [num_kv_heads] fp32 each
+    k_shift: torch.Tensor | None = None  # FP8: [num_kv_heads, head_dim] fp32
 
 
 class AttentionBackend(ABC):

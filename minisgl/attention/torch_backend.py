@@ -1,7 +1,9 @@
 """Reference attention in plain torch: any device, any dtype; the yardstick for the kernels.
 
 It is also the CPU path, so the per-step work is done once in `prepare` (context slots, masks,
-length groups) and each of the model's layers only gathers K/V and calls SDPA.
+length groups) and each of the model's layers only gathers K/V and calls SDPA. An FP8 pool holds
+K / scale and V / scale in e4m3 (`minisgl.kernels.fp8`); every read multiplies the scale back,
+new tokens included, so a prefill attends to the same values a later decode reads.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend, AttentionInputs
+from minisgl.kernels.fp8 import dequantize_kv, quantize_kv
 
 _QUERY_BLOCK = 512
 # What one more decode group costs (its gathers, SDPA call and scatter), in padded context
@@ -89,6 +92,43 @@ def plan_groups(seq_lens: list[int], group_cost: int) -> list[list[int]]:
     return groups[::-1]
 
 
+@dataclass
+class _LayerKV:
+    """One layer's caches; an FP8 pool's come with their per-head (k, v) scales."""
+
+    k_cache: torch.Tensor  # [slots, Hkv, D]
+    v_cache: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None  # [Hkv] fp32 each
+    k_shift: torch.Tensor | None  # [Hkv, D] fp32, subtracted from keys before they are stored
+
+    def store(
+        self, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new rows at slots `loc` [T]; returns them as stored (cache dtype)."""
+        if self.scales is None:
+            k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+            self.k_cache.index_copy_(0, loc, k)
+            self.v_cache.index_copy_(0, loc, v)
+            return k, v
+        k, v = quantize_kv(k, self.scales[0], self.k_shift), quantize_kv(v, self.scales[1])
+        # index_copy_ has no e4m3 kernel on the CPU: copy the bytes.
+        self.k_cache.view(torch.uint8).index_copy_(0, loc, k.view(torch.uint8))
+        self.v_cache.view(torch.uint8).index_copy_(0, loc, v.view(torch.uint8))
+        return k, v
+
+    def dequantize(self, x: torch.Tensor, which: int, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows [..., Hkv, D] -> values in `dtype` (which: 0 for K, 1 for V; keys stay
+        shifted: attention does not see the shift)."""
+        if self.scales is None:
+            return x.to(dtype)
+        return dequantize_kv(x, self.scales[which], dtype)
+
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [len(slots), Hkv, D] at `slots`, in `dtype`."""
+        keys = self.dequantize(self.k_cache.index_select(0, slots), 0, dtype)
+        return keys, self.dequantize(self.v_cache.index_select(0, slots), 1, dtype)
+
+
 class TorchBackend(AttentionBackend):
     def prepare(self, inputs: AttentionInputs) -> TorchMeta:
         slots, valid = context_slots(
@@ -118,7 +158,9 @@ class TorchBackend(AttentionBackend):
             g_valid = valid[:, :width] if idx is None else valid[idx, :width]
             bias = None
             if any(lens[i] != width for i in rows):
-                bias = torch.zeros(g_valid.shape, dtype=self.pool.dtype, device=slots.device)
+                # e4m3 has no -inf: an FP8 pool's masks are fp32 (converted to q's dtype on use)
+                dtype = torch.float32 if self.pool.quantized else self.pool.dtype
+                bias = torch.zeros(g_valid.shape, dtype=dtype, device=slots.device)
                 bias = bias.masked_fill_(~g_valid, float("-inf"))[:, None, None, :]
             # Padding positions read the pool's spare slot: the bias hides what it holds, but
             # it must be finite (0 x NaN is NaN), and a freed page may hold anything.
@@ -136,34 +178,29 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta, TorchMeta)
         assert k is not None and v is not None, "the torch backend stores K/V itself (no kv_store)"
-        k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
-        loc = meta.inputs.out_loc
-        k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
+        pool = self.pool
+        kv = _LayerKV(pool.k(layer), pool.v(layer), pool.scales(layer), pool.k_shift(layer))
+        new_k, new_v = kv.store(meta.inputs.out_loc, k, v)
         if meta.inputs.is_decode:
-            return self._decode(q, k_cache, v_cache, meta)
-        return self._extend(q, k, v, k_cache, v_cache, meta)
+            return self._decode(q, kv, meta)
+        return self._extend(q, new_k, new_v, kv, meta)
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchMeta
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv: _LayerKV, meta: TorchMeta) -> torch.Tensor:
         if len(meta.groups) == 1:
-            return self._decode_group(q, k_cache, v_cache, meta.groups[0])
+            return self._decode_group(q, kv, meta.groups[0])
         out = torch.empty_like(q)
         for g in meta.groups:
             assert g.rows is not None
-            res = self._decode_group(q.index_select(0, g.rows), k_cache, v_cache, g)
+            res = self._decode_group(q.index_select(0, g.rows), kv, g)
             out.index_copy_(0, g.rows, res)
         return out
 
-    def _decode_group(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup
-    ) -> torch.Tensor:
+    def _decode_group(self, q: torch.Tensor, kv: _LayerKV, g: DecodeGroup) -> torch.Tensor:
         """q [b, Hq, D] -> [b, Hq, D] over the group's padded contexts."""
         b, hq, d = q.shape
-        hkv = k_cache.shape[1]
-        keys = k_cache.index_select(0, g.slots).view(b, g.width, hkv, d).to(q.dtype)
-        vals = v_cache.index_select(0, g.slots).view(b, g.width, hkv, d).to(q.dtype)
+        hkv = kv.k_cache.shape[1]
+        keys, vals = kv.read(g.slots, q.dtype)
+        keys, vals = keys.view(b, g.width, hkv, d), vals.view(b, g.width, hkv, d)
         bias = None if g.bias is None else g.bias.to(q.dtype)
         # The query heads that share a KV head become that head's query rows: one read of K/V.
         out = F.scaled_dot_product_attention(
@@ -176,48 +213,45 @@ class TorchBackend(AttentionBackend):
         return out.reshape(b, hq, d)
 
     def _extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TorchMeta,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: _LayerKV, meta: TorchMeta
     ) -> torch.Tensor:
+        """k, v [T, Hkv, D]: the new tokens as the pool holds them (`_LayerKV.store`)."""
         out = torch.empty_like(q)
         start = 0
         seq_lens, ext_lens = meta.inputs.seq_lens_host, meta.inputs.extend_lens_host
         for i, (seq_len, n) in enumerate(zip(seq_lens, ext_lens)):
             if n == seq_len:  # no cached prefix: the new K/V are the whole context
-                keys = k[start : start + n].to(k_cache.dtype)
-                vals = v[start : start + n].to(v_cache.dtype)
+                keys = kv.dequantize(k[start : start + n], 0, q.dtype)
+                vals = kv.dequantize(v[start : start + n], 1, q.dtype)
             else:
-                slots = meta.ctx_slots[i, :seq_len]
-                keys, vals = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+                keys, vals = kv.read(meta.ctx_slots[i, :seq_len], q.dtype)
             qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-            out[start : start + n] = self._causal(
-                qi, keys.transpose(0, 1).to(q.dtype), vals.transpose(0, 1).to(q.dtype)
+            out[start : start + n] = causal_attention(
+                qi, keys.transpose(0, 1), vals.transpose(0, 1), self.sm_scale
             ).transpose(0, 1)
             start += n
         return out
 
-    def _causal(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-        """q [Hq, n, D] are the last n of S positions; keys/vals [Hkv, S, D] -> [Hq, n, D]."""
-        n, seq_len = q.shape[1], keys.shape[1]
-        # 4-D inputs: SDPA's fused CPU kernel takes only those (3-D falls back to plain math).
-        q, keys, vals = q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0)
-        if n == seq_len:  # no cached prefix: the fused causal kernel, no [n, S] mask in memory
-            return F.scaled_dot_product_attention(
-                q, keys, vals, is_causal=True, scale=self.sm_scale, enable_gqa=True
-            )[0]
-        out = torch.empty_like(q)
-        # Long extends over a prefix go in query blocks, so the mask stays [block, S].
-        for lo in range(0, n, _QUERY_BLOCK):
-            hi = min(n, lo + _QUERY_BLOCK)
-            # Query j sits at position seq_len - n + j and sees positions up to itself.
-            qpos = torch.arange(seq_len - n + lo, seq_len - n + hi, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-            out[:, :, lo:hi] = F.scaled_dot_product_attention(
-                q[:, :, lo:hi], keys, vals, attn_mask=mask, scale=self.sm_scale, enable_gqa=True
-            )
-        return out[0]
+
+def causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    """q [Hq, n, D] are the last n of S positions; keys/vals [Hkv, S, D] -> [Hq, n, D]."""
+    n, seq_len = q.shape[1], keys.shape[1]
+    # 4-D inputs: SDPA's fused CPU kernel takes only those (3-D falls back to plain math).
+    q, keys, vals = q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0)
+    if n == seq_len:  # no cached prefix: the fused causal kernel, no [n, S] mask in memory
+        return F.scaled_dot_product_attention(
+            q, keys, vals, is_causal=True, scale=sm_scale, enable_gqa=True
+        )[0]
+    out = torch.empty_like(q)
+    # Long extends over a prefix go in query blocks, so the mask stays [block, S].
+    for lo in range(0, n, _QUERY_BLOCK):
+        hi = min(n, lo + _QUERY_BLOCK)
+        # Query j sits at position seq_len - n + j and sees positions up to itself.
+        qpos = torch.arange(seq_len - n + lo, seq_len - n + hi, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
+        out[:, :, lo:hi] = F.scaled_dot_product_attention(
+            q[:, :, lo:hi], keys, vals, attn_mask=mask, scale=sm_scale, enable_gqa=True
+        )
+    return out[0]

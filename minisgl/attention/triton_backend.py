@@ -51,7 +51,7 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
         super().__init__(pool, table, num_q_heads, sm_scale)
-        self.decode_config: DecodeConfig = default_decode_config(pool.head_dim)
+        self.decode_config: DecodeConfig = default_decode_config(pool.head_dim, pool.quantized)
         self.extend_config: ExtendConfig = default_extend_config(
             pool.head_dim, torch.empty((), dtype=pool.dtype).element_size()
         )
@@ -86,7 +86,9 @@ class TritonBackend(AttentionBackend):
 
     def kv_store(self, layer: int, meta: object) -> KVStore:
         assert isinstance(meta, TritonMeta)
-        return KVStore(self.pool.k(layer), self.pool.v(layer), meta.inputs.out_loc)
+        pool = self.pool
+        loc = meta.inputs.out_loc
+        return KVStore(pool.k(layer), pool.v(layer), loc, pool.scales(layer), pool.k_shift(layer))
 
     def forward(
         self,
@@ -98,21 +100,23 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta, TritonMeta)
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
+        scales = self.pool.scales(layer)
         if k is not None:  # else the layer's rotary kernel stored them (`kv_store`)
             assert v is not None
-            store_kv(k_cache, v_cache, meta.inputs.out_loc, k, v)
+            store_kv(k_cache, v_cache, meta.inputs.out_loc, k, v, scales, self.pool.k_shift(layer))
         ps, nd, ext = self.pool.page_size, meta.num_decode, meta.extend
         out = torch.empty_like(q)
         if nd:
             decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_table, meta.seq_lens, ps, self.sm_scale,
                 num_splits=meta.num_splits, config=self.decode_config, out=out[:nd],
+                kv_scales=scales,
             )  # fmt: skip
         if ext is not None:
             extend_attention(
                 q[nd:], k_cache, v_cache, ext.block_table, ext.seq_lens, ext.extend_lens,
                 ext.cu_extend, ps, self.sm_scale, ext.max_extend_len, config=self.extend_config,
-                out=out[nd:],
+                out=out[nd:], kv_scales=scales,
             )  # fmt: skip
         return out
 

@@ -1,9 +1,10 @@
 """Shared pieces of the engine benchmarks: bandwidth, the roofline floor, tables and the JSON.
 
 The floor (BENCHMARKS.md): a decode step cannot beat (weight bytes + KV bytes read) / memory
-bandwidth. Weights are every parameter once per step with the LM head included and the input
-embedding table excluded (a step reads only its rows) unless it is tied to the LM head; a token
-decoded at context length c reads c tokens of KV.
+bandwidth, counting the bytes as stored: every parameter once per step in its own dtype (FP8
+weights at one byte, their fp32 scales included), the LM head included and the input embedding
+table excluded (a step reads only its rows) unless it is tied to the LM head; a token decoded at
+context length c reads c tokens of KV in the pool's dtype (one byte per value for FP8).
 """
 
 from __future__ import annotations
@@ -180,21 +181,22 @@ def release_memory() -> None:
 
 @dataclass(frozen=True)
 class ModelBytes:
-    """What one decode step of a model reads, in bytes."""
+    """What one decode step of a model reads, in bytes, each tensor in the dtype it is stored
+    in (this rank's shards at tensor parallelism)."""
 
     weights: int  # per step: every parameter once, LM head included, untied embedding excluded
     all_params: int  # every parameter once, embedding included
-    kv_per_token: int  # K and V of one token, all layers
+    kv_per_token: int  # K and V of one token, all layers, in the KV pool's dtype
 
     @staticmethod
-    def of(model: nn.Module, mcfg: ModelConfig, dtype: torch.dtype) -> ModelBytes:
+    def of(model: nn.Module, mcfg: ModelConfig, kv_dtype: torch.dtype) -> ModelBytes:
         weights = everything = 0
         for name, p in model.named_parameters():  # tied parameters are listed once
             nbytes = p.numel() * p.element_size()
             everything += nbytes
             if "embed_tokens" not in name or mcfg.tie_word_embeddings:
                 weights += nbytes
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=kv_dtype).element_size()
         kv = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * elem
         return ModelBytes(weights, everything, kv)
 
@@ -231,6 +233,30 @@ def decode_floor(
 
 
 # ---- output ------------------------------------------------------------------------------------
+
+
+def add_fp8_args(p: Any) -> None:
+    """`--kv-cache-dtype`, `--kv-cache-calibrate`, `--quantization` of the engine benchmarks."""
+    from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--kv-cache-calibrate", type=int, default=0, metavar="N",
+                   help="FP8 KV scales from N tokens of the built-in text")  # fmt: skip
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--fp8-gemv-max-rows", type=int, default=None,
+                   help="FP8 linear layers: rows up to which the weight-only GEMV runs")  # fmt: skip
+
+
+def fp8_options(args: Any) -> Row:
+    """The engine options `add_fp8_args` set."""
+    options: Row = dict(
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_calibrate=args.kv_cache_calibrate,
+        quantization=args.quantization,
+    )
+    if args.fp8_gemv_max_rows is not None:
+        options["fp8_gemv_max_rows"] = args.fp8_gemv_max_rows
+    return options
 
 
 def device_info(device: torch.device) -> Row:

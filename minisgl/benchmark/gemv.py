@@ -14,7 +14,9 @@ decode shapes, and the tile configs for `minisgl.kernels.gemv.TUNED`.
    worth of distinct weights, with the default configs and again with the best of the sweep.
 
 Run on a GPU host: `python -m minisgl.benchmark.gemv [--quick]`; it prints a `TUNED` table to
-paste into `minisgl/kernels/gemv.py`.
+paste into `minisgl/kernels/gemv.py`. `--fp8`: the same sweep (part 1) with e4m3 weights and a
+scale per row, the FP8 linear layers' weight-only path (bytes at one per weight; cuBLAS stays
+the bf16 reference), printing `TUNED_FP8`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 from minisgl.benchmark.common import time_graph
 from minisgl.kernels.fused import rms_norm, silu_and_mul
-from minisgl.kernels.gemv import TUNED, GemvConfig, default_config, gemv
+from minisgl.kernels.gemv import TUNED, TUNED_FP8, GemvConfig, default_config, gemv
 
 # name -> (N, K, how the model calls it)
 SHAPES = {
@@ -58,35 +60,56 @@ def _configs(quick: bool) -> list[GemvConfig]:
     return out
 
 
+# A weight as the GEMV takes it: bf16 (scale None) or e4m3 with fp32 scales per row.
+Weight = tuple[torch.Tensor, torch.Tensor | None]
+
+
 def _call(
     kind: str,
     x: torch.Tensor,
-    w: torch.Tensor,
+    w: Weight,
     r: torch.Tensor,
     g: torch.Tensor,
     cfg: GemvConfig | None,
 ) -> torch.Tensor:
+    weight, scale = w
     if kind == "norm":
-        return gemv(x, w, norm_weight=g, config=cfg)
+        return gemv(x, weight, norm_weight=g, config=cfg, weight_scale=scale)
     if kind == "act_residual":
-        return gemv(x, w, residual=r, act=True, config=cfg)
-    return gemv(x, w, residual=r, config=cfg)
+        return gemv(x, weight, residual=r, act=True, config=cfg, weight_scale=scale)
+    return gemv(x, weight, residual=r, config=cfg, weight_scale=scale)
 
 
-def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig]) -> dict[str, Any]:
-    sets = max(2, -(-(600 << 20) // (n * k * 2)))
-    ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
+def _weights(n: int, k: int, sets: int, fp8: bool) -> list[Weight]:
+    from minisgl.kernels.fp8 import quantize_rows
+
+    dense = (torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets))
+    return [quantize_rows(w) if fp8 else (w, None) for w in dense]
+
+
+def _values(w: Weight) -> torch.Tensor:
+    """The bf16 values a weight stands for."""
+    weight, scale = w
+    return weight if scale is None else (weight.float() * scale[:, None]).to(DT)
+
+
+def probe_shape(
+    name: str, n: int, k: int, kind: str, configs: list[GemvConfig], fp8: bool = False
+) -> dict[str, Any]:
+    elem = 1 if fp8 else 2
+    sets = max(2, -(-(600 << 20) // (n * k * elem)))
+    ws = _weights(n, k, sets, fp8)
     x = torch.randn(1, 2 * k if kind == "act_residual" else k, device=DEV, dtype=DT)
     r = torch.randn(1, n, device=DEV, dtype=DT)
     g = torch.rand(k, device=DEV, dtype=DT) + 0.5
-    mb = n * k * 2 / 1e6
+    mb = n * k * elem / 1e6
     # Correctness of the fused call at this shape against fp32 torch.
     xf = x.float()
     if kind == "act_residual":
         xf = F.silu(xf[:, :k]) * xf[:, k:]
     if kind.startswith("norm"):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()
-    want = xf @ ws[0].float().t()
+    want = xf @ _values(ws[0]).float().t()
     if kind.endswith("residual"):
         want = want + r.float()
     got = _call(kind, x, ws[0], r, g, None).float()
@@ -99,8 +122,9 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
         "MB": round(mb, 1),
         "rel_err": err,
     }
-    xk = x[:, :k].contiguous()  # cuBLAS gets the plain product at this shape
-    row["cublas_us"] = time_graph(lambda i: F.linear(xk, ws[i]), sets) * 1e6
+    xk = x[:, :k].contiguous()  # cuBLAS gets the plain product (bf16) at this shape
+    dense = [_values(w) for w in ws[: max(2, sets * elem // 2)]]
+    row["cublas_us"] = time_graph(lambda i: F.linear(xk, dense[i]), len(dense)) * 1e6
 
     def timed_us(cfg: GemvConfig | None) -> float:
         return time_graph(lambda i: _call(kind, x, ws[i], r, g, cfg), sets) * 1e6
@@ -114,7 +138,7 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
     row["default_us"] = timed_us(None)
     row["top3"] = [f"{c.block_n}x{c.block_k} w{c.num_warps}: {u:.2f}" for u, c in timed[:3]]
     row["config"] = best
-    row["cublas_TBps"] = mb / row["cublas_us"]
+    row["cublas_TBps"] = n * k * 2 / 1e6 / row["cublas_us"]
     row["gemv_TBps"] = mb / best_us
     return row
 
@@ -166,21 +190,24 @@ def probe_layer(tuned: Configs, layers: int = 8) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 configs per shape")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 weights, a scale per row")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("minisgl.benchmark.gemv needs a CUDA GPU; none is visible here.")
     torch.manual_seed(0)
-    print("default configs:", json.dumps(probe_layer(TUNED)), flush=True)
+    if not args.fp8:
+        print("default configs:", json.dumps(probe_layer(TUNED)), flush=True)
     configs = _configs(args.quick)
-    rows, best = [], dict(TUNED)
+    rows, best = [], dict(TUNED_FP8 if args.fp8 else TUNED)
     for name, (n, k, kind) in SHAPES.items():
-        row = probe_shape(name, n, k, kind, configs)
+        row = probe_shape(name, n, k, kind, configs, args.fp8)
         rows.append(row)
         best[(n, k, kind == "act_residual")] = row.pop("config")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         torch.cuda.empty_cache()
-    print("best configs:", json.dumps(probe_layer(best)), flush=True)
-    print("TUNED = {")
+    if not args.fp8:
+        print("best configs:", json.dumps(probe_layer(best)), flush=True)
+    print("TUNED_FP8 = {" if args.fp8 else "TUNED = {")
     for key, c in best.items():
         print(f"    {key}: GemvConfig({c.block_n}, {c.block_k}, {c.num_warps}),")
     print("}")

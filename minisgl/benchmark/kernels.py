@@ -6,11 +6,16 @@ against the matmul rate), each checked against the torch reference. Every figure
 over replays of a CUDA graph of back-to-back calls; small cases cycle through enough distinct
 inputs that they do not sit in L2. Prints tables, then one JSON object as the last line.
 `--tune` adds tile-size and split-count sweeps for choosing the kernels' defaults.
+`--kv-cache-dtype fp8_e4m3` runs the attention on an e4m3 pool (bytes counted at one per value).
+`--fp8-gemm` runs only the sweep that sets `FP8_GEMV_MAX_ROWS` (minisgl/config/quant.py): the
+FP8 weight-only GEMV against the FP8 tensor-core GEMM (per-token activation quantization
+included) and bf16 `F.linear`, at Llama-3-8B projection shapes, rows 1..256.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -37,6 +42,7 @@ REF_REQUESTS = 4  # requests of each case checked against the torch reference
 MAX_INPUT_SETS = 64
 
 DEVICE = "cuda"
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 Row = dict[str, Any]
 # timer(fn, n_sets) -> seconds per call of fn(i), i cycling over range(n_sets)
@@ -78,6 +84,7 @@ def run_decode(
     num_splits: int | None = None,
     config: Any = None,
     spread: float = 0.0,
+    kv_dtype: torch.dtype = DTYPE,
 ) -> Row:
     """Decode attention with every request at `context` tokens on randomly scattered pages;
     with `spread` s, contexts drawn uniformly from [context * (1 - s), context * (1 + s)]
@@ -85,9 +92,10 @@ def run_decode(
     from minisgl.kernels.common import num_sms
     from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
 
-    elem = torch.empty((), dtype=DTYPE).element_size()
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    elem = torch.empty((), dtype=kv_dtype).element_size()
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
-    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * elem
+    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
     n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
     lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
     gen = torch.Generator().manual_seed(batch * 7 + context)
@@ -95,13 +103,14 @@ def run_decode(
     contexts[:, 0] = hi  # the largest context of every set is the same: the splits' host bound
     kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
     kv = random_paged_kv(
-        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, DTYPE, DEVICE, poison=False
-    )
+        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
+        poison=False,
+    )  # fmt: skip
     tables = kv.block_table.view(n_sets, batch, -1)
     lens = kv.seq_lens.view(n_sets, batch)
     q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     out = torch.empty_like(q)
-    cfg = config or default_decode_config(HEAD_DIM)
+    cfg = config or default_decode_config(HEAD_DIM, fp8)
     splits = num_splits or choose_num_splits(batch, NUM_KV_HEADS, hi, num_sms(q.device), cfg)
 
     def call(i: int) -> None:
@@ -116,18 +125,21 @@ def run_decode(
             num_splits=splits,
             config=cfg,
             out=out[i],
+            kv_scales=kv.kv_scales,
         )
 
     seconds = timer(call, n_sets)
     call(0)
     rows = min(batch, REF_REQUESTS)
     expected = decode_attention_ref(
-        q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size, SM_SCALE
-    )
+        q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size,
+        SM_SCALE, kv.kv_scales,
+    )  # fmt: skip
     bytes_per_s = (kv_bytes + qo_bytes) / seconds
     return {
         "batch": batch,
         "context": context,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "spread": spread,
         "page_size": page_size,
         "num_splits": splits,
@@ -150,19 +162,25 @@ def run_extend(
     matmul_rate: float,
     *,
     config: Any = None,
+    kv_dtype: torch.dtype = DTYPE,
 ) -> Row:
     """Extend attention: `num_reqs` requests of `new_tokens` each on `cached` cached tokens."""
     from minisgl.kernels.extend import default_extend_config, extend_attention
 
     seq_lens = [cached + new_tokens] * num_reqs
-    kv = random_paged_kv(seq_lens, page_size, NUM_KV_HEADS, HEAD_DIM, DTYPE, DEVICE, poison=False)
+    kv = random_paged_kv(
+        seq_lens, page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE, poison=False
+    )
     ext = torch.full((num_reqs,), new_tokens, dtype=torch.int32, device=DEVICE)
     cu = cu_seqlens([new_tokens] * num_reqs, DEVICE)
     q = torch.randn(num_reqs * new_tokens, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     out = torch.empty_like(q)
     cfg = config or default_extend_config(HEAD_DIM)
     args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, ext, cu, page_size, SM_SCALE)
-    seconds = timer(lambda _: extend_attention(q, *args, new_tokens, config=cfg, out=out), 1)
+    scales = kv.kv_scales
+    seconds = timer(
+        lambda _: extend_attention(q, *args, new_tokens, config=cfg, out=out, kv_scales=scales), 1
+    )
     # Query at position p sees p + 1 keys: QK^T and PV are 2 * D FLOPs per (query, key, head) each.
     visible = num_reqs * (new_tokens * cached + new_tokens * (new_tokens + 1) // 2)
     flops = 4 * NUM_Q_HEADS * HEAD_DIM * visible
@@ -178,6 +196,7 @@ def run_extend(
         cu[: n + 1],
         page_size,
         SM_SCALE,
+        kv.kv_scales,
     )
     return {
         "requests": num_reqs,
@@ -206,22 +225,24 @@ def _attempt(label: Row, fn: Callable[..., Row], *args: Any, **kwargs: Any) -> R
         torch.cuda.empty_cache()
 
 
-def tune_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
+def tune_decode(
+    timer: Timer, copy_bw: float, page_size: int, kv_dtype: torch.dtype = DTYPE
+) -> list[Row]:
     from minisgl.kernels.decode import DecodeConfig
 
+    dec = functools.partial(run_decode, kv_dtype=kv_dtype)
+    blocks = (32, 64, 128) if kv_dtype == DTYPE else (64, 128, 256)  # FP8: half the bytes
     rows = []
     shapes = [(256, 4096), (32, 4096), (1, 32768)]
-    for (b, ctx), bn, w, st in itertools.product(shapes, (32, 64, 128), (4, 8), (2, 3, 4)):
+    for (b, ctx), bn, w, st in itertools.product(shapes, blocks, (4, 8), (2, 3, 4)):
         cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st)
         label = {"batch": b, "context": ctx, "block_n": bn, "num_warps": w, "num_stages": st}
-        rows.append(_attempt(label, run_decode, b, ctx, page_size, timer, copy_bw, config=cfg))
+        rows.append(_attempt(label, dec, b, ctx, page_size, timer, copy_bw, config=cfg))
     shapes = [(1, 4096), (1, 32768), (32, 1024), (32, 4096), (256, 1024)]
     for (b, ctx), splits in itertools.product(shapes, (1, 2, 4, 8, 16, 32, 64)):
         if splits * 128 <= ctx:
             label = {"batch": b, "context": ctx, "num_splits": splits}
-            rows.append(
-                _attempt(label, run_decode, b, ctx, page_size, timer, copy_bw, num_splits=splits)
-            )
+            rows.append(_attempt(label, dec, b, ctx, page_size, timer, copy_bw, num_splits=splits))
     return rows
 
 
@@ -230,10 +251,13 @@ def tune_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
 W1_DECODE_SHAPES = [(200, 820, 0.32), (80, 1250, 0.6), (48, 1400, 0.5)]
 
 
-def tune_w1_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
+def tune_w1_decode(
+    timer: Timer, copy_bw: float, page_size: int, kv_dtype: torch.dtype = DTYPE
+) -> list[Row]:
     """Decode tiles and split counts on W1-like ragged batches (None: the default split)."""
     from minisgl.kernels.decode import DecodeConfig
 
+    dec = functools.partial(run_decode, kv_dtype=kv_dtype)
     rows = []
     for (b, c, spread), splits, bn, st in itertools.product(
         W1_DECODE_SHAPES, (None, 1, 2, 3, 4, 6), (64, 128), (2, 3)
@@ -241,15 +265,18 @@ def tune_w1_decode(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
         cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_stages=st)
         label = {"batch": b, "context": c, "num_splits": splits, "block_n": bn, "num_stages": st}
         rows.append(
-            _attempt(label, run_decode, b, c, page_size, timer, copy_bw, num_splits=splits,
+            _attempt(label, dec, b, c, page_size, timer, copy_bw, num_splits=splits,
                      config=cfg, spread=spread)
         )  # fmt: skip
     return rows
 
 
-def tune_extend(timer: Timer, matmul_rate: float, page_size: int) -> list[Row]:
+def tune_extend(
+    timer: Timer, matmul_rate: float, page_size: int, kv_dtype: torch.dtype = DTYPE
+) -> list[Row]:
     from minisgl.kernels.extend import ExtendConfig
 
+    ext = functools.partial(run_extend, kv_dtype=kv_dtype)
     rows = []
     shapes = [(1, 8192, 0), (16, 1024, 2048)]
     for (r, n, c), bm, bn, w, st in itertools.product(
@@ -258,7 +285,7 @@ def tune_extend(timer: Timer, matmul_rate: float, page_size: int) -> list[Row]:
         cfg = ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
         label = {"requests": r, "new_tokens": n, "cached": c, "block_m": bm, "block_n": bn,
                  "num_warps": w, "num_stages": st}  # fmt: skip
-        rows.append(_attempt(label, run_extend, r, n, c, page_size, timer, matmul_rate, config=cfg))
+        rows.append(_attempt(label, ext, r, n, c, page_size, timer, matmul_rate, config=cfg))
     return rows
 
 
@@ -287,42 +314,104 @@ EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num
 def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     copy_bw = measure_copy_bandwidth(timer)
     ps = args.page_size
+    kv_dtype = KV_DTYPES[args.kv_cache_dtype]
+    if args.fp8_gemm:
+        print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+        return {"copy_bytes_per_s": copy_bw, **fp8_gemm_sweep(timer)}
     if args.w1:  # only the W1-shape sweep
         rows = sorted(
-            tune_w1_decode(timer, copy_bw, ps),
+            tune_w1_decode(timer, copy_bw, ps, kv_dtype),
             key=lambda r: (r["batch"], r.get("time_us", math.inf)),
         )
         print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
         print_table("W1-like ragged decode batches", rows, DECODE_COLUMNS)
         return {"copy_bytes_per_s": copy_bw, "tune_w1_decode": rows}
+    dec = functools.partial(run_decode, kv_dtype=kv_dtype)
+    ext = functools.partial(run_extend, kv_dtype=kv_dtype)
     matmul_rate = measure_matmul_rate(timer)
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s, bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s")
     decode = [
-        _attempt({"batch": b, "context": c}, run_decode, b, c, ps, timer, copy_bw)
-        for b, c in itertools.product(DECODE_BATCHES, DECODE_CONTEXTS)
+        _attempt({"batch": b, "context": c}, dec, b, c, ps, timer, copy_bw)
+        for b, c in itertools.product(args.decode_batches, args.decode_contexts)
     ]
-    print_table(f"decode attention (page_size {ps})", decode, DECODE_COLUMNS)
+    print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
+                DECODE_COLUMNS)  # fmt: skip
+    result: Row = {"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": matmul_rate, "decode": decode}
+    if args.decode_only:
+        return result
     b, c = PAGE_SWEEP_SHAPE
-    sweep = [_attempt({"page_size": p}, run_decode, b, c, p, timer, copy_bw) for p in PAGE_SIZES]
+    sweep = [_attempt({"page_size": p}, dec, b, c, p, timer, copy_bw) for p in PAGE_SIZES]
     print_table(f"decode page-size sweep (batch {b} x {c})", sweep, DECODE_COLUMNS)
     extend = [
-        _attempt({"requests": r, "cached": c}, run_extend, r, n, c, ps, timer, matmul_rate)
+        _attempt({"requests": r, "cached": c}, ext, r, n, c, ps, timer, matmul_rate)
         for (r, n), c in itertools.product(EXTEND_SHAPES, EXTEND_CACHED)
     ]
     print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
-    result: Row = {
-        "copy_bytes_per_s": copy_bw,
-        "matmul_flop_per_s": matmul_rate,
-        "decode": decode,
-        "decode_page_size_sweep": sweep,
-        "extend": extend,
-    }
+    result |= {"decode_page_size_sweep": sweep, "extend": extend}
     if args.tune:
-        result["tune_decode"] = tune_decode(timer, copy_bw, ps)
+        result["tune_decode"] = tune_decode(timer, copy_bw, ps, kv_dtype)
         print_table("tune: decode", result["tune_decode"], DECODE_COLUMNS)
-        result["tune_extend"] = tune_extend(timer, matmul_rate, ps)
+        result["tune_extend"] = tune_extend(timer, matmul_rate, ps, kv_dtype)
         print_table("tune: extend", result["tune_extend"], EXTEND_COLUMNS)
     return result
+
+
+# ---- FP8 linear layers: where the weight-only GEMV stops paying --------------------------------
+
+# Llama-3-8B's projections (N, K): qkv, o_proj, gate/up, down.
+FP8_GEMM_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+FP8_GEMM_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+WEIGHT_ROTATION_BYTES = 600 << 20  # weight copies cycled through, so L2 never holds them
+
+
+def fp8_gemm_sweep(timer: Timer) -> Row:
+    """us per call of a bf16 `F.linear`, the FP8 weight-only GEMV and the FP8 tensor-core GEMM
+    (`fp8_linear`: activation quantization + cuBLASLt row-wise scaled GEMM) for each shape and
+    row count; the switch point is the largest row count up to which the GEMV wins for a whole
+    layer (the four projections summed) every time."""
+    from minisgl.kernels.fp8 import quantize_rows
+
+    rows: list[Row] = []
+    for n, k in FP8_GEMM_SHAPES:
+        sets = max(2, math.ceil(WEIGHT_ROTATION_BYTES / (n * k)))
+        w16 = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k**0.5 for _ in range(sets)]
+        w8 = [quantize_rows(w) for w in w16]
+        rows += [_time_linears(timer, m, w16[: max(2, sets // 2)], w8) for m in FP8_GEMM_ROWS]
+        torch.cuda.empty_cache()
+    print_table("FP8 linear: weight-only GEMV vs tensor-core GEMM (us per call)", rows,
+                ["n", "k", "m", "bf16_us", "fp8_gemv_us", "fp8_gemm_us", "gemv_weight_tb_s",
+                 "gemm_weight_tb_s"])  # fmt: skip
+    switch = 0
+    for m in FP8_GEMM_ROWS:
+        per_layer = [r for r in rows if r["m"] == m]
+        if sum(r["fp8_gemv_us"] for r in per_layer) > sum(r["fp8_gemm_us"] for r in per_layer):
+            break
+        switch = m
+    print(f"\nFP8_GEMV_MAX_ROWS = {switch}  # minisgl/config/quant.py: the GEMV wins up to here")
+    return {"fp8_gemm": rows, "fp8_gemv_max_rows": switch}
+
+
+def _time_linears(
+    timer: Timer,
+    m: int,
+    w16: list[torch.Tensor],  # bf16 copies [N, K] (half as many: twice the bytes each)
+    w8: list[tuple[torch.Tensor, torch.Tensor]],  # (e4m3 [N, K], fp32 [N]) copies
+) -> Row:
+    import torch.nn.functional as F
+
+    from minisgl.kernels.fp8_gemm import fp8_linear
+    from minisgl.kernels.gemv import gemv
+
+    n, k = w16[0].shape
+    x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+    t16 = timer(lambda i: F.linear(x, w16[i]), len(w16))
+    tg = timer(lambda i: gemv(x, w8[i][0], weight_scale=w8[i][1]), len(w8))
+    tm = timer(lambda i: fp8_linear(x, w8[i][0], w8[i][1]), len(w8))
+    return {
+        "n": n, "k": k, "m": m, "bf16_us": t16 * 1e6, "fp8_gemv_us": tg * 1e6,
+        "fp8_gemm_us": tm * 1e6, "gemv_weight_tb_s": n * k / tg / 1e12,
+        "gemm_weight_tb_s": n * k / tm / 1e12,
+    }  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -333,6 +422,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--w1",
         action="store_true",
         help="only sweep decode tiles and splits on W1-like ragged batches",
+    )
+    parser.add_argument("--kv-cache-dtype", default="bfloat16", choices=list(KV_DTYPES))
+    ints = lambda v: [int(t) for t in v.split(",")]  # noqa: E731
+    parser.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES))
+    parser.add_argument("--decode-contexts", type=ints, default=list(DECODE_CONTEXTS))
+    parser.add_argument("--decode-only", action="store_true", help="only the decode table")
+    parser.add_argument(
+        "--fp8-gemm",
+        action="store_true",
+        help="only the FP8 GEMV-vs-GEMM sweep that sets FP8_GEMV_MAX_ROWS",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -348,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dtype": "bfloat16",
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_q_heads": NUM_Q_HEADS,
         "num_kv_heads": NUM_KV_HEADS,
         "head_dim": HEAD_DIM,

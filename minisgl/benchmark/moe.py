@@ -38,6 +38,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl.benchmark.common import (
+    Row,
+    add_fp8_args,
+    fp8_options,
     gpu_kernel_table,
     measure_bandwidth,
     print_pairs,
@@ -63,8 +66,6 @@ DECODE_STEPS = 128
 COUNT_STEPS = 16
 PAGE_SIZE = 16  # of the expert-counting engine
 DEVICE = "cuda"
-
-Row = dict[str, Any]
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -277,17 +278,21 @@ def model_bytes(llm: Any) -> ModelBytes:
             dense += nbytes
     moe_layers = sum(isinstance(m, SparseMoeBlock) for m in model.modules())
     elem = torch.empty((), dtype=llm.engine.dtype).element_size()
+    kv_elem = llm.engine.pool.k(0).element_size()
     return ModelBytes(
         per_expert=per_expert // max(1, moe_layers),
         dense=dense,
         embed_row=cfg.hidden_size * elem,
-        kv_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem,
+        kv_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem,
     )
 
 
-def make_llm(batch: int, eager: bool, attention_backend: str, cuda_graphs: bool = True) -> Any:
+def make_llm(
+    batch: int, eager: bool, attention_backend: str, cuda_graphs: bool = True, fp8: Row | None = None
+) -> Any:  # fmt: skip
     """The engine for the decode runs. The eager one (for counting experts) gets a KV pool just
-    big enough, so that little is lost should its memory not come back before the next one."""
+    big enough, so that little is lost should its memory not come back before the next one.
+    `fp8`: the FP8 options (`common.fp8_options`)."""
     from minisgl.llm import LLM
 
     options: dict[str, Any] = dict(
@@ -297,6 +302,7 @@ def make_llm(batch: int, eager: bool, attention_backend: str, cuda_graphs: bool 
         max_running_requests=batch,
         max_context_len=PROMPT_LEN + DECODE_STEPS + 64,
         attention_backend=attention_backend,
+        **(fp8 or {}),
     )
     if not cuda_graphs:
         options["cuda_graph_max_bs"] = 0
@@ -337,10 +343,10 @@ def run_to_end(llm: Any) -> int:
 
 
 def count_experts(
-    batches: Sequence[int], seed: int, attention_backend: str
+    batches: Sequence[int], seed: int, attention_backend: str, fp8: Row | None = None
 ) -> dict[int, ExpertCount]:
     """Distinct experts per decode step (summed over layers), from an eager engine."""
-    llm = make_llm(max(batches), eager=True, attention_backend=attention_backend)
+    llm = make_llm(max(batches), eager=True, attention_backend=attention_backend, fp8=fp8)
     counter = ExpertCounter(llm.engine.model)
     result = {}
     for batch in batches:
@@ -398,12 +404,18 @@ def decode_row(
     }
 
 
-def run_decode(copy_bw: float, seed: int, attention_backend: str = "auto") -> list[Row]:
-    experts = count_experts(DECODE_BATCHES, seed, attention_backend)
-    llm = make_llm(max(DECODE_BATCHES), eager=False, attention_backend=attention_backend)
+def run_decode(
+    copy_bw: float,
+    seed: int,
+    attention_backend: str = "auto",
+    batches: Sequence[int] = DECODE_BATCHES,
+    fp8: Row | None = None,
+) -> list[Row]:
+    experts = count_experts(batches, seed, attention_backend, fp8)
+    llm = make_llm(max(batches), eager=False, attention_backend=attention_backend, fp8=fp8)
     mb = model_bytes(llm)
     rows = []
-    for batch in DECODE_BATCHES:
+    for batch in batches:
         seconds, tokens = time_decode(llm, batch, seed)
         rows.append(decode_row(batch, seconds, tokens, experts[batch], mb, copy_bw))
     del llm
@@ -421,7 +433,13 @@ MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_gate_up_kernel", "
 
 
 def profile_decode(
-    seed: int, attention_backend: str, batch: int, steps: int, cuda_graphs: bool, trace: str
+    seed: int,
+    attention_backend: str,
+    batch: int,
+    steps: int,
+    cuda_graphs: bool,
+    trace: str,
+    fp8: Row | None = None,
 ) -> tuple[list[Row], Row]:
     """torch.profiler over `steps` decode steps of `batch` requests: (the kernels by GPU time,
     a summary). A graph replay shows in the profiler's op summaries as one cudaGraphLaunch, so
@@ -429,7 +447,7 @@ def profile_decode(
     from torch.profiler import ProfilerActivity, profile
 
     llm = make_llm(batch, eager=False, attention_backend=attention_backend,
-                   cuda_graphs=cuda_graphs)  # fmt: skip
+                   cuda_graphs=cuda_graphs, fp8=fp8)  # fmt: skip
     run_until_decoding(llm, submit(llm, batch, 9, seed + 1_000_000))  # compile, capture
     run_to_end(llm)
     run_until_decoding(llm, submit(llm, batch, steps + 8, seed + batch))
@@ -693,6 +711,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-trace", default="", help="keep the Chrome trace at this path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
+    ap.add_argument(
+        "--decode-batches",
+        type=lambda v: [int(t) for t in v.split(",")],
+        default=list(DECODE_BATCHES),
+        help="batch sizes of the decode table, comma-separated",
+    )
+    add_fp8_args(ap)
     return ap.parse_args(argv)
 
 
@@ -716,7 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.profile:
         kernels, totals = profile_decode(args.seed, args.attention_backend, args.profile_batch,
                                          args.profile_steps, not args.profile_eager,
-                                         args.profile_trace)  # fmt: skip
+                                         args.profile_trace, fp8_options(args))  # fmt: skip
         result["profile"], result["profile_totals"] = kernels, totals
         title = f"decode profile: batch {args.profile_batch}, top {PROFILE_TOP} GPU kernels"
         print_table(title, kernels, PROFILE_COLUMNS)
@@ -726,7 +751,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["kernels"] = run_kernels(copy_bw, args.seed)
             print_table("fused MoE vs torch reference (bf16)", result["kernels"], KERNEL_COLUMNS)
         if not args.skip_decode:
-            result["decode"] = run_decode(copy_bw, args.seed, args.attention_backend)
+            result["decode"] = run_decode(copy_bw, args.seed, args.attention_backend,
+                                          args.decode_batches, fp8_options(args))  # fmt: skip
+            result["fp8"] = fp8_options(args)
             print_table("decode, Qwen3-30B-A3B shape, dummy weights", result["decode"],
                         DECODE_COLUMNS)  # fmt: skip
         result["summary"] = summary(result)

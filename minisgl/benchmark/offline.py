@@ -9,7 +9,9 @@ copy bandwidth is measured in the same run and gives the floor (common.py).
 Face transformers' continuous batching, in the same process, and prints the ratio of output
 tokens/s (the full W1 takes transformers minutes). `--profile` adds a torch-profiler table of a
 short run. A per-step breakdown (decode steps by batch size against their own floor) shows
-where the time goes. Prints tables, then one JSON object as the last line.
+where the time goes. `--kv-cache-dtype fp8_e4m3` and `--quantization fp8` run the FP8 engine;
+the floor counts the bytes as stored (one per FP8 value). Prints tables, then one JSON object as
+the last line.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from minisgl.benchmark.common import (
     Floor,
     ModelBytes,
     Row,
+    add_fp8_args,
     batch_bucket,
     decode_floor,
     device_info,
     emit_json,
+    fp8_options,
     measure_bandwidth,
     print_pairs,
     print_table,
@@ -102,6 +106,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         show_progress=False,
         tp_size=args.tp_size,
+        **fp8_options(args),
     )
     if args.cuda_graph_max_bs is not None:
         options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
@@ -226,13 +231,12 @@ def run_minisgl(args: argparse.Namespace, wl: Workload, bandwidth: float) -> tup
         seconds, tokens = time_generate(llm, wl)
         end = time.perf_counter()
     engine = llm.engine
-    mb = ModelBytes.of(engine.model, engine.model_config, engine.dtype)
+    mb = ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
     floor = decode_floor([len(p) for p in wl.prompts], wl.max_tokens, mb, bandwidth)
     row = result_row(wl, seconds, tokens, floor)
-    row["config"] = {
-        k: getattr(engine.config, k)
-        for k in ("page_size", "cuda_graph_max_bs", "overlap", "attention_backend", "dtype")
-    }
+    keys = ("page_size", "cuda_graph_max_bs", "overlap", "attention_backend", "dtype",
+            "kv_cache_dtype", "quantization")  # fmt: skip
+    row["config"] = {k: getattr(engine.config, k) for k in keys}
     row["num_pages"] = engine.num_pages
     row["steps"] = rec.breakdown(end, mb, bandwidth)
     row["compiled_in_timed_run"] = compiles.compiled
@@ -398,6 +402,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument("--profile", action="store_true", help="also profile a short run")
+    add_fp8_args(p)
     return p.parse_args(argv)
 
 

@@ -7,14 +7,17 @@ from minisgl.config.engine import (
     resolve_engine_config,
 )
 from minisgl.config.model import ModelConfig, MoEConfig, RopeConfig, model_config_from_dict
+from minisgl.config.quant import QuantConfig, resolve_model_quantization
 
 __all__ = [
     "DTYPES",
     "EngineConfig",
     "ModelConfig",
     "MoEConfig",
+    "QuantConfig",
     "RopeConfig",
     "apply_env_switches",
     "model_config_from_dict",
     "resolve_engine_config",
+    "resolve_model_quantization",
 ]

@@ -5,8 +5,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from minisgl.config.quant import FP8_GEMV_MAX_ROWS, KV_CACHE_DTYPES, QUANTIZATIONS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
+KV_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 
 # Environment switches (for benchmarks, bisecting and tests), read here and nowhere else in
 # the engine's config: "1" turns the feature off (on, for the debug mode).
@@ -23,6 +26,17 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"  # auto (from the files) | dummy (random weights)
+    # KV cache storage: auto (the model dtype) | bfloat16 | float16 | float32 | fp8_e4m3 (one
+    # byte per value, a scale per layer and KV head; twice the tokens in the same memory).
+    kv_cache_dtype: str = "auto"
+    # FP8 KV scales from this many prefill tokens of a built-in text at start-up (0: the
+    # checkpoint's scales when it has them, else 1.0).
+    kv_cache_calibrate: int = 0
+    # fp8: linear and expert weights in FP8 e4m3 (16-bit checkpoints are quantized at load, one
+    # scale per output channel); None: as the checkpoint is (FP8 checkpoints stay FP8).
+    quantization: str | None = None
+    # FP8 linear layers with at most this many rows take the weight-only GEMV (see config.quant).
+    fp8_gemv_max_rows: int = FP8_GEMV_MAX_ROWS
     page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)
     num_pages: int = 0  # 0: auto, sized from memory
     max_running_requests: int = 256
@@ -84,6 +98,24 @@ class EngineConfig:
         if self.reserve_decay_steps < 1:
             raise ValueError(f"reserve_decay_steps: must be >= 1, got {self.reserve_decay_steps}")
         self._check_distributed()
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.kv_cache_calibrate < 0:
+            raise ValueError(f"kv_cache_calibrate: must be >= 0, got {self.kv_cache_calibrate}")
+        if self.kv_cache_calibrate and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError(
+                "kv_cache_calibrate: only an fp8_e4m3 KV cache has scales to calibrate; "
+                "pass kv_cache_dtype='fp8_e4m3' too"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
+        if self.fp8_gemv_max_rows < 0:
+            raise ValueError(f"fp8_gemv_max_rows: must be >= 0, got {self.fp8_gemv_max_rows}")
 
     def _check_distributed(self) -> None:
         if self.nnodes < 1 or self.tp_size % self.nnodes:
@@ -111,6 +143,11 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         assert self.dtype != "auto", "resolve the config first"
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        assert self.kv_cache_dtype != "auto", "resolve the config first"
+        return KV_TORCH_DTYPES[self.kv_cache_dtype]
 
 
 def split_host_port(addr: str) -> tuple[str, int]:
@@ -141,10 +178,12 @@ def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
     backend = cfg.attention_backend
     if backend == "auto":
         backend = "triton" if on_cuda else "torch"
+    kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
     return replace(
         cfg,
         device=device,
         dtype=dtype,
+        kv_cache_dtype=kv_dtype,
         page_size=page_size,
         attention_backend=backend,
         overlap=cfg.overlap and on_cuda,

@@ -3,6 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.config.quant import QuantConfig, checkpoint_quant
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -51,6 +53,8 @@ class ModelConfig:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None
+    # FP8 weights: the checkpoint's own format, then what the engine resolved (`config.quant`).
+    quant: QuantConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -148,5 +152,6 @@ def model_config_from_dict(d: dict[str, Any], generation_eos: Any = None) -> Mod
         dtype=str(dtype).replace("torch.", ""),
         eos_token_ids=_eos_ids(d, generation_eos),
         moe=moe,
+        quant=checkpoint_quant(d),
         raw=d,
     )

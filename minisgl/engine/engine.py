@@ -9,9 +9,16 @@ from dataclasses import replace
 import torch
 
 from minisgl.attention import AttentionInputs, make_backend
-from minisgl.config import EngineConfig, ModelConfig, apply_env_switches, resolve_engine_config
+from minisgl.config import (
+    EngineConfig,
+    ModelConfig,
+    apply_env_switches,
+    resolve_engine_config,
+    resolve_model_quantization,
+)
 from minisgl.core import Batch, SeqInfo
 from minisgl.engine.cuda_graph import CudaGraphRunner
+from minisgl.engine.kv_calibration import init_kv_scales
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
 from minisgl.engine.sampler import (
     PenaltyInputs,
@@ -25,7 +32,14 @@ from minisgl.engine.step import ForwardOutput, StepInputs, StepRows, TokenMask
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
 from minisgl.models import build_model
-from minisgl.weights import init_dummy_weights, load_model_config, load_weights, resolve_source
+from minisgl.weights import (
+    ModelSource,
+    init_dummy_weights,
+    load_model_config,
+    load_weights,
+    resolve_source,
+)
+from minisgl.weights.fp8 import KVScales
 
 logger = logging.getLogger(__name__)
 
@@ -61,29 +75,38 @@ class Engine:
         src = resolve_source(config.model)
         self.model_config: ModelConfig = load_model_config(src)
         self.config = apply_env_switches(resolve_engine_config(config, self.model_config.dtype))
+        self.model_config = resolve_model_quantization(self.model_config, self.config)
         cfg, mcfg = self.config, self.model_config
         self.device = cfg.torch_device
         self.dtype = cfg.torch_dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(cfg.seed)
-        self._build_model(src)
+        kv_scales = self._build_model(src)
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
-        self._build_kv(agree_num_pages)
+        self._build_kv(agree_num_pages, src, kv_scales)
         self.graphs = self._capture_graphs()
         self.num_steps = 0  # batches run so far (the warm-up's included)
 
-    def _build_model(self, src: object) -> None:
+    def _build_model(self, src: ModelSource) -> KVScales | None:
+        """The model with its weights; returns the checkpoint's FP8 KV scales if it has any."""
         cfg = self.config
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = build_model(self.model_config)
+        kv_scales = None
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
         else:
-            load_weights(self.model, src, self.model_config)  # type: ignore[arg-type]
+            kv_scales = load_weights(self.model, src, self.model_config)
         self.model.eval()
+        return kv_scales
 
-    def _build_kv(self, agree_num_pages: Callable[[int], int] | None) -> None:
+    def _build_kv(
+        self,
+        agree_num_pages: Callable[[int], int] | None,
+        src: ModelSource,
+        kv_scales: KVScales | None,
+    ) -> None:
         cfg, mcfg = self.config, self.model_config
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
         num_kv_heads, num_q_heads = attn.num_kv_heads, attn.num_heads
@@ -102,12 +125,17 @@ class Engine:
             cfg.page_size,
             num_kv_heads,
             mcfg.head_dim,
-            self.dtype,
+            cfg.kv_torch_dtype,
             self.device,
         )
+        sm_scale = mcfg.head_dim**-0.5
+        init_kv_scales(
+            self.pool, self.model, self.table, num_q_heads, sm_scale, cfg.kv_cache_calibrate,
+            kv_scales, src, mcfg.vocab_size,
+        )  # fmt: skip
         self.dummy_loc = self.pool.spare_loc
         self.backend = make_backend(
-            cfg.attention_backend, self.pool, self.table, num_q_heads, mcfg.head_dim**-0.5
+            cfg.attention_backend, self.pool, self.table, num_q_heads, sm_scale
         )
         agreed = f" (the ranks' minimum; this rank's budget holds {own})" if agree_num_pages else ""
         logger.info("KV pool: %d pages of %d tokens%s", self.num_pages, cfg.page_size, agreed)

@@ -48,7 +48,7 @@ def plan_num_pages(
     graph_reserve: int = 0,
 ) -> int:
     per_page = KVPool.bytes_per_page(
-        mcfg.num_layers, cfg.page_size, num_kv_heads, mcfg.head_dim, cfg.torch_dtype
+        mcfg.num_layers, cfg.page_size, num_kv_heads, mcfg.head_dim, cfg.kv_torch_dtype
     )
     # No point in more pages than every running request at full context could use.
     useful = cfg.max_running_requests * -(-max_context // cfg.page_size)

@@ -88,6 +88,27 @@ def check_paged_args(
     assert block_table.stride(1) == 1
 
 
+def check_kv_scales(
+    k_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None, num_kv_heads: int
+) -> bool:
+    """True for an FP8 cache, which must come with its per-head scales."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert fp8 == (scales is not None), "an FP8 KV cache needs its scales (and only it)"
+    if scales is not None:
+        for s in scales:
+            assert s.shape == (num_kv_heads,) and s.dtype == torch.float32 and s.is_contiguous()
+    return fp8
+
+
+def key_shift(k_cache: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """An FP8 cache's [Hkv, D] fp32 key shift (zeros when none is given; unread otherwise)."""
+    if shift is None:
+        return torch.zeros(k_cache.shape[1:], dtype=torch.float32, device=k_cache.device)
+    assert shift.shape == k_cache.shape[1:] and shift.dtype == torch.float32
+    assert shift.is_contiguous()
+    return shift
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(
@@ -96,16 +117,60 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
-def dot_flags(dtype: torch.dtype, kernel: object) -> tuple[bool, bool]:
+def dot_flags(dtype: torch.dtype, kernel: object, kv_fp8: bool = False) -> tuple[bool, bool]:
     """(IEEE, EMULATE_BF16) flags: exact fp32 products (no TF32) for fp32 inputs, and a
     workaround for the CPU interpreter's bf16 (triton 3.9), which multiplies bf16 operands wrongly
     and truncates fp32 -> bf16 casts. Under it, bf16 operands are widened to fp32 before `tl.dot`
     (exact, and what the tensor cores accumulate in) and roundings to bf16 go through
     `round_bf16`, so the interpreter reproduces the GPU's numerics. Off the interpreter
-    EMULATE_BF16 is always False and costs nothing."""
+    EMULATE_BF16 is always False and costs nothing. With an FP8 KV cache the dots run in fp16
+    (`fp8_operand`), so there is no bf16 operand to emulate."""
     ieee = dtype == torch.float32
-    emulate_bf16 = dtype == torch.bfloat16 and is_interpreted(kernel)
+    emulate_bf16 = dtype == torch.bfloat16 and is_interpreted(kernel) and not kv_fp8
     return ieee, emulate_bf16
+
+
+@triton.jit
+def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
+    """(x [H, D] - shift [H, D] or 0) / scale [H] in fp32, clamped to e4m3's +-448 (a store then
+    rounds it to e4m3): `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter,
+    whose fp32 -> e4m3 cast rounds ties away from zero and drops the carry into the exponent, so
+    127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
+    represent."""
+    # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference
+    y = tl.math.div_rn(x.to(tl.float32) - shift, scale[:, None] + tl.zeros_like(x.to(tl.float32)))
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if EMULATE_FP8:
+        y = round_e4m3(y)
+    return y
+
+
+@triton.jit
+def round_e4m3(x):
+    """fp32 with |x| <= 448 -> the nearest e4m3 value (ties to even), kept as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Below 2^-6 e4m3 is a fixed grid of 2^-9: adding 1.5 * 2^14 (whose fp32 spacing is 2^-9)
+    # rounds to it.
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+def emulate_fp8(kernel: object) -> bool:
+    """The EMULATE_FP8 flag of kernels that round to e4m3: True under the CPU interpreter."""
+    return is_interpreted(kernel)
+
+
+@triton.jit
+def fp8_operand(x, q):
+    """`x` (an FP8 K/V tile, or q itself) widened for the dots with the query `q`: to fp16 for a
+    16-bit q (every e4m3 value is exact in fp16, and the conversion is one instruction per two
+    values; a bf16 q converts exactly unless it lies beyond fp16's 65504), to fp32 for fp32."""
+    if q.dtype == tl.float32:
+        out = x.to(tl.float32)
+    else:
+        out = x.to(tl.float16)
+    return out
 
 
 @triton.jit

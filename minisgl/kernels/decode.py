@@ -19,9 +19,11 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import (
+    check_kv_scales,
     check_paged_args,
     dot,
     dot_flags,
+    fp8_operand,
     num_sms,
     online_softmax_step,
     pdl_args,
@@ -52,7 +54,14 @@ class DecodeConfig:
                 raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {size}")
 
 
-def default_decode_config(head_dim: int) -> DecodeConfig:
+def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
+    if kv_fp8:
+        # e4m3 tiles widened to fp16 in registers: 128 keys (16 KiB of K and V at head_dim 128)
+        # with 8 warps build with 116 registers and 41 KiB shared on sm_90 (4 warps: 205
+        # registers). A starting point until `benchmark.kernels --kv-cache-dtype fp8_e4m3
+        # --tune` has run on the GPU.
+        block = max(16, min(256, 16384 // head_dim))
+        return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=8, num_stages=2)
     # ~16 KiB per K (or V) tile in bf16: Triton keeps one K and one V tile in flight per program
     # (sm_90 build: 80 registers, 38 KiB shared, so ~5 programs per SM).
     return DecodeConfig(
@@ -91,6 +100,8 @@ def _decode_split_kernel(
     part_o_ptr,  # [B, Hq, num_splits, D] fp32, written otherwise
     part_lse_ptr,  # [B, Hq, num_splits] fp32
     counter_ptr,  # [B, Hkv] int32, zero between launches: splits of a (request, KV head) done
+    k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     stride_qb,
     stride_qh,
     stride_kt,
@@ -109,6 +120,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     PDL: tl.constexpr,
@@ -135,6 +147,10 @@ def _decode_split_kernel(
         mask=mask_h[:, None],
         other=0.0,
     )  # [BLOCK_H, D]
+    qk_scale = scale_log2
+    if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
+        q = fp8_operand(q, q)
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
@@ -147,14 +163,20 @@ def _decode_split_kernel(
         mask_n = pos < end
         slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2  # [BLOCK_H, BLOCK_N]
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     if SINGLE_SPLIT:
         if EMULATE_BF16:
             out = round_bf16(out)
@@ -250,8 +272,10 @@ def decode_attention(
     max_seq_len: int | None = None,
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
-    """Attention of each request's single query over its whole paged context.
+    """Attention of each request's single query over its whole paged context. An FP8 (e4m3)
+    cache comes with its per-KV-head scales; its tiles are widened in registers.
 
     Never syncs with the host. `num_splits` (or, when it is None, the heuristic fed with the
     host-side `max_seq_len`, default `P * page_size`) only affects speed; a CUDA graph captures
@@ -260,7 +284,8 @@ def decode_attention(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     _check_decode_args(q, k_cache, v_cache, block_table, seq_lens)
-    cfg = config or default_decode_config(head_dim)
+    fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
+    cfg = config or default_decode_config(head_dim, fp8)
     if num_splits is None:
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         num_splits = choose_num_splits(batch, num_kv_heads, max_len, num_sms(q.device), cfg)
@@ -277,15 +302,16 @@ def decode_attention(
     else:
         part_o = part_lse = out  # unused by the kernel
         counters = seq_lens
-    ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel)
+    ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel, fp8)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
     pdl = pdl_args(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters, k_scale,
+        v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, IEEE=ieee,
+        BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out

@@ -16,9 +16,11 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import (
+    check_kv_scales,
     check_paged_args,
     dot,
     dot_flags,
+    fp8_operand,
     online_softmax_step,
     pdl_args,
     pdl_prologue,
@@ -64,6 +66,8 @@ def _extend_kernel(
     extend_lens_ptr,  # [B] int32
     cu_extend_ptr,  # [B+1] int32
     o_ptr,  # [T, Hq, D]
+    k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -79,6 +83,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     PDL: tl.constexpr,
@@ -108,6 +113,10 @@ def _extend_kernel(
         mask=mask_m[:, None],
         other=0.0,
     )  # [BLOCK_M, D]
+    qk_scale = scale_log2
+    if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
+        q = fp8_operand(q, q)
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
@@ -121,8 +130,12 @@ def _extend_kernel(
     for n in range(0, full_end, BLOCK_N):
         slots = token_slots(table_row, n + offs_n, PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
         v = tl.load(v_base + slots[:, None] * stride_vt)
+        if KV_FP8:
+            v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     # Diagonal blocks: key k is visible to query row r iff pos(k) <= pos(r).
@@ -132,13 +145,19 @@ def _extend_kernel(
         mask_n = k_pos < causal_end
         slots = token_slots(table_row, tl.minimum(k_pos, causal_end - 1), PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * scale_log2
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     if EMULATE_BF16:
         out = round_bf16(out)
     o_dst = o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -159,27 +178,31 @@ def extend_attention(
     *,
     config: ExtendConfig | None = None,
     out: torch.Tensor | None = None,  # [T, Hq, D], written in place if given
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
 ) -> torch.Tensor:  # [T, Hq, D], dtype of q
     """Causal attention of new tokens at positions `seq_len - extend_len .. seq_len - 1` over
-    their request's paged context. No host sync."""
+    their request's paged context. No host sync. An FP8 (e4m3) cache comes with its per-KV-head
+    scales."""
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     _check_extend_args(q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend)
+    fp8 = check_kv_scales(k_cache, kv_scales, k_cache.shape[1])
     cfg = config or default_extend_config(head_dim, q.element_size())
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0 or batch == 0 or max_extend_len == 0:
         return out
-    ieee, emulate_bf16 = dot_flags(q.dtype, _extend_kernel)
+    ieee, emulate_bf16 = dot_flags(q.dtype, _extend_kernel, fp8)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
     grid = (triton.cdiv(max_extend_len, cfg.block_m), num_q_heads, batch)
     _extend_kernel[grid](
-        q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend, out,
+        q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend, out, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), sm_scale * math.log2(math.e),
         GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, IEEE=ieee, EMULATE_BF16=emulate_bf16,
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, KV_FP8=fp8, IEEE=ieee, EMULATE_BF16=emulate_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )  # fmt: skip
     return out

@@ -12,11 +12,27 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import pdl_args, pdl_prologue
+from minisgl.kernels.common import (
+    check_kv_scales,
+    emulate_fp8,
+    key_shift,
+    pdl_args,
+    pdl_prologue,
+    quantize_fp8,
+)
+from minisgl.kernels.fp8_gemm import fp8_linear
 from minisgl.kernels.gemv import gemv
 from minisgl.kernels.moe import one_row_moe
 
-__all__ = ["gemv", "one_row_moe", "qk_norm_rope", "rms_norm", "rotary_supported", "silu_and_mul"]
+__all__ = [
+    "fp8_linear",
+    "gemv",
+    "one_row_moe",
+    "qk_norm_rope",
+    "rms_norm",
+    "rotary_supported",
+    "silu_and_mul",
+]
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -98,7 +114,11 @@ def _norm_rope_heads(
     cos,  # [1, HALF] fp32
     sin,
     eps,
+    scale_ptr,  # [H] fp32: each head's result is divided by its scale (QUANT)
+    shift_ptr,  # [H, 2 * HALF] fp32: and first has this subtracted (QUANT)
     HAS_NORM: tl.constexpr,
+    QUANT: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -117,10 +137,17 @@ def _norm_rope_heads(
         x1 = (w1 * (f1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
         x2 = (w2 * (f2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(dtype)  # rounded to the model dtype, as the torch layer's
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    if QUANT:  # into an FP8 cache: divided by the head's scale (`kernels.fp8.quantize_kv`)
+        scale = tl.load(scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)
+        shift = shift_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        y1 = quantize_fp8(y1, scale, tl.load(shift, mask=mask, other=0.0), EMULATE_FP8)
+        y2 = quantize_fp8(y2, scale, tl.load(shift + HALF, mask=mask, other=0.0), EMULATE_FP8)
     out_ty = out_ptr.dtype.element_ty
     dst = out_ptr + offs_h[:, None] * stride_out_h + offs_d[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(dtype).to(out_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype).to(out_ty), mask=mask)
+    tl.store(dst, y1.to(out_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(out_ty), mask=mask)
 
 
 @triton.jit
@@ -133,6 +160,9 @@ def _qk_norm_rope_kernel(
     k_cache_ptr,  # [slots, Hkv, D] (STORE): the rotated k goes here, at slot loc[t]
     v_cache_ptr,  # [slots, Hkv, D] (STORE): v goes here
     loc_ptr,  # [T] int64 KV slot of each token (STORE)
+    k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    k_shift_ptr,  # [Hkv, D] fp32 (KV_FP8)
     q_w_ptr,  # [D] (HAS_NORM)
     k_w_ptr,  # [D] (HAS_NORM)
     pos_ptr,  # [T] int64 (any stride)
@@ -153,6 +183,8 @@ def _qk_norm_rope_kernel(
     eps,
     HAS_NORM: tl.constexpr,
     STORE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
@@ -166,26 +198,33 @@ def _qk_norm_rope_kernel(
     if tl.program_id(1) == 0:
         _norm_rope_heads(
             q_ptr + t * stride_qt, q_out_ptr + t * num_q_heads * (2 * HALF), q_w_ptr, stride_qh,
-            2 * HALF, num_q_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+            2 * HALF, num_q_heads, cos, sin, eps, k_scale_ptr, k_shift_ptr, HAS_NORM, False, False,
+            HALF, BLOCK_H,
         )  # fmt: skip
     elif STORE:  # the rotated k and the new v straight into the paged KV pool
         slot = tl.load(loc_ptr + t)
         _norm_rope_heads(
             k_ptr + t * stride_kt, k_cache_ptr + slot * stride_ckt, k_w_ptr, stride_kh,
-            stride_ckh, num_kv_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+            stride_ckh, num_kv_heads, cos, sin, eps, k_scale_ptr, k_shift_ptr, HAS_NORM, KV_FP8,
+            EMULATE_FP8, HALF, BLOCK_H,
         )  # fmt: skip
         offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_kv_heads
         offs_v = tl.arange(0, 2 * HALF)
-        mask = (offs_h < num_kv_heads)[:, None]
         v = tl.load(
-            v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=mask
+            v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :],
+            mask=mask_h[:, None],
         )
+        if KV_FP8:
+            v_scale = tl.load(v_scale_ptr + offs_h, mask=mask_h, other=1.0)
+            v = quantize_fp8(v, v_scale, 0.0, EMULATE_FP8)
         v_dst = v_cache_ptr + slot * stride_cvt + offs_h[:, None] * stride_cvh + offs_v[None, :]
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
         _norm_rope_heads(
             k_ptr + t * stride_kt, k_out_ptr + t * num_kv_heads * (2 * HALF), k_w_ptr, stride_kh,
-            2 * HALF, num_kv_heads, cos, sin, eps, HAS_NORM, HALF, BLOCK_H,
+            2 * HALF, num_kv_heads, cos, sin, eps, k_scale_ptr, k_shift_ptr, HAS_NORM, False, False,
+            HALF, BLOCK_H,
         )  # fmt: skip
 
 
@@ -203,11 +242,15 @@ def qk_norm_rope(
     eps: float = 1e-6,
     v: torch.Tensor | None = None,  # [T, Hkv, D], with `store`
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k_cache, v_cache, loc
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
+    k_shift: torch.Tensor | None = None,  # FP8 cache: [Hkv, D] fp32 subtracted from k (else 0)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Optional per-head RMSNorm of q and k, then rotate-half (neox) rotary embedding, in one
     launch; new contiguous tensors. With `store` = (k_cache [slots, Hkv, D], v_cache, loc [T]
     int64) and `v`, the rotated k and v go into the KV pool at slots `loc` instead (the KV store
-    and the rotation in one kernel) and k comes back None."""
+    and the rotation in one kernel) and k comes back None; into an FP8 pool minus `k_shift`
+    and divided by its per-head `kv_scales` (the rotated k rounded to the model dtype first, as
+    unfused)."""
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.is_contiguous()
@@ -220,19 +263,25 @@ def qk_norm_rope(
         assert v is not None and v.shape == k.shape and v.stride(-1) == 1
         assert loc.shape == (tokens,) and kc.shape[1:] == k.shape[1:] and vc.shape == kc.shape
         assert kc.stride(-1) == 1 and vc.stride(-1) == 1
+        fp8 = check_kv_scales(kc, kv_scales, kv_heads)
         k_out, vv = None, v
     else:
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         kc = vc = vv = k_out
         loc = positions
+        fp8 = False
     if tokens == 0:
         return q_out, k_out
+    k_scale, v_scale = kv_scales if kv_scales is not None else (cos_sin, cos_sin)  # unread
+    shift = key_shift(kc, k_shift) if fp8 else cos_sin
     _qk_norm_rope_kernel[(tokens, 2)](
-        q, k, vv, q_out, k_out if k_out is not None else q_out, kc, vc, loc,
+        q, k, vv, q_out, k_out if k_out is not None else q_out, kc, vc, loc, k_scale, v_scale,
+        shift,
         q_weight if has_norm else q, k_weight if has_norm else k, positions, cos_sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), positions.stride(0), q_heads,
-        kv_heads, eps, HAS_NORM=has_norm, STORE=store is not None, HALF=dim // 2,
+        kv_heads, eps, HAS_NORM=has_norm, STORE=store is not None, KV_FP8=fp8,
+        EMULATE_FP8=fp8 and emulate_fp8(_qk_norm_rope_kernel), HALF=dim // 2,
         BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)), num_warps=4,
         **pdl_args(q.device),
     )  # fmt: skip

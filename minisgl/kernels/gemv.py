@@ -21,6 +21,14 @@ Each program owns BLOCK_N rows and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, 
 the end. Numerics: fp32 products and sums; the normalised x is not rounded to the model dtype
 before the product (the torch layers round it), so results agree with them within bf16 rounding,
 not bit for bit.
+
+FP8 weights (`weight_scale`): e4m3 rows widened in registers, with one scale per output row
+(applied to the row's sum at the end) or one per 128 x 128 block (folded into x, 128 columns at
+a time; a program's BLOCK_N rows then lie in one block row). Half the bytes of bf16 for the same
+work: the weight-only path of an FP8 linear layer at small batch.
+
+Several rows of x (small batches) run as that many programs per BLOCK_N weight rows, launched
+next to each other, so all but the first read the weight tile from L2.
 """
 
 from __future__ import annotations
@@ -55,8 +63,15 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 }
 
 
-def default_config(n: int, k: int, act: bool = False) -> GemvConfig:
+# The same for FP8 (e4m3) weights: `python -m minisgl.benchmark.gemv --fp8` prints it; until
+# then FP8 weights take the bf16 table's tiles (the same elements per tile, half the bytes).
+TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {}
+
+
+def default_config(n: int, k: int, act: bool = False, fp8: bool = False) -> GemvConfig:
     """The measured config for this shape, else what did well across the measured ones."""
+    if fp8 and (n, k, act) in TUNED_FP8:
+        return TUNED_FP8[(n, k, act)]
     return TUNED.get((n, k, act)) or GemvConfig(8, 1024 if k >= 1024 else 256, 4)
 
 
@@ -71,31 +86,51 @@ def _load_x(x_ptr, offs, K, ACT: tl.constexpr):
 
 
 @triton.jit
+def _block_scales(s_ptr, offs, K, W_SCALE: tl.constexpr):
+    """The weight scales of columns `offs` of a program's rows (128 x 128 blocks), 1 past K."""
+    if W_SCALE == 2:
+        s = tl.load(s_ptr + offs // 128, mask=offs < K, other=1.0)
+    else:
+        s = offs
+    return s
+
+
+# `M` (rows of x) changes with the batch: no variant per "== 1" or "% 16".
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr,  # [K] contiguous ([2K] if ACT)
+    x_ptr,  # [M, K], rows `stride_xm` apart ([M, 2K] if ACT)
     w_ptr,  # [N, K]
-    y_ptr,  # [N] contiguous
+    y_ptr,  # [M, N] contiguous
     b_ptr,  # [N] (HAS_BIAS)
-    r_ptr,  # [N] residual (HAS_RES)
+    r_ptr,  # [M, N] residual, contiguous (HAS_RES)
     g_ptr,  # [K] RMSNorm weight (NORM)
+    s_ptr,  # W_SCALE 1: [N] fp32 per row; 2: [cdiv(N, 128), cdiv(K, 128)] fp32 per block
+    M,
     N,
     K,
+    stride_xm,
     stride_wn,
     stride_wk,
+    stride_sn,
     eps,
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     NORM: tl.constexpr,
     ACT: tl.constexpr,
+    W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
     PRELOAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Programs of the same weight rows (one per row of x) are neighbours: one DRAM read each.
+    row = tl.program_id(0) % M
+    offs_n = (tl.program_id(0) // M) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    x_ptr += row.to(tl.int64) * stride_xm
+    s_row = s_ptr + ((tl.program_id(0) // M) * BLOCK_N // 128).to(tl.int64) * stride_sn
     # The first weight tile and the norm weight do not depend on the previous kernel: with
     # PRELOAD they are read before the PDL wait, otherwise after it.
     if not PRELOAD:
@@ -104,6 +139,7 @@ def _gemv_kernel(
     w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
     if NORM:
         g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    s = _block_scales(s_row, offs_k, K, W_SCALE)
     if PRELOAD:
         pdl_prologue(PDL)
     x = _load_x(x_ptr, offs_k, K, ACT)
@@ -117,60 +153,92 @@ def _gemv_kernel(
             rows + (k0 + BLOCK_K) * stride_wk, mask=mn, other=0.0, eviction_policy="evict_first"
         )
         x_next = _load_x(x_ptr, kn, K, ACT)
+        s_next = _block_scales(s_row, kn, K, W_SCALE)
         if NORM:  # the norm weight is prefetched with x: no load waits inside an iteration
             g_next = tl.load(g_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
             ss += x * x
             x = x * g
             g = g_next
+        if W_SCALE == 2:
+            x = x * s
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
         x = x_next
+        s = s_next
     y = tl.sum(acc, 1)
+    if W_SCALE == 1:
+        y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     if NORM:
         y = y * (1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps))
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    out = row.to(tl.int64) * N + offs_n
     if HAS_RES:
-        y += tl.load(r_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        y += tl.load(r_ptr + out, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
-def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of x, a float dtype shared with the weight. (Any weight strides work; rows with
-    a unit column stride, as on CUDA, are what the kernel is fast for.)"""
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> bool:
+    """At most `max_rows` rows of x, a float dtype shared with the weight or an e4m3 weight.
+    (Any weight strides work; rows with a unit column stride, as on CUDA, are what the kernel is
+    fast for.)"""
     return (
         x.dim() == 2
-        and x.shape[0] == 1
+        and 1 <= x.shape[0] <= max_rows
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and weight.dtype == x.dtype
+        and weight.dtype in (x.dtype, torch.float8_e4m3fn)
         and weight.dim() == 2
         and x.stride(1) == 1
     )
 
 
 def gemv(
-    x: torch.Tensor,  # [1, K] ([1, 2K] gate then up with act)
-    weight: torch.Tensor,  # [N, K]
+    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), M small
+    weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
     bias: torch.Tensor | None = None,  # [N]
-    residual: torch.Tensor | None = None,  # [1, N] added to the result
+    residual: torch.Tensor | None = None,  # [M, N] added to the result
     norm_weight: torch.Tensor | None = None,  # [K]: x is RMS-normalised and scaled by it first
     eps: float = 1e-6,
     act: bool = False,  # x is gate then up: the product uses silu(gate) * up
     config: GemvConfig | None = None,
-) -> torch.Tensor:  # [1, N], dtype of x
+    weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
+) -> torch.Tensor:  # [M, N], dtype of x
+    m = x.shape[0]
     n, k = weight.shape
-    assert gemv_supported(x, weight) and x.shape[1] == (2 * k if act else k)
+    assert gemv_supported(x, weight, max_rows=m) and x.shape[1] == (2 * k if act else k)
     assert not (act and norm_weight is not None)
     assert bias is None or bias.shape == (n,)
-    assert residual is None or (residual.shape == (1, n) and residual.is_contiguous())
+    assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
     assert norm_weight is None or norm_weight.shape == (k,)
-    cfg = config or default_config(n, k, act)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    w_scale = _check_weight_scale(weight, weight_scale)
+    cfg = config or default_config(n, k, act, fp8=w_scale != 0)
+    if w_scale == 2:
+        assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    scale = weight_scale if weight_scale is not None else y
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n) * m,)](
         x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
-        norm_weight if norm_weight is not None else x, n, k, weight.stride(0), weight.stride(1),
-        eps, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        NORM=norm_weight is not None, ACT=act, PRELOAD=cfg.preload, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl_args(x.device),
+        norm_weight if norm_weight is not None else x, scale, m, n, k, x.stride(0),
+        weight.stride(0), weight.stride(1), scale.stride(0), eps, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
+        PRELOAD=cfg.preload, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        **pdl_args(x.device),
     )  # fmt: skip
     return y
+
+
+def _check_weight_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The W_SCALE variant: 0 for a 16/32-bit weight, 1 (per row) or 2 (per block) for e4m3."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    assert fp8 == (scale is not None), "an e4m3 weight needs its scales (and only it)"
+    if scale is None:
+        return 0
+    n, k = weight.shape
+    assert scale.dtype == torch.float32 and scale.stride(-1) == 1
+    if scale.dim() == 1:
+        assert scale.shape == (n,)
+        return 1
+    assert scale.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128))
+    return 2

@@ -35,6 +35,7 @@ specification of blocked step 2.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,7 +46,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from minisgl.kernels.common import pdl_args, pdl_prologue
-from minisgl.kernels.gemv import gemv
+from minisgl.kernels.fp8 import ExpertScales
+from minisgl.kernels.gemv import _block_scales, gemv
 
 # ---- tile configurations -----------------------------------------------------------------------
 
@@ -140,6 +142,37 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+def _weight_scale(w: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """W_SCALE of the kernels: 0 for 16/32-bit experts, 1 per row, 2 per 128 x 128 block."""
+    fp8 = w.dtype == torch.float8_e4m3fn
+    assert fp8 == (scale is not None), "e4m3 experts need their scales (and only they)"
+    if scale is None:
+        return 0
+    assert scale.dtype == torch.float32 and scale.is_contiguous()
+    e, n, k = w.shape
+    if scale.dim() == 2:
+        assert scale.shape == (e, n)
+        return 1
+    assert scale.shape == (e, triton.cdiv(n, 128), triton.cdiv(k, 128))
+    return 2
+
+
+def _scale_args(
+    scale: torch.Tensor | None, fallback: torch.Tensor
+) -> tuple[torch.Tensor, int, int]:
+    """(pointer, stride per expert, stride per block row) of a scale tensor (unread if None)."""
+    if scale is None:
+        return fallback, 0, 0
+    return scale, scale.stride(0), scale.stride(1) if scale.dim() == 3 else 0
+
+
+def _block_tile(tile: GemmTile, w_scale: int) -> GemmTile:
+    """Block-scaled experts take one scale per K step: at most 128 columns deep."""
+    if w_scale == 2 and tile.block_k > 128:
+        return dataclasses.replace(tile, block_k=128)
+    return tile
 
 
 # ---- 1. routing --------------------------------------------------------------------------------
@@ -356,6 +389,7 @@ def _gate_up_kernel(
     sorted_ids_ptr,
     block_expert_ptr,
     num_padded_ptr,
+    s_ptr,  # e4m3 w: [E, 2I] fp32 per row (W_SCALE 1), [E, 2I/128, H/128] per block (2)
     numel,
     inter,  # I
     hidden,  # H
@@ -364,12 +398,15 @@ def _gate_up_kernel(
     stride_wn,
     stride_wk,
     stride_at,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -390,6 +427,7 @@ def _gate_up_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn  # [BLOCK_K, BLOCK_N]
+    s_expert = s_ptr + expert * stride_se
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -398,11 +436,27 @@ def _gate_up_kernel(
         w_mask = mask_k[:, None] & mask_n[None, :]
         g = tl.load(g_ptrs, mask=w_mask, other=0.0)
         u = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        acc_g = _dot(a, g, acc_g, IEEE, UPCAST)
-        acc_u = _dot(a, u, acc_u, IEEE, UPCAST)
+        if W_SCALE != 0:  # e4m3 weights, widened exactly to the activations' type
+            g = g.to(a.dtype)
+            u = u.to(a.dtype)
+        if W_SCALE == 2:  # BLOCK_K divides 128: one scale per column in this K step
+            kb = k * BLOCK_K // 128
+            sg = tl.load(s_expert + (offs_n // 128) * stride_sn + kb, mask=mask_n, other=0.0)
+            su = tl.load(
+                s_expert + ((inter + offs_n) // 128) * stride_sn + kb, mask=mask_n, other=0.0
+            )
+            zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_g += _dot(a, g, zero, IEEE, UPCAST) * sg[None, :]
+            acc_u += _dot(a, u, zero, IEEE, UPCAST) * su[None, :]
+        else:
+            acc_g = _dot(a, g, acc_g, IEEE, UPCAST)
+            acc_u = _dot(a, u, acc_u, IEEE, UPCAST)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
+    if W_SCALE == 1:
+        acc_g *= tl.load(s_expert + offs_n, mask=mask_n, other=0.0)[None, :]
+        acc_u *= tl.load(s_expert + inter + offs_n, mask=mask_n, other=0.0)[None, :]
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up; padding rows are 0
     out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_n[None, :]
     tl.store(out_ptrs, h.to(act_ptr.dtype.element_ty), mask=mask_n[None, :])
@@ -418,6 +472,7 @@ def _down_kernel(
     sorted_ids_ptr,
     block_expert_ptr,
     num_padded_ptr,
+    s_ptr,  # e4m3 w: [E, H] fp32 per row (W_SCALE 1), [E, H/128, I/128] per block (2)
     numel,
     hidden,  # H (the output columns)
     inter,  # I (the reduction)
@@ -426,11 +481,14 @@ def _down_kernel(
     stride_wn,
     stride_wk,
     stride_ot,
+    stride_se,
+    stride_sn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -447,14 +505,25 @@ def _down_kernel(
     mask_n = offs_n < hidden
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    s_expert = s_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         mask_k = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = _dot(a, w, acc, IEEE, UPCAST)
+        if W_SCALE != 0:  # e4m3 weights, widened exactly to the activations' type
+            w = w.to(a.dtype)
+        if W_SCALE == 2:  # BLOCK_K divides 128: one scale per column in this K step
+            sw = tl.load(
+                s_expert + (offs_n // 128) * stride_sn + k * BLOCK_K // 128, mask=mask_n, other=0.0
+            )
+            acc += _dot(a, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, UPCAST) * sw[None, :]
+        else:
+            acc = _dot(a, w, acc, IEEE, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if W_SCALE == 1:
+        acc *= tl.load(s_expert + offs_n, mask=mask_n, other=0.0)[None, :]
     routing = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)  # [BLOCK_M] fp32
     acc = acc * routing[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
@@ -462,18 +531,26 @@ def _down_kernel(
 
 
 def gate_up_gemm(
-    x: torch.Tensor, w13: torch.Tensor, rows: AlignedRows, top_k: int, tile: GemmTile
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    rows: AlignedRows,
+    top_k: int,
+    tile: GemmTile,
+    scale: torch.Tensor | None = None,  # e4m3 w13: ExpertScales.w13
 ) -> torch.Tensor:  # [max_blocks * block_m, I]
     inter = w13.shape[1] // 2
+    w_scale = _weight_scale(w13, scale)
+    tile = _block_tile(tile, w_scale)
     act = torch.empty(rows.sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
+    s, stride_se, stride_sn = _scale_args(scale, act)
     ieee, upcast = _flags(x.dtype, _gate_up_kernel)
     grid = (rows.max_blocks, triton.cdiv(inter, tile.block_n))
     _gate_up_kernel[grid](
-        x, w13, act, rows.sorted_ids, rows.block_expert, rows.num_padded, x.shape[0] * top_k,
-        inter, x.shape[1], x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), TOP_K=top_k, BLOCK_M=rows.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, IEEE=ieee, UPCAST=upcast, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl_args(x.device),
+        x, w13, act, rows.sorted_ids, rows.block_expert, rows.num_padded, s,
+        x.shape[0] * top_k, inter, x.shape[1], x.stride(0), w13.stride(0), w13.stride(1),
+        w13.stride(2), act.stride(0), stride_se, stride_sn, TOP_K=top_k, BLOCK_M=rows.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE=ieee, UPCAST=upcast, W_SCALE=w_scale,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return act
 
@@ -484,17 +561,22 @@ def down_gemm(
     topk_weights: torch.Tensor,
     rows: AlignedRows,
     tile: GemmTile,
+    scale: torch.Tensor | None = None,  # e4m3 w2: ExpertScales.w2
 ) -> torch.Tensor:  # [T * K, H]
     numel = topk_weights.numel()
     hidden, inter = w2.shape[1], w2.shape[2]
+    w_scale = _weight_scale(w2, scale)
+    tile = _block_tile(tile, w_scale)
     out = torch.empty(numel, hidden, dtype=act.dtype, device=act.device)
+    s, stride_se, stride_sn = _scale_args(scale, out)
     ieee, upcast = _flags(act.dtype, _down_kernel)
     grid = (rows.max_blocks, triton.cdiv(hidden, tile.block_n))
     _down_kernel[grid](
-        act, w2, out, topk_weights, rows.sorted_ids, rows.block_expert, rows.num_padded, numel,
-        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
-        BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE=ieee,
-        UPCAST=upcast, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(act.device),
+        act, w2, out, topk_weights, rows.sorted_ids, rows.block_expert, rows.num_padded, s,
+        numel, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        out.stride(0), stride_se, stride_sn, BLOCK_M=rows.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, IEEE=ieee, UPCAST=upcast, W_SCALE=w_scale,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(act.device),
     )  # fmt: skip
     return out
 
@@ -511,6 +593,7 @@ def _pair_gate_up_kernel(
     weights_ptr,  # [T * K] fp32: written when ROUTE
     logits_ptr,  # [T, E] router logits, read when ROUTE
     norm_ptr,  # [H] RMSNorm weight (NORM)
+    s_ptr,  # e4m3 w: [E, 2I] fp32 per row (W_SCALE 1), [E, 2I/128, H/128] per block (2)
     inter,  # I
     hidden,  # H
     num_experts,
@@ -521,6 +604,8 @@ def _pair_gate_up_kernel(
     stride_wk,
     stride_at,
     stride_l,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -529,6 +614,7 @@ def _pair_gate_up_kernel(
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     NORM: tl.constexpr,
+    W_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -561,6 +647,11 @@ def _pair_gate_up_kernel(
         + offs_k[None, :] * stride_wk
     )  # [BLOCK_N, BLOCK_K]
     u_ptrs = g_ptrs + inter * stride_wn
+    # FP8 experts with 128 x 128 block scales: a program's gate (and up) rows lie in one block
+    # row, so the scales are a vector over k, folded into x.
+    s_expert = s_ptr + expert.to(tl.int64) * stride_se
+    sg_row = s_expert + (pid_n * BLOCK_N // 128) * stride_sn
+    su_row = s_expert + ((inter + pid_n * BLOCK_N) // 128) * stride_sn
     # Products summed per lane in fp32, reduced across the K lanes once at the end. Triton
     # pipelines only loads that feed a tl.dot, so the loop prefetches by hand: tile k + 1's
     # loads are in flight while tile k is multiplied (at k + 1 == n_k they are all masked off).
@@ -570,6 +661,8 @@ def _pair_gate_up_kernel(
     a = tl.load(x_ptrs, mask=mask_k, other=0.0)
     g = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     u = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    sg = _block_scales(sg_row, offs_k, hidden, W_SCALE)
+    su = _block_scales(su_row, offs_k, hidden, W_SCALE)
     # NORM: x is RMS-normalised on the way, as in the one-row GEMV (minisgl.kernels.gemv): sum
     # x^2 over all of H, scale x by the norm weight, and the two sums by the rstd at the end.
     ss = tl.zeros([BLOCK_K], tl.float32)
@@ -583,17 +676,26 @@ def _pair_gate_up_kernel(
         a_next = tl.load(x_ptrs, mask=mask_k, other=0.0)
         g_next = tl.load(g_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         u_next = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        sg_next = _block_scales(sg_row, k * BLOCK_K + offs_k, hidden, W_SCALE)
+        su_next = _block_scales(su_row, k * BLOCK_K + offs_k, hidden, W_SCALE)
         a32 = a.to(tl.float32)
         if NORM:
             nw_next = tl.load(norm_ptr + k * BLOCK_K + offs_k, mask=mask_k, other=0.0)
             ss += a32 * a32
             a32 = a32 * nw
             nw = nw_next.to(tl.float32)
-        acc_g += g.to(tl.float32) * a32[None, :]
-        acc_u += u.to(tl.float32) * a32[None, :]
-        a, g, u = a_next, g_next, u_next
+        if W_SCALE == 2:
+            acc_g += g.to(tl.float32) * (a32 * sg)[None, :]
+            acc_u += u.to(tl.float32) * (a32 * su)[None, :]
+        else:
+            acc_g += g.to(tl.float32) * a32[None, :]
+            acc_u += u.to(tl.float32) * a32[None, :]
+        a, g, u, sg, su = a_next, g_next, u_next, sg_next, su_next
     gate = tl.sum(acc_g, 1)  # [BLOCK_N]
     up = tl.sum(acc_u, 1)
+    if W_SCALE == 1:
+        gate = gate * tl.load(s_expert + offs_n, mask=mask_n, other=0.0)
+        up = up * tl.load(s_expert + inter + offs_n, mask=mask_n, other=0.0)
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps)
         gate = gate * rstd
@@ -616,9 +718,12 @@ def _pair_down_loads(
     stride_at,
     stride_we,
     stride_wk,
+    s_rows,  # [BLOCK_N] pointers to expert 0's row scales (W_SCALE 1) or [1] to its block row
+    stride_se,
     TOP_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
+    W_SCALE: tl.constexpr,
 ):
     slot = i // k_tiles
     offs = (i - slot * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -628,7 +733,14 @@ def _pair_down_loads(
     a = tl.load(act_ptr + pair * stride_at + offs, mask=mask_k, other=0.0)  # [BLOCK_K]
     w_ptrs = w_rows + expert * stride_we + offs[None, :] * stride_wk
     w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-    return a, w
+    # FP8 experts: each row's scale ([BLOCK_N]), or the block row's scales over k ([BLOCK_K])
+    if W_SCALE == 1:
+        s = tl.load(s_rows + expert * stride_se, mask=mask_n, other=0.0)
+    elif W_SCALE == 2:
+        s = tl.load(s_rows + expert * stride_se + offs // 128, mask=mask_k, other=0.0)
+    else:
+        s = a
+    return a, w, s
 
 
 @triton.jit
@@ -639,6 +751,7 @@ def _pair_down_kernel(
     ids_ptr,  # [T * K] int32
     weights_ptr,  # [T * K] fp32
     r_ptr,  # [T, H] residual (HAS_RES)
+    s_ptr,  # e4m3 w: [E, H] fp32 per row (W_SCALE 1), [E, H/128, I/128] per block (2)
     hidden,  # H (the output columns)
     inter,  # I (the reduction)
     stride_at,
@@ -647,11 +760,14 @@ def _pair_down_kernel(
     stride_wk,
     stride_ot,
     stride_rt,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
     HAS_RES: tl.constexpr,
+    W_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -667,20 +783,30 @@ def _pair_down_kernel(
     ids = tl.load(ids_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0)
     routing = tl.load(weights_ptr + token * TOP_K + offs_s, mask=offs_s < TOP_K, other=0.0)
     w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    if W_SCALE == 2:  # BLOCK_N divides 128: the program's rows lie in one block row
+        s_rows = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn
+    else:
+        s_rows = s_ptr + offs_n
     k_tiles = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    a, w = _pair_down_loads(
+    a, w, s = _pair_down_loads(
         act_ptr, w_rows, ids, token, 0, k_tiles, inter, mask_n, stride_at, stride_we,
-        stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
+        stride_wk, s_rows, stride_se, TOP_K, BLOCK_K, BLOCK_TOPK, W_SCALE,
     )  # fmt: skip
     for i in range(1, TOP_K * k_tiles + 1):
-        a_next, w_next = _pair_down_loads(
+        a_next, w_next, s_next = _pair_down_loads(
             act_ptr, w_rows, ids, token, i, k_tiles, inter, mask_n, stride_at, stride_we,
-            stride_wk, TOP_K, BLOCK_K, BLOCK_TOPK,
+            stride_wk, s_rows, stride_se, TOP_K, BLOCK_K, BLOCK_TOPK, W_SCALE,
         )  # fmt: skip
         weight = tl.sum(tl.where(offs_s == (i - 1) // k_tiles, routing, 0.0), 0)
-        acc += w.to(tl.float32) * (a.to(tl.float32) * weight)[None, :]
-        a, w = a_next, w_next
+        a32 = a.to(tl.float32) * weight
+        if W_SCALE == 1:  # a scale per row and expert: on the weights
+            acc += (w.to(tl.float32) * s[:, None]) * a32[None, :]
+        elif W_SCALE == 2:
+            acc += w.to(tl.float32) * (a32 * s)[None, :]
+        else:
+            acc += w.to(tl.float32) * a32[None, :]
+        a, w, s = a_next, w_next, s_next
     out = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_RES:
         out += tl.load(r_ptr + token * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -705,13 +831,18 @@ def pair_gate_up(
     renormalize: bool = False,
     norm_weight: torch.Tensor | None = None,  # [H]: x is RMS-normalised and scaled by it first
     eps: float = 1e-6,
+    scale: torch.Tensor | None = None,  # e4m3 w13: ExpertScales.w13
 ) -> tuple[torch.Tensor, PairRouting]:  # act [T * K, I]
     """silu(gate) * up of every pair. Given `logits` instead of `routing`, the kernel routes
     the tokens too and returns the routing it chose."""
     assert norm_weight is None or norm_weight.shape == (x.shape[1],)
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    w_scale = _weight_scale(w13, scale)
+    if w_scale == 2:  # a program's gate and up rows must each lie in one 128-row block
+        assert inter % 128 == 0 and 128 % tile.block_n == 0
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    s, stride_se, stride_sn = _scale_args(scale, act)
     route = routing is None
     if routing is None:
         if logits is None:
@@ -724,12 +855,12 @@ def pair_gate_up(
     grid = (num_tokens * top_k, triton.cdiv(inter, tile.block_n))
     _pair_gate_up_kernel[grid](
         x, w13, act, routing.ids, routing.weights, src,
-        norm_weight if norm_weight is not None else x, inter, hidden, num_experts, eps,
+        norm_weight if norm_weight is not None else x, s, inter, hidden, num_experts, eps,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), src.stride(0),
-        TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
-        BLOCK_TOPK=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, NORM=norm_weight is not None, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl_args(x.device),
+        stride_se, stride_sn, TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        ROUTE=route, BLOCK_TOPK=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, NORM=norm_weight is not None, W_SCALE=w_scale,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return act, routing
 
@@ -741,20 +872,24 @@ def pair_down(
     top_k: int,
     tile: GemmTile,
     residual: torch.Tensor | None = None,  # [T, H] added to the result
+    scale: torch.Tensor | None = None,  # e4m3 w2: ExpertScales.w2
 ) -> torch.Tensor:  # [T, H]
     """sum_k weight_k * down_{expert_k}(act of pair (t, k)) for every token t (+ residual)."""
     num_tokens = act.shape[0] // top_k
     hidden, inter = w2.shape[1], w2.shape[2]
     assert residual is None or (residual.shape == (num_tokens, hidden) and residual.stride(1) == 1)
+    w_scale = _weight_scale(w2, scale)
+    assert w_scale != 2 or 128 % tile.block_n == 0, "a program's rows must lie in one block row"
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     res = residual if residual is not None else out
+    s, stride_se, stride_sn = _scale_args(scale, out)
     grid = (num_tokens, triton.cdiv(hidden, tile.block_n))
     _pair_down_kernel[grid](
-        act, w2, out, routing.ids, routing.weights, res, hidden, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), res.stride(0), TOP_K=top_k,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=_topk_block(top_k),
-        HAS_RES=residual is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **pdl_args(act.device),
+        act, w2, out, routing.ids, routing.weights, res, s, hidden, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), res.stride(0), stride_se,
+        stride_sn, TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BLOCK_TOPK=_topk_block(top_k), HAS_RES=residual is not None, W_SCALE=w_scale,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(act.device),
     )  # fmt: skip
     return out
 
@@ -776,6 +911,7 @@ def fused_experts(
     topk_weights: torch.Tensor,  # [T, K] fp32
     topk_ids: torch.Tensor,  # [T, K] int32 or int64
     config: MoEConfig | None = None,
+    scales: ExpertScales | None = None,  # e4m3 experts
 ) -> torch.Tensor:  # [T, H] in x.dtype
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), on the path `config` picks."""
     num_tokens, top_k = topk_ids.shape
@@ -784,27 +920,16 @@ def fused_experts(
         return torch.zeros_like(x)
     cfg = config or default_config(num_tokens, top_k, w13.shape[0])
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    s13, s2 = scales if scales is not None else (None, None)
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.float().contiguous()
     if isinstance(cfg, PairConfig):
         routing = PairRouting(ids.view(-1), weights.view(-1))
-        act, _ = pair_gate_up(x, w13, top_k, cfg.gate_up, routing=routing)
-        return pair_down(act, w2, routing, top_k, cfg.down)
-    return _blocked_experts(x, w13, w2, weights, ids, cfg)
-
-
-def _blocked_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,  # [T, K] fp32
-    topk_ids: torch.Tensor,  # [T, K] int32
-    cfg: FusedMoEConfig,
-) -> torch.Tensor:
-    num_tokens, top_k = topk_ids.shape
-    rows = moe_align(topk_ids, w13.shape[0], cfg.block_m)
-    act = gate_up_gemm(x, w13, rows, top_k, cfg.gate_up)
-    out = down_gemm(act, w2, topk_weights, rows, cfg.down)
+        act, _ = pair_gate_up(x, w13, top_k, cfg.gate_up, routing=routing, scale=s13)
+        return pair_down(act, w2, routing, top_k, cfg.down, scale=s2)
+    rows = moe_align(ids, w13.shape[0], cfg.block_m)
+    act = gate_up_gemm(x, w13, rows, top_k, cfg.gate_up, s13)
+    out = down_gemm(act, w2, weights, rows, cfg.down, s2)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
@@ -816,6 +941,7 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     config: MoEConfig | None = None,
+    scales: ExpertScales | None = None,  # e4m3 experts
 ) -> torch.Tensor:  # [T, H]
     """The MoE layer after its router: top-k routing, then the experts. On the pair path the
     routing runs inside the gate/up kernel (two launches in all)."""
@@ -826,11 +952,12 @@ def fused_moe(
     cfg = config or default_config(num_tokens, top_k, w13.shape[0])
     if isinstance(cfg, PairConfig):
         x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+        s13, s2 = scales if scales is not None else (None, None)
         act, routing = pair_gate_up(x, w13, top_k, cfg.gate_up, logits=router_logits,
-                                    renormalize=renormalize)  # fmt: skip
-        return pair_down(act, w2, routing, top_k, cfg.down)
+                                    renormalize=renormalize, scale=s13)  # fmt: skip
+        return pair_down(act, w2, routing, top_k, cfg.down, scale=s2)
     weights, ids = fused_topk(router_logits, top_k, renormalize)
-    return fused_experts(x, w13, w2, weights, ids, cfg)
+    return fused_experts(x, w13, w2, weights, ids, cfg, scales)
 
 
 def one_row_moe(
@@ -843,6 +970,7 @@ def one_row_moe(
     norm_weight: torch.Tensor,  # [H] the RMSNorm before the layer
     eps: float,
     config: PairConfig | None = None,
+    scales: ExpertScales | None = None,  # e4m3 experts
 ) -> torch.Tensor:  # [1, H]: x + MoE(rmsnorm(x))
     """A whole MoE layer for one token (batch-1 decode) in three launches, none of them a
     separate norm or add: the router as a one-row GEMV that normalises x on the way
@@ -852,7 +980,9 @@ def one_row_moe(
     assert x.shape[0] == 1 and router.shape == (w13.shape[0], x.shape[1])
     cfg = config or ONE_ROW_CONFIG
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    s13, s2 = scales if scales is not None else (None, None)
     logits = gemv(x, router, norm_weight=norm_weight, eps=eps)  # [1, E]
     act, routing = pair_gate_up(x, w13, top_k, cfg.gate_up, logits=logits,
-                                renormalize=renormalize, norm_weight=norm_weight, eps=eps)  # fmt: skip
-    return pair_down(act, w2, routing, top_k, cfg.down, residual=x)
+                                renormalize=renormalize, norm_weight=norm_weight, eps=eps,
+                                scale=s13)  # fmt: skip
+    return pair_down(act, w2, routing, top_k, cfg.down, residual=x, scale=s2)

@@ -1,12 +1,17 @@
 """Pure-torch references for the attention kernels (any device, fp32 math, no Triton).
 
 They gather each request's context from the paged pool and attend with an explicit softmax;
-slow and memory-hungry by design, for tests and benchmark error checks.
+slow and memory-hungry by design, for tests and benchmark error checks. An FP8 pool comes with
+its per-KV-head scales (`kv_scales`): stored values are divided by them, read ones multiplied.
 """
 
 from __future__ import annotations
 
 import torch
+
+from minisgl.kernels.fp8 import quantize_kv
+
+KVScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale), [Hkv] fp32 each
 
 # Query rows attended at once, bounding the [heads, rows, context] score tensor.
 _QUERY_CHUNK = 1024
@@ -18,9 +23,24 @@ def store_kv_ref(
     loc: torch.Tensor,  # [T] int64
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
+    kv_scales: KVScales | None = None,
+    k_shift: torch.Tensor | None = None,  # [Hkv, D] fp32 with kv_scales
 ) -> None:
+    if kv_scales is not None:
+        k_cache[loc] = quantize_kv(k, kv_scales[0], k_shift)
+        v_cache[loc] = quantize_kv(v, kv_scales[1])
+        return
     k_cache[loc] = k.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_slots, Hkv, D]
+    slots: torch.Tensor,  # [L] int64
+    scale: torch.Tensor | None,  # [Hkv] fp32 of an FP8 cache
+) -> torch.Tensor:  # [L, Hkv, D], fp32 when scaled
+    rows = cache[slots]
+    return rows if scale is None else rows.float() * scale[:, None]
 
 
 def context_slots(
@@ -60,14 +80,17 @@ def decode_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32
     page_size: int,
     sm_scale: float,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:  # [B, Hq, D] fp32; a request with no context gets zeros
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for i, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
         slots = context_slots(block_table[i], seq_len, page_size)
         q_pos = torch.full((1,), seq_len - 1, device=q.device)
-        out[i] = attend_ref(q[i : i + 1], k_cache[slots], v_cache[slots], q_pos, sm_scale)[0]
+        k, v = gather_kv(k_cache, slots, ks), gather_kv(v_cache, slots, vs)
+        out[i] = attend_ref(q[i : i + 1], k, v, q_pos, sm_scale)[0]
     return out
 
 
@@ -81,7 +104,9 @@ def extend_attention_ref(
     cu_extend: torch.Tensor,  # [B+1] int32
     page_size: int,
     sm_scale: float,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:  # [T, Hq, D] fp32
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     rows = zip(seq_lens.tolist(), extend_lens.tolist(), cu_extend.tolist(), strict=False)
     for i, (seq_len, ext_len, first) in enumerate(rows):
@@ -90,7 +115,6 @@ def extend_attention_ref(
         slots = context_slots(block_table[i], seq_len, page_size)
         q_pos = torch.arange(seq_len - ext_len, seq_len, device=q.device)
         q_i = q[first : first + ext_len]
-        out[first : first + ext_len] = attend_ref(
-            q_i, k_cache[slots], v_cache[slots], q_pos, sm_scale
-        )
+        k, v = gather_kv(k_cache, slots, ks), gather_kv(v_cache, slots, vs)
+        out[first : first + ext_len] = attend_ref(q_i, k, v, q_pos, sm_scale)
     return out

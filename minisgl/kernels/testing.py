@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernels.fp8 import is_fp8, quantize_kv
 from minisgl.kernels.reference import context_slots
 
 
@@ -19,6 +20,7 @@ class PagedKV:
     seq_lens: torch.Tensor  # [B] int32
     seq_lens_host: list[int]
     page_size: int
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 pools: [Hkv] fp32 each
 
     @property
     def max_seq_len(self) -> int:
@@ -41,6 +43,7 @@ def random_paged_kv(
     With `poison`, every slot that is not part of some request's context (spare pages, the tail
     of a last page, table entries past a request's pages) holds NaN, so a kernel that reads
     outside a context produces NaN. Without it the whole pool is random (cheap for huge pools).
+    An e4m3 pool (`torch.float8_e4m3fn`) comes with per-KV-head scales (`PagedKV.kv_scales`).
     """
     pages_per_req = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_req) + spare_pages
@@ -54,6 +57,9 @@ def random_paged_kv(
         start += n
 
     shape = (num_pages * page_size, num_kv_heads, head_dim)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    if is_fp8(dtype):
+        return _fp8_paged_kv(shape, table, lens, list(seq_lens), page_size, poison)
     k_cache = torch.empty(shape, dtype=dtype, device=device)
     v_cache = torch.empty(shape, dtype=dtype, device=device)
     if poison:
@@ -65,8 +71,37 @@ def random_paged_kv(
     else:
         k_cache.normal_()
         v_cache.normal_()
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return PagedKV(k_cache, v_cache, table, lens, list(seq_lens), page_size)
+
+
+def _fp8_paged_kv(
+    shape: tuple[int, int, int],
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    seq_lens: list[int],
+    page_size: int,
+    poison: bool,
+) -> PagedKV:
+    """e4m3 pools of normal values with a magnitude per KV head, quantized with 8 sigma of
+    headroom, filled a chunk of slots at a time (a benchmark's pool has billions of values)."""
+    device = table.device
+    caches, scales = [], []
+    for _ in range(2):  # K, then V
+        magnitude = 2.0 ** torch.randint(-3, 4, (shape[1],), device=device).float()  # [Hkv]
+        scale = magnitude * 8 / 448
+        cache = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+        step = max(1, (1 << 24) // (shape[1] * shape[2]))
+        for start in range(0, shape[0], step):
+            rows = min(step, shape[0] - start)
+            values = torch.randn((rows, *shape[1:]), device=device) * magnitude[:, None]
+            cache[start : start + rows] = quantize_kv(values, scale)
+        if poison:
+            keep = torch.zeros(shape[0], dtype=torch.bool, device=device)
+            keep[context_slots_of(table, seq_lens, page_size)] = True
+            cache.view(torch.uint8)[~keep] = 0x7F  # e4m3 NaN (no masked_fill for e4m3)
+        caches.append(cache)
+        scales.append(scale)
+    return PagedKV(caches[0], caches[1], table, lens, seq_lens, page_size, (scales[0], scales[1]))
 
 
 def context_slots_of(

@@ -2,12 +2,26 @@ from __future__ import annotations
 
 import torch
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
 
 class KVPool:
     """Per-layer K and V pages.
 
     Token slot `page * page_size + offset` holds one token's K (and V) for every KV head:
     `k(layer)` is `[num_pages * page_size, num_kv_heads, head_dim]`, pages contiguous.
+
+    An FP8 (e4m3) pool stores K / scale and V / scale with one fp32 scale per (layer, KV head):
+    `scales(layer)`. Readers multiply by it again. Per head rather than per layer because the
+    kernels read it as one scalar per program (every program owns one KV head), so it is free,
+    and heads of one layer differ in range by an order of magnitude or more; it also keeps
+    tensor-parallel ranks independent (each calibrates the heads it holds).
+
+    K is stored minus a shift per (layer, KV head, channel), `k_shift(layer)` (zero unless
+    calibrated: the keys' mean). Readers do not add it back: a query's scores against all keys
+    of a head move by the same q . shift, which softmax ignores. Keys carry a large common part
+    in some channels; without it the e4m3 rounding (relative to each value) is smaller where it
+    matters (SmolLM2: KL to the 16-bit cache roughly halved).
     """
 
     def __init__(
@@ -31,6 +45,13 @@ class KVPool:
         self._buf = torch.zeros(
             2, num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
+        # [2 (K, V), layers, kv_heads] fp32; ones until `set_scales`. Updated in place only:
+        # CUDA graphs keep its address.
+        self._scales = torch.ones(2, num_layers, num_kv_heads, dtype=torch.float32, device=device)
+        # [layers, kv_heads, head_dim] fp32, subtracted from K before it is stored (FP8 only)
+        self._k_shift = torch.zeros(
+            num_layers, num_kv_heads, head_dim, dtype=torch.float32, device=device
+        )
 
     @staticmethod
     def bytes_per_page(
@@ -44,6 +65,11 @@ class KVPool:
         return self.num_pages * self.page_size
 
     @property
+    def quantized(self) -> bool:
+        """K and V are stored in FP8 with per-head scales."""
+        return self.dtype == FP8_KV_DTYPE
+
+    @property
     def spare_loc(self) -> int:
         """First token slot of the last page, which the engine keeps for itself (never handed
         to a request, never poisoned): CUDA-graph padding rows write their K/V there, and
@@ -55,6 +81,41 @@ class KVPool:
 
     def v(self, layer: int) -> torch.Tensor:
         return self._buf[1, layer]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) [num_kv_heads] fp32 of an FP8 pool's layer; None when unscaled."""
+        if not self.quantized:
+            return None
+        return self._scales[0, layer], self._scales[1, layer]
+
+    def k_shift(self, layer: int) -> torch.Tensor | None:
+        """[num_kv_heads, head_dim] fp32 subtracted from an FP8 pool's keys; None when unscaled."""
+        return self._k_shift[layer] if self.quantized else None
+
+    def set_k_shift(self, shift: torch.Tensor) -> None:
+        """[num_layers, num_kv_heads, head_dim]; only before K/V are stored."""
+        self._k_shift.copy_(shift)
+
+    def set_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
+        """[num_layers, num_kv_heads] each (a [num_layers] or [num_layers, 1] tensor is taken as
+        one scale per layer). Only before K/V are stored: values already in the pool were
+        divided by the old scales."""
+        for i, s in enumerate((k_scales, v_scales)):
+            s = s.float().reshape(self.num_layers, -1)
+            if s.shape[1] not in (1, self.num_kv_heads):
+                raise ValueError(
+                    f"KV scales of shape {tuple(s.shape)} fit neither one per layer nor one per "
+                    f"KV head ({self.num_kv_heads})"
+                )
+            if not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
+                raise ValueError("KV scales must be finite and positive")
+            self._scales[i].copy_(s.expand(self.num_layers, self.num_kv_heads))
+
+    def all_scales(self) -> torch.Tensor:  # [2, layers, kv_heads] fp32
+        return self._scales
+
+    def all_k_shifts(self) -> torch.Tensor:  # [layers, kv_heads, head_dim] fp32
+        return self._k_shift
 
     def poison(self, pages: list[int]) -> None:
         """Overwrite `pages` with NaN (the KV debug mode, on pages given back to the allocator):

@@ -98,8 +98,12 @@ class RotaryEmbedding(nn.Module):
             qw = None if q_norm is None else q_norm.weight
             kw = None if k_norm is None else k_norm.weight
             eps = 0.0 if q_norm is None else q_norm.eps
-            kv = None if store is None or v is None else store
-            return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps, v, kv)  # type: ignore[no-any-return]
+            if store is None or v is None:
+                return fused.qk_norm_rope(positions, q, k, table, qw, kw, eps)  # type: ignore[no-any-return]
+            kv = (store.k_cache, store.v_cache, store.loc)
+            return fused.qk_norm_rope(  # type: ignore[no-any-return]
+                positions, q, k, table, qw, kw, eps, v, kv, store.scales, store.k_shift
+            )
         if q_norm is not None and k_norm is not None:
             q, k = q_norm.norm(q), k_norm.norm(k)
         cos, sin = rows if rows is not None else self.lookup(positions)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from minisgl.config import ModelConfig
+from minisgl.config import ModelConfig, QuantConfig
 from minisgl.layers import (
     ForwardContext,
     MergedColumnParallelLinear,
@@ -32,11 +32,13 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, cfg.quant
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, quant=cfg.quant
+        )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -66,10 +68,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
-        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate, intermediate], quant=quant
+        )
+        self.down_proj = RowParallelLinear(intermediate, hidden, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -115,9 +119,9 @@ class DecoderLayer(nn.Module):
         if residual is not None:
             x = x + residual
         attn, ln1, ln2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        qkv = attn.qkv_proj.one_row(gemv, x, norm_weight=ln1.weight, eps=ln1.eps)
         a = attn.attend(qkv, positions, ctx)
-        x = gemv(a, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        x = attn.o_proj.one_row(gemv, a, residual=x)
         mlp = self.mlp
         if isinstance(mlp, SparseMoeBlock):
             return mlp.forward_one_row(x, ln2), None
@@ -125,8 +129,8 @@ class DecoderLayer(nn.Module):
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         # SiLU-and-multiply in the down GEMV's prologue: the Llama-3-8B layer on the H200 took
         # 112.1 us against 114.4 with it in a gate/up epilogue (`minisgl.benchmark.gemv`).
-        h = gemv(x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps)
-        return gemv(h, down.weight, down.bias, residual=x, act=True), None
+        h = gate_up.one_row(gemv, x, norm_weight=ln2.weight, eps=ln2.eps)
+        return down.one_row(gemv, h, residual=x, act=True), None
 
 
 class LlamaModel(nn.Module):
@@ -141,7 +145,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def _mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quant)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

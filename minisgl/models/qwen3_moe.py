@@ -12,8 +12,11 @@ from minisgl.layers.moe import SparseMoeBlock
 from minisgl.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # `model.layers.3.mlp.experts.17.gate_proj.weight`: one expert's projection in HF checkpoints
-# (and in GGUF files once the loader splits their stacked expert tensors).
-_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# (and in GGUF files once the loader splits their stacked expert tensors); FP8 checkpoints add
+# its `weight_scale`.
+_EXPERT_RE = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<what>weight|weight_scale)$"
+)
 
 # proj -> (stacked parameter, part of it: 0 gate | 1 up; None for down)
 _EXPERT_PARAMS: dict[str, tuple[str, int | None]] = {
@@ -31,17 +34,19 @@ class Qwen3MoeModel(LlamaModel):
         if moe is None:
             raise ValueError("Qwen3MoeForCausalLM needs the MoE fields of the config (num_experts)")
         if not moe.is_moe_layer(layer):
-            return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+            return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quant)
         return SparseMoeBlock(
-            cfg.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob
-        )
+            cfg.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob,
+            cfg.quant,
+        )  # fmt: skip
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     model_class = Qwen3MoeModel
 
     def checkpoint_name(self, name: str) -> tuple[str, ShardId | None] | None:
-        """Per-expert tensors land in the layer's stacked expert parameters; the rest as Llama.
+        """Per-expert tensors (and FP8 scales) land in the layer's stacked expert parameters;
+        the rest as Llama.
 
         Shard ids: `(expert, 0 | 1)` for gate | up, `expert` for down (see `MoEExperts`).
         """
@@ -51,4 +56,5 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         param, part = _EXPERT_PARAMS[m["proj"]]
         expert = int(m["expert"])
         shard: ShardId = expert if part is None else (expert, part)
-        return f"{m['prefix']}.{param}", shard
+        suffix = "_scale" if m["what"] == "weight_scale" else ""
+        return f"{m['prefix']}.{param}{suffix}", shard

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minisgl.config import DTYPES, EngineConfig
+from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 from minisgl.kvcache import CACHE_KINDS
 from minisgl.weights import resolve_source
 
@@ -57,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight and activation dtype; auto: float32 on CPU, the checkpoint's on GPU",
     )
     m.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8: linear and expert weights in FP8 e4m3 (16-bit checkpoints quantized at load, "
+        "one scale per output channel; needs compute capability >= 8.9 on a GPU); FP8 "
+        "checkpoints (quant_method fp8, compressed-tensors) load as FP8 without it",
+    )
+    m.add_argument(
         "--load-format",
         default="auto",
         choices=("auto", "dummy"),
@@ -83,6 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="radix",
         choices=CACHE_KINDS,
         help="prefix cache: radix shares KV of common prefixes, naive shares none",
+    )
+    s.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache storage; auto: the model dtype; fp8_e4m3 holds twice the tokens of "
+        "bfloat16 in the same memory (a scale per layer and KV head)",
+    )
+    s.add_argument(
+        "--kv-cache-calibrate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --kv-cache-dtype fp8_e4m3: set the KV scales from N prefill tokens of a "
+        "built-in text at start-up; 0: the checkpoint's KV scales, else 1.0",
     )
     s.add_argument(
         "--page-size", type=int, default=0, help="tokens per KV page; 0: auto (1 on CPU, 16 on GPU)"
@@ -175,6 +199,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_calibrate=args.kv_cache_calibrate,
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_running_requests=args.max_running_requests,

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from minisgl.config import ModelConfig
 from minisgl.distributed import tp_size_one
 from minisgl.layers import default_weight_loader
+from minisgl.weights.fp8 import FP8CheckpointFilter, KVScales
 from minisgl.weights.source import ModelNotFoundError, ModelSource
 
 # GGUF's standard tensor names -> HF checkpoint names (per block: `blk.N.<gguf>`).
@@ -95,14 +96,32 @@ def iter_safetensors(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, src: ModelSource, cfg: ModelConfig) -> None:
+def load_weights(model: nn.Module, src: ModelSource, cfg: ModelConfig) -> KVScales | None:
+    """Every parameter from the checkpoint; returns its KV-cache scales when it has them."""
     weights = iter_gguf(src, cfg) if src.is_gguf else iter_safetensors(src)
-    loaded = model.load_weights(weights)  # type: ignore[operator]
-    missing = {n for n, _ in model.named_parameters()} - loaded
+    fp8 = FP8CheckpointFilter(cfg.num_layers)
+    loaded = model.load_weights(fp8(weights))  # type: ignore[operator]
+    missing = {n for n, p in model.named_parameters() if not _derived(p)} - loaded
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+    finish_loading(model)
+    return fp8.kv_scales()
+
+
+def _derived(param: nn.Parameter) -> bool:
+    """A parameter its weight's loader fills when the checkpoint does not (FP8 scales)."""
+    return bool(getattr(param, "derived", False))
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Let every module check and convert what it loaded (`finish_loading()`, e.g. FP8 weights
+    dequantized for the CPU path)."""
+    for module in model.modules():
+        finish = getattr(module, "finish_loading", None)
+        if finish is not None:
+            finish()
 
 
 @torch.no_grad()
@@ -116,14 +135,19 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """
     full_shapes = _unsharded_shapes(model)
     for name, p in model.named_parameters():
+        if _derived(p):  # FP8 scales: set when their weight is quantized
+            continue
         if "norm" in name:
             p.fill_(1.0)
             continue
         gen = torch.Generator(device=p.device).manual_seed(_param_seed(seed, name))
-        full = torch.empty(full_shapes[name], dtype=p.dtype, device=p.device)
+        # FP8 weights are drawn in fp32 and quantized by their loader.
+        dtype = p.dtype if p.element_size() > 1 else torch.float32
+        full = torch.empty(full_shapes[name], dtype=dtype, device=p.device)
         full.normal_(0.0, 0.02, generator=gen)
         loader = getattr(p, "weight_loader", default_weight_loader)
         loader(p, full)
+    finish_loading(model)
 
 
 def _param_seed(seed: int, name: str) -> int:

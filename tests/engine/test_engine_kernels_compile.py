@@ -37,10 +37,17 @@ def _compile_all() -> list[dict[str, Any]]:
         types = {n: f"*{dt}" for n in names}
         types |= {"q_w_ptr": f"*{dt}", "k_w_ptr": f"*{dt}", "pos_ptr": "*i64", "loc_ptr": "*i64"}
         types |= {"cos_sin_ptr": "*fp32", "eps": "fp32"}
+        types |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_shift_ptr": "*fp32"}
         for norm, store in ((True, True), (True, False), (False, True), (False, False)):
-            c = dict(HAS_NORM=norm, STORE=store, HALF=64, BLOCK_H=16)
+            c = dict(HAS_NORM=norm, STORE=store, KV_FP8=False, EMULATE_FP8=False, HALF=64)
             name = f"qk_norm_rope {dt} norm={norm} store={store}"
-            out.append((name, _compile(_qk_norm_rope_kernel, types, c, 4)))
+            out.append((name, _compile(_qk_norm_rope_kernel, types, c | dict(BLOCK_H=16), 4)))
+        # Into an FP8 (e4m3) pool.
+        c = dict(HAS_NORM=True, STORE=True, KV_FP8=True, EMULATE_FP8=False, HALF=64, BLOCK_H=16)
+        fp8_types = types | {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+        out.append(
+            (f"qk_norm_rope {dt} store fp8", _compile(_qk_norm_rope_kernel, fp8_types, c, 4))
+        )
         types = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}"}
         out.append((f"silu_and_mul {dt}", _compile(_silu_and_mul_kernel, types, {"BLOCK": 1024}, 4)))  # fmt: skip
     return [{"name": n, "shared": s} for n, s in out]
@@ -50,7 +57,7 @@ def _compile_all() -> list[dict[str, Any]]:
 def test_engine_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
     results = run_compile_script(__file__)
-    assert len(results) == 15, results
+    assert len(results) == 17, results
 
 
 if __name__ == "__main__":

@@ -215,6 +215,97 @@ def test_extend_after_store_matches_decode() -> None:
     assert rel_err(out[last], dec.float()) <= 1e-4
 
 
+# FP8 (e4m3) pools: the kernels widen the stored bytes in registers and apply the per-head
+# scales; the reference dequantizes the same bytes in fp32. What differs is only how each side
+# rounds its own arithmetic (fp16 probabilities and operands in the kernel, the output cast),
+# so the FP8 cases keep the 16-bit tolerances; e4m3's own rounding is the same on both sides.
+FP8_DECODE_CASES = [
+    (torch.float32, 16, 128, 8, 2, 3, [77, 5]),
+    (torch.float32, 1, 64, 9, 3, 1, [37, 1, 70]),
+    (torch.bfloat16, 16, 64, 4, 4, 2, [90, 1, 20]),
+    (torch.float16, 16, 128, 16, 2, 1, [48, 31]),
+]
+
+
+@pytest.mark.parametrize("dtype,page_size,head_dim,hq,hkv,num_splits,lens", FP8_DECODE_CASES)
+def test_decode_fp8_kv_matches_reference(
+    dtype: torch.dtype,
+    page_size: int,
+    head_dim: int,
+    hq: int,
+    hkv: int,
+    num_splits: int,
+    lens: list[int],
+) -> None:
+    torch.manual_seed(hash(("fp8", page_size, head_dim, hq)) % 2**31)
+    kv = random_paged_kv(lens, page_size, hkv, head_dim, torch.float8_e4m3fn, DEVICE)
+    q = strided_q(len(lens), hq, head_dim, dtype)
+    out = nan_like(q)
+    decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5,
+        num_splits=num_splits, config=SMALL_DECODE, out=out, kv_scales=kv.kv_scales,
+    )  # fmt: skip
+    expected = ref.decode_attention_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5,
+        kv.kv_scales,
+    )  # fmt: skip
+    assert rel_err(out, expected) <= TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "dtype,page_size,head_dim,hq,hkv,ext_lens,prefix_lens",
+    [
+        (torch.float32, 16, 64, 8, 2, [1, 40, 9], [30, 0, 16]),
+        (torch.bfloat16, 1, 64, 9, 3, [35, 1], [0, 12]),
+        (torch.float16, 16, 128, 8, 1, [24], [19]),
+    ],
+)
+def test_extend_fp8_kv_matches_reference(
+    dtype: torch.dtype,
+    page_size: int,
+    head_dim: int,
+    hq: int,
+    hkv: int,
+    ext_lens: list[int],
+    prefix_lens: list[int],
+) -> None:
+    torch.manual_seed(hash(("fp8", page_size, head_dim, hq, len(ext_lens))) % 2**31)
+    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens, strict=True)]
+    kv = random_paged_kv(seq_lens, page_size, hkv, head_dim, torch.float8_e4m3fn, DEVICE)
+    ext = torch.tensor(ext_lens, dtype=torch.int32, device=DEVICE)
+    cu = cu_seqlens(ext_lens, DEVICE)
+    q = strided_q(sum(ext_lens), hq, head_dim, dtype)
+    out = nan_like(q)
+    args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, ext, cu, page_size, 0.125)
+    extend_attention(q, *args, max(ext_lens), config=SMALL_EXTEND, out=out, kv_scales=kv.kv_scales)
+    expected = ref.extend_attention_ref(q, *args, kv.kv_scales)
+    assert rel_err(out, expected) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_fp8(dtype: torch.dtype) -> None:
+    """The kernel writes `quantize_kv`'s bytes: (k - shift) / scale and v / scale of its head,
+    saturated at +-448."""
+    from minisgl.kernels.fp8 import quantize_kv
+
+    torch.manual_seed(7)
+    slots, t, hkv, d = 64, 10, 3, 32
+    k_cache = torch.zeros(slots, hkv, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.randperm(slots, device=DEVICE)[:t]
+    kv = (torch.randn(t, 2 * hkv + 4, d, device=DEVICE) * 30).to(dtype)  # strided views
+    k, v = kv[:, :hkv], kv[:, hkv : 2 * hkv]
+    scales = (torch.tensor([0.01, 0.1, 1.0], device=DEVICE),) * 2
+    shift = torch.randn(hkv, d, device=DEVICE) * 5
+    store_kv(k_cache, v_cache, loc, k, v, scales, shift)
+    assert torch.equal(k_cache[loc].float(), quantize_kv(k, scales[0], shift).float())
+    assert torch.equal(v_cache[loc].float(), quantize_kv(v, scales[1]).float())
+    assert k_cache[loc].float().abs().max() == 448  # saturated, not NaN
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEVICE)
+    untouched[loc] = False
+    assert not k_cache[untouched].float().any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv(dtype: torch.dtype) -> None:
     torch.manual_seed(3)

@@ -21,13 +21,16 @@ DECODE = [
     ("decode bf16 d64 g3 ps1 split", "bf16", dict(GROUP=3, HEAD_DIM=64, BLOCK_N=128, PAGE_SIZE=1, SINGLE_SPLIT=False), 4, 3),
     ("decode fp32 d128 g1 ps16 split", "fp32", dict(GROUP=1, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False), 4, 2),
     ("decode fp16 d256 g8 ps64", "fp16", dict(GROUP=8, HEAD_DIM=256, BLOCK_N=32, PAGE_SIZE=64, SINGLE_SPLIT=True), 4, 2),
+    # FP8 (e4m3) KV: the production tiles of W1's shape, one program per request and split
+    ("decode bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 3),
+    ("decode bf16 fp8kv d128 g4 ps32 split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=32, SINGLE_SPLIT=False, KV_FP8=True), 4, 3),
 ]  # fmt: skip
 EXTEND = [
     ("extend bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16), 8, 2),
     ("extend fp32 d64 g3 ps1", "fp32", dict(GROUP=3, HEAD_DIM=64, BLOCK_M=64, BLOCK_N=32, PAGE_SIZE=1), 4, 2),
     ("extend bf16 d256 g4 ps64", "bf16", dict(GROUP=4, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=32, PAGE_SIZE=64), 8, 2),
+    ("extend bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, PAGE_SIZE=32, KV_FP8=True), 8, 3),
 ]  # fmt: skip
-POINTERS_16 = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "block_table_ptr", "seq_lens_ptr"}
 
 
 def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
@@ -44,30 +47,45 @@ def _compile_all() -> list[dict[str, Any]]:
 
     results = []
     for name, dtype, c, warps, stages in DECODE:
-        types = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+        types = _kv_types(dtype, c)
         types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        c = c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
+        c = {"KV_FP8": False} | c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
-        types = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+        types = _kv_types(dtype, c)
         types |= {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "extend_lens_ptr")}
         types |= {"cu_extend_ptr": "*i32", "scale_log2": "fp32"}
-        c = c | dict(IEEE=dtype == "fp32", EMULATE_BF16=False)
+        c = {"KV_FP8": False} | c | dict(IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_extend_kernel, types, c, warps, stages)})
-    types = {n: "*bf16" for n in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
-    c = dict(NUM_HEADS=8, BLOCK_H=8, HEAD_DIM=128)
-    store = _compile(_store_kv_kernel, types | {"loc_ptr": "*i64"}, c, 4, 1)
-    results.append({"name": "store_kv bf16 8x128", **store})
+    for cache in ("bf16", "fp8e4nv"):
+        types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "loc_ptr": "*i64"}
+        types |= {"k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"}
+        types |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_shift_ptr": "*fp32"}
+        fp8 = cache == "fp8e4nv"
+        c = dict(NUM_HEADS=8, BLOCK_H=8, HEAD_DIM=128, KV_FP8=fp8, EMULATE_FP8=False)
+        store = _compile(_store_kv_kernel, types, c, 4, 1)
+        results.append({"name": f"store_kv {cache} 8x128", **store})
     return results
+
+
+def _kv_types(dtype: str, constexprs: dict[str, Any]) -> dict[str, str]:
+    """Pointer types of q, the caches and the output; the caches are e4m3 with KV_FP8."""
+    cache = "fp8e4nv" if constexprs.get("KV_FP8") else dtype
+    types = {"q_ptr": f"*{dtype}", "o_ptr": f"*{dtype}"}
+    return (
+        types
+        | {"k_ptr": f"*{cache}", "v_ptr": f"*{cache}"}
+        | {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    )
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
     results = run_compile_script(__file__)
-    assert len(results) == len(DECODE) + len(EXTEND) + 1
+    assert len(results) == len(DECODE) + len(EXTEND) + 2
     spilled = [r["name"] for r in results if r["local"] > 0 and "d256" not in r["name"]]
     assert not spilled, f"register spills in {spilled}: {results}"
 

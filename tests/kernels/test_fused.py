@@ -119,6 +119,46 @@ def test_qk_norm_rope_with_strided_positions_and_heads(dtype, with_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_stores_into_an_fp8_pool(dtype):
+    """Into an e4m3 pool, the rotated k (rounded to the model dtype first, as unfused) minus the
+    key shift, and v, are divided by their head's scale: the same bytes as `quantize_kv` of the
+    unfused results."""
+    from minisgl.kernels.fp8 import quantize_kv
+
+    fused = _fused()
+    gen = torch.Generator().manual_seed(5)
+    rope = RotaryEmbedding(64, 256, RopeConfig(theta=10000.0))
+    qkv = (torch.randn(6, 8 * 64, generator=gen) * 40).to(dtype)  # beyond 448 / scale: clamped
+    q, k, v = (
+        qkv[:, :256].view(6, 4, 64),
+        qkv[:, 256:384].view(6, 2, 64),
+        qkv[:, 384:].view(6, 2, 64),
+    )
+    positions = torch.tensor([3, 200, 5, 255, 0, 64])
+    norms = [RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)]
+    scales = (torch.tensor([0.004, 0.5]), torch.tensor([0.25, 0.02]))
+    k_cache = torch.zeros(20, 2, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.tensor([7, 0, 19, 3, 12, 8], device=DEVICE)
+    table = rope.cos_sin.to(DEVICE)
+    shift = torch.randn(2, 64, generator=gen)
+    fused.qk_norm_rope(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table,
+        *[n.weight.to(DEVICE, dtype) for n in norms], eps=1e-6, v=v.to(DEVICE),
+        store=(k_cache, v_cache, loc), kv_scales=tuple(s.to(DEVICE) for s in scales),
+        k_shift=shift.to(DEVICE),
+    )  # fmt: skip
+    _, want_k = fused.qk_norm_rope(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table,
+        *[n.weight.to(DEVICE, dtype) for n in norms], eps=1e-6,
+    )  # fmt: skip
+    got_k, got_v = k_cache[loc].cpu().float(), v_cache[loc].cpu().float()
+    assert torch.isfinite(got_k).all() and got_k.abs().max() == 448  # some values saturated
+    assert torch.equal(got_k, quantize_kv(want_k.cpu(), scales[0], shift).float())
+    assert torch.equal(got_v, quantize_kv(v, scales[1]).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     from minisgl.layers import silu_and_mul
 

@@ -75,11 +75,57 @@ def test_gemv_matches_fp32_math(dtype, norm, extras):
         torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("layout", ["row", "block"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("extras", ["plain", "norm+bias", "act+residual"])
+def test_gemv_fp8_weights_match_their_dequantized_values(layout, rows, extras):
+    """e4m3 weights with a scale per row or per 128 x 128 block, widened in the kernel, against
+    fp64 math on the values they stand for; several rows of x (small batches) at once."""
+    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
+
+    gemv = _gemv_module()
+    gen = torch.Generator().manual_seed(hash((layout, rows, extras)) % 2**31)
+    n, k = (300, 260) if DEVICE == "cpu" else (6144, 4096)  # ragged blocks on the CPU
+    w = torch.randn(n, k, generator=gen) / k**0.5 * torch.logspace(-1, 1, n)[:, None]
+    q, scale = quantize_rows(w) if layout == "row" else quantize_blocks(w)
+    w_deq = dequantize_weight(q, scale, None if layout == "row" else 128, torch.float32)
+    act = extras.startswith("act")
+    x = (torch.randn(rows, 2 * k if act else k, generator=gen) * 2).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).bfloat16() if "bias" in extras else None
+    res = torch.randn(rows, n, generator=gen).bfloat16() if "residual" in extras else None
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16() if "norm" in extras else None
+    want = _reference(x, w_deq, bias, res, g, 1e-5, act)
+    dev = [None if t is None else t.to(DEVICE) for t in (x, q, bias, res, g, scale)]
+    config = None if DEVICE == "cuda" else gemv.GemvConfig(block_n=8, block_k=64, num_warps=2)
+    got = gemv.gemv(
+        dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5, act=act,
+        config=config, weight_scale=dev[5],
+    )  # fmt: skip
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_gemv_rows_are_independent():
+    """Three rows at once give each row's one-row result (fp32: the same products)."""
+    gemv = _gemv_module()
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(24, 40, generator=gen), torch.randn(3, 40, generator=gen)
+    r = torch.randn(3, 24, generator=gen)
+    cfg = gemv.GemvConfig(block_n=8, block_k=16, num_warps=2)
+    dev = [t.to(DEVICE) for t in (x, w, r)]
+    both = gemv.gemv(dev[0], dev[1], residual=dev[2], config=cfg)
+    for i in range(3):
+        one = gemv.gemv(dev[0][i : i + 1], dev[1], residual=dev[2][i : i + 1], config=cfg)
+        torch.testing.assert_close(both[i : i + 1], one, atol=0, rtol=0)
+
+
 def test_gemv_supported_rejects_what_it_cannot_run():
     from minisgl.kernels.gemv import gemv_supported
 
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert gemv_supported(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    assert gemv_supported(torch.zeros(1, 16, dtype=torch.bfloat16), w.to(torch.float8_e4m3fn))
+    assert gemv_supported(torch.zeros(2, 16, dtype=torch.bfloat16), w, max_rows=4)
     assert not gemv_supported(torch.zeros(2, 16, dtype=torch.bfloat16), w)  # two rows
     assert not gemv_supported(torch.zeros(1, 16, dtype=torch.float16), w)  # dtype mismatch
     assert not gemv_supported(torch.zeros(1, 16, dtype=torch.int32), w.int())  # not a float
@@ -114,6 +160,11 @@ COMPILE = [
     ("bf16 norm 4x256 w4", dict(NORM=True, HAS_RES=False, BLOCK_N=4, BLOCK_K=256), 4),
     ("bf16 norm 2x2048 w8", dict(NORM=True, HAS_RES=False, BLOCK_N=2, BLOCK_K=2048), 8),
     ("bf16 act residual 8x1024 w4", dict(NORM=False, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024), 4),
+    # FP8 (e4m3) weights: a scale per row, or per 128 x 128 block
+    ("fp8 row norm 16x512 w4", dict(NORM=True, HAS_RES=False, BLOCK_N=16, BLOCK_K=512, W_SCALE=1), 4),
+    ("fp8 block norm 16x512 w4", dict(NORM=True, HAS_RES=False, BLOCK_N=16, BLOCK_K=512, W_SCALE=2), 4),
+    ("fp8 row act residual 8x1024 w4", dict(NORM=False, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024, W_SCALE=1), 4),
+    ("fp8 block act residual 8x512 w8", dict(NORM=False, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=512, W_SCALE=2), 8),
 ]  # fmt: skip
 
 
@@ -125,9 +176,10 @@ def _compile_all() -> list[dict[str, object]]:
     out = []
     for name, c, warps in COMPILE:
         types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
-        types |= {"eps": "fp32"}
-        c = c | dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
-        c.setdefault("ACT", False)
+        types |= {"eps": "fp32", "s_ptr": "*fp32"}
+        if c.get("W_SCALE"):
+            types["w_ptr"] = "*fp8e4nv"
+        c = {"ACT": False, "W_SCALE": 0} | c | dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
         aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
         out.append({"name": name, **compile_sm90(_gemv_kernel, types, c, warps, None, aligned)})
     return out

@@ -238,6 +238,67 @@ def test_pair_kernels_norm_and_residual(dtype: torch.dtype) -> None:
     assert rel_err(got, plain.double() + residual.double()) <= TOL[dtype]
 
 
+def fp8_experts(
+    num_experts: int, hidden: int, inter: int, layout: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, K.ExpertScales, torch.Tensor, torch.Tensor]:
+    """e4m3 stacks with their scales, and the fp32 values they stand for."""
+    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
+
+    w13, w2 = random_experts(num_experts, hidden, inter, torch.float32, seed)
+    out = []
+    for w in (w13.cpu(), w2.cpu()):
+        if layout == "row":
+            pairs = [quantize_rows(e) for e in w]
+            q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        else:
+            q, s = quantize_blocks(w)
+        deq = dequantize_weight(q, s, None if layout == "row" else 128, torch.float32)
+        out.append((q.to(DEVICE), s.to(DEVICE), deq.to(DEVICE)))
+    (q13, s13, d13), (q2, s2, d2) = out
+    return q13, q2, K.ExpertScales(s13, s2), d13, d2
+
+
+# Blocks need whole 128-row gate and up halves; per-row scales take any shape.
+FP8_SHAPES = {"row": (48, 40), "block": (128, 128)}
+
+
+@CONFIGS
+@pytest.mark.parametrize("layout", ["row", "block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_fp8_match_their_dequantized_values(
+    config: K.MoEConfig, layout: str, dtype: torch.dtype
+) -> None:
+    """FP8 experts (a scale per output row, or per 128 x 128 block), widened in the kernels,
+    against the reference on the fp32 values they stand for."""
+    hidden, inter = FP8_SHAPES[layout]
+    q13, q2, scales, d13, d2 = fp8_experts(6, hidden, inter, layout, seed=11)
+    x = torch.randn(5, hidden, device=DEVICE).to(dtype)
+    ids = skewed_ids(5, 6, 2, seed=2)
+    weights = torch.rand(5, 2, device=DEVICE)
+    out = K.fused_experts(x, q13, q2, weights, ids, config, scales)
+    ref = moe_reference(x.float(), d13, d2, Routing(weights, ids.long()))
+    assert out.dtype == dtype
+    assert rel_err(out, ref) <= TOL[dtype]
+    # The layer's reference path dequantizes the same experts itself.
+    lay = moe_reference(x.float(), q13, q2, Routing(weights, ids.long()), scales)
+    assert rel_err(lay, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["row", "block"])
+def test_one_row_moe_fp8(layout: str) -> None:
+    hidden, inter = FP8_SHAPES[layout]
+    q13, q2, scales, d13, d2 = fp8_experts(8, hidden, inter, layout, seed=13)
+    g = torch.Generator().manual_seed(3)
+    router = (torch.randn(8, hidden, generator=g) / 4).to(DEVICE)
+    norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE)
+    x = (torch.randn(1, hidden, generator=g) * 3).to(DEVICE)
+    out = K.one_row_moe(x, router, q13, q2, 2, True, norm_w, 1e-5, PAIR, scales)
+    xn = rms_normed(x, norm_w, 1e-5).float()
+    routing = select_experts(xn @ router.T, 2, True)
+    want = x + moe_reference(xn, d13, d2, routing)
+    assert rel_err(out, want) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("config", [None, SMALL, PAIR], ids=["default", "blocked", "pair"])
 def test_no_tokens(config: K.MoEConfig | None) -> None:
     w13, w2 = random_experts(4, 32, 16, torch.float32)
@@ -274,6 +335,7 @@ _ALIGNED_INTS = {"inter", "hidden", "stride_l", "stride_xt", "stride_we", "strid
 _POINTER_TYPES = {
     "logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32", "sorted_ids_ptr": "*i32",
     "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
+    "s_ptr": "*fp32",
 }  # fmt: skip
 
 
@@ -281,6 +343,8 @@ def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, st
     names = kernel.arg_names
     types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "norm_ptr", "r_ptr")}
     types = types | _POINTER_TYPES | {"eps": "fp32"}
+    if constexprs.get("W_SCALE"):  # FP8 (e4m3) experts
+        types["w_ptr"] = "*fp8e4nv"
     aligned = [n for n in names if n not in constexprs and (n in _ALIGNED_INTS or n in types)]
     return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
 
@@ -292,12 +356,16 @@ def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
             out += _pair_variants(cfg)
             continue
         for kernel, tile in ((K._gate_up_kernel, cfg.gate_up), (K._down_kernel, cfg.down)):
-            c = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                     IEEE=False, UPCAST=False, stride_wk=1)  # fmt: skip
-            if kernel is K._gate_up_kernel:
-                c["TOP_K"] = 8
-            out.append((f"{kernel.__name__} m{cfg.block_m} {tile}", kernel, "bf16", c, tile))
-    fp32 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, IEEE=True, UPCAST=False, stride_wk=1, TOP_K=2)
+            for w_scale in (0, 1, 2):  # bf16 experts; FP8 per row; FP8 per 128 x 128 block
+                t = K._block_tile(tile, w_scale)
+                c = dict(BLOCK_M=cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                         IEEE=False, UPCAST=False, W_SCALE=w_scale, stride_wk=1)  # fmt: skip
+                if kernel is K._gate_up_kernel:
+                    c["TOP_K"] = 8
+                name = f"{kernel.__name__} m{cfg.block_m} {t} w_scale={w_scale}"
+                out.append((name, kernel, "bf16", c, t))
+    fp32 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, IEEE=True, UPCAST=False, stride_wk=1, TOP_K=2,
+                W_SCALE=0)  # fmt: skip
     out.append(("_gate_up_kernel fp32", K._gate_up_kernel, "fp32", fp32, K.GemmTile(32, 32, 4, 2)))
     return list({v[0]: v for v in out}.values())  # one of each: configs may share tiles
 
@@ -305,16 +373,23 @@ def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
 def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     out = []
     tile = cfg.gate_up
-    for route, norm in ((True, False), (False, False), (True, True)):
-        c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route,
-                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, NORM=norm, stride_wk=1)  # fmt: skip
-        name = f"_pair_gate_up_kernel route={route} norm={norm} {tile}"
+    variants = (
+        (True, False, 0),
+        (False, False, 0),
+        (True, True, 0),
+        (True, True, 1),
+        (True, True, 2),
+    )
+    for route, norm, w_scale in variants:
+        c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route, BLOCK_TOPK=8,
+                 BLOCK_E=128, RENORMALIZE=True, NORM=norm, W_SCALE=w_scale, stride_wk=1)  # fmt: skip
+        name = f"_pair_gate_up_kernel route={route} norm={norm} w_scale={w_scale} {tile}"
         out.append((name, K._pair_gate_up_kernel, "bf16", c, tile))
     tile = cfg.down
-    for res in (False, True):
+    for res, w_scale in ((False, 0), (True, 0), (True, 1), (True, 2)):
         c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=8, stride_wk=1,
-                 HAS_RES=res)  # fmt: skip
-        name = f"_pair_down_kernel residual={res} {tile}"
+                 HAS_RES=res, W_SCALE=w_scale)  # fmt: skip
+        name = f"_pair_down_kernel residual={res} w_scale={w_scale} {tile}"
         out.append((name, K._pair_down_kernel, "bf16", c, tile))
     return out
 

@@ -35,6 +35,9 @@ FLAGS = [
     "--mem-fraction",
     "--cuda-graph-max-bs",
     "--disable-overlap",
+    "--kv-cache-dtype",
+    "--kv-cache-calibrate",
+    "--quantization",
 ]
 
 
@@ -112,6 +115,19 @@ def test_flags_map_onto_the_engine_config() -> None:
     assert not parse_args([]).engine.skip_warmup
     assert (e.tp_size, e.nnodes, e.node_rank, e.dist_init_addr) == (1, 1, 0, None)
     assert cfg.serves_http
+
+
+def test_fp8_flags() -> None:
+    e = parse_args(
+        ["--kv-cache-dtype", "fp8_e4m3", "--kv-cache-calibrate", "512", "--quantization", "fp8"]
+    ).engine
+    assert (e.kv_cache_dtype, e.kv_cache_calibrate, e.quantization) == ("fp8_e4m3", 512, "fp8")
+    default = parse_args([]).engine
+    assert (default.kv_cache_dtype, default.kv_cache_calibrate, default.quantization) == (
+        "auto",
+        0,
+        None,
+    )
 
 
 def test_multi_node_flags() -> None:

@@ -1,0 +1,135 @@
+"""FP8 settings: the KV-cache dtype and how linear / expert weights are stored, read from the
+flags and from a checkpoint's `quantization_config`, resolved once by pure functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.config.engine import EngineConfig
+    from minisgl.config.model import ModelConfig
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
+QUANTIZATIONS = ("fp8",)
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: e4m3 conversions and tensor cores
+# Rows (tokens) up to which an FP8 linear layer runs the weight-only GEMV (FP8 weights
+# dequantized in registers, 16-bit activations) instead of the FP8 tensor-core GEMM with
+# per-token activation scales. At one row cuBLASLt's FP8 GEMM read its weights at 1.1-2.7 TB/s
+# on the H200 (docs/benchmarks.md, W7); set from `python -m minisgl.benchmark.kernels --fp8-gemm`.
+FP8_GEMV_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 (e4m3) weights for every linear layer of the decoder blocks and every expert; the
+    embedding, the LM head, norms and the MoE router stay in the model dtype.
+
+    `source`: where the FP8 bytes come from: "online" (a float checkpoint quantized at load, one
+    scale per output channel), "fp8" (HF's `quant_method: fp8`: per-tensor `weight_scale` or
+    128 x 128 `weight_scale_inv`), "compressed-tensors" (its FP8 schemes). A layer that such a
+    checkpoint leaves in 16 bits is quantized at load like an online one.
+    """
+
+    source: str = "online"
+    weight_block: int | None = None  # 128: one scale per 128 x 128 block; None: per channel
+    gemv_max_rows: int = FP8_GEMV_MAX_ROWS
+
+    def __post_init__(self) -> None:
+        if self.source not in ("online", "fp8", "compressed-tensors"):
+            raise ValueError(f"quantization source {self.source!r} is not known")
+        if self.weight_block not in (None, 128):
+            raise ValueError(
+                f"FP8 weight blocks of {self.weight_block} are not supported (only 128 x 128)"
+            )
+
+
+def checkpoint_quant(raw: dict[str, Any]) -> QuantConfig | None:
+    """The FP8 layout a HF `config.json` declares in `quantization_config`; None without one."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"FP8 checkpoint format {qc.get('fmt')!r}: only e4m3 is supported")
+        return QuantConfig(source="fp8", weight_block=_block(qc.get("weight_block_size")))
+    if method == "compressed-tensors":
+        return QuantConfig(source="compressed-tensors", weight_block=_ct_block(qc))
+    raise ValueError(
+        f"checkpoint quantization {method!r} is not supported; supported: fp8 and "
+        "compressed-tensors FP8 (or a 16-bit checkpoint with --quantization fp8)"
+    )
+
+
+def _block(size: Any) -> int | None:
+    if size is None:
+        return None
+    if list(size) != [128, 128]:
+        raise ValueError(f"FP8 weight_block_size {size}: only [128, 128] is supported")
+    return 128
+
+
+def _ct_block(qc: dict[str, Any]) -> int | None:
+    """The one weight scheme of a compressed-tensors config (FP8 float, 8 bits)."""
+    blocks = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
+            raise ValueError(
+                f"compressed-tensors group {name!r} is not FP8 (type {w.get('type')!r}, "
+                f"{w.get('num_bits')} bits); only FP8 weights are supported"
+            )
+        strategy = w.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors FP8 strategy {strategy!r} is not supported")
+        blocks.add(_block(w.get("block_structure")) if strategy == "block" else None)
+    if len(blocks) > 1:
+        raise ValueError("compressed-tensors groups mix block and per-channel FP8 scales")
+    return blocks.pop() if blocks else None
+
+
+def resolve_quantization(
+    requested: str | None, checkpoint: QuantConfig | None, gemv_max_rows: int
+) -> QuantConfig | None:
+    """`--quantization` and the checkpoint's own format -> the format the model is built with.
+    An FP8 checkpoint loads as FP8 whether or not `fp8` was asked for."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {requested!r} is not one of {QUANTIZATIONS}")
+    base = checkpoint or (QuantConfig() if requested == "fp8" else None)
+    return None if base is None else replace(base, gemv_max_rows=gemv_max_rows)
+
+
+def check_fp8_device(device: torch.device, what: str) -> None:
+    """FP8 on CUDA needs compute capability 8.9 (Ada, Hopper) or newer; CPUs emulate it."""
+    if device.type != "cuda":
+        return
+    error = fp8_capability_error(
+        torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), what
+    )
+    if error is not None:
+        raise ValueError(error)
+
+
+def fp8_capability_error(gpu: str, capability: tuple[int, int], what: str) -> str | None:
+    """Why `what` cannot run on a GPU of this compute capability (None: it can)."""
+    if capability >= FP8_MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (
+        f"{what} needs a GPU of compute capability >= 8.9 (Ada, Hopper); {gpu} is "
+        f"{major}.{minor}: drop the FP8 option (or use an unquantized checkpoint)"
+    )
+
+
+def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
+    """The model config with the weight format the engine builds it in (pure, except that an FP8
+    choice on CUDA checks the device), checking the device for an FP8 KV cache too."""
+    quant = resolve_quantization(cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows)
+    if quant is not None:
+        check_fp8_device(cfg.torch_device, "FP8 weights")
+    if cfg.kv_cache_dtype == "fp8_e4m3":
+        check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
+    return replace(mcfg, quant=quant)
