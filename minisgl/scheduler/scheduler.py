@@ -413,6 +413,11 @@ class Scheduler:
         reqs, batch, out = step.reqs, step.batch, step.out
         out.wait()
         self._completed = max(self._completed, step.number)
+        # The step's KV is in the pool now: a request that finishes below caches all of it.
+        live = [r.seq is seq for r, seq in zip(reqs, batch.seqs)]  # not released since
+        for r, is_live, end in zip(reqs, live, batch.seq_lens):
+            if is_live:
+                r.num_stored = max(r.num_stored, end)
         tokens = out.tokens_host.tolist()
         events: list[StepEvent] = []
         for k, row in enumerate(out.sample_rows):
@@ -423,11 +428,8 @@ class Scheduler:
             events.append(StepEvent(req, [tokens[k]], req.finished))
         # After the tokens: a request's next step (in flight) may already count the KV of the
         # token just appended, and the cache needs the ids of every page it takes.
-        for r, seq, end, e in zip(reqs, batch.seqs, batch.seq_lens, batch.extend_lens):
-            if r.seq is not seq:  # released since: what it stored went with it
-                continue
-            r.num_stored = max(r.num_stored, end)
-            if e > 1:  # a prefill chunk: share its pages with requests admitted later
+        for r, seq, e in zip(reqs, batch.seqs, batch.extend_lens):
+            if e > 1 and r.seq is seq:  # a prefill chunk: share its pages with later requests
                 self.kv.cache_prefix(r, self._launched)
         self.kv.reclaim(self._completed)
         return events

@@ -40,13 +40,15 @@ def test_radix_gives_the_naive_answers(tiny_model_dir, arch, page_size):
     assert all(o["cached_tokens"] == 0 for o in naive)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 12])  # 1: it finishes in its prefill's step
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_repeated_request_computes_only_its_tail(tiny_model_dir, page_size):
+def test_a_repeated_request_computes_only_its_tail(tiny_model_dir, page_size, max_tokens):
     llm = LLM(str(tiny_model_dir("llama3")), dtype="float32", device="cpu", page_size=page_size)
     prompt = random_prompts(1, 384, seed=13, lo=37, hi=38)[0]
-    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
     computed_before = llm.scheduler.stats["computed_prompt_tokens"]
-    second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prompt], params, use_tqdm=False)[0]
     computed = llm.scheduler.stats["computed_prompt_tokens"] - computed_before
     assert first["cached_tokens"] == 0
     assert second["cached_tokens"] >= len(prompt) - page_size
