@@ -191,6 +191,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     _get_and_head(app, "/health", health, responses=responses(Status, 503))
 
     async def prometheus() -> Response:
+        metrics.queued_seqs.set(_client(state).num_queued_seqs)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     _get_and_head(

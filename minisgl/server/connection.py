@@ -1,13 +1,14 @@
 """Deadlines on HTTP connections: uvicorn's h11 protocol, which only times out idle keep-alive
 connections, plus a deadline on reading each request's header, one on reading its body, and
-one on a write the client does not take.
+one on a client that takes nothing of what is written to it.
 
 A connection whose header or body is not complete in time gets `408` (when no answer has
-started) and is closed; one whose client stops reading while an answer waits to be written is
-dropped, which the app sees as a disconnect (so a stream's request is aborted and its KV
-freed). The subclass relies on uvicorn's `H11Protocol` internals (`conn`, `cycle`,
-`transport`, `on_response_complete`, `timeout_keep_alive_task`): pyproject.toml pins the uvicorn
-versions it was checked against.
+started) and is closed. One whose client has read nothing for the send time-out while an
+answer waits to be written (the kernel's buffers and the transport's full) is dropped, which
+the app sees as a disconnect: a stream's request is aborted and its KV freed. The subclass
+relies on uvicorn's `H11Protocol` internals (`conn`, `cycle`, `transport`,
+`on_response_complete`, `timeout_keep_alive_task`): pyproject.toml pins the uvicorn versions
+it was checked against.
 """
 
 from __future__ import annotations
@@ -29,13 +30,11 @@ class Deadlines:
     """Seconds a connection may take for each step (nginx's `client_header_timeout`,
     `client_body_timeout`, `send_timeout`, `keepalive_timeout`)."""
 
-    header_timeout: float = (
-        60.0  # from the connection (or the request's first byte) to its header's end
-    )
+    # From the connection (or the request's first byte) to the header's end.
+    header_timeout: float = 60.0
     body_timeout: float = 60.0  # from the header's end to the body's end
-    send_timeout: float = (
-        60.0  # a write waiting this long for the client to read drops the connection
-    )
+    # A client that reads nothing this long while an answer waits to be written is dropped.
+    send_timeout: float = 60.0
     keep_alive_timeout: float = 75.0  # idle time between two requests on one connection
 
     def __post_init__(self) -> None:
@@ -96,9 +95,7 @@ class DeadlineProtocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(
-                self.deadlines.send_timeout, self._write_timed_out
-            )
+            self._arm_write_timer()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -153,8 +150,21 @@ class DeadlineProtocol(H11Protocol):
             self._write_timer.cancel()
             self._write_timer = None
 
-    def _write_timed_out(self) -> None:
+    def _arm_write_timer(self) -> None:
+        # While writing is paused the app adds nothing, so a smaller buffer means the client
+        # read some of it.
+        pending = self.transport.get_write_buffer_size()
+        self._write_timer = self.loop.call_later(
+            self.deadlines.send_timeout, self._write_timed_out, pending
+        )
+
+    def _write_timed_out(self, pending_then: int) -> None:
         self._write_timer = None
+        if self.transport.is_closing():
+            return
+        if self.transport.get_write_buffer_size() < pending_then:
+            self._arm_write_timer()  # a slow reader, but a reader
+            return
         logger.info(
             "dropping the connection from %s: it read nothing for %g s while an answer waited",
             self.client,

@@ -124,9 +124,20 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path in doc.get("paths", {}).values():
             for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
+                answers = operation.get("responses", {})
+                answers.pop("422", None)
+                for code, answer in answers.items():
+                    _errors_are_json(code, answer)
         schemas = doc.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
         app.openapi_schema = doc
     return app.openapi_schema
+
+
+def _errors_are_json(code: str, answer: dict[str, Any]) -> None:
+    # FastAPI files an error's model under the route's own media type (text/plain for
+    # /metrics); error bodies are JSON everywhere.
+    content = answer.get("content", {})
+    if content and code.isdigit() and int(code) >= 400 and "application/json" not in content:
+        answer["content"] = {"application/json": next(iter(content.values()))}

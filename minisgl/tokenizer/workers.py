@@ -96,6 +96,7 @@ class TokenizerWorker:
             self.scheduler.send(msg)
 
     def _generate(self, req: GenerateReq) -> None:
+        logger.debug("request %s: %d prompt characters", req.rids[0], req.prompt_chars)
         if req.prompt_chars <= INLINE_CHARS:
             self._send(self._tokenize(req), aborted=set())
             return
@@ -140,10 +141,14 @@ class TokenizerWorker:
                 del self._pending[rid]
             self._send(outcome, pending.aborted)
 
+    def step(self) -> None:
+        """Wait for a message or a finished tokenization, then handle all there are."""
+        self.inbox.wait(also=self._wake_r)
+        self.poll()
+
     def run_forever(self) -> None:
         while True:
-            self.inbox.wait(also=self._wake_r)
-            self.poll()
+            self.step()
 
 
 class DetokenizerWorker:
