@@ -80,11 +80,12 @@ class PhaseTimer:
             self.kind = kind
             return out
 
-        def process(batch: Any, out: Any) -> Any:
+        def process(step: Any) -> Any:
             t = time.perf_counter()
-            out.wait()
+            step.out.wait()
             t1 = time.perf_counter()
-            ev = self.orig[2](batch, out)
+            ev = self.orig[2](step)
+            batch = step.batch
             kind = "mixed" if batch.num_tokens != batch.size else batch_bucket(batch.size)
             self.acc[kind]["wait"] += t1 - t
             self.acc[kind]["process_py"] += time.perf_counter() - t1

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The KV debug mode in every engine the tests build (server processes inherit it): pages given
+# back are poisoned with NaN, and a free of anything a step in flight references fails.
+os.environ.setdefault("MINISGL_DEBUG_KV", "1")
 
 
 @pytest.fixture(autouse=True)

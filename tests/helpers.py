@@ -115,7 +115,9 @@ def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     sched.kv.attach(req)
     try:
         sched.kv.grow(req, len(ids))
-        batch = Batch([req], [req.num_computed], [len(ids) - req.num_computed], [False])
+        page_writes, token_writes, _ = sched.kv.take_writes()
+        engine.table.apply(page_writes, token_writes)
+        batch = Batch([req.seq], [req.num_computed], [len(ids) - req.num_computed], [False], [0])
         inputs = engine._attention_inputs(batch)
         pos = engine._positions(batch)
         slot_ids = torch.full_like(pos, req.slot)
@@ -129,7 +131,8 @@ def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
             return engine.model.compute_logits(hidden).float().cpu()
     finally:
         req.num_computed = 0  # nothing was cached for real: give everything back
-        sched.kv.release(req)
+        sched.kv.release(req, sched._launched)
+        sched.kv.reclaim(sched._launched)
 
 
 def assert_kv_clean(llm: Any) -> None:
@@ -139,8 +142,9 @@ def assert_kv_clean(llm: Any) -> None:
     acc = sched.kv_accounting()
     assert not sched.running and not sched.waiting
     assert acc["held_by_requests"] == 0 and acc["protected"] == 0, acc
+    assert acc["released"] == 0, acc
     assert acc["free"] + acc["evictable"] == acc["total"], acc
-    assert llm.engine.table.num_free_slots == llm.engine.table.max_reqs
+    assert sched.kv.slots.num_free == sched.kv.slots.num_slots
 
 
 def default_model_available() -> bool:
@@ -161,6 +165,19 @@ def force_fused_kernels(monkeypatch: Any) -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("minisgl.") and getattr(module, "fused_kernels", None) is switch:
             monkeypatch.setattr(module, "fused_kernels", lambda x: fused)
+
+
+def record_steps(sched: Any) -> list[tuple[list[Any], Any]]:
+    """(requests, plan) of every step the scheduler launches from now on."""
+    seen: list[tuple[list[Any], Any]] = []
+    launch = sched._launch
+
+    def spy(reqs: list[Any], batch: Any) -> Any:
+        seen.append((list(reqs), batch))
+        return launch(reqs, batch)
+
+    sched._launch = spy
+    return seen
 
 
 def record_batches(engine: Any) -> list[Any]:

@@ -120,8 +120,9 @@ class TorchBackend(AttentionBackend):
             if any(lens[i] != width for i in rows):
                 bias = torch.zeros(g_valid.shape, dtype=self.pool.dtype, device=slots.device)
                 bias = bias.masked_fill_(~g_valid, float("-inf"))[:, None, None, :]
-            # Padding positions read slot 0: any slot will do, the bias hides it.
-            flat = g_slots.masked_fill(~g_valid, 0).reshape(-1)
+            # Padding positions read the pool's spare slot: the bias hides what it holds, but
+            # it must be finite (0 x NaN is NaN), and a freed page may hold anything.
+            flat = g_slots.masked_fill(~g_valid, self.pool.spare_loc).reshape(-1)
             groups.append(DecodeGroup(idx, flat, bias, len(rows), width))
         return groups
 

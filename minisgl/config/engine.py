@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
+
+# Environment switches (for benchmarks, bisecting and tests), read here and nowhere else in
+# the engine's config: "1" turns the feature off (on, for the debug mode).
+ENV_DISABLE_OVERLAP = "MINISGL_DISABLE_OVERLAP"
+ENV_DISABLE_CUDA_GRAPH = "MINISGL_DISABLE_CUDA_GRAPH"
+ENV_DEBUG_KV = "MINISGL_DEBUG_KV"
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
     overlap: bool = True  # overlap scheduling (CUDA only)
     # The engine runs a few synthetic steps at start-up so serving never waits on a JIT
-    # compile of a kernel variant (`minisgl.engine.warmup`); tests and tools may skip them.
+    # compile of a kernel variant (`minisgl.scheduler.warmup`); tests and tools may skip them.
     skip_warmup: bool = False
     # Share of a request's remaining max_tokens that admission reserves KV for. It starts at
     # `reserve_ratio` and falls linearly to `min_reserve_ratio` over `reserve_decay_steps` steps
@@ -46,6 +53,10 @@ class EngineConfig:
     min_reserve_ratio: float = 0.1
     reserve_decay_steps: int = 600
     show_progress: bool = True
+    # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
+    # allocator are overwritten with NaN, and giving back a page or slot that a step in flight
+    # references fails an assertion.
+    debug_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -137,3 +148,15 @@ def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
         overlap=cfg.overlap and on_cuda,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs if on_cuda else 0,
     )
+
+
+def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
+    """`MINISGL_DISABLE_OVERLAP=1` / `MINISGL_DISABLE_CUDA_GRAPH=1` turn those features off;
+    `MINISGL_DEBUG_KV=1` turns the KV debug mode on."""
+    if os.environ.get(ENV_DISABLE_OVERLAP) == "1":
+        cfg = replace(cfg, overlap=False)
+    if os.environ.get(ENV_DISABLE_CUDA_GRAPH) == "1":
+        cfg = replace(cfg, cuda_graph_max_bs=0)
+    if os.environ.get(ENV_DEBUG_KV) == "1":
+        cfg = replace(cfg, debug_kv=True)
+    return cfg

@@ -1,6 +1,6 @@
 """Requests, batches and sampling parameters: the vocabulary every other package shares."""
 
-from minisgl.core.batch import Batch, BatchKind
+from minisgl.core.batch import Batch, BatchKind, SeqInfo, TableWrite
 from minisgl.core.errors import InvalidRequestError
 from minisgl.core.limits import resolve_max_tokens
 from minisgl.core.req import FinishReason, Req, ReqStatus
@@ -14,5 +14,7 @@ __all__ = [
     "Req",
     "ReqStatus",
     "SamplingParams",
+    "SeqInfo",
+    "TableWrite",
     "resolve_max_tokens",
 ]

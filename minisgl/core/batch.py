@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from minisgl.core.req import Req
+from minisgl.core.sampling import SamplingParams
 
 
 class BatchKind(enum.Enum):
@@ -11,28 +11,59 @@ class BatchKind(enum.Enum):
     MIXED = "mixed"  # at least one request extends by a prefill chunk
 
 
+@dataclass(frozen=True, eq=False)
+class SeqInfo:
+    """What the engine knows of a running request: fixed from admission until it lets go of
+    its request-table slot (a retracted request gets a new one when it is admitted again)."""
+
+    slot: int  # row of the request table
+    params: SamplingParams
+    seed: int
+    prompt_len: int
+    # Token ids that end the request (EOS unless ignore_eos, and stop_token_ids).
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class TableWrite:
+    """`values` go to cells `start .. start + len(values)` of request-table row `slot`."""
+
+    slot: int
+    start: int
+    values: list[int]
+
+
 @dataclass
 class Batch:
-    """The work of one engine step.
+    """The plan of one engine step: the only thing the scheduler hands the engine.
 
-    Request `i` computes tokens `[prefix_lens[i], prefix_lens[i] + extend_lens[i])` of its
-    sequence; those tokens' ids are already in the request table's token row. When
-    `sample[i]` the step samples the token after the last one and writes it to the token row.
+    Row `i` computes tokens `[prefix_lens[i], prefix_lens[i] + extend_lens[i])` of the request
+    in `seqs[i]`; those tokens' ids are in its token row once `token_writes` are applied (or
+    were sampled there by an earlier step). When `sample[i]` the step samples the token after
+    the last one, the request's output number `out_index[i]` (0-based), and writes it to the
+    token row. The engine applies `page_writes` and `token_writes` (in list order, before the
+    step's kernels) and, in the KV debug mode, poisons `freed_pages` (pages given back to the
+    allocator since the previous plan) so that a step that still read them would see NaNs.
     """
 
-    reqs: list[Req]
+    seqs: list[SeqInfo]
     prefix_lens: list[int]
     extend_lens: list[int]
     sample: list[bool]
+    out_index: list[int]
+    token_writes: list[TableWrite] = field(default_factory=list)
+    page_writes: list[TableWrite] = field(default_factory=list)
+    freed_pages: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        n = len(self.reqs)
-        assert len(self.prefix_lens) == n and len(self.extend_lens) == n and len(self.sample) == n
+        n = len(self.seqs)
+        assert len(self.prefix_lens) == n and len(self.extend_lens) == n
+        assert len(self.sample) == n and len(self.out_index) == n
         assert all(e >= 1 for e in self.extend_lens)
 
     @property
     def size(self) -> int:
-        return len(self.reqs)
+        return len(self.seqs)
 
     @property
     def num_tokens(self) -> int:
@@ -47,5 +78,9 @@ class Batch:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
 
     @property
+    def slots(self) -> list[int]:
+        return [s.slot for s in self.seqs]
+
+    @property
     def wants_logprobs(self) -> bool:
-        return any(r.params.logprobs for r in self.reqs)
+        return any(s.params.logprobs for s in self.seqs)

@@ -4,6 +4,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.core.batch import SeqInfo
 from minisgl.core.sampling import SamplingParams
 
 
@@ -23,9 +24,10 @@ class FinishReason(str, enum.Enum):
 class Req:
     """One generation request as the scheduler tracks it.
 
-    Token bookkeeping: `prompt_ids + output_ids` are the tokens known on the host. KV for the
-    first `num_computed` of them is in the pool. `num_sampled` counts tokens sampled by launched
-    steps, which runs ahead of `len(output_ids)` by the steps still in flight (overlap mode).
+    Token bookkeeping: `prompt_ids + output_ids` are the tokens known on the host. Launched
+    steps compute KV for the first `num_computed` of them; steps that have completed on the
+    device, for the first `num_stored`. `num_sampled` counts tokens sampled by launched steps,
+    which runs ahead of `len(output_ids)` by the steps still in flight (overlap mode).
     """
 
     rid: str
@@ -35,8 +37,9 @@ class Req:
     arrival: int = 0  # monotone admission order; the newest is retracted first
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
-    slot: int | None = None  # row in the request table while running
+    seq: SeqInfo | None = None  # what the engine knows of it, while it holds a table slot
     num_computed: int = 0
+    num_stored: int = 0
     num_sampled: int = 0
     # Prefix-cache state: the first `cache_len` tokens' pages belong to the cache and stay
     # locked through `cache_handle`; pages after those are the request's own.
@@ -50,6 +53,11 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # Eos ids that end this request (the model's unless ignore_eos) plus stop_token_ids.
     stop_ids: frozenset[int] = frozenset()
+
+    @property
+    def slot(self) -> int | None:
+        """Row in the request table while running."""
+        return None if self.seq is None else self.seq.slot
 
     @property
     def prompt_len(self) -> int:

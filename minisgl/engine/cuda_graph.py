@@ -18,18 +18,17 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from minisgl.attention import AttentionInputs
+from minisgl.attention import AttentionBackend, AttentionInputs
+from minisgl.config import EngineConfig, ModelConfig
 from minisgl.core import Batch
-from minisgl.engine.engine import StepRows
 from minisgl.engine.sampler import host_tensor
+from minisgl.engine.step import StepRows
+from minisgl.kvcache import ReqTable
 from minisgl.layers import ForwardContext
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +41,29 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+class GraphHost(Protocol):
+    """What the graphs capture and read of the engine (the `Engine`)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    dummy_loc: int  # KV slot of the spare page that padding rows write to
+    backend: AttentionBackend
+    model: torch.nn.Module
+    table: ReqTable
+
+    def token_locations(self, req_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
 class CudaGraphRunner:
     """Captures decode steps at construction (after the KV pool exists) and replays them.
 
     With `capture=False` (tests on the CPU) `run` executes the same padded step eagerly.
     """
 
-    def __init__(self, engine: Engine, capture: bool = True, max_bs: int | None = None) -> None:
+    def __init__(self, engine: GraphHost, capture: bool = True, max_bs: int | None = None) -> None:
         cfg = engine.config
         self.engine = engine
         limit = cfg.cuda_graph_max_bs if max_bs is None else max_bs
@@ -137,9 +152,8 @@ class CudaGraphRunner:
         n = batch.size
         bs = self.padded_size(n)
         host: list[int] = []
-        for r, p, s in zip(batch.reqs, batch.prefix_lens, batch.seq_lens):
-            assert r.slot is not None
-            host += (r.slot, p, s)
+        for slot, p, s in zip(batch.slots, batch.prefix_lens, batch.seq_lens):
+            host += (slot, p, s)
         host += [0] * (3 * (bs - n))  # padding rows: context length 0
         on_cuda = self.engine.device.type == "cuda"
         src = host_tensor(host, torch.int64, pin=on_cuda).view(bs, 3)

@@ -3,69 +3,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from minisgl.attention import AttentionInputs, make_backend
-from minisgl.config import EngineConfig, ModelConfig, resolve_engine_config
-from minisgl.core import Batch, Req
+from minisgl.config import EngineConfig, ModelConfig, apply_env_switches, resolve_engine_config
+from minisgl.core import Batch, SeqInfo
+from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
 from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample, to_device
-from minisgl.engine.warmup import run_warmup
+from minisgl.engine.step import ForwardOutput, StepInputs, StepRows
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
 from minisgl.models import build_model
 from minisgl.weights import init_dummy_weights, load_model_config, load_weights, resolve_source
 
-if TYPE_CHECKING:
-    from minisgl.engine.cuda_graph import CudaGraphRunner
-
 logger = logging.getLogger(__name__)
-
-# Environment switches (for benchmarks and bisecting): "1" turns the feature off.
-ENV_DISABLE_OVERLAP = "MINISGL_DISABLE_OVERLAP"
-ENV_DISABLE_CUDA_GRAPH = "MINISGL_DISABLE_CUDA_GRAPH"
-
-
-@dataclass
-class ForwardOutput:
-    """Tokens sampled by one step, for the rows of the batch whose `sample` flag was set."""
-
-    sample_rows: list[int]  # batch rows that sampled, in order
-    tokens: torch.Tensor  # [S] int64 on the device
-    tokens_host: torch.Tensor  # [S] int64 on the host (filled once `ready` has fired)
-    logprobs_host: torch.Tensor | None
-    top_ids_host: torch.Tensor | None
-    top_logprobs_host: torch.Tensor | None
-    ready: torch.cuda.Event | None  # None on the CPU: already complete
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-
-@dataclass
-class StepRows:
-    """Where the sampled rows of a step live: their hidden states and request-table cells."""
-
-    hidden: torch.Tensor  # [S, hidden] final hidden state of each sampling row's last token
-    req_slots: torch.Tensor  # [S] int64
-    seq_lens: torch.Tensor  # [S] int64, the sampled token's position in the token table
-
-
-class StepInputs(NamedTuple):
-    """The device inputs of an eager step."""
-
-    attn: AttentionInputs  # `out_loc` still empty
-    positions: torch.Tensor  # [T] int64, position of each new token
-    token_slots: torch.Tensor  # [T] int64, request slot of each new token
-    seq_lens: torch.Tensor  # [B] int64
-    cu_extend: torch.Tensor  # [B+1] int64
 
 
 @contextlib.contextmanager
@@ -78,23 +32,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
-    """`MINISGL_DISABLE_OVERLAP=1` / `MINISGL_DISABLE_CUDA_GRAPH=1` turn those features off."""
-    if os.environ.get(ENV_DISABLE_OVERLAP) == "1":
-        cfg = replace(cfg, overlap=False)
-    if os.environ.get(ENV_DISABLE_CUDA_GRAPH) == "1":
-        cfg = replace(cfg, cuda_graph_max_bs=0)
-    return cfg
-
-
 class Engine:
-    """Owns the model, the KV pool and the request table; runs one batch per call.
+    """Owns the model and every device tensor (KV pool, request table, CUDA graphs); runs
+    one step per call.
 
-    The scheduler builds a `Batch`, calls `forward_batch`, and reads back `ForwardOutput`.
-    Every device operation of a step (input gathers, the model, sampling, the token-table write)
-    and every host-to-device table write goes to one CUDA stream, in the order the host issues
-    them. So the host may free a page or a request slot while a step that uses it still runs:
-    whatever reuses it is enqueued later and runs after that step.
+    The scheduler hands `forward_batch` a step plan (`Batch`): its rows, and the request-table
+    writes queued since the previous plan, which the engine applies before the step's kernels.
+    It reads back `ForwardOutput`, whose `ready` event fires once the step has completed on the
+    device; the scheduler gives a released request's pages and slot to another request only
+    after that (so no reuse depends on how the device orders its work).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -112,8 +58,6 @@ class Engine:
         self._build_kv()
         self.graphs = self._capture_graphs()
         self.num_steps = 0  # batches run so far (the warm-up's included)
-        if not cfg.skip_warmup:
-            self.warmup()
 
     def _build_model(self, src: object) -> None:
         cfg = self.config
@@ -147,7 +91,7 @@ class Engine:
             self.dtype,
             self.device,
         )
-        self.dummy_loc = self.num_pages * cfg.page_size
+        self.dummy_loc = self.pool.spare_loc
         self.backend = make_backend(
             cfg.attention_backend, self.pool, self.table, num_q_heads, mcfg.head_dim**-0.5
         )
@@ -162,24 +106,7 @@ class Engine:
     def _capture_graphs(self) -> CudaGraphRunner | None:
         if not (self._wants_graphs() and self.backend.supports_cuda_graph):
             return None
-        from minisgl.engine.cuda_graph import CudaGraphRunner
-
         return CudaGraphRunner(self)
-
-    def warmup(self) -> None:
-        """Run the start-up steps of `minisgl.engine.warmup` (every eager kernel variant that
-        serving reaches), then wait for the device. Only on an engine without requests: the
-        steps take request slots and write KV pages that no scheduler has handed out yet."""
-        if self.num_steps:
-            raise RuntimeError(
-                "Engine.warmup runs before the first batch only: its steps overwrite KV pages "
-                "that a scheduler may have handed out since"
-            )
-        start = time.perf_counter()
-        steps = run_warmup(self)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        logger.info("warm-up: %d steps in %.2f s", steps, time.perf_counter() - start)
 
     @property
     def page_size(self) -> int:
@@ -189,7 +116,11 @@ class Engine:
 
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> ForwardOutput:
+        """Apply the plan's table writes, run its step, sample; returns without waiting."""
         self.num_steps += 1
+        if self.config.debug_kv:
+            self.pool.poison(batch.freed_pages)
+        self.table.apply(batch.page_writes, batch.token_writes)
         rows: StepRows | None
         if self.graphs is not None and self.graphs.can_run(batch):
             rows = self.graphs.run(batch)
@@ -226,8 +157,7 @@ class Engine:
         b, t = batch.size, batch.num_tokens
         prefix, ext, seq_lens_host = batch.prefix_lens, batch.extend_lens, batch.seq_lens
         cu = [0, *itertools.accumulate(ext)]
-        slots = [r.slot for r in batch.reqs]
-        assert None not in slots
+        slots = batch.slots
         decode = t == b
         # New token i of request r is step row cu[r] + i at position prefix[r] + i: its row
         # plus shift[r]. (A host list of T positions cost 0.7 ms at T = 8,000: building it
@@ -274,20 +204,21 @@ class Engine:
             empty = torch.empty(0, dtype=torch.int64)
             return ForwardOutput([], empty.to(self.device), empty, None, None, None, None)
         logits = self.model.compute_logits(rows.hidden)  # type: ignore[operator]  # [S, V]
-        reqs = [batch.reqs[i] for i in sample_rows]
-        sin = SamplingInputs.build(reqs, self.model_config.vocab_size, self.device)
-        if any(r.params.has_penalties for r in reqs):
-            sin.penalties = self._penalties(reqs, rows)
+        seqs = [batch.seqs[i] for i in sample_rows]
+        out_index = [batch.out_index[i] for i in sample_rows]
+        sin = SamplingInputs.build(seqs, out_index, self.model_config.vocab_size, self.device)
+        if any(s.params.has_penalties for s in seqs):
+            sin.penalties = self._penalties(seqs, out_index, rows)
         out = sample(logits, sin)
         # The sampled token becomes the input of the request's next step.
         self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()
         return self._to_host(sample_rows, out)
 
-    def _penalties(self, reqs: list[Req], rows: StepRows) -> PenaltyInputs:
-        """Prompt and earlier output tokens, read from the token table on the device: with
-        overlap scheduling the host does not know the previous step's token yet."""
-        prompt_lens = [r.prompt_len for r in reqs]
-        num_out = [r.num_sampled - 1 for r in reqs]  # outputs before the one being sampled
+    def _penalties(self, seqs: list[SeqInfo], num_out: list[int], rows: StepRows) -> PenaltyInputs:
+        """Prompt and the `num_out` earlier output tokens of each row, read from the token
+        table on the device: with overlap scheduling the host does not know the previous
+        step's token yet."""
+        prompt_lens = [s.prompt_len for s in seqs]
         plen = to_device(prompt_lens, torch.int64, self.device)
 
         def gather(start: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -305,9 +236,9 @@ class Engine:
         return PenaltyInputs(
             prompt_tokens=gather(torch.zeros_like(plen), prompt_lens),
             output_tokens=gather(plen, num_out),
-            presence=f([r.params.presence_penalty for r in reqs]),
-            frequency=f([r.params.frequency_penalty for r in reqs]),
-            repetition=f([r.params.repetition_penalty for r in reqs]),
+            presence=f([s.params.presence_penalty for s in seqs]),
+            frequency=f([s.params.frequency_penalty for s in seqs]),
+            repetition=f([s.params.repetition_penalty for s in seqs]),
         )
 
     def _to_host(self, rows: list[int], out: SampleOutput) -> ForwardOutput:

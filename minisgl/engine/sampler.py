@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.core import Req
+from minisgl.core import SeqInfo
 
 _M32 = 0xFFFFFFFF
 
@@ -78,7 +78,7 @@ class SamplingInputs:
     top_p: torch.Tensor  # [B] fp32
     min_p: torch.Tensor  # [B] fp32
     seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64, index of the token being sampled in the output
+    steps: torch.Tensor  # [B] int64, index (0-based) of the token being sampled in the output
     all_greedy: bool
     needs_sort: bool  # some row uses top-k or top-p
     needs_min_p: bool
@@ -88,15 +88,18 @@ class SamplingInputs:
     keys: torch.Tensor | None = None  # [B] int64 `row_keys(seeds, steps)`, mixed on the host
 
     @staticmethod
-    def build(reqs: list[Req], vocab: int, device: torch.device) -> SamplingInputs:
-        ps = [r.params for r in reqs]
+    def build(
+        seqs: list[SeqInfo], out_index: list[int], vocab: int, device: torch.device
+    ) -> SamplingInputs:
+        """`out_index[i]`: which output token (0-based) row `i` samples."""
+        ps = [s.params for s in seqs]
         greedy = [p.greedy for p in ps]
         temps = [0.0 if g else p.temperature for p, g in zip(ps, greedy)]
-        seeds = [r.seed for r in reqs]
-        steps = [r.num_sampled for r in reqs]
+        seeds = [s.seed for s in seqs]
+        steps = out_index
         # Only the Gumbel kernel reads keys, and only for rows with a temperature.
         keys = [0 if g else host_row_key(s, t) for g, s, t in zip(greedy, seeds, steps)]
-        n = len(reqs)
+        n = len(seqs)
         # Two host-to-device copies per step: one of floats, one of integers.
         floats = to_device(
             temps + [p.top_p for p in ps] + [p.min_p for p in ps], torch.float32, device

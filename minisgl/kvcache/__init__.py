@@ -1,6 +1,6 @@
 """Paged KV storage, page allocation, the request table and prefix caches."""
 
-from minisgl.kvcache.allocator import OutOfPagesError, PageAllocator
+from minisgl.kvcache.allocator import OutOfPagesError, PageAllocator, SlotAllocator
 from minisgl.kvcache.base import BasePrefixCache, MatchResult
 from minisgl.kvcache.naive import NaiveCache
 from minisgl.kvcache.pool import KVPool
@@ -28,5 +28,6 @@ __all__ = [
     "OutOfPagesError",
     "PageAllocator",
     "ReqTable",
+    "SlotAllocator",
     "make_prefix_cache",
 ]

@@ -37,3 +37,28 @@ class PageAllocator:
             assert not self._is_free[p], f"double free of page {p}"
             self._is_free[p] = 1
             self._free.append(p)
+
+
+class SlotAllocator:
+    """Hands out request-table rows (slots). Pure host-side bookkeeping, like `PageAllocator`."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfPagesError("no free request slot (a scheduler bug: it must check)")
+        slot = self._free.pop()
+        self._is_free[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        assert not self._is_free[slot], f"double free of slot {slot}"
+        self._is_free[slot] = 1
+        self._free.append(slot)

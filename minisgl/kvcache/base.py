@@ -24,7 +24,8 @@ class BasePrefixCache(ABC):
     `insert`'s return value or `evict`). A page the cache owns is *protected* while some handle
     locking it is held, *evictable* otherwise.
 
-    Locking: `match_prefix` does not lock. A caller that keeps using the matched pages must
+    Locking: `match_prefix` does not lock (it may split entries and refreshes their recency;
+    `peek` only reads). A caller that keeps using the matched pages must
     `lock(handle)` before anything can call `evict`, and `unlock(handle)` exactly once when done
     (finish, abort or retraction). Locking a handle protects the whole path to the root.
 
@@ -38,6 +39,11 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def match_prefix(self, ids: Sequence[int]) -> MatchResult:
         """The longest cached page-aligned prefix of `ids`."""
+
+    @abstractmethod
+    def peek(self, ids: Sequence[int]) -> int:
+        """The length `match_prefix(ids)` would return, changing nothing: no node is split and
+        no entry's recency refreshed (admission asks this of requests it may not admit)."""
 
     @abstractmethod
     def insert(self, ids: Sequence[int], pages: Sequence[int]) -> list[int]:

@@ -12,6 +12,9 @@ class NaiveCache(BasePrefixCache):
     def match_prefix(self, ids: Sequence[int]) -> MatchResult:
         return MatchResult(0, [], None)
 
+    def peek(self, ids: Sequence[int]) -> int:
+        return 0
+
     def insert(self, ids: Sequence[int], pages: Sequence[int]) -> list[int]:
         return list(pages)
 

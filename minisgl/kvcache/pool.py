@@ -43,8 +43,28 @@ class KVPool:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def spare_loc(self) -> int:
+        """First token slot of the last page, which the engine keeps for itself (never handed
+        to a request, never poisoned): CUDA-graph padding rows write their K/V there, and
+        padded reads of the torch backend read it."""
+        return (self.num_pages - 1) * self.page_size
+
     def k(self, layer: int) -> torch.Tensor:
         return self._buf[0, layer]
 
     def v(self, layer: int) -> torch.Tensor:
         return self._buf[1, layer]
+
+    def poison(self, pages: list[int]) -> None:
+        """Overwrite `pages` with NaN (the KV debug mode, on pages given back to the allocator):
+        attention over a page that should no longer be read then shows in the output."""
+        if not pages:
+            return
+        ps = self.page_size
+        idx = torch.tensor(pages, dtype=torch.int64).repeat_interleave(ps) * ps
+        idx = (idx + torch.arange(ps).repeat(len(pages))).to(self.device, non_blocking=True)
+        if self._buf.element_size() == 1:  # FP8: 0x7F is e4m3's NaN
+            self._buf.view(torch.uint8)[:, :, idx] = 0x7F
+        else:
+            self._buf[:, :, idx] = float("nan")

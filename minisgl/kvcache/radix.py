@@ -46,6 +46,21 @@ class RadixPrefixCache(BasePrefixCache):
         node, pages = self._walk(ids, touch=next(self._clock))
         return MatchResult(len(pages) * self.page_size, pages, None if node is self._root else node)
 
+    def peek(self, ids: Sequence[int]) -> int:
+        """What `match_prefix(ids).length` would be; nothing splits, nothing is touched."""
+        ps = self.page_size
+        node, pos = self._root, 0
+        while len(ids) - pos >= ps:
+            child = node.children.get(tuple(ids[pos : pos + ps]))
+            if child is None:
+                break
+            matched = self._common_pages(child.key, ids, pos) * ps
+            pos += matched
+            if matched < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, ids: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Cache `ids` -> `pages`; returns the offered pages for prefixes cached already.
 

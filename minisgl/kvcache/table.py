@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+
+from minisgl.core import TableWrite
 
 
 class ReqTable:
@@ -9,6 +13,8 @@ class ReqTable:
     `page_table[slot, i]` is the i-th KV page of the request in `slot`; `token_table[slot, pos]`
     is its token at position `pos`. Steps read their input ids from `token_table` and write
     sampled ids back into it, so step N+1 can be launched before step N's ids reach the host.
+    Which slot belongs to whom is the scheduler's bookkeeping (`SlotAllocator`); the table only
+    applies the writes a step plan carries.
     """
 
     def __init__(
@@ -24,31 +30,17 @@ class ReqTable:
         )
         # One spare column: a step may sample the token after the last context position.
         self.token_table = torch.zeros(max_reqs, max_context + 1, dtype=torch.int32, device=device)
-        self._free_slots = list(range(max_reqs - 1, -1, -1))
 
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
+    def apply(self, page_writes: Iterable[TableWrite], token_writes: Iterable[TableWrite]) -> None:
+        """Enqueue the writes (host-to-device copies on the current stream, in order)."""
+        for w in page_writes:
+            self._write(self.page_table, w)
+        for w in token_writes:
+            self._write(self.token_table, w)
 
-    def alloc_slot(self) -> int:
-        return self._free_slots.pop()
-
-    def free_slot(self, slot: int) -> None:
-        assert slot not in self._free_slots, f"double free of slot {slot}"
-        self._free_slots.append(slot)
-
-    def write_pages(self, slot: int, start: int, pages: list[int]) -> None:
-        """Set page ids `start .. start+len(pages)` of `slot` (host→device copy)."""
-        if pages:
-            src = self._host(pages)
-            self.page_table[slot, start : start + len(pages)].copy_(src, non_blocking=True)
-
-    def write_tokens(self, slot: int, start: int, ids: list[int]) -> None:
-        if ids:
-            src = self._host(ids)
-            self.token_table[slot, start : start + len(ids)].copy_(src, non_blocking=True)
-
-    def _host(self, values: list[int]) -> torch.Tensor:
-        # Pinned on CUDA: a copy from pageable memory may wait for the stream to drain, which
-        # would stall the host while an overlapped step runs.
-        return torch.tensor(values, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+    def _write(self, table: torch.Tensor, w: TableWrite) -> None:
+        if w.values:
+            # Pinned on CUDA: a copy from pageable memory may wait for the stream to drain,
+            # which would stall the host while an overlapped step runs.
+            src = torch.tensor(w.values, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            table[w.slot, w.start : w.start + len(w.values)].copy_(src, non_blocking=True)

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, FinishReason, Req, ReqStatus, resolve_max_tokens
 from minisgl.engine import Engine, ForwardOutput
-from minisgl.kvcache import PageAllocator, make_prefix_cache
+from minisgl.kvcache import PageAllocator, SlotAllocator, make_prefix_cache
 from minisgl.scheduler.kv_manager import KVManager, pages_for
+from minisgl.scheduler.warmup import run_warmup
 
 if TYPE_CHECKING:
     from minisgl.distributed.sync import RequestSync
 
 logger = logging.getLogger(__name__)
+
+
+class Step(NamedTuple):
+    """A launched step, as the scheduler remembers it until its results are processed."""
+
+    number: int  # launch order, from 1
+    reqs: list[Req]  # the request of each row of `batch`
+    batch: Batch
+    out: ForwardOutput
 
 
 @dataclass
@@ -41,6 +52,10 @@ class Scheduler:
     reserved; when decoding still runs short, the newest request is retracted and requeued.
     The share starts at `reserve_ratio` and falls to `min_reserve_ratio` over
     `reserve_decay_steps` steps; a retraction sets it back (as SGLang's new-token ratio).
+
+    The scheduler talks to the engine through one call, `engine.forward_batch(plan)`: the plan
+    (`Batch`) carries the rows of the step and the request-table writes queued since the last
+    one; the engine owns every device tensor.
     """
 
     def __init__(
@@ -53,7 +68,9 @@ class Scheduler:
         self.engine = engine
         # Overlap scheduling (on by default on CUDA); `overlap=True` forces it anywhere (tests).
         self.overlap = engine.config.overlap if overlap is None else overlap
-        self._in_flight: tuple[Batch, ForwardOutput] | None = None
+        self._in_flight: Step | None = None  # overlap: launched last, not yet processed
+        self._launched = 0  # steps launched so far; step k is the k-th
+        self._completed = 0  # every step up to this one has completed on the device
         # Tensor parallelism: rank 0's requests and aborts replayed on every rank each step.
         self.sync = sync
         self.config: EngineConfig = engine.config
@@ -63,13 +80,17 @@ class Scheduler:
         self.num_pages = engine.num_pages
         self.kv = KVManager(
             PageAllocator(engine.num_pages),
+            SlotAllocator(self.config.max_running_requests),
             make_prefix_cache(self.config.cache, self.page_size),
-            engine.table,
+            self.page_size,
+            debug=self.config.debug_kv,
         )
         self.reserve_ratio = self.config.reserve_ratio  # the share admission reserves now
         cfg = self.config
         self._min_reserve = min(cfg.min_reserve_ratio, cfg.reserve_ratio)
         self._reserve_decay = (cfg.reserve_ratio - self._min_reserve) / cfg.reserve_decay_steps
+        if not cfg.skip_warmup and engine.num_steps == 0:
+            self._warmup()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._arrivals = 0
@@ -80,6 +101,13 @@ class Scheduler:
             "generated_tokens": 0,
             "retractions": 0,
         }
+
+    def _warmup(self) -> None:
+        """The start-up steps of `minisgl.scheduler.warmup` (every eager kernel variant that
+        serving reaches), once per engine, before any request."""
+        start = time.perf_counter()
+        steps = run_warmup(self.engine)
+        logger.info("warm-up: %d steps in %.2f s", steps, time.perf_counter() - start)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -109,14 +137,14 @@ class Scheduler:
         for req in list(self.waiting) + self.running:
             if req.rid == rid:
                 self._finish(req, FinishReason.ABORT)
+                self._reclaim()
                 return req
         return None
 
     def flush_cache(self) -> int:
         """Drop every prefix-cache entry no running request holds; returns the pages freed."""
-        pages = self.kv.cache.reset()
-        self.kv.allocator.free(pages)
-        return len(pages)
+        self._reclaim()
+        return self.kv.flush()
 
     @property
     def has_work(self) -> bool:
@@ -132,10 +160,8 @@ class Scheduler:
 
     def run_normal(self) -> list[StepEvent]:
         """Schedule, run and process one batch; the step's tokens come back in this call."""
-        batch = self.schedule()
-        if batch is None:
-            return []
-        return self.process(batch, self.engine.forward_batch(batch))
+        planned = self.schedule()
+        return [] if planned is None else self.process(self._launch(*planned))
 
     def run_overlapped(self) -> list[StepEvent]:
         """Launch the next batch, then process the previous one while the device runs it.
@@ -146,12 +172,32 @@ class Scheduler:
         here may still be written by the launched step; anything that reuses them runs after
         it on the same stream (see `Engine`).
         """
-        batch = self.schedule()
-        launched = None if batch is None else (batch, self.engine.forward_batch(batch))
+        planned = self.schedule()
+        launched = None if planned is None else self._launch(*planned)
         prev, self._in_flight = self._in_flight, launched
-        return [] if prev is None else self.process(*prev)
+        return [] if prev is None else self.process(prev)
 
-    def schedule(self) -> Batch | None:
+    def _launch(self, reqs: list[Req], batch: Batch) -> Step:
+        self._launched += 1
+        self.kv.launched(self._launched, reqs)
+        return Step(self._launched, reqs, batch, self.engine.forward_batch(batch))
+
+    def _reclaim(self, block: bool = False) -> None:
+        """Give back what released requests held once the steps that may use it completed;
+        with `block`, wait for the step in flight first."""
+        if self._in_flight is None:
+            self._completed = self._launched
+        else:
+            step = self._in_flight
+            if block:
+                step.out.wait()
+            if step.out.done():
+                self._completed = step.number
+        self.kv.reclaim(self._completed)
+
+    def schedule(self) -> tuple[list[Req], Batch] | None:
+        """The next step's requests and plan (None: nothing to run)."""
+        self._reclaim()
         decode = [r for r in self.running if self._ready_to_decode(r)]
         decode = self._make_room_for_decode(decode)
         room = self.kv.available_pages - self._pages_needed(decode)
@@ -167,6 +213,7 @@ class Scheduler:
         prefix = [r.num_computed for r in reqs]
         extend = [1] * len(decode) + [n for _, n in prefill]
         sample = [p + e == r.seq_len for r, p, e in zip(reqs, prefix, extend)]
+        out_index = [r.num_sampled for r in reqs]
         for r, p, e in zip(reqs, prefix, extend):
             self.kv.grow(r, p + e)
             # Counted as computed once launched: the next step may be scheduled before this
@@ -176,7 +223,20 @@ class Scheduler:
         for r, s in zip(reqs, sample):
             r.num_sampled += int(s)
         self.reserve_ratio = max(self._min_reserve, self.reserve_ratio - self._reserve_decay)
-        return Batch(reqs, prefix, extend, sample)
+        page_writes, token_writes, freed = self.kv.take_writes()
+        seqs = [r.seq for r in reqs]
+        assert None not in seqs
+        batch = Batch(
+            seqs,  # type: ignore[arg-type]
+            prefix,
+            extend,
+            sample,
+            out_index,
+            token_writes=token_writes,
+            page_writes=page_writes,
+            freed_pages=freed,
+        )
+        return reqs, batch
 
     def _can_sample_more(self, r: Req) -> bool:
         """False once the launched steps have sampled every token `r` may get."""
@@ -194,8 +254,12 @@ class Scheduler:
         return sum(max(0, pages_for(r.seq_len, self.page_size) - len(r.pages)) for r in reqs)
 
     def _make_room_for_decode(self, decode: list[Req]) -> list[Req]:
-        """Retract the newest requests until every decoding request has room for its token."""
+        """Retract the newest requests until every decoding request has room for its token
+        (first waiting for the step in flight, when released pages only wait for it)."""
         while decode and self._pages_needed(decode) > self.kv.available_pages:
+            if self.kv.deferred_pages and self._completed < self._launched:
+                self._reclaim(block=True)
+                continue
             victim = max((r for r in self.running if self._needs_step(r)), key=lambda r: r.arrival)
             self._retract(victim)
             decode = [r for r in decode if r is not victim]
@@ -217,7 +281,7 @@ class Scheduler:
                     budget -= n
                     room -= need
         reserved = sum(self._reserved(r) for r in self.running) if self.waiting else 0
-        while self.waiting and budget > 0 and self.kv.table.num_free_slots > 0:
+        while self.waiting and budget > 0 and self.kv.slots.num_free > 0:
             req = self.waiting[0]
             if len(req.output_ids) != req.num_sampled:
                 break  # retracted with a token still in flight: its ids are not all known yet
@@ -238,14 +302,14 @@ class Scheduler:
 
     def _can_admit(self, req: Req, reserved: int) -> bool:
         """`reserved`: what the running requests reserved (`_reserved` summed)."""
-        match = self.kv.cache.match_prefix(req.all_ids()[: req.seq_len - 1])
+        # A question only: admission may say no, and a match would split cache entries and
+        # keep a blocked request's prefix fresh in the LRU order.
+        matched = self.kv.cache.peek(req.all_ids()[: req.seq_len - 1]) // self.page_size
         # Matched pages stop being evictable once locked, so they don't add room.
-        room = self.kv.available_pages - min(
-            match.length // self.page_size, self.kv.cache.evictable_pages
-        )
-        need = self._reserved(req) - match.length // self.page_size
+        room = self.kv.available_pages - min(matched, self.kv.cache.evictable_pages)
+        need = self._reserved(req) - matched
         if not self.running:  # alone it must at least fit its prompt, or nothing ever runs
-            need = pages_for(req.seq_len + 1, self.page_size) - match.length // self.page_size
+            need = pages_for(req.seq_len + 1, self.page_size) - matched
         return reserved + need <= room
 
     def _admit(self, req: Req) -> None:
@@ -261,35 +325,40 @@ class Scheduler:
         self.stats["retractions"] += 1
         self.reserve_ratio = self.config.reserve_ratio  # the pool ran short: reserve more again
         self.running.remove(req)
-        self.kv.release(req)
+        self.kv.release(req, self._launched)
         req.num_retractions += 1
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
 
     # ---- results ---------------------------------------------------------------------------
 
-    def process(self, batch: Batch, out: ForwardOutput) -> list[StepEvent]:
+    def process(self, step: Step) -> list[StepEvent]:
         """Turn a step's sampled tokens into request progress (waits for them to land).
 
         With overlap, requests of `batch` may have finished, been aborted or been retracted
         since it was launched: a finished one drops its token; a retracted one keeps it (it
         was sampled from a complete context, and `num_sampled` already counts it).
         """
+        reqs, batch, out = step.reqs, step.batch, step.out
         out.wait()
+        self._completed = max(self._completed, step.number)
         tokens = out.tokens_host.tolist()
         events: list[StepEvent] = []
         for k, row in enumerate(out.sample_rows):
-            req = batch.reqs[row]
+            req = reqs[row]
             if req.finished:  # finished or aborted while its step ran: the token is dropped
                 continue
             self._append_token(req, tokens[k], out, k)
             events.append(StepEvent(req, [tokens[k]], req.finished))
         # After the tokens: a request's next step (in flight) may already count the KV of the
         # token just appended, and the cache needs the ids of every page it takes.
-        for r, e in zip(batch.reqs, batch.extend_lens):
-            if e > 1 and r.status is ReqStatus.RUNNING:
-                # A prefill chunk: share its pages with requests admitted later.
-                self.kv.cache_prefix(r)
+        for r, seq, end, e in zip(reqs, batch.seqs, batch.seq_lens, batch.extend_lens):
+            if r.seq is not seq:  # released since: what it stored went with it
+                continue
+            r.num_stored = max(r.num_stored, end)
+            if e > 1:  # a prefill chunk: share its pages with requests admitted later
+                self.kv.cache_prefix(r, self._launched)
+        self.kv.reclaim(self._completed)
         return events
 
     def _append_token(self, req: Req, token: int, out: ForwardOutput, k: int) -> None:
@@ -314,7 +383,7 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-            self.kv.release(req)
+            self.kv.release(req, self._launched)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = ReqStatus.FINISHED
@@ -328,10 +397,11 @@ class Scheduler:
             "held_by_requests": held,
             "protected": self.kv.cache.protected_pages,
             "evictable": self.kv.cache.evictable_pages,
+            "released": self.kv.deferred_pages,  # waiting for a step in flight to complete
             "total": self.num_pages,
         }
 
     def check_invariants(self) -> None:
         a = self.kv_accounting()
-        total = a["free"] + a["held_by_requests"] + a["protected"] + a["evictable"]
+        total = sum(v for k, v in a.items() if k != "total")
         assert total == a["total"], f"KV pages leaked or double counted: {a}"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from minisgl.attention.base import AttentionInputs
 from minisgl.attention.torch_backend import TorchBackend, plan_groups
 from minisgl.config import RopeConfig
+from minisgl.core import TableWrite
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import MergedColumnParallelLinear, QKVParallelLinear, RMSNorm, RowParallelLinear
 from minisgl.layers.rotary import RotaryEmbedding
@@ -35,7 +36,7 @@ def _setup(page_size: int, seq_lens: list[int], seed: int) -> tuple[TorchBackend
     slots_of = []
     for slot, n in enumerate(seq_lens):
         pages = [free.pop() for _ in range(-(-n // page_size))]
-        table.write_pages(slot, 0, pages)
+        table.apply([TableWrite(slot, 0, pages)], [])
         slots_of.append([pages[p // page_size] * page_size + p % page_size for p in range(n)])
     return TorchBackend(pool, table, HQ, D**-0.5), slots_of
 

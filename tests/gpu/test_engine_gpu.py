@@ -262,15 +262,18 @@ def test_abort_in_flight_then_reuse_the_slot() -> None:
     while not all(len(r.output_ids) >= 3 for r in reqs):
         sched.step()
     victim = reqs[3]
-    assert sched._in_flight is not None and victim in sched._in_flight[0].reqs
+    in_flight = sched._in_flight
+    assert in_flight is not None and victim in in_flight.reqs
     slot = victim.slot
     sched.abort(victim.rid)
     sched.check_invariants()
-    # The next request takes the freed slot while the aborted request's step still runs.
+    # The slot comes back once the aborted request's step has completed, and not before.
+    assert in_flight.out.done() or slot not in sched.kv.slots._free
+    in_flight.out.wait()
     late = Req(rid="late", prompt_ids=ps[3], params=greedy, seed=0)
     sched.add_request(late)
     sched.step()
-    assert late.slot == slot
+    assert late.slot == slot  # the free list is last-in first-out
     while sched.has_work:
         sched.step()
         sched.check_invariants()

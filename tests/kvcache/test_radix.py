@@ -129,6 +129,18 @@ class RadixMachine(RuleBasedStateMachine):
         self.checked_match(self.ids(picks, tail))
 
     @rule(picks=page_picks, tail=tails)
+    def peek(self, picks: list[int], tail: list[int]) -> None:
+        """The read-only question: the reference's times stay as they are, so the eviction
+        checks fail if `peek` refreshed anything."""
+        ids = self.ids(picks, tail)
+        hit = 0
+        for p in self.ref.prefixes(ids):
+            if p not in self.ref.page:
+                break
+            hit += 1
+        assert self.cache.peek(ids) == hit * self.PAGE_SIZE
+
+    @rule(picks=page_picks, tail=tails)
     def match_and_lock(self, picks: list[int], tail: list[int]) -> None:
         handle, matched = self.checked_match(self.ids(picks, tail))
         self.cache.lock(handle)
@@ -303,3 +315,14 @@ def test_insert_rejects_misaligned_input() -> None:
         cache.insert([1, 2, 3], [0])
     with pytest.raises(ValueError, match="one page per 4"):
         cache.insert([1, 2, 3, 4], [0, 1])
+
+
+def test_peek_neither_splits_nor_refreshes() -> None:
+    cache = RadixPrefixCache(1)
+    cache.insert([1, 1], [0, 1])
+    cache.insert([2, 2], [2, 3])
+    assert cache.peek([1, 9]) == 1 and cache.peek([2, 2, 2]) == 2 and cache.peek([3]) == 0
+    # No split: evicting one page still takes the whole least recently used leaf's tail, and
+    # [1, 1] is still the least recently used although it was peeked last.
+    assert cache.evict(1) == [1]
+    assert cache.evict(1) == [0]

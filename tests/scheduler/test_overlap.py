@@ -1,6 +1,11 @@
 """Overlap scheduling, forced on the CPU: the same outputs as the plain loop, and requests that
 finish, are aborted or are retracted while their step is in flight free everything exactly once
-(the allocator and the request table assert on double frees) with the KV accounting intact."""
+(the allocators assert on double frees) with the KV accounting intact after every step.
+
+The tests run in the KV debug mode (tests/conftest.py): pages given back are poisoned with NaN
+and a page or slot given back while a launched step references it fails an assertion. On the
+CPU a step counts as completed once the scheduler has waited for it, so what a released request
+held waits for its last step exactly as it does on a GPU."""
 
 from __future__ import annotations
 
@@ -21,6 +26,15 @@ def make_llm(path: Any, overlap: bool, **options: Any) -> LLM:
     llm = LLM(str(path), dtype="float32", device="cpu", **options)
     if overlap:
         llm.scheduler = Scheduler(llm.engine, overlap=True)
+    assert llm.scheduler.kv.debug, "the tests run in the KV debug mode"
+    step = llm.scheduler.step
+
+    def checked_step() -> Any:  # the KV invariant after every step
+        events = step()
+        llm.scheduler.check_invariants()
+        return events
+
+    llm.scheduler.step = checked_step  # type: ignore[method-assign]
     return llm
 
 
@@ -83,7 +97,8 @@ def test_overlap_matches_the_plain_loop(model_path, options):
         assert overlap.scheduler.stats["retractions"] > 0, "the small pool should retract"
 
 
-def test_stop_tokens_while_the_next_step_is_in_flight(model_path):
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_stop_tokens_while_the_next_step_is_in_flight(model_path, page_size):
     prompts = random_prompts(8, 384, seed=4)
     greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     full = generate(make_llm(model_path, overlap=False), prompts, [greedy] * len(prompts))
@@ -94,8 +109,8 @@ def test_stop_tokens_while_the_next_step_is_in_flight(model_path):
         else greedy
         for i, o in enumerate(full)
     ]
-    plain = generate(make_llm(model_path, overlap=False), prompts, params)
-    llm = make_llm(model_path, overlap=True)
+    plain = generate(make_llm(model_path, overlap=False, page_size=page_size), prompts, params)
+    llm = make_llm(model_path, overlap=True, page_size=page_size)
     got = generate(llm, prompts, params)
     assert [g["token_ids"] for g in got] == [p["token_ids"] for p in plain]
     assert any(g["finish_reason"] == "stop" for g in got)
@@ -109,25 +124,29 @@ def _add(llm: LLM, prompt: list[int], params: SamplingParams, rid: str) -> Req:
     return req
 
 
-def test_abort_while_its_step_is_in_flight(model_path):
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_abort_while_its_step_is_in_flight(model_path, page_size):
     prompts = random_prompts(6, 384, seed=7)
     greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
-    want = generate(make_llm(model_path, overlap=False), prompts, [greedy] * len(prompts))
-    llm = make_llm(model_path, overlap=True)
+    plain = make_llm(model_path, overlap=False, page_size=page_size)
+    want = generate(plain, prompts, [greedy] * len(prompts))
+    llm = make_llm(model_path, overlap=True, page_size=page_size)
     sched = llm.scheduler
     reqs = [_add(llm, p, greedy, f"r{i}") for i, p in enumerate(prompts)]
     while not all(len(r.output_ids) >= 2 for r in reqs):
         sched.step()
     assert sched._in_flight is not None
     victim = reqs[2]
-    assert victim in sched._in_flight[0].reqs, "the victim's next step should be in flight"
-    slot = victim.slot
+    assert victim in sched._in_flight.reqs, "the victim's next step should be in flight"
+    slot, pages = victim.slot, list(victim.pages)
     assert sched.abort(victim.rid) is victim
     sched.check_invariants()
-    # A new request takes the freed slot at once; the in-flight step must not disturb it.
+    # Its slot and pages wait for the step in flight; a request admitted meanwhile gets others.
+    assert sched.kv_accounting()["released"] > 0
     late = _add(llm, prompts[2], greedy, "late")
     sched.step()
-    assert late.slot == slot
+    own = late.pages[late.cache_len // llm.engine.page_size :]  # not shared through the cache
+    assert late.slot != slot and not set(own) & set(pages)
     run_checked(llm)
     assert victim.finish_reason is not None and victim.finish_reason.value == "abort"
     assert len(victim.output_ids) < NUM_TOKENS
@@ -139,10 +158,11 @@ def test_abort_while_its_step_is_in_flight(model_path):
     assert_kv_clean(llm)
 
 
-def test_retraction_while_a_token_is_in_flight(model_path, monkeypatch):
+@pytest.mark.parametrize("page_size, num_pages", [(1, 144), (4, 36), (16, 9)])
+def test_retraction_while_a_token_is_in_flight(model_path, monkeypatch, page_size, num_pages):
     prompts = random_prompts(10, 384, seed=9, lo=20, hi=40)
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(prompts)
-    options = {"num_pages": 36, "page_size": 4, "reserve_ratio": 0.1}
+    options = {"num_pages": num_pages, "page_size": page_size, "reserve_ratio": 0.1}
     want = generate(make_llm(model_path, overlap=False, **options), prompts, params)
     llm = make_llm(model_path, overlap=True, **options)
     sched = llm.scheduler
@@ -171,15 +191,26 @@ def test_penalty_inputs_come_from_the_token_table(model_path, monkeypatch):
     original = engine._penalties
     checked = []
 
-    def check(reqs, rows):
-        pen = original(reqs, rows)
-        for i, r in enumerate(reqs):
+    reqs = {}
+
+    def check(seqs, num_out, rows):
+        pen = original(seqs, num_out, rows)
+        for i, s in enumerate(seqs):
+            r = reqs[s]
             prompt = [t for t in pen.prompt_tokens[i].tolist() if t >= 0]
             out = [t for t in pen.output_tokens[i].tolist() if t >= 0]
             assert prompt == r.prompt_ids
             assert out == r.output_ids
-        checked.append(len(reqs))
+        checked.append(len(seqs))
         return pen
+
+    launch = llm.scheduler._launch
+
+    def remember(step_reqs, batch):
+        reqs.update(zip(batch.seqs, step_reqs))
+        return launch(step_reqs, batch)
+
+    monkeypatch.setattr(llm.scheduler, "_launch", remember)
 
     monkeypatch.setattr(engine, "_penalties", check)
     params = SamplingParams(max_tokens=8, temperature=0.5, frequency_penalty=0.4, seed=1)

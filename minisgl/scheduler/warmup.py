@@ -1,5 +1,6 @@
 """Start-up warm-up: a few synthetic steps through `Engine.forward_batch`, so that a fresh server
-does not compile Triton kernels (nor load CUDA modules or grow the allocator) mid-serving.
+does not compile Triton kernels (nor load CUDA modules or grow the allocator) mid-serving. The
+scheduler runs them once per engine, before its first request.
 
 Triton compiles a variant of a kernel per set of constexprs, per 16-byte alignment of each
 pointer argument, and per integer argument that is 1 or a multiple of 16 (unless the kernel
@@ -23,10 +24,9 @@ the order the scheduler builds batches (one-token decode rows first, then prefil
    about 0.1 s for an 8,192-token prefill of a 3B-active model on an H200).
 
 Prompt lengths are not multiples of 16, token counts per step are both odd and even, and
-batches hold one and several requests. The synthetic requests take slots from the engine's
-request table and pages from an allocator of their own (the engine runs this before a
-scheduler exists), and give everything back in reverse order, so the table's free list is
-exactly as before; the token-table rows they wrote are rewritten by whoever takes the slot.
+batches hold one and several requests. The synthetic requests take slots and pages from
+allocators of their own (no request holds any yet) and write their rows of the request table
+through the step plans, as the scheduler does; whoever takes a slot later rewrites its rows.
 Every tensor-parallel rank runs the same steps (they depend on the config only, unless the
 KV pool is too small for them), so the model's collectives line up.
 """
@@ -37,13 +37,11 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from minisgl.core import Batch, Req, SamplingParams
-from minisgl.kvcache import PageAllocator
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from minisgl.core import Batch, Req, SamplingParams, SeqInfo, TableWrite
+from minisgl.engine import Engine, ForwardOutput
+from minisgl.kvcache import PageAllocator, SlotAllocator
+from minisgl.scheduler.kv_manager import pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,29 +98,29 @@ def plan_sizes(
     )
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
 class WarmupRun:
-    """Synthetic requests on the engine's request table and a private page allocator."""
+    """Synthetic requests on private slot and page allocators."""
 
     def __init__(self, engine: Engine, allocator: PageAllocator) -> None:
         self.engine = engine
         self.allocator = allocator
+        self.slots = SlotAllocator(engine.config.max_running_requests)
         self.reqs: list[Req] = []
         self.pages: list[int] = []  # in the order the allocator handed them out
+        self.page_writes: list[TableWrite] = []  # for the next step's plan
+        self.token_writes: list[TableWrite] = []
         self.steps = 0
+        self.last: ForwardOutput | None = None  # of the step launched last
 
     def add(self, prompt_len: int, params: SamplingParams, cached: int = 0) -> Req:
         """A request admitted with its first `cached` tokens' KV in place, as after a prefix
         cache hit (what those pages hold does not matter here)."""
-        table, n = self.engine.table, len(self.reqs)
+        n = len(self.reqs)
         vocab = self.engine.model_config.vocab_size
         ids = [(7919 * n + 131 * i + 3) % vocab for i in range(prompt_len)]
         req = Req(f"warmup-{n}", ids, params, seed=n + 1)
-        req.slot = table.alloc_slot()
-        table.write_tokens(req.slot, 0, ids)
+        req.seq = SeqInfo(self.slots.alloc(), params, req.seed, prompt_len)
+        self.token_writes.append(TableWrite(req.seq.slot, 0, ids))
         self._grow(req, cached)
         req.num_computed = cached
         self.reqs.append(req)
@@ -134,12 +132,25 @@ class WarmupRun:
         prefix = [r.num_computed for r in reqs]
         extend = [n for _, n in rows]
         sample = [p + e == r.seq_len for r, p, e in zip(reqs, prefix, extend)]
+        out_index = [r.num_sampled for r in reqs]
         for r, p, e, s in zip(reqs, prefix, extend, sample):
             self._grow(r, p + e)
             r.num_computed = p + e
             r.num_sampled += int(s)
+        seqs = [r.seq for r in reqs]
+        assert None not in seqs
+        batch = Batch(
+            seqs,  # type: ignore[arg-type]
+            prefix,
+            extend,
+            sample,
+            out_index,
+            token_writes=self.token_writes,
+            page_writes=self.page_writes,
+        )
+        self.token_writes, self.page_writes = [], []
         # Nothing reads the tokens back: the next step takes its inputs from the token table.
-        self.engine.forward_batch(Batch(reqs, prefix, extend, sample))
+        self.last = self.engine.forward_batch(batch)
         self.steps += 1
 
     def _grow(self, req: Req, tokens: int) -> None:
@@ -147,7 +158,7 @@ class WarmupRun:
         if need > 0:
             new = self.allocator.alloc(need)
             assert req.slot is not None
-            self.engine.table.write_pages(req.slot, len(req.pages), new)
+            self.page_writes.append(TableWrite(req.slot, len(req.pages), new))
             req.pages.extend(new)
             self.pages.extend(new)
 
@@ -160,20 +171,21 @@ class WarmupRun:
             self.release()
 
     def release(self) -> None:
-        """Give back every slot and page, last taken first (the free lists end as they began)."""
+        """Give back every slot and page, last taken first (the free lists end as they began),
+        once the steps that used them have completed."""
+        if self.last is not None:
+            self.last.wait()
         self.allocator.free(reversed(self.pages))
         for req in reversed(self.reqs):
             assert req.slot is not None
-            self.engine.table.free_slot(req.slot)
-            req.slot, req.pages = None, []
+            self.slots.free(req.slot)
+            req.seq, req.pages = None, []
         self.reqs, self.pages = [], []
 
 
 def run_warmup(engine: Engine, allocator: PageAllocator | None = None) -> int:
     """Run the warm-up steps on an engine without requests; returns how many ran (0: the limits
     left no room). `allocator`: where pages come from (default: a new one over the whole pool)."""
-    table = engine.table
-    assert table.num_free_slots == table.max_reqs, "warm-up needs an engine with no requests"
     run = WarmupRun(engine, allocator or PageAllocator(engine.num_pages))
     sizes = fitting_sizes(run)
     if sizes is None:
@@ -194,7 +206,7 @@ def fitting_sizes(run: WarmupRun) -> WarmupSizes | None:
     decode_config = getattr(e.backend, "decode_config", None)
     split_tokens = getattr(decode_config, "min_split_tokens", None)
     sizes = plan_sizes(split_tokens, e.config.max_prefill_tokens, e.max_context)
-    if sizes is None or e.table.max_reqs < MIN_SLOTS:
+    if sizes is None or e.config.max_running_requests < MIN_SLOTS:
         return None
     if sum(pages_for(n, e.page_size) for n in sizes.contexts) > run.allocator.num_free:
         return None
@@ -219,7 +231,7 @@ def eager_decode_step(run: WarmupRun) -> None:
     """Step 5: with CUDA graphs, a decode batch of one-token prompts one above the largest
     graph (when the scheduler can run that many requests and the pool has a page for each)."""
     e = run.engine
-    if e.graphs is None or e.graphs.max_bs >= e.table.max_reqs:
+    if e.graphs is None or e.graphs.max_bs >= e.config.max_running_requests:
         return
     n = e.graphs.max_bs + 1
     if n <= run.allocator.num_free:

@@ -1,4 +1,4 @@
-"""The start-up warm-up (`minisgl.engine.warmup`): its steps reach every eager path, it leaves the
+"""The start-up warm-up (`minisgl.scheduler.warmup`): its steps reach every eager path, it leaves the
 engine exactly as it found it, and greedy outputs after it are those of an engine without it.
 With the Triton backend the kernels run in Triton's CPU interpreter, where the test records the
 specialisation key of every launch (what a GPU would compile a variant for): after the warm-up,
@@ -25,15 +25,15 @@ from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.config import EngineConfig  # noqa: E402
 from minisgl.core import BatchKind  # noqa: E402
 from minisgl.engine import Engine  # noqa: E402
-from minisgl.engine.warmup import (  # noqa: E402
+from minisgl.kvcache import PageAllocator  # noqa: E402
+from minisgl.scheduler import Scheduler  # noqa: E402
+from minisgl.scheduler.warmup import (  # noqa: E402
     WarmupRun,
     moe_sweep,
     moe_token_counts,
     plan_sizes,
     run_warmup,
 )
-from minisgl.kvcache import PageAllocator  # noqa: E402
-from minisgl.scheduler import Scheduler  # noqa: E402
 
 
 def _needs_interpreter() -> None:
@@ -82,11 +82,9 @@ def test_moe_token_counts() -> None:
 
 
 @contextmanager
-def unchanged(engine: Engine, allocator: PageAllocator) -> Iterator[None]:
-    slots = list(engine.table._free_slots)
+def unchanged(allocator: PageAllocator) -> Iterator[None]:
     free, is_free = list(allocator._free), bytes(allocator._is_free)
     yield
-    assert engine.table._free_slots == slots
     assert allocator._free == free and bytes(allocator._is_free) == is_free
 
 
@@ -104,7 +102,7 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
     with_graph_runner(engine, max_bs=8)
     batches = record_batches(engine)
     allocator = PageAllocator(engine.num_pages)
-    with unchanged(engine, allocator):
+    with unchanged(allocator):
         assert run_warmup(engine, allocator) == 6
     prefill, mixed, decode_graph, decode_eager = batches[0], batches[1], batches[3], batches[5]
     assert prefill.kind is BatchKind.MIXED and min(prefill.extend_lens) > 1
@@ -120,7 +118,7 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
     assert {b.size == 1 for b in batches} == {True, False}
     assert {b.num_tokens % 2 for b in batches} == {0, 1}
     # Every sampler path: greedy only, temperature only, filters with penalties and log-probs.
-    params = [[r.params for r in b.reqs] for b in batches]
+    params = [[s.params for s in b.seqs] for b in batches]
     assert any(all(p.greedy for p in ps) for ps in params)
     assert any(any(p.top_k > 1 and p.logprobs and p.has_penalties for p in ps) for ps in params)
     assert any(
@@ -132,21 +130,16 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
     assert_kv_clean(SimpleNamespace(scheduler=Scheduler(engine), engine=engine))
 
 
-def test_warmup_runs_at_construction_unless_skipped(tiny_model_dir, monkeypatch) -> None:
-    calls: list[Engine] = []
-    monkeypatch.setattr(Engine, "warmup", lambda self: calls.append(self))
-    engine = make_engine(tiny_model_dir("llama3"))
-    assert calls == [engine]
-    make_engine(tiny_model_dir("llama3"), skip_warmup=True)
-    assert calls == [engine]
-
-
-def test_warmup_refuses_an_engine_that_ran_batches(tiny_model_dir) -> None:
-    llm = LLM(str(tiny_model_dir("llama3")), dtype="float32", device="cpu")
-    assert llm.engine.num_steps == 5  # the warm-up's
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
-    with pytest.raises(RuntimeError, match="before the first batch"):
-        llm.engine.warmup()
+def test_warmup_runs_with_the_first_scheduler_unless_skipped(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama3")
+    engine = make_engine(path)
+    assert engine.num_steps == 0  # an engine alone runs nothing
+    Scheduler(engine)
+    assert engine.num_steps == 5  # the warm-up's
+    Scheduler(engine)  # once per engine: a second scheduler finds it warm
+    assert engine.num_steps == 5
+    llm = LLM(str(path), dtype="float32", device="cpu", skip_warmup=True)
+    assert llm.engine.num_steps == 0
 
 
 def test_small_limits_skip_or_shrink_the_steps(tiny_model_dir) -> None:
@@ -169,7 +162,7 @@ def test_moe_sweep_gives_everything_back(tmp_path, monkeypatch) -> None:
     batches = record_batches(engine)
     allocator = PageAllocator(engine.num_pages)
     run = WarmupRun(engine, allocator)
-    with unchanged(engine, allocator):
+    with unchanged(allocator):
         moe_sweep(run, 40)
     assert [b.num_tokens for b in batches] == [1, 2, 4, 8, 16, 32, 40]
 
@@ -249,7 +242,7 @@ def test_serving_compiles_nothing_after_the_warmup(tiny_model_dir, monkeypatch) 
         llm = LLM(path, dtype="float32", device="cpu", attention_backend="triton", page_size=4,
                   max_running_requests=6, max_prefill_tokens=40, skip_warmup=True)  # fmt: skip
         llm.scheduler = Scheduler(llm.engine, overlap=True)
-        llm.engine.warmup()  # eager decode steps only: each split count is the warm-up's doing
+        run_warmup(llm.engine)  # eager decode steps only: each split count is the warm-up's
         warm = set(keys)
         prompts = random_prompts(4, 384, seed=9, lo=1, hi=60) + [[7] * 16, [9] * 70]
         kinds = [
