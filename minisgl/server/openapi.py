@@ -102,7 +102,21 @@ _WHY = {
     413: "The request body is larger than --max-request-bytes.",
     503: "The engine is unavailable, or (with Retry-After) too many sequences are queued.",
 }
-STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# Each server-sent event: `data:` one JSON chunk (an error object if the request fails after
+# its stream began), and `[DONE]` last. `itemSchema` describes one event (OpenAPI 3.2, as
+# FastAPI and schemathesis read it).
+STREAM = {
+    "text/event-stream": {
+        "itemSchema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {"type": "string", "contentMediaType": "application/json"},
+                "event": {"type": "string"},
+            },
+        }
+    }
+}
 
 
 def responses(
