@@ -15,7 +15,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from minisgl.server.launch import StartupError
+    from minisgl.runtime.launch import StartupError
 
     try:
         if not config.serves_http:
@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_shell(config)
         else:
-            from minisgl.server.launch import run_server
+            from minisgl.runtime.launch import run_server
 
             run_server(config)
     except StartupError as e:
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_node(config: ServerConfig) -> int:
-    from minisgl.server.launch import run_node
+    from minisgl.runtime.launch import run_node
 
     try:
         return run_node(config)

@@ -6,18 +6,15 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
 from minisgl.config import EngineConfig
 from minisgl.core import FinishReason, InvalidRequestError, Req, SamplingParams
 from minisgl.engine import Engine
-from minisgl.scheduler import Scheduler
+from minisgl.runtime.ranks import TPLaunch, start_scheduler
 from minisgl.weights import load_tokenizer, resolve_source
-
-if TYPE_CHECKING:
-    from minisgl.distributed.launch import TPLaunch
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
@@ -36,19 +33,9 @@ class LLM:
         if unknown:
             raise ValueError(f"LLM: unknown options {sorted(unknown)}")
         config = EngineConfig(model=model, **options)
+        # At tp > 1 this process is rank 0; ranks 1..N-1 run in processes of their own.
         self._tp: TPLaunch | None = None
-        if config.tp_size > 1:
-            from minisgl.distributed.launch import TPLaunch
-
-            # This process is rank 0; ranks 1..N-1 run in processes of their own.
-            self._tp = TPLaunch.start(config)
-            try:
-                self.scheduler = self._tp.build_scheduler()
-            except BaseException:
-                self.close()
-                raise
-        else:
-            self.scheduler = Scheduler(Engine(config))
+        self.scheduler, self._tp = start_scheduler(config)
         self.engine: Engine = self.scheduler.engine
         self._model = model
         self._tokenizer: Any = None

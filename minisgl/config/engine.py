@@ -73,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction: must be in (0, 1], got {self.mem_fraction}")
+        if self.cpu_kv_gib <= 0:
+            raise ValueError(f"cpu_kv_gib: must be > 0, got {self.cpu_kv_gib}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs: must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.reserve_ratio <= 1.0:

@@ -1,6 +1,6 @@
 """Tensor-parallel rank and size, process groups and the collectives the layers call."""
 
-from minisgl.distributed.errors import EngineStopped, RankFailedError
+from minisgl.distributed.errors import RankFailedError
 from minisgl.distributed.state import (
     TPInfo,
     all_gather_last_dim,
@@ -12,7 +12,6 @@ from minisgl.distributed.state import (
 )
 
 __all__ = [
-    "EngineStopped",
     "RankFailedError",
     "TPInfo",
     "all_gather_last_dim",

@@ -3,7 +3,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
@@ -43,7 +44,13 @@ class Engine:
     after that (so no reuse depends on how the device orders its work).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, agree_num_pages: Callable[[int], int] | None = None
+    ) -> None:
+        """`agree_num_pages` (tensor parallelism) gets the page count this rank's memory holds
+        and returns the count every rank uses (the runtime passes the minimum over the ranks):
+        the pool and the CUDA graphs are then built for it, the same on every rank.
+        """
         src = resolve_source(config.model)
         self.model_config: ModelConfig = load_model_config(src)
         self.config = apply_env_switches(resolve_engine_config(config, self.model_config.dtype))
@@ -55,7 +62,7 @@ class Engine:
         torch.manual_seed(cfg.seed)
         self._build_model(src)
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
-        self._build_kv()
+        self._build_kv(agree_num_pages)
         self.graphs = self._capture_graphs()
         self.num_steps = 0  # batches run so far (the warm-up's included)
 
@@ -69,7 +76,7 @@ class Engine:
             load_weights(self.model, src, self.model_config)  # type: ignore[arg-type]
         self.model.eval()
 
-    def _build_kv(self) -> None:
+    def _build_kv(self, agree_num_pages: Callable[[int], int] | None) -> None:
         cfg, mcfg = self.config, self.model_config
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr,index]
         num_kv_heads, num_q_heads = attn.num_kv_heads, attn.num_heads
@@ -77,9 +84,9 @@ class Engine:
             cfg.max_running_requests, self.max_context, cfg.page_size, self.device
         )
         reserve = graph_reserve_bytes(cfg, mcfg, self.max_context) if self._wants_graphs() else 0
-        self.num_pages = cfg.num_pages or plan_num_pages(
-            cfg, mcfg, num_kv_heads, self.max_context, reserve
-        )
+        own = cfg.num_pages or plan_num_pages(cfg, mcfg, num_kv_heads, self.max_context, reserve)
+        self.num_pages = agree_num_pages(own) if agree_num_pages else own
+        self.config = cfg = replace(cfg, num_pages=self.num_pages)
         # One page more than the scheduler hands out: padding rows of a CUDA-graph batch write
         # their K/V there, never into a request's page.
         self.pool = KVPool(
@@ -95,7 +102,8 @@ class Engine:
         self.backend = make_backend(
             cfg.attention_backend, self.pool, self.table, num_q_heads, mcfg.head_dim**-0.5
         )
-        logger.info("KV pool: %d pages of %d tokens", self.num_pages, cfg.page_size)
+        agreed = f" (the ranks' minimum; this rank's budget holds {own})" if agree_num_pages else ""
+        logger.info("KV pool: %d pages of %d tokens%s", self.num_pages, cfg.page_size, agreed)
 
     def _wants_graphs(self) -> bool:
         """Decode CUDA graphs: on CUDA, unless disabled, with a backend that can be captured."""

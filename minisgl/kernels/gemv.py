@@ -42,16 +42,16 @@ class GemvConfig:
     preload: bool = True  # first weight tile loaded before the PDL wait
 
 
-# (N, K, act) -> config measured best on an H200 (bf16, `scripts/gemv_probe.py`, the best of
-# 17 per shape); the default below for the rest (within 1% of the best for the Llama-3-8B qkv
-# and o_proj).
+# (N, K, act) -> config measured best on an H200 (bf16, `python -m minisgl.benchmark.gemv`, the
+# best of 17 per shape); the default below for the rest (within 1% of the best for the
+# Llama-3-8B qkv and o_proj).
 TUNED: dict[tuple[int, int, bool], GemvConfig] = {
     (28672, 4096, False): GemvConfig(16, 256, 4),  # Llama-3-8B gate/up: 56.3 us
     (4096, 14336, True): GemvConfig(8, 512, 8),  # Llama-3-8B down after SiLU: 28.7 us
     (128256, 4096, False): GemvConfig(32, 256, 4),  # Llama-3 LM head: 238.4 us
     (5120, 2048, False): GemvConfig(4, 256, 4),  # Qwen3-30B-A3B qkv: 7.07 us
     (2048, 4096, False): GemvConfig(4, 1024, 8),  # Qwen3-30B-A3B o_proj: 5.28 us
-    (128, 2048, False): GemvConfig(2, 2048, 8),  # Qwen3-30B-A3B router (moe probe)
+    (128, 2048, False): GemvConfig(2, 2048, 8),  # Qwen3-30B-A3B router (one-row MoE sweep)
 }
 
 

@@ -105,9 +105,9 @@ DEFAULT_CONFIGS: dict[float, MoEConfig] = {
 }
 
 # `one_row_moe` (batch-1 decode, the norm and residual inside): any expert count.
-# `scripts/moe_one_row_probe.py` on an H200 at the Qwen3-30B-A3B shape: 31.1 us per layer with
-# the router's GEMV (2 x 2048, 8 warps; `minisgl.kernels.gemv.TUNED`), 37.8 with the tiles of
-# the pair path's DEFAULT_CONFIGS entry, 40.3 for the norm + router + pair kernels + add.
+# On an H200 at the Qwen3-30B-A3B shape (docs/benchmarks.md, fifth session): 31.1 us per layer
+# with the router's GEMV (2 x 2048, 8 warps; `minisgl.kernels.gemv.TUNED`), 37.8 with the tiles
+# of the pair path's DEFAULT_CONFIGS entry, 40.3 for the norm + router + pair kernels + add.
 ONE_ROW_CONFIG = PairConfig(GemmTile(16, 128, 4, 1), GemmTile(8, 1024, 4, 1))
 
 

@@ -124,7 +124,7 @@ class DecoderLayer(nn.Module):
         assert isinstance(mlp, LlamaMLP)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         # SiLU-and-multiply in the down GEMV's prologue: the Llama-3-8B layer on the H200 took
-        # 112.1 us against 114.4 with it in a gate/up epilogue (`scripts/gemv_probe.py`).
+        # 112.1 us against 114.4 with it in a gate/up epilogue (`minisgl.benchmark.gemv`).
         h = gemv(x, gate_up.weight, gate_up.bias, norm_weight=ln2.weight, eps=ln2.eps)
         return gemv(h, down.weight, down.bias, residual=x, act=True), None
 

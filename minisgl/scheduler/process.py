@@ -1,4 +1,5 @@
-"""The scheduler process: tokenized requests and aborts in over ZMQ, token outputs out.
+"""The scheduler process's loop: tokenized requests and aborts in over ZMQ, token outputs out
+(the process itself is started by `minisgl.runtime`).
 
 The loop blocks on its inbox while the scheduler has nothing to do, and otherwise drains the
 inbox without waiting before every step, so new requests join the next batch.
@@ -7,16 +8,11 @@ inbox without waiting before every step, so new requests join the next batch.
 from __future__ import annotations
 
 import logging
-import os
-from multiprocessing.connection import Connection
 from typing import Any
 
-from minisgl.config import EngineConfig
 from minisgl.core import InvalidRequestError, Req
-from minisgl.engine import Engine
 from minisgl.message import (
     AbortReq,
-    EngineInfo,
     FlushCacheOut,
     FlushCacheReq,
     SchedulerOut,
@@ -24,10 +20,8 @@ from minisgl.message import (
     TokenizedReq,
     TokenOut,
 )
-from minisgl.message.child import ChildReady, run_child
-from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
+from minisgl.message.transport import Receiver, Sender
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.weights import resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -141,46 +135,3 @@ class SchedulerProcess:
             cached_tokens=st["cached_tokens"],
             generated_tokens=st["generated_tokens"],
         )
-
-
-def _make_scheduler(config: EngineConfig) -> Scheduler:
-    """At tp > 1 this process is rank 0: it starts ranks 1..N-1, which stop when it exits."""
-    if config.tp_size == 1:
-        return Scheduler(Engine(config))
-    from minisgl.distributed.launch import TPLaunch
-
-    tp = TPLaunch.start(config)
-    tp.watch(_exit_on_rank_failure)
-    return tp.build_scheduler()
-
-
-def _exit_on_rank_failure(reason: str) -> None:
-    # The engine cannot go on without a rank; the launcher sees this process exit.
-    logger.critical("%s", reason)
-    os._exit(1)
-
-
-def _start(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> SchedulerProcess:
-    scheduler = _make_scheduler(config)
-    engine = scheduler.engine
-    ctx = worker_context()
-    proc = SchedulerProcess(scheduler, Receiver(ctx, ipc.scheduler), Sender(ctx, ipc.detokenizer))
-    info = EngineInfo(
-        model_name=resolve_source(config.model).name,
-        max_context=scheduler.max_context,
-        num_pages=scheduler.num_pages,
-        page_size=scheduler.page_size,
-        vocab_size=engine.model_config.vocab_size,
-    )
-    conn.send(ChildReady(info))
-    logger.info("scheduler ready: %s", info)
-    return proc
-
-
-def scheduler_main(
-    config: EngineConfig, ipc: IpcPaths, conn: Connection, parent_pid: int, log_level: str
-) -> None:
-    """Entry point of the scheduler process (spawned by the launcher)."""
-    run_child(
-        "scheduler", conn, parent_pid, log_level, lambda c: _start(config, ipc, c).run_forever
-    )

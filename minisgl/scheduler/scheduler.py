@@ -6,17 +6,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, FinishReason, Req, ReqStatus, resolve_max_tokens
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import PageAllocator, SlotAllocator, make_prefix_cache
 from minisgl.scheduler.kv_manager import KVManager, pages_for
+from minisgl.scheduler.sync import RequestSync
 from minisgl.scheduler.warmup import run_warmup
-
-if TYPE_CHECKING:
-    from minisgl.distributed.sync import RequestSync
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The tokenizer and detokenizer worker processes (spawned by the server's launcher)."""
+"""The loops of the tokenizer and detokenizer worker processes (started by `minisgl.runtime`)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,14 @@ import contextlib
 import logging
 import os
 import queue
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.core import InvalidRequestError
 from minisgl.message import (
     AbortReq,
     DetokOut,
-    EngineInfo,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
@@ -26,11 +22,9 @@ from minisgl.message import (
     StrOut,
     TokenizedReq,
 )
-from minisgl.message.child import ChildReady, run_child
-from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
+from minisgl.message.transport import Receiver, Sender
 from minisgl.tokenizer.detokenizer import Detokenizer
-from minisgl.tokenizer.loading import load_and_save, load_saved
-from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars
+from minisgl.tokenizer.tokenize import RequestTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -176,64 +170,3 @@ class DetokenizerWorker:
     def run_forever(self) -> None:
         while True:
             self.handle(self.inbox.recv())
-
-
-def _start_tokenizer(
-    model: str | None, tokenizer_dir: Path, ipc: IpcPaths, conn: Connection
-) -> Callable[[], None]:
-    tokenizer = load_and_save(model, tokenizer_dir)
-    conn.send(ChildReady(str(tokenizer_dir)))  # the detokenizer can start loading now
-    info = conn.recv()  # the launcher passes on the scheduler's limits
-    assert isinstance(info, EngineInfo)
-    ctx = worker_context()
-    worker = TokenizerWorker(
-        RequestTokenizer(tokenizer, info),
-        Receiver(ctx, ipc.tokenizer),
-        Sender(ctx, ipc.scheduler),
-        Sender(ctx, ipc.api),
-    )
-    # The API server refuses prompts longer than the context by their characters, before they
-    # are sent here to be tokenized.
-    conn.send(ChildReady(replace(info, max_token_chars=max_token_chars(tokenizer))))
-    return worker.run_forever
-
-
-def _start_detokenizer(tokenizer_dir: Path, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
-    ctx = worker_context()
-    worker = DetokenizerWorker(
-        Detokenizer(load_saved(tokenizer_dir)),
-        Receiver(ctx, ipc.detokenizer),
-        Sender(ctx, ipc.scheduler),
-        Sender(ctx, ipc.api),
-    )
-    conn.send(ChildReady())
-    return worker.run_forever
-
-
-def tokenizer_main(
-    model: str | None,
-    tokenizer_dir: Path,
-    ipc: IpcPaths,
-    conn: Connection,
-    parent_pid: int,
-    log_level: str,
-) -> None:
-    run_child(
-        "tokenizer",
-        conn,
-        parent_pid,
-        log_level,
-        lambda c: _start_tokenizer(model, tokenizer_dir, ipc, c),
-    )
-
-
-def detokenizer_main(
-    tokenizer_dir: Path, ipc: IpcPaths, conn: Connection, parent_pid: int, log_level: str
-) -> None:
-    run_child(
-        "detokenizer",
-        conn,
-        parent_pid,
-        log_level,
-        lambda c: _start_detokenizer(tokenizer_dir, ipc, c),
-    )

@@ -16,7 +16,9 @@ from server.serving_helpers import descendants, free_port, start_server
 from minisgl import LLM, SamplingParams
 from minisgl.__main__ import main
 from minisgl.config import EngineConfig
-from minisgl.distributed.group import host_store, publish_config, store_address
+from minisgl.distributed.group import host_store, store_address
+from minisgl.runtime import ranks
+from minisgl.runtime.rendezvous import publish_config
 
 VOCAB = 385
 MAX_TOKENS = 8
@@ -89,3 +91,15 @@ def test_node_flags_must_match_node0(capsys: pytest.CaptureFixture[str]) -> None
     argv = ["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr]
     assert main(argv) == 2
     assert "tp_size: 4 given here but rank 0 runs with 2" in capsys.readouterr().err
+
+
+def test_rank_launcher_refuses_a_bad_node_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m minisgl.runtime.ranks` checks this node's memory flags before starting ranks."""
+    store = host_store(None)
+    addr = store_address(store)
+    publish_config(store, EngineConfig(tp_size=2, nnodes=2, dist_init_addr=addr))
+    argv = ["--dist-init-addr", addr, "--node-rank", "1", "--mem-fraction", "1.5"]
+    with pytest.raises(SystemExit) as exit_info:
+        ranks.main(argv)
+    assert exit_info.value.code == 2
+    assert "mem_fraction: must be in (0, 1], got 1.5" in capsys.readouterr().err

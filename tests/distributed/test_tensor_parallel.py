@@ -5,6 +5,7 @@ also over two "nodes", with dummy weights, and when a rank dies."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -106,7 +107,7 @@ def test_two_nodes(
     """Rank 0 here (node 0); node 1 is a separate launcher holding rank 1, met over TCP."""
     addr = f"127.0.0.1:{_free_port()}"
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "minisgl.distributed.launch", "--dist-init-addr", addr]
+        [sys.executable, "-m", "minisgl.runtime.ranks", "--dist-init-addr", addr]
         + ["--node-rank", "1", "--nnodes", "2"]
     )
     try:
@@ -115,6 +116,66 @@ def test_two_nodes(
     finally:
         node1.kill()
     assert_same_outputs(reference["llama3"], out)
+
+
+# The llama3 model's KV per token and rank at tp=2, by hand: K and V, 2 layers, 1 of the 2 KV
+# heads, head_dim 64 / 4 = 16, fp32.
+KV_BYTES_PER_PAGE = 2 * 2 * 1 * 16 * 4  # page_size 1 (the CPU's default)
+
+
+def kv_gib(pages: int) -> float:
+    """A CPU KV budget that holds `pages` pages besides the engine's own padding page."""
+    return (pages + 1) * KV_BYTES_PER_PAGE / (1 << 30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rank0_pages", "rank1_pages"), [(3000, 120), (120, 3000)])
+def test_ranks_agree_on_the_smallest_pool(
+    models: dict[str, Path],
+    rank0_pages: int,
+    rank1_pages: int,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Node 1 gives its rank a different KV budget than node 0 gives rank 0 (`--cpu-kv-gib`):
+    both ranks build the smaller pool before allocating, and a workload that queues and retracts
+    in it gives tp=1's greedy tokens without a hang."""
+    small = min(rank0_pages, rank1_pages)
+    prompts = random_prompts(8, VOCAB, seed=9, lo=15, hi=25)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(models["llama3"]), max_running_requests=16, num_pages=small) as llm:
+        ref = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler.stats["retractions"] > 0  # the small pool is under pressure
+
+    addr = f"127.0.0.1:{_free_port()}"
+    log = tmp_path / "node1.log"
+    with open(log, "wb") as out:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "minisgl.runtime.ranks", "--dist-init-addr", addr]
+            + ["--node-rank", "1", "--nnodes", "2", "--cpu-kv-gib", str(kv_gib(rank1_pages))],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        opts = {"max_running_requests": 16, "cpu_kv_gib": kv_gib(rank0_pages)}
+        with caplog.at_level("INFO", logger="minisgl.engine.engine"):
+            llm = LLM(str(models["llama3"]), tp_size=2, nnodes=2, dist_init_addr=addr, **opts)
+        with llm:
+            assert llm.engine.config.num_pages == small
+            assert llm.scheduler.num_pages == small
+            out = llm.generate(prompts, params, use_tqdm=False)
+        assert node1.wait(timeout=30) == 0
+    finally:
+        node1.kill()
+    assert [o["token_ids"] for o in out] == [r["token_ids"] for r in ref]
+    said = {
+        "rank 0": caplog.text,
+        "rank 1": "\n".join(line for line in log.read_text().splitlines() if " tp1 " in line),
+    }
+    for rank, own in (("rank 0", rank0_pages), ("rank 1", rank1_pages)):
+        pool = re.findall(r"KV pool: (\d+) pages of 1 tokens \(the ranks' minimum; "
+                          r"this rank's budget holds (\d+)\)", said[rank])  # fmt: skip
+        assert pool == [(str(small), str(own))], said[rank][-2000:]
 
 
 def test_dead_rank_raises(models: dict[str, Path], prompts: list[list[int]]) -> None:

@@ -17,7 +17,7 @@ from minisgl.message.transport import Receiver, Sender, worker_context
 IDLE_WORKER = textwrap.dedent(
     """
     import os, signal, sys, threading, time
-    from minisgl.message.child import setup_child
+    from minisgl.runtime.child import setup_child
     from minisgl.message.transport import Receiver, worker_context
 
     setup_child(os.getppid(), "warning", "test")

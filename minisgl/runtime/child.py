@@ -1,8 +1,9 @@
-"""What every child process of the server does the same way: signals, parent watch, logging,
-and the startup handshake with the launcher over a multiprocessing pipe."""
+"""What every child process does the same way: its OS name, signals, the parent watch, logging,
+and the startup handshake with its launcher over a multiprocessing pipe."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -18,6 +19,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+EXIT_GRACE_S = 2.0
+PARENT_POLL_S = 0.5
+
 
 @dataclass
 class ChildReady:
@@ -29,15 +33,38 @@ class ChildFailed:
     error: str  # the traceback, for the launcher to show
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A launcher killed with SIGKILL cannot stop its children; they notice and go.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+def set_process_name(name: str) -> None:
+    """The OS-level name of this process (Linux; elsewhere nothing happens)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
-EXIT_GRACE_S = 2.0
+def named_main(os_name: str, target: Callable[..., None], *args: Any) -> None:
+    """A spawned child's first call: name the process, then run `target(*args)`."""
+    set_process_name(os_name)
+    target(*args)
+
+
+def ignore_sigint() -> None:
+    # Ctrl-C in a terminal signals the whole process group; the launcher alone decides when its
+    # children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Exit at once when the parent is gone: a launcher killed with SIGKILL cannot stop its
+    children, so they notice and go."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=loop, name="minisgl-parent-watch", daemon=True).start()
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
@@ -50,15 +77,15 @@ def _exit(signum: int, frame: FrameType | None) -> None:
 
 
 def setup_child(parent_pid: int, log_level: str, name: str) -> None:
-    # Ctrl-C in a terminal signals the whole process group; the launcher alone decides when its
-    # children stop (it terminates them with SIGTERM).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Signals, logging and the parent watch of a server worker process."""
+    ignore_sigint()
+    # The launcher stops its workers with SIGTERM; as an exception it runs their exit hooks.
     signal.signal(signal.SIGTERM, _exit)
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    watch_parent(parent_pid)
 
 
 def run_child(

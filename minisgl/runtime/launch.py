@@ -1,4 +1,5 @@
-"""Start the worker processes, wait until they are ready, watch them, stop them.
+"""Start the server's worker processes, wait until they are ready, watch them, stop them;
+run the HTTP app (`minisgl.server`) or, on nodes 1.., only this node's tensor-parallel ranks.
 
 Start order: the scheduler and the tokenizer load in parallel; the detokenizer starts once the
 tokenizer has saved a fast-loading copy of the tokenizer; the tokenizer gets the scheduler's
@@ -11,7 +12,6 @@ their tensor-parallel ranks, which take their config from rank 0 and stop when i
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -22,22 +22,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from minisgl.message import EngineInfo
-from minisgl.message.child import ChildFailed, ChildReady
 from minisgl.message.transport import IpcPaths
-from minisgl.scheduler.process import scheduler_main
+from minisgl.runtime.child import ChildFailed, ChildReady, named_main
+from minisgl.runtime.ranks import NodeMemory
+from minisgl.runtime.ranks import run_node as run_node_ranks
+from minisgl.runtime.supervise import ChildProcess, first_exited, stop_processes
+from minisgl.runtime.workers import detokenizer_main, scheduler_main, tokenizer_main
 from minisgl.server.args import ServerConfig
-from minisgl.tokenizer.workers import detokenizer_main, tokenizer_main
 
 logger = logging.getLogger(__name__)
-
-STOP_GRACE_S = 5.0
-
 
 # What `ps`, `top` and /proc/PID/comm show for each worker (Linux keeps 15 bytes).
 WORKER_NAMES = {
@@ -47,29 +45,19 @@ WORKER_NAMES = {
 }
 
 
-def set_process_name(name: str) -> None:
-    """The OS-level name of this process (Linux; elsewhere nothing happens)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
-def _named_main(os_name: str, target: Callable[..., None], *args: Any) -> None:
-    set_process_name(os_name)
-    target(*args)
-
-
 class StartupError(RuntimeError):
     """A worker process failed while loading; the message carries its traceback."""
 
 
 @dataclass
 class Child:
-    name: str
-    process: BaseProcess
-    conn: Connection
+    process: ChildProcess
+    conn: Connection  # the launcher's end of the ready handshake
+    sentinel: int  # ready to `wait` on once the process has exited
+
+    @property
+    def name(self) -> str:
+        return self.process.name
 
 
 class Workers:
@@ -85,7 +73,7 @@ class Workers:
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> Child:
         parent_conn, child_conn = self._mp.Pipe()
         proc = self._mp.Process(
-            target=_named_main,
+            target=named_main,
             args=(
                 WORKER_NAMES[name],
                 target,
@@ -99,7 +87,7 @@ class Workers:
         proc.start()
         child_conn.close()
         logger.info("started the %s process (pid %d)", name, proc.pid)
-        child = self.children[name] = Child(name, proc, parent_conn)
+        child = self.children[name] = Child(ChildProcess(name, proc), parent_conn, proc.sentinel)
         return child
 
     def start(self) -> EngineInfo:
@@ -121,8 +109,7 @@ class Workers:
 
     def _await_ready(self, child: Child) -> ChildReady:
         while True:
-            sentinels = {c.process.sentinel: c for c in self.children.values()}
-            ready = wait([child.conn, *sentinels])
+            ready = wait([child.conn, *(c.sentinel for c in self.children.values())])
             if child.conn in ready:
                 try:
                     msg = child.conn.recv()
@@ -138,22 +125,14 @@ class Workers:
 
     def failure(self) -> str | None:
         """Why the server cannot serve (a worker exited), or None while all run."""
-        for c in self.children.values():
-            if not c.process.is_alive():
-                return f"the {c.name} process exited (exit code {c.process.exitcode})"
-        return None
+        gone = first_exited(c.process for c in self.children.values())
+        if gone is None:
+            return None
+        return f"the {gone.name} process exited (exit code {gone.exit_code})"
 
     def stop(self) -> None:
         """Terminate every worker (SIGTERM, then SIGKILL after a grace period)."""
-        for c in self.children.values():
-            if c.process.is_alive():
-                c.process.terminate()
-        for c in self.children.values():
-            c.process.join(STOP_GRACE_S)
-            if c.process.is_alive():
-                logger.warning("%s did not stop in %.0f s; killing it", c.name, STOP_GRACE_S)
-                c.process.kill()
-                c.process.join()
+        stop_processes((c.process for c in self.children.values()), wait_s=0.0)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
@@ -201,9 +180,8 @@ def run_server(config: ServerConfig) -> None:
 
 def run_node(config: ServerConfig) -> int:
     """Node K > 0: run this node's tensor-parallel ranks until node 0 stops them; returns 0, or
-    the first failed rank's exit code. Raises ValueError when the flags do not fit node 0's."""
-    from minisgl.distributed.launch import run_node as run_node_ranks
-
+    the first failed rank's exit code. Raises ValueError when the flags do not fit node 0's.
+    This node's `--mem-fraction` sizes its own ranks' pools (the ranks use the smallest)."""
     e = config.engine
     assert e.dist_init_addr is not None  # EngineConfig requires it when nnodes > 1
     logger.info(
@@ -215,10 +193,11 @@ def run_node(config: ServerConfig) -> int:
         e.tp_size,
         e.dist_init_addr,
     )
+    memory = NodeMemory(mem_fraction=e.mem_fraction)
     # As an exception SIGTERM stops the ranks on its way out (they would notice by themselves,
     # half a second later).
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        return run_node_ranks(e.dist_init_addr, e.node_rank, e.nnodes, e.tp_size)
+        return run_node_ranks(e.dist_init_addr, e.node_rank, e.nnodes, e.tp_size, memory)
     finally:
         signal.signal(signal.SIGTERM, previous)

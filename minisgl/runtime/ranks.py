@@ -5,9 +5,15 @@ process) and holds a `TPLaunch`: it hosts the rendezvous, starts the other ranks
 stops them on `close`. Every other rank runs `run_worker` in a process of its own: it builds the
 same engine as rank 0 (from rank 0's config, read from the rendezvous store) and steps its own
 scheduler in lockstep with rank 0's, fed by the `RequestSync`. On nodes 1..nnodes-1,
-`python -m minisgl.distributed.launch --node-rank K` starts the node's ranks and waits for them.
+`python -m minisgl.runtime.ranks --dist-init-addr HOST:PORT --node-rank K` starts the node's
+ranks and waits for them.
 
-Ranks start as fresh interpreters (`python -m minisgl.distributed.launch --rank R`) rather than
+Each node sizes its ranks' KV pools from its own memory (`NodeMemory`: a node may give its
+ranks less than node 0 does); before any rank allocates its pool, the ranks agree on the
+smallest page count, so that every scheduler counts the same pages and every engine runs the
+same warm-up.
+
+Ranks start as fresh interpreters (`python -m minisgl.runtime.ranks --rank R`) rather than
 through multiprocessing's spawn, which re-imports the caller's main module: a script that
 creates `LLM(tp_size=2)` without an `if __name__ == "__main__"` guard would start itself again.
 """
@@ -19,13 +25,12 @@ import atexit
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,28 +38,54 @@ import torch
 import torch.distributed as dist
 
 from minisgl.config import EngineConfig
-from minisgl.distributed.errors import EngineStopped, RankFailedError
+from minisgl.distributed import RankFailedError
 from minisgl.distributed.group import (
     agree_on_min,
     connect_store,
     destroy_groups,
-    failure_of,
-    fetch_config,
     host_store,
     init_groups,
+    store_address,
+)
+from minisgl.engine import Engine
+from minisgl.runtime.child import ignore_sigint, watch_parent
+from minisgl.runtime.rendezvous import (
+    NODE_COMMAND,
+    failure_of,
+    fetch_config,
     mark_joined,
     publish_config,
     report_failure,
-    store_address,
     wait_for_ranks,
 )
-from minisgl.distributed.sync import RequestSync
-from minisgl.engine import Engine
-from minisgl.scheduler import Scheduler
+from minisgl.runtime.supervise import ChildProcess, first_exited, stop_processes
+from minisgl.scheduler import EngineStopped, RequestSync, Scheduler
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = 10.0  # how long `close` waits for the ranks to leave before it kills them
+MODULE = "minisgl.runtime.ranks"  # `python -m MODULE` runs ranks
+STOP_GRACE_S = 10.0  # how long `close` waits for the ranks to leave before it terminates them
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """What this node gives its ranks' KV pools, where it differs from rank 0's config (None:
+    rank 0's value). The ranks agree on the smallest pool, so a node only ever lowers it."""
+
+    mem_fraction: float | None = None  # share of each GPU's memory (CUDA)
+    cpu_kv_gib: float | None = None  # KV budget of each rank (CPU)
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        return replace(config, **{k: v for k, v in asdict(self).items() if v is not None})
+
+    def argv(self) -> list[str]:
+        """The flags of `main` that pass this on to a rank process."""
+        return [
+            arg
+            for k, v in asdict(self).items()
+            if v is not None
+            for arg in (f"--{k.replace('_', '-')}", str(v))
+        ]
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -72,13 +103,26 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return replace(config, device=device)
 
 
-def build_scheduler(config: EngineConfig, rank: int, control: Any, sync: RequestSync) -> Scheduler:
-    """This rank's engine and scheduler; every rank counts the same KV pages."""
-    engine = Engine(config)
-    # Each rank sizes its pool from its own free memory; schedulers that counted different
-    # pages would admit different requests and fall out of step.
-    engine.num_pages = agree_on_min(engine.num_pages, control)
+def build_scheduler(config: EngineConfig, control: Any, sync: RequestSync) -> Scheduler:
+    """This rank's engine and scheduler. Every rank's engine builds its pool and CUDA graphs
+    for the same page count, the smallest that any rank's memory holds, so the schedulers' warm-up
+    steps and admissions are the same on every rank (schedulers that counted different pages
+    would admit different requests and fall out of step)."""
+    engine = Engine(config, agree_num_pages=lambda pages: agree_on_min(pages, control))
     return Scheduler(engine, sync=sync)
+
+
+def start_scheduler(config: EngineConfig) -> tuple[Scheduler, TPLaunch | None]:
+    """This process's scheduler over its engine; at tp > 1 it is rank 0's, and the returned
+    `TPLaunch` runs this node's other ranks until its `close`."""
+    if config.tp_size == 1:
+        return Scheduler(Engine(config)), None
+    tp = TPLaunch.start(config)
+    try:
+        return tp.build_scheduler(), tp
+    except BaseException:
+        tp.close()
+        raise
 
 
 def run_steps(scheduler: Scheduler) -> None:
@@ -93,16 +137,16 @@ def run_steps(scheduler: Scheduler) -> None:
 # ---- ranks 1..N-1 ------------------------------------------------------------------------------
 
 
-def run_worker(rank: int, dist_init_addr: str, parent_pid: int) -> None:
+def run_worker(rank: int, dist_init_addr: str, parent_pid: int, memory: NodeMemory) -> None:
     """Entry point of tensor-parallel rank `rank` >= 1, in a process of its own."""
     store = connect_store(dist_init_addr)
     try:
         # Rank 0's config: every rank must build the same engine.
-        cfg = rank_config(fetch_config(store), rank)
+        cfg = memory.apply(rank_config(fetch_config(store), rank))
         _setup_worker(rank, cfg, parent_pid)
         mark_joined(store, rank)
         control = init_groups(cfg, store, rank)
-        run_steps(build_scheduler(cfg, rank, control, RequestSync(control, rank)))
+        run_steps(build_scheduler(cfg, control, RequestSync(control, rank)))
     except BaseException as e:
         report_failure(store, rank, e)
         raise
@@ -114,47 +158,31 @@ def _setup_worker(rank: int, config: EngineConfig, parent_pid: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s"
     )
-    # Ctrl-C reaches every process of the terminal's group; rank 0 alone decides when to stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Rank 0 alone decides when to stop. SIGTERM keeps its default: a rank waiting inside a
+    # collective would not run a Python handler until the collective returns.
+    ignore_sigint()
     if not config.device.startswith("cuda"):
         # The node's cores are shared by its ranks; more threads than that only thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    watch_parent(parent_pid)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A parent killed outright cannot stop its ranks; they notice and go.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
-def start_ranks(dist_init_addr: str, ranks: Iterable[int]) -> dict[int, subprocess.Popen]:
+def start_ranks(
+    dist_init_addr: str, ranks: Iterable[int], memory: NodeMemory
+) -> dict[int, ChildProcess]:
     """Start `run_worker` for each rank, each in a fresh interpreter."""
     env = dict(os.environ)
     # The ranks import this very minisgl, wherever the caller found it.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "minisgl.distributed.launch", "--dist-init-addr", dist_init_addr]
-    return {r: subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in ranks}
-
-
-def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float) -> None:
-    """Wait up to `grace_s` for the processes to leave, then terminate, then kill."""
-    procs = list(procs)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=2.0)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    cmd = [sys.executable, "-m", MODULE, "--dist-init-addr", dist_init_addr]
+    cmd += memory.argv()
+    return {
+        r: ChildProcess(
+            f"tensor-parallel rank {r}", subprocess.Popen([*cmd, "--rank", str(r)], env=env)
+        )
+        for r in ranks
+    }
 
 
 # ---- rank 0 ------------------------------------------------------------------------------------
@@ -166,7 +194,7 @@ class TPLaunch:
     def __init__(self, config: EngineConfig, store: dist.Store) -> None:
         self.config = config
         self.store = store
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, ChildProcess] = {}
         self.control: Any = None
         self.sync: RequestSync | None = None
         self._closed = False
@@ -177,8 +205,7 @@ class TPLaunch:
         if config.node_rank != 0:
             raise ValueError(
                 f"node_rank: rank 0 runs on node 0, not {config.node_rank}; start the ranks of "
-                "node K with `python -m minisgl.distributed.launch --dist-init-addr HOST:PORT "
-                "--node-rank K`"
+                f"node K with `{NODE_COMMAND}`"
             )
         store = host_store(config.dist_init_addr)
         addr = store_address(store)
@@ -187,7 +214,7 @@ class TPLaunch:
         launch = cls(config, store)
         atexit.register(launch.close)
         try:
-            launch.procs = start_ranks(addr, range(1, config.ranks_per_node))
+            launch.procs = start_ranks(addr, range(1, config.ranks_per_node), NodeMemory())
             wait_for_ranks(store, config.tp_size, launch.check_health)
             launch.control = init_groups(rank_config(config, 0), store, 0)
         except BaseException:
@@ -199,7 +226,7 @@ class TPLaunch:
         """Rank 0's engine and scheduler, whose requests reach every rank."""
         sync = RequestSync(self.control, 0, self.check_health)
         try:
-            scheduler = build_scheduler(rank_config(self.config, 0), 0, self.control, sync)
+            scheduler = build_scheduler(rank_config(self.config, 0), self.control, sync)
         except RuntimeError as e:  # a rank failed while loading: say which, and why
             self.check_health()
             raise RankFailedError(f"a tensor-parallel rank failed while loading: {e}") from e
@@ -209,13 +236,15 @@ class TPLaunch:
 
     def check_health(self) -> None:
         """Raise RankFailedError if a rank of this node has exited."""
-        for rank, proc in self.procs.items():
-            if proc.poll() is not None:
-                why = failure_of(self.store, rank) or f"exit code {proc.returncode}"
-                raise RankFailedError(
-                    f"tensor-parallel rank {rank} (pid {proc.pid}) stopped ({why}); this engine "
-                    "cannot continue: create a new one"
-                )
+        gone = first_exited(self.procs.values())
+        if gone is None:
+            return
+        rank = next(r for r, c in self.procs.items() if c is gone)
+        why = failure_of(self.store, rank) or f"exit code {gone.exit_code}"
+        raise RankFailedError(
+            f"tensor-parallel rank {rank} (pid {gone.pid}) stopped ({why}); this engine cannot "
+            "continue: create a new one"
+        )
 
     def watch(self, on_failure: Callable[[str], None], interval_s: float = 0.5) -> None:
         """Call `on_failure(reason)` from a background thread once a rank of this node exits
@@ -250,7 +279,11 @@ class TPLaunch:
 
 
 def run_node(
-    dist_init_addr: str, node_rank: int, nnodes: int | None = None, tp_size: int | None = None
+    dist_init_addr: str,
+    node_rank: int,
+    nnodes: int | None = None,
+    tp_size: int | None = None,
+    memory: NodeMemory = NodeMemory(),
 ) -> int:
     """Run node `node_rank`'s ranks of the engine whose rank 0 listens at `dist_init_addr`;
     returns once they have stopped: 0, or the first failed rank's exit code. `nnodes` and
@@ -262,8 +295,9 @@ def run_node(
         raise ValueError(f"tp_size: {tp_size} given here but rank 0 runs with {config.tp_size}")
     if not 0 < node_rank < config.nnodes:
         raise ValueError(f"node_rank: must be in [1, {config.nnodes}), got {node_rank}")
+    memory.apply(config)  # a bad value fails here, by name, rather than in every rank
     per = config.ranks_per_node
-    procs = start_ranks(dist_init_addr, range(node_rank * per, (node_rank + 1) * per))
+    procs = start_ranks(dist_init_addr, range(node_rank * per, (node_rank + 1) * per), memory)
     try:
         codes = [proc.wait() for proc in procs.values()]
     finally:
@@ -271,9 +305,9 @@ def run_node(
     return next((c for c in codes if c), 0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m minisgl.distributed.launch",
+        prog=f"python -m {MODULE}",
         description="Run tensor-parallel ranks of an engine whose rank 0 runs elsewhere.",
     )
     parser.add_argument("--dist-init-addr", required=True, help="rank 0's host:port")
@@ -281,9 +315,20 @@ def main(argv: list[str] | None = None) -> None:
     which.add_argument("--node-rank", type=int, help="run every rank of node K (1..nnodes-1)")
     which.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # one rank (internal)
     parser.add_argument("--nnodes", type=int, default=None, help="checked against rank 0's")
+    mem = parser.add_argument_group(
+        "this node's memory", "default: rank 0's; the ranks use the smallest KV pool of any rank"
+    )
+    mem.add_argument("--mem-fraction", type=float, default=None, help="share of each GPU")
+    mem.add_argument("--cpu-kv-gib", type=float, default=None, help="KV pool of each CPU rank")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
+    memory = NodeMemory(args.mem_fraction, args.cpu_kv_gib)
     if args.rank is not None:
-        run_worker(args.rank, args.dist_init_addr, os.getppid())
+        run_worker(args.rank, args.dist_init_addr, os.getppid(), memory)
         # Stopped in order, groups left: skip the interpreter's second of tearing torch down,
         # which rank 0's `close` would otherwise wait for.
         logging.shutdown()
@@ -292,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)
     logging.basicConfig(level=logging.INFO)
     try:
-        code = run_node(args.dist_init_addr, args.node_rank, args.nnodes)
+        code = run_node(args.dist_init_addr, args.node_rank, args.nnodes, memory=memory)
     except ValueError as e:  # a flag that does not fit rank 0's engine
         parser.error(str(e))
     raise SystemExit(code)

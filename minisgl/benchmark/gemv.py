@@ -1,4 +1,5 @@
-"""Probe: the fused Triton GEMV (`minisgl.kernels.gemv`) against cuBLAS at batch-1 decode shapes.
+"""The GEMV tuner: the fused Triton GEMV (`minisgl.kernels.gemv`) against cuBLAS at batch-1
+decode shapes, and the tile configs for `minisgl.kernels.gemv.TUNED`.
 
 1. Per shape, cuBLAS `F.linear` and a sweep of GEMV configs, each timed as a CUDA graph of
    back-to-back calls over weight copies of >= 600 MB (L2 never holds them), with the fused
@@ -12,7 +13,8 @@
    SiLU, down + residual; or SiLU in down's prologue): microseconds per layer over 8 layers'
    worth of distinct weights, with the default configs and again with the best of the sweep.
 
-Run on a GPU host: `PYTHONPATH=. python3 scripts/gemv_probe.py [--quick]`.
+Run on a GPU host: `python -m minisgl.benchmark.gemv [--quick]`; it prints a `TUNED` table to
+paste into `minisgl/kernels/gemv.py`.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.benchmark.common import time_graph
-from minisgl.kernels import gemv as gemv_module
 from minisgl.kernels.fused import rms_norm, silu_and_mul
-from minisgl.kernels.gemv import GemvConfig, gemv
+from minisgl.kernels.gemv import TUNED, GemvConfig, default_config, gemv
 
 # name -> (N, K, how the model calls it)
 SHAPES = {
@@ -41,6 +44,7 @@ SHAPES = {
 }
 DEV = torch.device("cuda")
 DT = torch.bfloat16
+Configs = dict[tuple[int, int, bool], GemvConfig]  # (N, K, act) -> config, as `TUNED`
 
 
 def _configs(quick: bool) -> list[GemvConfig]:
@@ -54,7 +58,14 @@ def _configs(quick: bool) -> list[GemvConfig]:
     return out
 
 
-def _call(kind: str, x, w, r, g, cfg: GemvConfig | None):
+def _call(
+    kind: str,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    r: torch.Tensor,
+    g: torch.Tensor,
+    cfg: GemvConfig | None,
+) -> torch.Tensor:
     if kind == "norm":
         return gemv(x, w, norm_weight=g, config=cfg)
     if kind == "act_residual":
@@ -62,7 +73,7 @@ def _call(kind: str, x, w, r, g, cfg: GemvConfig | None):
     return gemv(x, w, residual=r, config=cfg)
 
 
-def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig]) -> dict:
+def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig]) -> dict[str, Any]:
     sets = max(2, -(-(600 << 20) // (n * k * 2)))
     ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(sets)]
     x = torch.randn(1, 2 * k if kind == "act_residual" else k, device=DEV, dtype=DT)
@@ -80,20 +91,27 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
         want = want + r.float()
     got = _call(kind, x, ws[0], r, g, None).float()
     err = ((got - want).abs().max() / want.abs().max()).item()
-    row: dict = {"gemm": name, "N": n, "K": k, "kind": kind, "MB": round(mb, 1), "rel_err": err}
+    row: dict[str, Any] = {
+        "gemm": name,
+        "N": n,
+        "K": k,
+        "kind": kind,
+        "MB": round(mb, 1),
+        "rel_err": err,
+    }
     xk = x[:, :k].contiguous()  # cuBLAS gets the plain product at this shape
     row["cublas_us"] = time_graph(lambda i: F.linear(xk, ws[i]), sets) * 1e6
-    timed = []
-    for cfg in configs:
-        us = time_graph(lambda i, c=cfg: _call(kind, x, ws[i], r, g, c), sets) * 1e6
-        timed.append((us, cfg))
-    timed.sort(key=lambda t: t[0])
+
+    def timed_us(cfg: GemvConfig | None) -> float:
+        return time_graph(lambda i: _call(kind, x, ws[i], r, g, cfg), sets) * 1e6
+
+    timed = sorted(((timed_us(c), c) for c in configs), key=lambda t: t[0])
     best_us, best = timed[0]
     late = GemvConfig(best.block_n, best.block_k, best.num_warps, preload=False)
     row["gemv_us"] = best_us
     row["best"] = f"{best.block_n}x{best.block_k} w{best.num_warps}"
-    row["no_preload_us"] = time_graph(lambda i: _call(kind, x, ws[i], r, g, late), sets) * 1e6
-    row["default_us"] = time_graph(lambda i: _call(kind, x, ws[i], r, g, None), sets) * 1e6
+    row["no_preload_us"] = timed_us(late)
+    row["default_us"] = timed_us(None)
     row["top3"] = [f"{c.block_n}x{c.block_k} w{c.num_warps}: {u:.2f}" for u, c in timed[:3]]
     row["config"] = best
     row["cublas_TBps"] = mb / row["cublas_us"]
@@ -101,11 +119,18 @@ def probe_shape(name: str, n: int, k: int, kind: str, configs: list[GemvConfig])
     return row
 
 
-def probe_layer(layers: int = 8) -> dict:
+def probe_layer(tuned: Configs, layers: int = 8) -> dict[str, Any]:
     """One Llama-3-8B layer's batch-1 linear work, cuBLAS + small kernels vs fused GEMVs (SiLU
-    in the down projection's prologue, as the model runs them)."""
+    in the down projection's prologue, as the model runs them), with the configs of `tuned`
+    where it has the shape and the defaults elsewhere."""
     h, qkv, inter = 4096, 6144, 14336
-    mk = lambda n, k: torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5  # noqa: E731
+
+    def mk(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5
+
+    def cfg(n: int, k: int, act: bool = False) -> GemvConfig:
+        return tuned.get((n, k, act)) or default_config(n, k, act)
+
     ws = [(mk(qkv, h), mk(h, h), mk(2 * inter, h), mk(h, inter)) for _ in range(layers)]
     g1 = torch.rand(h, device=DEV, dtype=DT) + 0.5
     g2 = torch.rand(h, device=DEV, dtype=DT) + 0.5
@@ -124,10 +149,11 @@ def probe_layer(layers: int = 8) -> dict:
 
     def fused_act_layer(i: int) -> torch.Tensor:
         wq, wo, wgu, wd = ws[i]
-        gemv(x0, wq, norm_weight=g1)
+        gemv(x0, wq, norm_weight=g1, config=cfg(qkv, h))
         att = rms_norm(rms_norm(small, gs, 1e-6)[0], gs, 1e-6)[0].view(1, -1)
-        r = gemv(att, wo, residual=x0)
-        return gemv(gemv(r, wgu, norm_weight=g2), wd, residual=r, act=True)
+        r = gemv(att, wo, residual=x0, config=cfg(h, h))
+        up = gemv(r, wgu, norm_weight=g2, config=cfg(2 * inter, h))
+        return gemv(up, wd, residual=r, act=True, config=cfg(h, inter, True))
 
     return {
         "layer": "8b decoder layer, bs 1",
@@ -137,24 +163,26 @@ def probe_layer(layers: int = 8) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 configs per shape")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("minisgl.benchmark.gemv needs a CUDA GPU; none is visible here.")
     torch.manual_seed(0)
-    print("default configs:", json.dumps(probe_layer()), flush=True)
+    print("default configs:", json.dumps(probe_layer(TUNED)), flush=True)
     configs = _configs(args.quick)
-    rows = []
+    rows, best = [], dict(TUNED)
     for name, (n, k, kind) in SHAPES.items():
         row = probe_shape(name, n, k, kind, configs)
         rows.append(row)
-        gemv_module.TUNED[(n, k, kind == "act_residual")] = row.pop("config")
+        best[(n, k, kind == "act_residual")] = row.pop("config")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         torch.cuda.empty_cache()
-    print("best configs:", json.dumps(probe_layer()), flush=True)
+    print("best configs:", json.dumps(probe_layer(best)), flush=True)
     print("TUNED = {")
-    for key, cfg in gemv_module.TUNED.items():
-        print(f"    {key}: GemvConfig({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}),")
+    for key, c in best.items():
+        print(f"    {key}: GemvConfig({c.block_n}, {c.block_k}, {c.num_warps}),")
     print("}")
     print(f"\n{'gemm':>16} {'MB':>7} {'cublas_us':>9} {'TB/s':>5} {'gemv_us':>8} {'TB/s':>5}"
           f" {'no_pre':>7} {'default':>7}  best")  # fmt: skip

@@ -22,7 +22,11 @@ import torch
 import torch.distributed as dist
 
 from minisgl.core import Req, SamplingParams
-from minisgl.distributed.errors import EngineStopped, RankFailedError
+from minisgl.distributed import RankFailedError
+
+
+class EngineStopped(Exception):
+    """Raised on ranks 1..N-1 inside a step when rank 0 has shut the engine down."""
 
 
 class RequestSink(Protocol):

@@ -1,0 +1,127 @@
+"""Entry points of the server's worker processes (spawned by `minisgl.runtime.launch`): each
+loads what it serves, tells the launcher it is ready over its pipe, then runs its loop.
+
+The loops themselves are their packages': `SchedulerProcess` (scheduler), `TokenizerWorker` and
+`DetokenizerWorker` (tokenizer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from minisgl.config import EngineConfig
+from minisgl.message import EngineInfo
+from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
+from minisgl.runtime.child import ChildReady, run_child
+from minisgl.runtime.ranks import start_scheduler
+from minisgl.scheduler.process import SchedulerProcess
+from minisgl.tokenizer.detokenizer import Detokenizer
+from minisgl.tokenizer.loading import load_and_save, load_saved
+from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars
+from minisgl.tokenizer.workers import DetokenizerWorker, TokenizerWorker
+from minisgl.weights import resolve_source
+
+logger = logging.getLogger(__name__)
+
+
+# ---- scheduler ---------------------------------------------------------------------------------
+
+
+def scheduler_main(
+    config: EngineConfig, ipc: IpcPaths, conn: Connection, parent_pid: int, log_level: str
+) -> None:
+    """At tp > 1 this process is rank 0: it starts ranks 1..N-1, which stop when it exits."""
+    run_child("scheduler", conn, parent_pid, log_level, lambda c: _start_scheduler(config, ipc, c))
+
+
+def _start_scheduler(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
+    scheduler, tp = start_scheduler(config)
+    if tp is not None:
+        tp.watch(_exit_on_rank_failure)
+    ctx = worker_context()
+    proc = SchedulerProcess(scheduler, Receiver(ctx, ipc.scheduler), Sender(ctx, ipc.detokenizer))
+    info = EngineInfo(
+        model_name=resolve_source(config.model).name,
+        max_context=scheduler.max_context,
+        num_pages=scheduler.num_pages,
+        page_size=scheduler.page_size,
+        vocab_size=scheduler.engine.model_config.vocab_size,
+    )
+    conn.send(ChildReady(info))
+    logger.info("scheduler ready: %s", info)
+    return proc.run_forever
+
+
+def _exit_on_rank_failure(reason: str) -> None:
+    # The engine cannot go on without a rank; the launcher sees this process exit.
+    logger.critical("%s", reason)
+    os._exit(1)
+
+
+# ---- tokenizer and detokenizer -----------------------------------------------------------------
+
+
+def tokenizer_main(
+    model: str | None,
+    tokenizer_dir: Path,
+    ipc: IpcPaths,
+    conn: Connection,
+    parent_pid: int,
+    log_level: str,
+) -> None:
+    run_child(
+        "tokenizer",
+        conn,
+        parent_pid,
+        log_level,
+        lambda c: _start_tokenizer(model, tokenizer_dir, ipc, c),
+    )
+
+
+def _start_tokenizer(
+    model: str | None, tokenizer_dir: Path, ipc: IpcPaths, conn: Connection
+) -> Callable[[], None]:
+    tokenizer = load_and_save(model, tokenizer_dir)
+    conn.send(ChildReady(str(tokenizer_dir)))  # the detokenizer can start loading now
+    info = conn.recv()  # the launcher passes on the scheduler's limits
+    assert isinstance(info, EngineInfo)
+    ctx = worker_context()
+    worker = TokenizerWorker(
+        RequestTokenizer(tokenizer, info),
+        Receiver(ctx, ipc.tokenizer),
+        Sender(ctx, ipc.scheduler),
+        Sender(ctx, ipc.api),
+    )
+    # The API server refuses prompts longer than the context by their characters, before they
+    # are sent to be tokenized.
+    conn.send(ChildReady(replace(info, max_token_chars=max_token_chars(tokenizer))))
+    return worker.run_forever
+
+
+def detokenizer_main(
+    tokenizer_dir: Path, ipc: IpcPaths, conn: Connection, parent_pid: int, log_level: str
+) -> None:
+    run_child(
+        "detokenizer",
+        conn,
+        parent_pid,
+        log_level,
+        lambda c: _start_detokenizer(tokenizer_dir, ipc, c),
+    )
+
+
+def _start_detokenizer(tokenizer_dir: Path, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
+    ctx = worker_context()
+    worker = DetokenizerWorker(
+        Detokenizer(load_saved(tokenizer_dir)),
+        Receiver(ctx, ipc.detokenizer),
+        Sender(ctx, ipc.scheduler),
+        Sender(ctx, ipc.api),
+    )
+    conn.send(ChildReady())
+    return worker.run_forever
