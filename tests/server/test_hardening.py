@@ -107,10 +107,14 @@ def head(path: str, length: int | None = None, chunked: bool = False) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def connect(server: Server, rcvbuf: int | None = None) -> socket.socket:
+def connect(server: Server, small_buffers: bool = False) -> socket.socket:
+    """A connection to the server; with `small_buffers`, the kernel's buffers for it hold
+    about 150 KB instead of megabytes (a small receive buffer, and an Ethernet-sized MSS where
+    loopback's 64 KB one would let the server's send buffer grow to 4 MB)."""
     s = socket.socket()
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    if small_buffers:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1400)
     s.connect(("127.0.0.1", server.port))
     return s
 
@@ -264,7 +268,7 @@ def test_a_stream_whose_client_stops_reading_is_aborted_and_its_kv_freed(
     aborts = before.get("minisgl_requests_total[abort]", 0)
     generated = before["minisgl_engine_generated_tokens"]
     # Big events (20 top logprobs for each of 16 choices) fill the buffers between the engine
-    # and a client that reads nothing in a few dozen steps.
+    # and a client that reads nothing in a few steps.
     body = {
         "messages": [{"role": "user", "content": "Tell me a long story."}],
         "max_tokens": 2000,
@@ -275,7 +279,7 @@ def test_a_stream_whose_client_stops_reading_is_aborted_and_its_kv_freed(
         "n": MAX_SEQS,
     }
     content = json.dumps(body).encode()
-    stalled = connect(server, rcvbuf=4096)
+    stalled = connect(server, small_buffers=True)
     stalled.sendall(head("/v1/chat/completions", length=len(content)) + content)
     wait_for(lambda: metrics(http).get("minisgl_requests_total[abort]", 0) == aborts + MAX_SEQS)
     after = wait_idle(http)
