@@ -11,9 +11,10 @@ from typing import Any
 from tqdm import tqdm
 
 from minisgl.config import EngineConfig
-from minisgl.core import FinishReason, InvalidRequestError, Req, SamplingParams
+from minisgl.core import InvalidRequestError, Req, SamplingParams
 from minisgl.engine import Engine
 from minisgl.runtime.ranks import TPLaunch, start_scheduler
+from minisgl.tokenizer.output import OutputDelta, OutputOptions, RequestOutput
 from minisgl.weights import load_tokenizer, resolve_source
 
 Prompt = str | list[int]
@@ -86,10 +87,17 @@ class LLM:
         reqs = [self._make_req(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:  # validate all before admitting any, so a bad one leaves nothing behind
             self.scheduler.check_request(r.prompt_len, r.params.max_tokens)
+        has_text = self.has_tokenizer
+        if not has_text and any(r.params.stop for r in reqs):
+            raise InvalidRequestError(
+                "stop: stop strings need the model's tokenizer, and this model has none; use "
+                "stop_token_ids"
+            )
+        answers = {r.rid: _Answer(r, self.tokenizer if has_text else None) for r in reqs}
         for r in reqs:
             self.scheduler.add_request(r)
-        self._run(reqs, use_tqdm)
-        return [self._result(r) for r in reqs]
+        self._run(answers, use_tqdm)
+        return [answers[r.rid].result(has_text) for r in reqs]
 
     def chat(
         self,
@@ -141,43 +149,72 @@ class LLM:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Req(rid=f"offline-{self._next_id}", prompt_ids=ids, params=params, seed=seed)
 
-    def _run(self, reqs: list[Req], use_tqdm: bool) -> None:
-        bar = tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm or None)
+    def _run(self, answers: dict[str, _Answer], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(answers), desc="Generating", disable=not use_tqdm or None)
         try:
             while self.scheduler.has_work:
                 for ev in self.scheduler.step():
-                    if not ev.finished and ev.req.params.stop:
-                        self._check_stop_strings(ev.req)
+                    a = answers[ev.req.rid]
+                    # Requests with stop strings are read every step (to stop early); the others
+                    # once, when they finish (the output does not depend on how it is chunked).
+                    if (ev.finished or a.eager) and a.feed() and not ev.finished:
+                        self.scheduler.abort(ev.req.rid)  # a stop string ended the answer
                     if ev.req.finished:
                         bar.update(1)
         finally:
             bar.close()
 
-    def _check_stop_strings(self, req: Req) -> None:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        if any(s in text for s in req.params.stop):
-            self.scheduler.abort(req.rid)
-            req.finish_reason = FinishReason.STOP
 
-    def _result(self, req: Req) -> dict[str, Any]:
-        text = None
-        if self.has_tokenizer:
-            skip = req.params.skip_special_tokens
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
-            for s in req.params.stop:
-                if s in text:
-                    text = text[: text.index(s)]
-        assert req.finish_reason is not None
+class _Answer:
+    """One request's answer: the output pipeline, fed from the request's token lists."""
+
+    def __init__(self, req: Req, tokenizer: Any | None) -> None:
+        self.req = req
+        self.pipeline = RequestOutput(tokenizer, OutputOptions.of(req.params))
+        self.eager = bool(req.params.stop)
+        self._fed = 0
+        self._parts: list[str] = []
+        self._deltas: list[OutputDelta] = []
+
+    def feed(self) -> bool:
+        """Pass the tokens the request gained since the last call; True once the answer has
+        ended (a stop string, or the scheduler finished it)."""
+        req, p, n = self.req, self.req.params, self._fed
+        if self.pipeline.finished:
+            return True
+        self._fed = len(req.output_ids)
+        top = req.output_top_logprobs[n:] if p.top_logprobs else []
+        delta = self.pipeline.add(
+            req.output_ids[n:],
+            req.finished,
+            req.finish_reason.value if req.finish_reason is not None else None,
+            req.output_logprobs[n:] if p.logprobs else (),
+            [[t for t, _ in row] for row in top],
+            [[lp for _, lp in row] for row in top],
+        )
+        assert delta is not None
+        self._parts.append(delta.text)
+        self._deltas.append(delta)
+        return delta.finished
+
+    def result(self, has_text: bool) -> dict[str, Any]:
+        self.feed()  # a request finished outside a step (none today) still gets its ending
+        last, req = self._deltas[-1], self.req
         out: dict[str, Any] = {
-            "text": text,
-            "token_ids": list(req.output_ids),
-            "finish_reason": req.finish_reason.value,
+            "text": "".join(self._parts) if has_text else None,
+            "token_ids": [t for d in self._deltas for t in d.token_ids],
+            "finish_reason": last.finish_reason,
+            "matched_stop": last.matched_stop,
             "prompt_tokens": req.prompt_len,
-            "completion_tokens": len(req.output_ids),
+            "completion_tokens": last.completion_tokens,
             "cached_tokens": req.cached_tokens,
         }
         if req.params.logprobs:
-            out["logprobs"] = list(req.output_logprobs)
+            out["logprobs"] = [lp for d in self._deltas for lp in d.logprobs]
         if req.params.top_logprobs:
-            out["top_logprobs"] = [list(t) for t in req.output_top_logprobs]
+            out["top_logprobs"] = [
+                list(zip(ids, lps, strict=True))
+                for d in self._deltas
+                for ids, lps in zip(d.top_ids, d.top_logprobs, strict=True)
+            ]
         return out

@@ -54,6 +54,34 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert out["token_ids"] == ids[: ids.index(stop_at) + 1]
 
 
+def test_min_tokens_keeps_stop_token_ids_from_being_sampled(llm):
+    prompt = random_prompts(1, 384, seed=5)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+    stop_at = free[0]["token_ids"][1]  # would end the request after 2 tokens
+    outs = llm.generate(
+        [prompt] * 2,
+        [
+            SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]),
+            SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at], min_tokens=6),
+        ],
+        use_tqdm=False,
+    )
+    assert outs[0]["token_ids"] == free[0]["token_ids"][:2] and outs[0]["matched_stop"] == stop_at
+    ids = outs[1]["token_ids"]
+    assert len(ids) >= 6 and stop_at not in ids[:6]
+    assert ids[:1] == free[0]["token_ids"][:1]  # the same until the masked step
+    if outs[1]["finish_reason"] == "stop":
+        assert ids[-1] == stop_at and outs[1]["matched_stop"] == stop_at
+    assert_kv_clean(llm)
+
+
+def test_stop_strings_need_a_tokenizer(llm):
+    prompt = random_prompts(1, 384, seed=5)[0]
+    with pytest.raises(InvalidRequestError, match="stop: .*stop_token_ids"):
+        llm.generate([prompt], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
+    assert_kv_clean(llm)
+
+
 def test_logprobs_are_consistent(llm):
     prompt = random_prompts(1, 384, seed=6)[0]
     out = llm.generate(
@@ -76,6 +104,8 @@ def test_logprobs_are_consistent(llm):
         lambda: SamplingParams(top_p=1.5),
         lambda: SamplingParams(top_k=0),
         lambda: SamplingParams(min_p=2.0),
+        lambda: SamplingParams(max_tokens=4, min_tokens=5),
+        lambda: SamplingParams(min_tokens=-1),
     ],
 )
 def test_bad_sampling_params_raise(make):

@@ -12,6 +12,10 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` and `min_p == 0` disable those
     filters. `seed` makes a sampled request reproducible whatever else shares its batch.
+    `min_tokens`: until a request has this many output tokens, its stop tokens (EOS unless
+    `ignore_eos`, and `stop_token_ids`) cannot be sampled and its stop strings do not count.
+    `include_stop_str_in_output` keeps the stop string (or stop token's text) that ended the
+    answer in its text. The output semantics are written down in `minisgl.tokenizer.output`.
     """
 
     max_tokens: int = 16
@@ -29,6 +33,8 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     stop: tuple[str, ...] = field(default=())
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples inside (hashable, immutable).
@@ -59,6 +65,14 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
         if not (0 <= self.top_logprobs <= 20):
             raise bad("top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise bad(
+                "min_tokens",
+                f"{self.min_tokens} is more than max_tokens ({self.max_tokens}); lower it or "
+                "raise max_tokens",
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
 

@@ -13,7 +13,14 @@ from minisgl.config import EngineConfig, ModelConfig, apply_env_switches, resolv
 from minisgl.core import Batch, SeqInfo
 from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
-from minisgl.engine.sampler import PenaltyInputs, SampleOutput, SamplingInputs, sample, to_device
+from minisgl.engine.sampler import (
+    PenaltyInputs,
+    SampleOutput,
+    SamplingInputs,
+    StopMask,
+    sample,
+    to_device,
+)
 from minisgl.engine.step import ForwardOutput, StepInputs, StepRows
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
@@ -217,6 +224,10 @@ class Engine:
         sin = SamplingInputs.build(seqs, out_index, self.model_config.vocab_size, self.device)
         if any(s.params.has_penalties for s in seqs):
             sin.penalties = self._penalties(seqs, out_index, rows)
+        if any(s.params.min_tokens for s in seqs):  # out_index: outputs before this one
+            pending = [n < s.params.min_tokens for s, n in zip(seqs, out_index)]
+            stop_ids = [s.stop_ids for s in seqs]
+            sin.stop_mask = StopMask.build(pending, stop_ids, logits.shape[1], self.device)
         out = sample(logits, sin)
         # The sampled token becomes the input of the request's next step.
         self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()

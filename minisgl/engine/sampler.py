@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import functools
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,7 @@ class SamplingInputs:
     want_logprobs: bool
     penalties: PenaltyInputs | None = None
     keys: torch.Tensor | None = None  # [B] int64 `row_keys(seeds, steps)`, mixed on the host
+    stop_mask: StopMask | None = None  # stop ids rows may not sample yet (min_tokens)
 
     @staticmethod
     def build(
@@ -146,6 +148,44 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 @dataclass
+class StopMask:
+    """(row, token id) pairs whose logits are -inf this step: the stop ids of rows that have
+    fewer outputs than their `min_tokens` (vLLM's semantics: a request's stop tokens cannot
+    be sampled until it has `min_tokens` outputs)."""
+
+    rows: torch.Tensor  # [K] int64
+    ids: torch.Tensor  # [K] int64
+
+    @staticmethod
+    def build(
+        pending: Sequence[bool],
+        stop_ids: Sequence[Collection[int]],
+        vocab: int,
+        device: torch.device,
+    ) -> StopMask | None:
+        """Per row: whether min_tokens is still pending, and its stop ids (EOS unless
+        ignore_eos, plus stop_token_ids). None when no row masks anything. Ids outside the
+        vocabulary are never sampled anyway (and would index out of bounds)."""
+        pairs = [
+            (row, t)
+            for row, (p, ids) in enumerate(zip(pending, stop_ids, strict=True))
+            if p
+            for t in ids
+            if t < vocab
+        ]
+        if not pairs:
+            return None
+        flat = to_device([r for r, _ in pairs] + [t for _, t in pairs], torch.int64, device)
+        return StopMask(flat[: len(pairs)], flat[len(pairs) :])
+
+
+def mask_stop_ids(logits: torch.Tensor, mask: StopMask) -> torch.Tensor:
+    """logits [B, V] -> a copy with the masked (row, id) pairs at -inf (no host sync)."""
+    inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put((mask.rows, mask.ids), inf)
+
+
+@dataclass
 class PenaltyInputs:
     """Tokens seen so far per row (padded with -1) and the penalty strengths."""
 
@@ -189,6 +229,8 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     raw = logits
     if inp.penalties is not None:
         logits = apply_penalties(logits.float(), inp.penalties)
+    if inp.stop_mask is not None:
+        logits = mask_stop_ids(logits, inp.stop_mask)
     if inp.all_greedy:
         tokens = logits.argmax(dim=-1)
     elif _use_fused(logits, inp):

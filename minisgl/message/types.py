@@ -95,9 +95,12 @@ class TokenOut:
     finish_reason: str | None  # a FinishReason value once finished
     prompt_tokens: int
     cached_tokens: int
-    # The detokenizer needs these to cut stop strings; they ride along so it keeps no table.
+    # The detokenizer's output pipeline needs these (`OutputOptions`); they ride along so it
+    # keeps no table.
     stop: list[str]
     skip_special_tokens: bool
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     # Per new token, when the request asked for them: log-softmax of the raw logits.
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
@@ -156,6 +159,7 @@ class StrOut:
     completion_tokens: int  # total so far
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    matched_stop: str | int | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass

@@ -38,6 +38,8 @@ def token_out(req: Req, new_ids: list[int], error: str | None = None) -> TokenOu
         cached_tokens=req.cached_tokens,
         stop=list(p.stop),
         skip_special_tokens=p.skip_special_tokens,
+        min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
         error=error,
     )
     if n and p.logprobs:

@@ -123,6 +123,7 @@ def merge(a: StrOut, b: StrOut) -> StrOut:
         completion_tokens=b.completion_tokens,
         logprobs=a.logprobs + b.logprobs,
         error=b.error,
+        matched_stop=b.matched_stop,
     )
 
 

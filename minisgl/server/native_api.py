@@ -40,6 +40,7 @@ def _meta(rid: str, r: ChoiceResult | StrOut, logprobs: bool) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": r.finish_reason,
+        "matched_stop": r.matched_stop,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,

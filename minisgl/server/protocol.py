@@ -150,6 +150,8 @@ class SamplingFields(_OpenAI):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    include_stop_str_in_output: bool = False
     # Known but unsupported: refused with a message when set to anything but "off".
     logit_bias: dict[str, float] | None = None
 
@@ -233,6 +235,8 @@ class NativeSamplingParams(_Strict):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     skip_special_tokens: bool = True
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    include_stop_str_in_output: bool = False
 
 
 class GenerateRequest(_Strict):

@@ -41,6 +41,9 @@ def sampling_params(
     top_p = 1.0 if body.top_p is None else body.top_p
     try:
         return SamplingParams(
+            # The tokenizer sets max_tokens once it knows the prompt's length (and checks
+            # min_tokens against it then); until then it only must not be below min_tokens.
+            max_tokens=max(1, body.min_tokens),
             temperature=temperature,
             top_p=top_p,
             top_k=body.top_k,
@@ -55,6 +58,8 @@ def sampling_params(
             top_logprobs=top_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             stop=stop_strings(body.stop),
+            min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e) from e

@@ -130,6 +130,7 @@ class ChoiceResult:
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    matched_stop: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -139,6 +140,7 @@ class ChoiceResult:
         self.ids += out.new_ids
         self.logprobs += out.logprobs
         self.finish_reason = out.finish_reason
+        self.matched_stop = out.matched_stop
         self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = out.cached_tokens
         self.completion_tokens = out.completion_tokens

@@ -50,31 +50,46 @@ class StopMatcher:
     """Cuts the text at the first stop string and holds back a tail that may begin one.
 
     Emitted text never contains the start of a stop string that could still complete, so a
-    match can only begin inside the held-back tail plus the newly fed text.
+    match can only begin inside the held-back tail plus the newly fed text. With
+    `include_stop`, the emitted text keeps the stop string that matched.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns the text safe to emit and whether a stop string matched (then the text is
-        everything before it, and the request is over)."""
+    def feed(self, text: str, check: bool = True) -> tuple[str, str | None]:
+        """Returns the text safe to emit and the stop string that matched, if one did (then the
+        text ends at it, and the request is over). With `check` False (min_tokens not reached
+        yet) stop strings are only held back, never matched."""
         if not self.stops:
-            return text, False
+            return text, None
         pending = self._held + text
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        hit = self._first_hit(pending, len(self._held)) if check else None
+        if hit is not None:
+            start, stop = hit
             self._held = ""
-            return pending[: min(hits)], True
+            return pending[: start + len(stop) if self.include_stop else start], stop
         keep = self._partial_match_len(pending)
         self._held = pending[len(pending) - keep :]
-        return pending[: len(pending) - keep], False
+        return pending[: len(pending) - keep], None
 
     def flush(self) -> str:
         """The held-back tail: the request ended without completing a stop string."""
         out, self._held = self._held, ""
         return out
+
+    def _first_hit(self, pending: str, old: int) -> tuple[int, str] | None:
+        """The earliest-starting stop string in `pending` that ends in its new text (after
+        `old` characters): one that ended before either matched then or fell before
+        min_tokens. Of two starting at one place, the shorter (it completed first)."""
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = pending.find(s, max(0, old - len(s) + 1))
+            if i >= 0 and (best is None or (i, len(s)) < (best[0], len(best[1]))):
+                best = (i, s)
+        return best
 
     def _partial_match_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.core import FinishReason
 from minisgl.message import StrOut, TokenLogprob, TokenOut, TopLogprob
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer, StopMatcher
-
-
-class _RequestText:
-    def __init__(self, tokenizer: Any, first: TokenOut) -> None:
-        self.decoder = IncrementalDetokenizer(tokenizer, first.skip_special_tokens)
-        self.stops = StopMatcher(first.stop)
-        self.completion_tokens = 0
-        # A stop string matched; the scheduler's own final output is still to come.
-        self.stopped = False
+from minisgl.tokenizer.output import OutputDelta, OutputOptions, RequestOutput
 
 
 class Detokenizer:
-    """Keeps one `_RequestText` per live request id.
+    """Keeps one `RequestOutput` (the output pipeline) per live request id.
 
     `process` returns the text output for the API (None when there is nothing to tell) and
     whether the scheduler must be told to abort the request (a stop string matched).
@@ -27,49 +17,40 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, _RequestText] = {}
+        self.states: dict[str, RequestOutput] = {}
         self._token_text: dict[int, str] = {}
 
     def process(self, out: TokenOut) -> tuple[StrOut | None, bool]:
         state = self.states.get(out.rid)
         if state is None:
-            state = self.states[out.rid] = _RequestText(self.tokenizer, out)
-        if out.finished:
+            state = self.states[out.rid] = RequestOutput(self.tokenizer, _options(out))
+        if out.finished:  # the scheduler's last word on it (the pipeline may have ended sooner)
             del self.states[out.rid]
-        if state.stopped:  # the answer already ended at its stop string
+        delta = state.add(
+            out.new_ids,
+            out.finished,
+            out.finish_reason,
+            out.logprobs,
+            out.top_ids,
+            out.top_logprobs,
+        )
+        if delta is None:  # the answer already ended at its stop string
             return None, False
-        text_ids = out.new_ids
-        if out.finish_reason == FinishReason.STOP.value and text_ids:
-            # The scheduler stops on an EOS or stop token; its text is not part of the answer.
-            text_ids = text_ids[:-1]
-        text = state.decoder.add(text_ids)
-        if out.finished:
-            text += state.decoder.flush()
-        text, matched = state.stops.feed(text)
-        if out.finished and not matched:
-            text += state.stops.flush()
-        state.completion_tokens += len(out.new_ids)
-        reason = out.finish_reason
-        if matched:
-            state.stopped = True
-            reason = FinishReason.STOP.value
-        abort = matched and not out.finished
-        return self._str_out(out, text, matched or out.finished, reason, state), abort
+        return self._str_out(out, delta), delta.abort
 
-    def _str_out(
-        self, out: TokenOut, text: str, finished: bool, reason: str | None, state: _RequestText
-    ) -> StrOut:
+    def _str_out(self, out: TokenOut, delta: OutputDelta) -> StrOut:
         return StrOut(
             rid=out.rid,
-            text=text,
-            new_ids=out.new_ids,
-            finished=finished,
-            finish_reason=reason if finished else None,
+            text=delta.text,
+            new_ids=delta.token_ids,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
-            completion_tokens=state.completion_tokens,
-            logprobs=self._logprobs(out),
+            completion_tokens=delta.completion_tokens,
+            logprobs=self._logprobs(delta),
             error=out.error,
+            matched_stop=delta.matched_stop,
         )
 
     def token_text(self, token_id: int) -> str:
@@ -78,17 +59,24 @@ class Detokenizer:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _logprobs(self, out: TokenOut) -> list[TokenLogprob]:
-        if not out.logprobs:
+    def _logprobs(self, delta: OutputDelta) -> list[TokenLogprob]:
+        if not delta.logprobs:
             return []
-        tops = out.top_ids or [[] for _ in out.new_ids]
-        top_lps = out.top_logprobs or [[] for _ in out.new_ids]
+        ids = delta.token_ids
+        tops = delta.top_ids or [[] for _ in ids]
+        top_lps = delta.top_logprobs or [[] for _ in ids]
         return [
             TokenLogprob(
                 self.token_text(tid),
                 tid,
                 lp,
-                [TopLogprob(self.token_text(t), v) for t, v in zip(ids, lps, strict=True)],
+                [TopLogprob(self.token_text(t), v) for t, v in zip(tids, lps, strict=True)],
             )
-            for tid, lp, ids, lps in zip(out.new_ids, out.logprobs, tops, top_lps, strict=True)
+            for tid, lp, tids, lps in zip(ids, delta.logprobs, tops, top_lps, strict=True)
         ]
+
+
+def _options(out: TokenOut) -> OutputOptions:
+    return OutputOptions(
+        tuple(out.stop), out.skip_special_tokens, out.min_tokens, out.include_stop_str_in_output
+    )

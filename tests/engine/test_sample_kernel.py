@@ -83,3 +83,24 @@ def test_uniforms_stay_strictly_inside_the_unit_interval():
     assert float(u.min()) > 0 and float(u.max()) < 1
     top = ((torch.tensor([(1 << 32) - 1]) >> 9).float() + 0.5) * (1.0 / (1 << 23))
     assert float(top) < 1.0
+
+
+def test_kernel_never_samples_ids_the_stop_mask_removed():
+    """min_tokens: the fused path gets logits with -inf at a row's stop ids (a whole block of
+    them in row 0) and samples among the rest, as the torch reference does."""
+    from minisgl.engine.sampler import StopMask, mask_stop_ids
+
+    sk = _kernel()
+    vocab, block, batch = 1000, 256, 4
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(DEVICE)
+    logits[:, 5] = 50.0  # the token every row would pick
+    stop_ids = [set(range(256)), {5}, {5}, set()]
+    mask = StopMask.build([True, True, False, True], stop_ids, vocab, torch.device(DEVICE))
+    assert mask is not None
+    masked = mask_stop_ids(logits, mask)
+    temp = torch.tensor([1.0, 0.7, 1.0, 0.0], device=DEVICE)
+    keys = torch.tensor([host_row_key(11 * i, i) for i in range(batch)], device=DEVICE)
+    got = sk.gumbel_argmax(masked, temp, keys, block=block).cpu()
+    assert torch.equal(got, _gumbel_ref(masked, temp, keys).cpu())
+    assert got[0] >= 256 and got[1] != 5 and got[2] == 5 and got[3] == 5

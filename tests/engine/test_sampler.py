@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from minisgl.engine.sampler import SamplingInputs, hashed_uniform, sample
+from minisgl.engine.sampler import SamplingInputs, StopMask, hashed_uniform, sample
 
 N = 20000
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -104,3 +104,36 @@ def test_16_bit_logits_sample_like_their_fp32_upcast(dtype):
             (want.logprobs, want.top_ids, want.top_logprobs),
         ):
             assert g is not None and w is not None and torch.equal(g, w)
+
+
+def test_stop_mask_keeps_pending_rows_from_their_stop_ids():
+    """min_tokens: rows still short of it cannot sample their stop ids; other rows and the
+    log-probs (of the raw logits) are untouched; ids beyond the vocabulary are left out."""
+    v = LOGITS.numel()
+    pending, stop_ids = [True, False, True, True], [{0, 1}, {0}, {0, 99}, set()]
+    mask = StopMask.build(pending, stop_ids, v, torch.device("cpu"))
+    assert mask is not None and sorted(zip(mask.rows.tolist(), mask.ids.tolist())) == [
+        (0, 0),
+        (0, 1),
+        (2, 0),
+    ]
+    assert StopMask.build([False, True], [{0}, set()], v, torch.device("cpu")) is None
+    inp = _inputs(4, temperature=0)
+    inp.stop_mask, inp.want_logprobs = mask, True
+    out = sample(LOGITS.repeat(4, 1), inp)
+    assert out.tokens.tolist() == [2, 0, 1, 0]  # the best token not masked
+    assert out.logprobs is not None
+    raw = torch.log_softmax(LOGITS, dim=0)
+    assert torch.allclose(out.logprobs, raw[out.tokens])
+
+
+def test_stop_mask_samples_the_rest_of_the_distribution():
+    inp = _inputs(N)
+    inp.stop_mask = StopMask.build([True] * N, [{0, 3}] * N, LOGITS.numel(), torch.device("cpu"))
+    got = _empirical(inp)
+    expected = torch.softmax(LOGITS.double(), dim=0)
+    expected[[0, 3]] = 0
+    expected /= expected.sum()
+    sigma = torch.sqrt(expected * (1 - expected) / N)
+    assert got[0] == 0 and got[3] == 0
+    assert torch.all((got - expected).abs() <= 5 * sigma + 1e-9), (got, expected)

@@ -69,3 +69,37 @@ def test_greedy_chat_equals_transformers(smollm2, hf_smollm2):
             )[0, len(ids) :].tolist()
         assert out["token_ids"] == ref
     assert_kv_clean(smollm2)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_offline_stop_strings_end_the_request_early(smollm2, overlap):
+    """A stop string aborts the request in the scheduler at once (with overlap the step in
+    flight computes one token more, which the scheduler drops) and the answer ends at it."""
+    from minisgl.scheduler import Scheduler
+
+    llm = smollm2
+    plain = llm.scheduler
+    if overlap:
+        llm.scheduler = Scheduler(llm.engine, overlap=True)
+    try:
+        conv = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+        prompt = llm.apply_chat_template(conv)
+        sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        free = llm.generate([prompt], sp, use_tqdm=False)[0]
+        stop = ", 4, 5"  # one token each: "," " " "4" "," " " "5"
+        at = free["text"].index(stop)
+        before = llm.scheduler.stats["generated_tokens"]
+        out = llm.generate(
+            [prompt],
+            SamplingParams(max_tokens=40, temperature=0, stop=[stop], ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        generated = llm.scheduler.stats["generated_tokens"] - before
+        n = out["completion_tokens"]
+        assert out["text"] == free["text"][:at] and out["matched_stop"] == stop
+        assert out["finish_reason"] == "stop" and out["token_ids"] == free["token_ids"][:n]
+        assert llm.tokenizer.decode(out["token_ids"]).endswith("5")  # its last token completes it
+        assert generated == n  # stopped at once, not 40 tokens later
+        assert_kv_clean(llm)
+    finally:
+        llm.scheduler = plain

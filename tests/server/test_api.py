@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
 COUNT = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+EOS = 2  # <|im_end|>
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 QUESTIONS = [
     "What is the capital of France?",
@@ -683,6 +684,201 @@ def test_openai_client_sees_bad_requests(client: openai.OpenAI) -> None:
     assert e.value.body["param"] == "max_tokens"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):  # refused before the stream starts
         chat(client, max_tokens=100_000, stream=True)
+
+
+# ---- one output pipeline: the offline LLM and the server answer alike ---------------------------
+
+
+def both_doors(
+    stack: Stack, client: openai.OpenAI, http: httpx.Client, prompt: list[int], **sp: Any
+) -> dict[str, Any]:
+    """The offline answer to a greedy request, after checking that the server gives the same
+    through `/generate` (text, ids, finish reason, usage, matched stop) and through the openai
+    client's completions (text, finish reason, usage)."""
+    off = stack.llm.generate([prompt], SamplingParams(temperature=0, **sp), use_tqdm=False)[0]
+    native = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in sp.items()}
+    native["temperature"] = 0
+    body = http.post("/generate", json={"input_ids": prompt, "sampling_params": native}).json()
+    meta = body["meta_info"]
+    got = (body["text"], body["output_ids"], meta["finish_reason"], meta["completion_tokens"])
+    want = (off["text"], off["token_ids"], off["finish_reason"], off["completion_tokens"])
+    assert got == want, sp
+    assert meta["matched_stop"] == off["matched_stop"]
+    extra = {k: v for k, v in sp.items() if k not in ("max_tokens", "stop")}
+    r = client.completions.create(
+        model="m",
+        prompt=prompt,
+        max_tokens=sp["max_tokens"],
+        temperature=0,
+        stop=list(sp.get("stop", [])) or None,
+        extra_body=extra,
+    )
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, r.usage.completion_tokens) == want[:1] + want[2:], sp
+    return off
+
+
+@dataclass
+class Greedy:
+    prompt: list[int]
+    ids: list[int]
+    text: str
+    offsets: list[int]  # offsets[j]: where token j's text starts (len of the first j decoded)
+
+
+@pytest.fixture(scope="module")
+def essay(stack: Stack) -> Greedy:
+    """An unconstrained greedy answer with words of several tokens: the cases below pick their
+    stop strings from it, so that they really trigger."""
+    prompt = stack.llm.apply_chat_template(
+        [{"role": "user", "content": "Describe the sea in two sentences."}]
+    )
+    out = stack.llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)
+    ids, text = out[0]["token_ids"][:-1], out[0]["text"]  # without its EOS
+    assert out[0]["finish_reason"] == "stop" and len(ids) > 20, out
+    tok = stack.llm.tokenizer
+    offsets = [len(tok.decode(ids[:j], skip_special_tokens=True)) for j in range(len(ids) + 1)]
+    assert offsets[-1] == len(text)
+    return Greedy(prompt, ids, text, offsets)
+
+
+def split_stop(g: Greedy, after: int) -> tuple[str, int]:
+    """A stop string that starts inside one token and ends inside a later one (first found at
+    that place in the text), at or after token `after`; and the index of its last token."""
+    for j in range(after, len(g.ids) - 1):
+        a, b, c = g.offsets[j], g.offsets[j + 1], g.offsets[j + 2]
+        if b - a >= 2 and c - b >= 2:  # two tokens of at least two characters
+            stop = g.text[a + 1 : b + 1]
+            if g.text.find(stop) == a + 1 and g.text[b:c].strip():
+                return stop, j + 1
+    raise AssertionError(f"no stop string spans two tokens in {g.text!r}")
+
+
+def test_stop_strings_split_across_tokens_answer_alike(
+    stack: Stack, client: openai.OpenAI, http: httpx.Client, essay: Greedy
+) -> None:
+    stop, last = split_stop(essay, 4)
+    out = both_doors(stack, client, http, essay.prompt, max_tokens=64, stop=[stop])
+    assert out["text"] == essay.text[: essay.text.index(stop)]
+    assert out["token_ids"] == essay.ids[: last + 1]  # the token completing it is the last
+    assert (out["finish_reason"], out["matched_stop"]) == ("stop", stop)
+    kept = both_doors(
+        stack,
+        client,
+        http,
+        essay.prompt,
+        max_tokens=64,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    )
+    assert kept["text"] == essay.text[: essay.text.index(stop) + len(stop)]
+
+
+def test_a_stop_completed_by_the_last_allowed_token_answers_stop(
+    stack: Stack, client: openai.OpenAI, http: httpx.Client, essay: Greedy
+) -> None:
+    stop, last = split_stop(essay, 10)
+    out = both_doors(stack, client, http, essay.prompt, max_tokens=last + 1, stop=[stop])
+    assert out["finish_reason"] == "stop" and out["completion_tokens"] == last + 1
+    shorter = both_doors(stack, client, http, essay.prompt, max_tokens=last, stop=[stop])
+    assert shorter["finish_reason"] == "length" and shorter["matched_stop"] is None
+
+
+def test_stop_token_ids_answer_alike(
+    stack: Stack, client: openai.OpenAI, http: httpx.Client, essay: Greedy
+) -> None:
+    j = next(j for j in range(5, len(essay.ids)) if essay.ids.index(essay.ids[j]) == j)
+    token = essay.ids[j]
+    out = both_doors(stack, client, http, essay.prompt, max_tokens=64, stop_token_ids=[token])
+    assert out["token_ids"] == essay.ids[: j + 1]  # kept and counted ...
+    assert out["text"] == essay.text[: essay.offsets[j]]  # ... but not text
+    assert (out["finish_reason"], out["matched_stop"]) == ("stop", token)
+
+
+@pytest.fixture(scope="module")
+def france(stack: Stack) -> Greedy:
+    """The greedy answer to FRANCE, which ends early with EOS, continued past it."""
+    prompt = stack.llm.apply_chat_template(FRANCE)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, skip_special_tokens=False)
+    out = stack.llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert "<|im_end|>" in out["text"], out["text"]
+    return Greedy(prompt, out["token_ids"], out["text"], [])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_answer_alike(
+    stack: Stack, client: openai.OpenAI, http: httpx.Client, france: Greedy, skip: bool
+) -> None:
+    kw: dict[str, Any] = {"max_tokens": 12, "skip_special_tokens": skip}
+    eos = both_doors(stack, client, http, france.prompt, **kw)  # ends at EOS
+    assert (eos["finish_reason"], eos["matched_stop"]) == ("stop", EOS)
+    assert eos["token_ids"][-1] == EOS and "<|im_end|>" not in eos["text"]
+    free = both_doors(stack, client, http, france.prompt, ignore_eos=True, **kw)
+    assert free["token_ids"] == france.ids and ("<|im_end|>" in free["text"]) == (not skip)
+    # A stop string that spans the special token's text matches only when that text is there.
+    at = france.text.index("<|im_end|>")
+    stop = france.text[at - 1 : at + 5]
+    out = both_doors(stack, client, http, france.prompt, ignore_eos=True, stop=[stop], **kw)
+    assert out["finish_reason"] == ("length" if skip else "stop")
+
+
+def test_min_tokens_outlasts_eos_and_stop_strings(
+    stack: Stack, client: openai.OpenAI, http: httpx.Client, france: Greedy
+) -> None:
+    n_eos = france.ids.index(EOS)  # where EOS would end it
+    out = both_doors(stack, client, http, france.prompt, max_tokens=12, min_tokens=n_eos + 3)
+    assert len(out["token_ids"]) >= n_eos + 3 and EOS not in out["token_ids"][: n_eos + 3]
+    assert out["text"].startswith(france.text[: france.text.index("<|im_end|>")])
+
+
+def test_min_tokens_skips_stop_strings_before_it(
+    stack: Stack, client: openai.OpenAI, http: httpx.Client, essay: Greedy
+) -> None:
+    m = 4
+    head, tail = essay.text[: essay.offsets[m]], essay.text[essay.offsets[m] :]
+    stop = next(ch for ch in head if ch.strip() and ch in tail)  # in the first m tokens, and later
+    early = both_doors(stack, client, http, essay.prompt, max_tokens=64, stop=[stop])
+    assert early["text"] == essay.text[: essay.text.index(stop)]
+    out = both_doors(stack, client, http, essay.prompt, max_tokens=64, stop=[stop], min_tokens=m)
+    at = essay.offsets[m] + tail.index(stop)  # the first one a token after the m-th completes
+    assert out["text"] == essay.text[:at] and out["matched_stop"] == stop
+    assert (
+        out["token_ids"] == essay.ids[: max(j for j, o in enumerate(essay.offsets) if o <= at) + 1]
+    )
+
+
+def test_matched_stop_in_generate_meta_info(http: httpx.Client, france: Greedy) -> None:
+    def meta(**sp: Any) -> dict[str, Any]:
+        sp = {"max_new_tokens": 12, "temperature": 0, **sp}
+        body = {"input_ids": france.prompt, "sampling_params": sp}
+        return dict(http.post("/generate", json=body).json()["meta_info"])
+
+    assert meta()["matched_stop"] == EOS
+    assert meta(stop=["Paris"])["matched_stop"] == "Paris"
+    assert meta(max_new_tokens=2)["matched_stop"] is None  # length
+    events = http.post(
+        "/generate",
+        json={
+            "input_ids": france.prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": ["Paris"]},
+        },
+    ).text.split("\n\n")
+    last = json.loads(next(e for e in reversed(events) if e.startswith("data: {"))[6:])
+    assert last["meta_info"]["matched_stop"] == "Paris"
+
+
+def test_min_tokens_above_max_tokens_is_refused(http: httpx.Client, client: openai.OpenAI) -> None:
+    sp = {"max_new_tokens": 4, "min_tokens": 5}
+    r = http.post("/generate", json={"text": "Hi", "sampling_params": sp})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=3, extra_body={"min_tokens": 4})
+    assert e.value.body["param"] == "min_tokens"  # type: ignore[index]
+    r = http.post("/v1/completions", json={"prompt": "Hi", "min_tokens": -1})
+    assert r.status_code == 400
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
 
 
 # ---- schemathesis ----------------------------------------------------------------------------

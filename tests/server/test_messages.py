@@ -35,7 +35,7 @@ EXAMPLES = [
     GenerateReq(
         ["a"],
         [1],
-        SamplingParams(stop=["x", "y"], top_k=5),
+        SamplingParams(stop=["x", "y"], top_k=5, min_tokens=3, include_stop_str_in_output=True),
         12,
         messages=[ChatMessage("user", "hé 😀")],
     ),
@@ -45,7 +45,23 @@ EXAMPLES = [
     FlushCacheReq(7),
     FlushCacheOut(7, 3),
     SchedulerOut(
-        [TokenOut("r", [5], True, "stop", 3, 1, ["\n"], True, [-0.1], [[5, 6]], [[-0.1, -2.5]])],
+        [
+            TokenOut(
+                "r",
+                [5],
+                True,
+                "stop",
+                3,
+                1,
+                ["\n"],
+                True,
+                2,
+                True,
+                [-0.1],
+                [[5, 6]],
+                [[-0.1, -2.5]],
+            )
+        ],
         STATS,
     ),
     DetokOut(
@@ -60,7 +76,9 @@ EXAMPLES = [
                 1,
                 1,
                 [TokenLogprob("hi", 5, -0.1, [TopLogprob("hi", -0.1)])],
-            )
+            ),
+            StrOut("r", "", [2], True, "stop", 3, 1, 2, matched_stop=2),
+            StrOut("s", "a", [7], True, "stop", 3, 1, 1, matched_stop="\n\n"),
         ],
         STATS,
     ),
@@ -79,10 +97,13 @@ def test_round_trip(msg: object) -> None:
     rid=st.text(max_size=8),
     ids=st.lists(st.integers(0, 2**31), max_size=5),
     stop=st.lists(st.text(max_size=4), max_size=3),
+    min_tokens=st.integers(0, 2**31 - 1),
     lps=st.lists(st.floats(allow_nan=False), max_size=3),
 )
-def test_token_out_round_trip(rid: str, ids: list[int], stop: list[str], lps: list[float]) -> None:
-    out = TokenOut(rid, ids, False, None, 1, 0, stop, True, lps)
+def test_token_out_round_trip(
+    rid: str, ids: list[int], stop: list[str], min_tokens: int, lps: list[float]
+) -> None:
+    out = TokenOut(rid, ids, False, None, 1, 0, stop, True, min_tokens, True, lps)
     assert decode(encode(out)) == out
 
 

@@ -63,21 +63,38 @@ def test_deltas_join_to_the_full_decode(tokenizer: Any, text: str, chunk: int) -
 
 def test_stop_matcher_holds_back_partial_matches() -> None:
     m = StopMatcher(["STOP!"])
-    assert m.feed("abc ST") == ("abc ", False)
-    assert m.feed("O") == ("", False)
-    assert m.feed("X and") == ("STOX and", False)  # not a stop after all: released
-    assert m.feed(" ST") == (" ", False)
-    assert m.feed("OP! tail") == ("", True)
+    assert m.feed("abc ST") == ("abc ", None)
+    assert m.feed("O") == ("", None)
+    assert m.feed("X and") == ("STOX and", None)  # not a stop after all: released
+    assert m.feed(" ST") == (" ", None)
+    assert m.feed("OP! tail") == ("", "STOP!")
 
 
 def test_stop_matcher_cuts_at_the_earliest_stop() -> None:
     m = StopMatcher(["world", "lo w"])
-    assert m.feed("hello world") == ("hel", True)
+    assert m.feed("hello world") == ("hel", "lo w")
+
+
+def test_stop_matcher_can_keep_the_stop_string() -> None:
+    m = StopMatcher(["lo w", "world"], include_stop=True)
+    assert m.feed("hel") == ("he", None)  # "l" may begin "lo w"
+    assert m.feed("lo world") == ("llo w", "lo w")  # "he" + "llo w": through the stop
+
+
+def test_stop_matcher_without_check_holds_back_but_never_matches() -> None:
+    # min_tokens not reached: a complete stop string is released, a possible start held back.
+    m = StopMatcher(["ab"])
+    assert m.feed("xaba", check=False) == ("xab", None)
+    assert m.feed("b", check=True) == ("", "ab")  # completed by new text: it counts
+    m = StopMatcher(["ab", "xabz"])
+    assert m.feed("xab", check=False) == ("", None)  # all of it may begin "xabz"
+    # "ab" ended before the check started, so only a stop ending in the new text counts.
+    assert m.feed("q", check=True) == ("xabq", None)
 
 
 def test_stop_matcher_flush_releases_the_tail() -> None:
     m = StopMatcher(["\n\n"])
-    assert m.feed("line\n") == ("line", False)
+    assert m.feed("line\n") == ("line", None)
     assert m.flush() == "\n"
 
 
@@ -94,8 +111,9 @@ def test_stop_matcher_equals_cutting_the_whole_text(pieces: list[str], stops: li
     m = StopMatcher(stops)
     emitted, matched = "", False
     for p in pieces:
-        out, matched = m.feed(p)
+        out, stop = m.feed(p)
         emitted += out
+        matched = stop is not None
         if matched:
             break
     if not matched:
@@ -151,7 +169,9 @@ def test_eos_text_is_not_part_of_the_answer(tokenizer: Any) -> None:
     ids = tokenizer("Hi there")["input_ids"]
     d.process(token_out("r", ids, []))
     out, _ = d.process(
-        TokenOut("r", [tokenizer.convert_tokens_to_ids(".")], True, "stop", 3, 0, [], False)
+        TokenOut(
+            "r", [tokenizer.convert_tokens_to_ids(".")], True, "stop", 3, 0, [], False, 0, False
+        )
     )
     assert out is not None and out.finished and out.text == ""  # the stop token is cut
     assert out.completion_tokens == len(ids) + 1

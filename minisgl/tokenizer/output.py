@@ -1,0 +1,210 @@
+"""The one output pipeline: a request's token events in; text deltas, stop-string finishes,
+finish reason, the stop that matched, usage and log-probs out. The server's detokenizer worker
+and the offline `LLM` both run it, so a request answers the same through either front door.
+
+Semantics (vLLM's, as its users expect):
+
+- Text is decoded incrementally (`IncrementalDetokenizer`) with the request's
+  `skip_special_tokens`; a character split across tokens waits for its last byte.
+- A stop string ends the request with "stop" at the token whose text completes it: the text
+  ends before the stop string (or after it, with `include_stop_str_in_output`), and that
+  token is the last one kept in `token_ids` and counted in `completion_tokens`. Tokens after
+  it (with overlap scheduling the scheduler computes one or more before the abort reaches it)
+  are dropped. This holds also when the last token `max_tokens` allows completes it.
+- A stop token (EOS unless `ignore_eos`, or one of `stop_token_ids`) ends the request with
+  "stop" (the scheduler decides it): the token is kept in `token_ids` and counted, but its
+  text is not part of the answer (unless `include_stop_str_in_output`).
+- `matched_stop` is the stop string or stop token id that ended the request; None when it
+  ended for length or was aborted.
+- `min_tokens`: stop strings count only when a token after the first `min_tokens` completes
+  them (the sampler keeps stop tokens from being sampled before that, see
+  `engine.sampler.StopMask`); text held back as a possible stop string start is still held.
+- The answer's text then passes through an `OutputParser` (the default leaves it as it is):
+  the place where tool-call and reasoning parsers plug in.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.core import FinishReason, SamplingParams
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer, StopMatcher
+
+_STOP = FinishReason.STOP.value
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What the pipeline needs of a request's sampling parameters."""
+
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    @staticmethod
+    def of(params: SamplingParams) -> OutputOptions:
+        return OutputOptions(
+            params.stop,
+            params.skip_special_tokens,
+            params.min_tokens,
+            params.include_stop_str_in_output,
+        )
+
+
+@dataclass
+class ParsedText:
+    """What an output parser makes of some text: the part that goes to `content`, and fields
+    of its own (a tool parser's `tool_calls`, a reasoning parser's `reasoning_content`)."""
+
+    content: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+class OutputParser(ABC):
+    """Turns one request's answer text into content plus extra fields, as it streams.
+
+    `feed` gets each text delta (stop strings already cut) and returns what can be emitted
+    now; it may hold text back until it knows what it is. `finish` is called once when the
+    request ends and returns whatever is still held.
+    """
+
+    @abstractmethod
+    def feed(self, text: str) -> ParsedText: ...
+
+    @abstractmethod
+    def finish(self) -> ParsedText: ...
+
+
+class PlainText(OutputParser):
+    """The default: all text is content."""
+
+    def feed(self, text: str) -> ParsedText:
+        return ParsedText(text)
+
+    def finish(self) -> ParsedText:
+        return ParsedText("")
+
+
+@dataclass
+class OutputDelta:
+    """What one token event added to a request's answer."""
+
+    text: str  # the parser's content
+    token_ids: list[int]  # the event's ids that the answer keeps
+    # Per kept token, when the request asked for them (as the scheduler sent them).
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    finished: bool
+    finish_reason: str | None  # a FinishReason value once finished
+    matched_stop: str | int | None  # the stop string or stop token id that ended it
+    completion_tokens: int  # total so far
+    # A stop string ended the answer while the scheduler still computes the request: abort it.
+    abort: bool
+    fields: dict[str, Any] = field(default_factory=dict)  # the parser's extra fields
+
+
+class RequestOutput:
+    """One request's output pipeline (pure logic, no I/O): feed it the request's token events
+    in order with `add`.
+
+    Without a tokenizer (a model with token-id prompts only) there is no text and no stop
+    strings; ids, finish reason, usage and log-probs still come out.
+    """
+
+    def __init__(
+        self, tokenizer: Any | None, options: OutputOptions, parser: OutputParser | None = None
+    ) -> None:
+        if tokenizer is None and options.stop:
+            raise ValueError("stop: stop strings need the model's tokenizer")
+        self.options = options
+        self._decoder = (
+            None
+            if tokenizer is None
+            else IncrementalDetokenizer(tokenizer, options.skip_special_tokens)
+        )
+        self._stops = StopMatcher(options.stop, options.include_stop_str_in_output)
+        self._parser = parser or PlainText()
+        self.num_tokens = 0  # tokens kept so far
+        self.finished = False
+
+    def add(
+        self,
+        new_ids: Sequence[int],
+        finished: bool,
+        finish_reason: str | None,
+        logprobs: Sequence[float] = (),
+        top_ids: Sequence[list[int]] = (),
+        top_logprobs: Sequence[list[float]] = (),
+    ) -> OutputDelta | None:
+        """The delta of one event: the request gained `new_ids` (their log-probs alongside,
+        when asked for); `finished` and `finish_reason` are the scheduler's. None once the
+        answer has ended (the ids the scheduler computed before its abort landed)."""
+        if self.finished:
+            return None
+        ids = list(new_ids)
+        stop_id = ids[-1] if finished and finish_reason == _STOP and ids else None
+        text_ids = ids
+        if stop_id is not None and not self.options.include_stop_str_in_output:
+            text_ids = ids[:-1]  # the stop token's text is not part of the answer
+        text, kept, stop = self._text(text_ids)
+        if stop is None and finished:
+            tail, stop = self._flush()
+            text += tail
+        if stop is None:
+            self.num_tokens += len(ids) - len(text_ids)  # the stop token, kept and counted
+            kept = len(ids)
+        self.finished = stop is not None or finished
+        parsed = self._parse(text)
+        reason = _STOP if stop is not None else finish_reason if finished else None
+        return OutputDelta(
+            text=parsed.content,
+            token_ids=ids[:kept],
+            logprobs=list(logprobs[:kept]),
+            top_ids=list(top_ids[:kept]),
+            top_logprobs=list(top_logprobs[:kept]),
+            finished=self.finished,
+            finish_reason=reason,
+            matched_stop=stop if stop is not None else stop_id,
+            completion_tokens=self.num_tokens,
+            abort=stop is not None and not finished,
+            fields=parsed.fields,
+        )
+
+    def _text(self, ids: list[int]) -> tuple[str, int, str | None]:
+        """The text `ids` add, how many of them the answer keeps, and the stop string that
+        ended it there (None: none did, and all are kept)."""
+        decoder = self._decoder
+        if decoder is None or not self._stops.stops:
+            self.num_tokens += len(ids)
+            return ("" if decoder is None else decoder.add(ids)), len(ids), None
+        parts = []
+        # One id at a time: the token that completes a stop string is the answer's last.
+        for k, token in enumerate(ids):
+            self.num_tokens += 1
+            check = self.num_tokens > self.options.min_tokens
+            text, stop = self._stops.feed(decoder.add([token]), check)
+            parts.append(text)
+            if stop is not None:
+                return "".join(parts), k + 1, stop
+        return "".join(parts), len(ids), None
+
+    def _flush(self) -> tuple[str, str | None]:
+        """The request ended: the text the decoder and the stop matcher held back (an
+        incomplete character's U+FFFD may still complete a stop string)."""
+        if self._decoder is None:
+            return "", None
+        check = self.num_tokens > self.options.min_tokens
+        text, stop = self._stops.feed(self._decoder.flush(), check)
+        return (text, stop) if stop is not None else (text + self._stops.flush(), None)
+
+    def _parse(self, text: str) -> ParsedText:
+        parsed = self._parser.feed(text) if text else ParsedText("")
+        if self.finished:
+            end = self._parser.finish()
+            parsed = ParsedText(parsed.content + end.content, {**parsed.fields, **end.fields})
+        return parsed
