@@ -83,6 +83,15 @@ class Receiver:
             pass
         return decode(self._sock.recv(copy=True))
 
+    def wait(self, also: int) -> None:
+        """Wait until a message arrives or the file descriptor `also` can be read (signal
+        handlers still run while it waits); take the messages with `drain`."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(also, zmq.POLLIN)
+        while not poller.poll(SIGNAL_CHECK_MS):
+            pass
+
     def drain(self) -> list[Any]:
         """Every message that has arrived, without waiting."""
         out = []

@@ -46,6 +46,15 @@ class GenerateReq:
         assert sum(given) == 1, "GenerateReq: set exactly one of text, input_ids, messages"
         assert len(self.rids) == len(self.seeds) >= 1
 
+    @property
+    def prompt_chars(self) -> int:
+        """Characters the tokenizer will read (0 for token ids)."""
+        if self.text is not None:
+            return len(self.text)
+        if self.messages is not None:
+            return sum(len(m.content) for m in self.messages)
+        return 0
+
 
 @dataclass
 class TokenizedReq:
@@ -171,10 +180,14 @@ class RequestError:
 
 @dataclass
 class EngineInfo:
-    """What the scheduler process reports once its model is loaded."""
+    """What the scheduler process reports once its model is loaded; the tokenizer worker adds
+    what only it knows before the server starts serving."""
 
     model_name: str
     max_context: int
     num_pages: int
     page_size: int
     vocab_size: int
+    # Characters of the vocabulary's longest token (a bound on the characters one token can
+    # stand for); None until the tokenizer worker fills it in.
+    max_token_chars: int | None = None

@@ -101,7 +101,8 @@ class Workers:
         info = self._await_ready(sched).payload
         assert isinstance(info, EngineInfo)
         tok.conn.send(info)
-        self._await_ready(tok)
+        info = self._await_ready(tok).payload  # completed with what only the tokenizer knows
+        assert isinstance(info, EngineInfo)
         self._await_ready(detok)
         logger.info("all workers ready: %s", info)
         return info
@@ -157,9 +158,12 @@ def run_server(config: ServerConfig) -> None:
     import uvicorn
 
     from minisgl.server.app import ServerState, build_app
+    from minisgl.server.connection import uvicorn_options
 
     with running_workers(config) as (workers, info):
-        state = ServerState(info, workers.ipc, workers.failure, api_key=config.api_key)
+        state = ServerState(
+            info, workers.ipc, workers.failure, api_key=config.api_key, limits=config.limits
+        )
         app = build_app(state)
         logger.info("serving %s on http://%s:%d", info.model_name, config.host, config.port)
         # uvicorn handles SIGINT / SIGTERM itself: it stops serving, then re-raises the
@@ -170,6 +174,7 @@ def run_server(config: ServerConfig) -> None:
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=3,
+            **uvicorn_options(config.deadlines),
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from minisgl.runtime.ranks import start_scheduler
 from minisgl.scheduler.process import SchedulerProcess
 from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.loading import load_and_save, load_saved
-from minisgl.tokenizer.tokenize import RequestTokenizer
+from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars
 from minisgl.tokenizer.workers import DetokenizerWorker, TokenizerWorker
 from minisgl.weights import resolve_source
 
@@ -96,7 +97,9 @@ def _start_tokenizer(
         Sender(ctx, ipc.scheduler),
         Sender(ctx, ipc.api),
     )
-    conn.send(ChildReady())
+    # The API server refuses prompts longer than the context by their characters, before they
+    # are sent to be tokenized.
+    conn.send(ChildReady(replace(info, max_token_chars=max_token_chars(tokenizer))))
     return worker.run_forever
 
 

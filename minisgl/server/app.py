@@ -8,10 +8,11 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minisgl.message import EngineInfo
@@ -19,7 +20,17 @@ from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
 from minisgl.server.engine_client import EngineClient, EngineUnavailable
 from minisgl.server.errors import error_body, error_response, install_error_handlers
+from minisgl.server.limits import BodyLimit, Limits
 from minisgl.server.metrics import Metrics
+from minisgl.server.openapi import (
+    ChatCompletion,
+    Completion,
+    Generated,
+    ModelList,
+    Status,
+    openapi_schema,
+    responses,
+)
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -34,7 +45,8 @@ class ServerState:
     ipc: IpcPaths
     # Why the engine cannot serve (a worker process died), or None while all are alive.
     check_workers: Callable[[], str | None]
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    limits: Limits = field(default_factory=Limits)
     metrics: Metrics | None = None
     client: EngineClient | None = None
 
@@ -92,7 +104,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client = state.client = EngineClient(state.ipc, metrics)
+        client = state.client = EngineClient(state.ipc, metrics, state.info, state.limits)
         client.start()
         watch = start_supervisor(state, client)
         try:
@@ -105,7 +117,10 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     if state.api_key is not None:
         app.add_middleware(BearerAuth, key=state.api_key)
+    # Outermost: a body too large is refused before anything else looks at the request.
+    app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes)
     _add_routes(app, state, metrics)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
 
@@ -114,23 +129,30 @@ def _client(state: ServerState) -> EngineClient:
     return state.client
 
 
+def _get_and_head(app: FastAPI, path: str, endpoint: Callable[..., Any], **kw: Any) -> None:
+    """A GET route and its HEAD twin (the same answer without the body; uvicorn drops it)."""
+    app.add_api_route(path, endpoint, methods=["GET"], **kw)
+    app.add_api_route(path, endpoint, methods=["HEAD"], **kw)
+
+
 def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     model = state.info.model_name
     started = int(time.time())
+    auth = (401,) if state.api_key is not None else ()
+    posted = (*auth, 400, 408, 413, 503)  # what every POST route can answer besides 200
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *posted, stream=True))
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await openai_api.chat_completions(request, body, _client(state), model)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses(Completion, *posted, stream=True))
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await openai_api.completions(request, body, _client(state), model)
 
-    @app.post("/generate")
+    @app.post("/generate", responses=responses(Generated, *posted, stream=True))
     async def generate(request: Request, body: GenerateRequest) -> Response:
         return await native_api.generate(request, body, _client(state))
 
-    @app.get("/v1/models")
     async def models() -> JSONResponse:
         card = {
             "id": model,
@@ -141,7 +163,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/flush_cache")
+    _get_and_head(app, "/v1/models", models, responses=responses(ModelList, *auth))
+
+    @app.post("/flush_cache", responses=responses(Status, *posted))
     async def flush_cache() -> JSONResponse:
         """Drop the prefix cache's unused entries (benchmarks start cold with it). Refused
         with 400 while requests are in flight: they hold cache pages."""
@@ -157,7 +181,6 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
             )
         return JSONResponse({"status": "flushed"})
 
-    @app.get("/health")
     async def health() -> JSONResponse:
         client = _client(state)
         reason = state.check_workers() or client.failure
@@ -165,6 +188,16 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
             return JSONResponse(error_body(503, reason), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    _get_and_head(app, "/health", health, responses=responses(Status, 503))
+
     async def prometheus() -> Response:
+        metrics.queued_seqs.set(_client(state).num_queued_seqs)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    _get_and_head(
+        app,
+        "/metrics",
+        prometheus,
+        response_class=PlainTextResponse,
+        responses=responses(None, *auth),
+    )

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 
 from minisgl.config import DTYPES, EngineConfig
 from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
 from minisgl.kvcache import CACHE_KINDS
+from minisgl.server.connection import Deadlines
+from minisgl.server.limits import Limits
 from minisgl.weights import resolve_source
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -19,9 +22,11 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 1919
-    api_key: str | None = None  # None: no authentication
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
     shell: bool = False
     log_level: str = "info"
+    limits: Limits = field(default_factory=Limits)
+    deadlines: Deadlines = field(default_factory=Deadlines)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -174,7 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on every endpoint but /health",
+        help="require `Authorization: Bearer KEY` on every endpoint but /health (visible to "
+        f"other local users in `ps`: prefer --api-key-file or {ENV_API_KEY})",
+    )
+    h.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"read the API key from this file (surrounding whitespace dropped); without either "
+        f"flag the key comes from ${ENV_API_KEY} when set",
     )
     h.add_argument(
         "--shell",
@@ -188,7 +201,66 @@ def build_parser() -> argparse.ArgumentParser:
         help="start without the warm-up steps; the first requests then wait for the kernels' "
         "JIT compiles",
     )
+    _add_limit_flags(p)
     return p
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    lim, dl = Limits(), Deadlines()
+    g = p.add_argument_group(
+        "request limits",
+        "Checked before any expensive work; each refusal is a 4xx (503 for a full queue) with "
+        "an OpenAI-style error body.",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=lim.max_request_bytes,
+        help="largest request body: 413 once Content-Length announces more, or once a chunked "
+        "body passes it (the rest is not read)",
+    )
+    g.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=lim.max_seqs_per_request,
+        help="most sequences (prompts x n) one request may ask for; more: 400",
+    )
+    g.add_argument(
+        "--max-queued-seqs",
+        type=int,
+        default=lim.max_queued_seqs,
+        help="sequences accepted but without their first token yet (waiting to be tokenized, "
+        "admitted or prefilled); a request that would pass it gets 503 with Retry-After",
+    )
+    t = p.add_argument_group(
+        "connection time-outs", "In seconds, like nginx's; each closes the connection."
+    )
+    t.add_argument(
+        "--header-timeout",
+        type=float,
+        default=dl.header_timeout,
+        help="a request's header must arrive whole within this (from the connection or the "
+        "request's first byte); else 408",
+    )
+    t.add_argument(
+        "--body-timeout",
+        type=float,
+        default=dl.body_timeout,
+        help="a request's body must arrive whole within this after its header; else 408",
+    )
+    t.add_argument(
+        "--send-timeout",
+        type=float,
+        default=dl.send_timeout,
+        help="a client that reads nothing for this long while its answer waits to be written "
+        "(a full buffer) is dropped; its request is aborted and its KV freed",
+    )
+    t.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=dl.keep_alive_timeout,
+        help="an idle connection between two requests is closed after this",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -223,9 +295,20 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine=engine,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
         shell=args.shell,
         log_level=args.log_level,
+        limits=Limits(
+            max_request_bytes=args.max_request_bytes,
+            max_seqs_per_request=args.max_seqs_per_request,
+            max_queued_seqs=args.max_queued_seqs,
+        ),
+        deadlines=Deadlines(
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            send_timeout=args.send_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+        ),
     )
 
 

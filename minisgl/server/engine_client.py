@@ -18,6 +18,7 @@ import zmq.asyncio
 from minisgl.message import (
     AbortReq,
     DetokOut,
+    EngineInfo,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
@@ -26,6 +27,7 @@ from minisgl.message import (
     StrOut,
 )
 from minisgl.message.transport import AsyncReceiver, IpcPaths, Sender
+from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ class RequestRejected(Exception):
 
 class EngineUnavailable(Exception):
     """A worker process died or the server is shutting down: no answer will come."""
+
+
+class ServerBusy(Exception):
+    """Too many sequences wait for their first token; the request was not sent."""
 
 
 @dataclass
@@ -122,8 +128,21 @@ def merge(a: StrOut, b: StrOut) -> StrOut:
 
 
 class EngineClient:
-    def __init__(self, ipc: IpcPaths, metrics: Metrics) -> None:
+    """`info` and `limits` say what the engine accepts (the endpoints check requests against
+    them before they submit); `submit` itself keeps the server-wide queue within its cap."""
+
+    def __init__(
+        self,
+        ipc: IpcPaths,
+        metrics: Metrics,
+        info: EngineInfo | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.info = info
+        self.limits = limits or Limits()
+        # Choices without output yet: waiting to be tokenized, admitted or prefilled.
+        self._waiting: set[str] = set()
         self._actx = zmq.asyncio.Context()
         self._ctx = zmq.Context()
         self._receiver = AsyncReceiver(self._actx, ipc.api)
@@ -156,12 +175,24 @@ class EngineClient:
     def num_live_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_queued_seqs(self) -> int:
+        return len(self._waiting)
+
     def submit(self, reqs: list[GenerateReq]) -> RequestStream:
-        """Send the prompts of one API request; choices are numbered in order over all rids."""
+        """Send the prompts of one API request; choices are numbered in order over all rids.
+        Raises `ServerBusy` (nothing sent) when its choices would overfill the queue."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         now = time.perf_counter()
         rids = [rid for r in reqs for rid in r.rids]
+        if len(self._waiting) + len(rids) > self.limits.max_queued_seqs:
+            raise ServerBusy(
+                f"{len(self._waiting)} sequences wait for their first token and this request "
+                f"adds {len(rids)}; the server queues at most {self.limits.max_queued_seqs} "
+                "(--max-queued-seqs): retry later"
+            )
+        self._waiting.update(rids)
         stream = RequestStream(self, {rid: _Choice(i, now) for i, rid in enumerate(rids)})
         for rid in rids:
             self._streams[rid] = stream
@@ -170,6 +201,7 @@ class EngineClient:
         return stream
 
     def abort(self, rid: str) -> None:
+        self._waiting.discard(rid)
         if self._streams.pop(rid, None) is None:
             return  # finished, refused or failed already
         self.metrics.requests.labels("abort").inc()
@@ -197,6 +229,7 @@ class EngineClient:
         for stream in set(self._streams.values()):
             stream.queue.put_nowait(EngineUnavailable(reason))
         self._streams.clear()
+        self._waiting.clear()
         for answer in self._flushes.values():
             if not answer.done():
                 answer.set_exception(EngineUnavailable(reason))
@@ -215,6 +248,7 @@ class EngineClient:
                     answer.set_result(msg.in_flight)
             elif isinstance(msg, RequestError):
                 for rid in msg.rids:
+                    self._waiting.discard(rid)
                     stream = self._streams.pop(rid, None)
                     if stream is not None:
                         stream.choices.pop(rid, None)
@@ -223,6 +257,7 @@ class EngineClient:
                 logger.error("API server: unexpected message %s", type(msg).__name__)
 
     def _deliver(self, out: StrOut) -> None:
+        self._waiting.discard(out.rid)
         stream = self._streams.get(out.rid)
         if stream is None:  # aborted: its last outputs are still on their way
             return

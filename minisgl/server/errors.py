@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from minisgl.core import InvalidRequestError
 
@@ -19,6 +21,8 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable",
 }
@@ -27,11 +31,18 @@ _TYPES = {
 class ApiError(Exception):
     """An answer other than 2xx; `param` names the request field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
     @staticmethod
     def from_invalid(e: InvalidRequestError) -> ApiError:
@@ -55,8 +66,13 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -73,18 +89,37 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {msg}{more}", param
 
 
+def _method_not_allowed(request: Request) -> JSONResponse:
+    """405 with `Allow` listing the methods of every route at this path (Starlette's own lists
+    only the first route's, and a GET route's HEAD twin is a route of its own)."""
+    allowed: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            allowed |= getattr(route, "methods", None) or set()
+    allow = ", ".join(sorted(allowed))
+    return error_response(
+        405,
+        f"{request.method} is not allowed on {request.url.path}; use {allow}",
+        headers={"Allow": allow},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, *_validation_message(exc))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            return _method_not_allowed(request)
+        # The headers carry what the status needs, such as `Connection: close` with a 413.
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:

@@ -35,6 +35,11 @@ class Metrics:
         self.waiting = Gauge(
             "minisgl_num_waiting_reqs", "Requests queued for admission", registry=r
         )
+        self.queued_seqs = Gauge(
+            "minisgl_num_queued_seqs",
+            "Sequences accepted without their first token yet (--max-queued-seqs caps them)",
+            registry=r,
+        )
         self.kv_usage = Gauge(
             "minisgl_kv_cache_usage", "Share of KV pages held by running requests", registry=r
         )

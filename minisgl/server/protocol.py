@@ -1,14 +1,25 @@
 """Request bodies of the HTTP API (OpenAI's fields plus a few extensions), as pydantic models.
 
 They check shapes and ranges; whatever they let through is still checked by `SamplingParams`
-and, for lengths, by the tokenizer. Unknown fields are refused rather than ignored.
+and, for lengths, by the tokenizer. Unknown fields are refused rather than ignored. Types are
+strict, as OpenAI's are: a boolean is not an integer, a string is not a number. In the OpenAI
+bodies an explicit `null` stands for a field left out.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
@@ -17,6 +28,24 @@ MAX_TOKEN_ID = 2**31 - 1
 # (context length, vocabulary) are checked later with messages that name them.
 MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]  # OpenAI's range
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def one_of(what: str) -> WrapValidator:
+    """A union's error in one message that says what the field may be (pydantic reports each
+    member's failure at a path of its own, such as `prompt.str`)."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", "must be {what}", {"what": what}) from None
+
+    return WrapValidator(validate)
+
+
+Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
 
 
 def _check_utf8(value: Any, path: str) -> None:
@@ -36,7 +65,7 @@ def _check_utf8(value: Any, path: str) -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -45,18 +74,47 @@ class _Strict(BaseModel):
         return data
 
 
-class StreamOptions(_Strict):
+def _null_is_absent(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The JSON schema of a model whose optional fields also take null."""
+    for name, field in cls.model_fields.items():
+        prop = schema.get("properties", {}).get(name)
+        if field.is_required() or prop is None or _nullable(prop):
+            continue
+        outer = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
+def _nullable(prop: dict[str, Any]) -> bool:
+    return any(p.get("type") == "null" for p in prop.get("anyOf", ()))
+
+
+class _OpenAI(_Strict):
+    """An OpenAI body: an explicit null means "left out" for every optional field (OpenAI
+    marks nearly all of them nullable; clients send null for what they do not set)."""
+
+    model_config = ConfigDict(json_schema_extra=_null_is_absent)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {n for n, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
+
+class StreamOptions(_OpenAI):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(_OpenAI):
     type: Literal["text"]
     text: str
 
 
-class ChatMessageIn(_Strict):
+class ChatMessageIn(_OpenAI):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Annotated[str | list[TextPart], one_of("a string or a list of text parts")]
 
     @property
     def text(self) -> str:
@@ -65,23 +123,23 @@ class ChatMessageIn(_Strict):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_OpenAI):
     type: str
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(_OpenAI):
     """Fields both OpenAI endpoints share."""
 
     model: str | None = None
     max_tokens: MaxTokens | None = None
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: Temperature | None = None
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
@@ -125,7 +183,13 @@ class ChatCompletionRequest(SamplingFields):
         return bad
 
 
-Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+Prompt = Annotated[
+    str | list[str] | list[TokenId] | list[list[TokenId]],
+    one_of(
+        f"a string, a list of strings, a list of token ids (integers in [0, {MAX_TOKEN_ID}]) "
+        "or a list of such lists"
+    ),
+]
 
 
 class CompletionRequest(SamplingFields):
@@ -162,11 +226,11 @@ class NativeSamplingParams(_Strict):
     top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)

@@ -21,12 +21,16 @@ from minisgl.server.engine_client import (
     EngineUnavailable,
     RequestRejected,
     RequestStream,
+    ServerBusy,
 )
 from minisgl.server.errors import ApiError, ClientDisconnected, error_body
+from minisgl.server.limits import check_prompts, check_seqs
 
 T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
+# What a 503 for a full queue asks the client to wait: about one prefill of a full batch.
+RETRY_AFTER_S = 1
 
 
 def sse(obj: Any) -> bytes:
@@ -65,10 +69,16 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 def submit(client: EngineClient, reqs: list[GenerateReq]) -> RequestStream:
+    """Send `reqs` once they pass the request limits."""
+    check_seqs(reqs, client.limits)
+    if client.info is not None:
+        check_prompts(reqs, client.info)
     try:
         return client.submit(reqs)
     except EngineUnavailable as e:
         raise api_error(e) from e
+    except ServerBusy as e:
+        raise ApiError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from e
 
 
 async def first_batch(request: Request, stream: RequestStream) -> list[ChoiceOutput]:

@@ -56,3 +56,28 @@ class RequestTokenizer:
             TokenizedReq(rid, ids, params, seed)
             for rid, seed in zip(req.rids, req.seeds, strict=True)
         ]
+
+
+# Texts a tokenizer must give back unchanged (decode(encode(x)) == x) for its longest token to
+# bound how many characters a token can stand for: whitespace runs, long words, combining and
+# control characters, emoji, a special token's text.
+_ROUND_TRIP_PROBES = (
+    "Hello,   world!\n\n\t x  ",
+    "a" * 300 + " " * 300 + "b",
+    "é中文🙂\u0301\u200b z",
+    "\x00\x01 control <|im_start|> <s> </s>",
+)
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The characters of the vocabulary's longest token (special tokens included), a bound on
+    how many characters of a prompt one token can consume; None when the tokenizer loses text
+    (drops whitespace, folds unknown words into one token), where no such bound holds."""
+    for text in _ROUND_TRIP_PROBES:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        back = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if back != text:
+            return None
+    # A token's string spells its bytes (byte-level BPE) or its characters (SentencePiece,
+    # with "<0xNN>" byte tokens): never fewer characters than it decodes to.
+    return max(len(token) for token in tokenizer.get_vocab())

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.core import InvalidRequestError
@@ -15,6 +20,7 @@ from minisgl.message import (
     RequestError,
     SchedulerOut,
     StrOut,
+    TokenizedReq,
 )
 from minisgl.message.transport import Receiver, Sender
 from minisgl.tokenizer.detokenizer import Detokenizer
@@ -23,43 +29,120 @@ from minisgl.tokenizer.tokenize import RequestTokenizer
 logger = logging.getLogger(__name__)
 
 
+# Prompts up to this many characters are tokenized at once in the worker's loop (well under a
+# millisecond); longer ones in a few threads (HF fast tokenizers release the GIL), so that a
+# long prompt never holds up the short ones behind it.
+INLINE_CHARS = 4096
+TOKENIZE_THREADS = 4
+
+Outcome = list[TokenizedReq] | RequestError
+
+
+@dataclass
+class _Pending:
+    """A request whose tokenization runs in a thread; aborts of its choices wait here, as its
+    choices have not reached the scheduler yet."""
+
+    req: GenerateReq
+    aborted: set[str] = field(default_factory=set)
+
+
 class TokenizerWorker:
-    """Requests from the API become tokenized requests for the scheduler; aborts follow them
-    down the same pipe, so an abort never overtakes its request."""
+    """Requests from the API become tokenized requests for the scheduler. An abort never
+    overtakes its request: it follows it down the same pipe, or, while the request still
+    tokenizes, keeps the aborted choices from ever being sent."""
 
     def __init__(
-        self, tokenizer: RequestTokenizer, inbox: Receiver, scheduler: Sender, api: Sender
+        self,
+        tokenizer: RequestTokenizer,
+        inbox: Receiver,
+        scheduler: Sender,
+        api: Sender,
+        threads: int = TOKENIZE_THREADS,
     ) -> None:
         self.tokenizer = tokenizer
         self.inbox = inbox
         self.scheduler = scheduler
         self.api = api
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._pending: dict[str, _Pending] = {}  # rid -> its request, while it tokenizes
+        self._done: queue.SimpleQueue[tuple[_Pending, Outcome]] = queue.SimpleQueue()
+        # A thread that finishes writes a byte here, so the loop wakes from waiting on the inbox.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, (AbortReq, FlushCacheReq)):
+        if isinstance(msg, AbortReq):
+            self._abort(msg)
+        elif isinstance(msg, FlushCacheReq):
             self.scheduler.send(msg)
         elif isinstance(msg, GenerateReq):
             self._generate(msg)
         else:
             raise TypeError(f"tokenizer: unexpected message {type(msg).__name__}")
 
+    def _abort(self, msg: AbortReq) -> None:
+        pending = self._pending.get(msg.rid)
+        if pending is not None:
+            pending.aborted.add(msg.rid)
+        else:
+            self.scheduler.send(msg)
+
     def _generate(self, req: GenerateReq) -> None:
-        try:
-            reqs = self.tokenizer.tokenize(req)
-        except InvalidRequestError as e:
-            field = str(e).split(":", 1)[0]
-            self.api.send(RequestError(req.rids, str(e), field, status=400))
+        logger.debug("request %s: %d prompt characters", req.rids[0], req.prompt_chars)
+        if req.prompt_chars <= INLINE_CHARS:
+            self._send(self._tokenize(req), aborted=set())
             return
+        pending = _Pending(req)
+        for rid in req.rids:
+            self._pending[rid] = pending
+        self._pool.submit(self._tokenize_in_thread, pending)
+
+    def _tokenize(self, req: GenerateReq) -> Outcome:
+        try:
+            return self.tokenizer.tokenize(req)
+        except InvalidRequestError as e:
+            param = str(e).split(":", 1)[0]
+            return RequestError(req.rids, str(e), param, status=400)
         except Exception as e:  # a bug of ours must not take the worker down with it
             logger.exception("tokenizer failed on request %s", req.rids[0])
-            self.api.send(RequestError(req.rids, f"tokenizer failed: {e}", None, status=500))
+            return RequestError(req.rids, f"tokenizer failed: {e}", None, status=500)
+
+    def _tokenize_in_thread(self, pending: _Pending) -> None:
+        self._done.put((pending, self._tokenize(pending.req)))
+        # A full pipe holds wake-ups the loop has yet to read: one more adds nothing.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"\0")
+
+    def _send(self, outcome: Outcome, aborted: set[str]) -> None:
+        if isinstance(outcome, RequestError):
+            self.api.send(outcome)
             return
-        for r in reqs:
-            self.scheduler.send(r)
+        for r in outcome:
+            if r.rid not in aborted:
+                self.scheduler.send(r)
+
+    def poll(self) -> None:
+        """Handle every message that has arrived and every tokenization that has finished."""
+        for msg in self.inbox.drain():
+            self.handle(msg)
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 65536)
+        while not self._done.empty():
+            pending, outcome = self._done.get_nowait()
+            for rid in pending.req.rids:
+                del self._pending[rid]
+            self._send(outcome, pending.aborted)
+
+    def step(self) -> None:
+        """Wait for a message or a finished tokenization, then handle all there are."""
+        self.inbox.wait(also=self._wake_r)
+        self.poll()
 
     def run_forever(self) -> None:
         while True:
-            self.handle(self.inbox.recv())
+            self.step()
 
 
 class DetokenizerWorker:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from minisgl.benchmark.serving import wait_healthy
+from minisgl.config.secrets import ENV_API_KEY
 
 STARTUP_TIMEOUT_S = 300
 
@@ -126,13 +127,26 @@ def _alive(pid: int) -> bool:
     return state[state.rindex(")") + 2] != "Z"
 
 
-def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Server:
-    """Start `python -m minisgl` on a free port (without waiting for it to be ready)."""
+def start_server(
+    log_dir: Path, *args: str, api_key: str | None = None, key_from: str = "flag"
+) -> Server:
+    """Start `python -m minisgl` on a free port (without waiting for it to be ready), with
+    `api_key` given by `key_from`: "flag" (--api-key), "file" (--api-key-file) or "env"."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
     argv = [sys.executable, "-m", "minisgl", "--port", str(port), *args]
-    if api_key:
+    env = {k: v for k, v in os.environ.items() if k != ENV_API_KEY}
+    if api_key and key_from == "flag":
         argv += ["--api-key", api_key]
+    elif api_key and key_from == "file":
+        key_file = log_dir / f"api-key-{port}"
+        key_file.write_text(api_key + "\n")
+        argv += ["--api-key-file", str(key_file)]
+    elif api_key:
+        assert key_from == "env", key_from
+        env[ENV_API_KEY] = api_key
     with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
     return Server(proc, port, log, api_key)

@@ -45,7 +45,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # The references load while the server starts (both take tens of seconds).
-    server = start_server(tmp_path_factory.mktemp("logs"), api_key=API_KEY)
+    server = start_server(tmp_path_factory.mktemp("logs"), api_key=API_KEY, key_from="file")
     try:
         from transformers import AutoModelForCausalLM
 
@@ -592,8 +592,90 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(
 def test_unknown_paths_and_methods(http: httpx.Client) -> None:
     r = http.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = http.get("/v1/chat/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    for method, path, allow in [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("PUT", "/v1/completions", "POST"),
+        ("DELETE", "/generate", "POST"),
+        ("POST", "/health", "GET, HEAD"),
+        ("PUT", "/v1/models", "GET, HEAD"),
+        ("GET", "/flush_cache", "POST"),
+    ]:
+        r = http.request(method, path)
+        assert r.status_code == 405, (method, path)
+        assert r.headers["Allow"] == allow  # RFC 9110 requires it with a 405
+        assert r.json()["error"]["code"] == 405 and allow in r.json()["error"]["message"]
+
+
+def test_head_wherever_get_is_served(http: httpx.Client) -> None:
+    for path in ("/health", "/v1/models", "/metrics", "/openapi.json"):
+        got, headed = http.get(path), http.head(path)
+        assert headed.status_code == got.status_code == 200, path
+        assert headed.content == b""
+        assert headed.headers["content-type"] == got.headers["content-type"]
+
+
+# Strict where OpenAI is strict: a boolean is not a number, a number is not a string, and
+# the ranges are OpenAI's; the error names the field.
+STRICT = [
+    ("chat", {**MSG, "max_tokens": True}, "max_tokens"),
+    ("chat", {**MSG, "n": True}, "n"),
+    ("chat", {**MSG, "seed": False}, "seed"),
+    ("chat", {**MSG, "max_tokens": 4.0}, "max_tokens"),
+    ("chat", {**MSG, "temperature": "0.5"}, "temperature"),
+    ("chat", {**MSG, "temperature": 2.5}, "temperature"),
+    ("chat", {**MSG, "temperature": 1e308}, "temperature"),
+    ("chat", {**MSG, "temperature": True}, "temperature"),
+    ("chat", {**MSG, "top_p": 1.01}, "top_p"),
+    ("chat", {**MSG, "presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {**MSG, "frequency_penalty": -2.01}, "frequency_penalty"),
+    ("chat", {**MSG, "stream": 1}, "stream"),
+    ("chat", {**MSG, "logprobs": 1}, "logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("completions", {"prompt": [False]}, "prompt"),
+    ("completions", {"prompt": [[False]]}, "prompt"),
+    ("completions", {"prompt": [1, True]}, "prompt"),
+    ("completions", {"prompt": "hi", "stop": [1]}, "stop"),
+    ("completions", {"prompt": "hi", "extra_body": 1}, "extra_body"),
+    ("generate", {"input_ids": [False]}, "input_ids.0"),
+    ("generate", {"input_ids": [1.0]}, "input_ids.0"),
+    ("generate", {"text": "a", "sampling_params": {"max_new_tokens": True}}, None),
+    ("generate", {"text": "a", "sampling_params": {"stop_token_ids": [True]}}, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"), STRICT, ids=[json.dumps(b[1]) for b in STRICT]
+)
+def test_strict_types_and_ranges(
+    http: httpx.Client, endpoint: str, body: Any, param: str | None
+) -> None:
+    r = http.post(PATHS[endpoint], json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    if param is None:
+        assert err["param"].startswith("sampling_params.")
+    else:
+        assert err["param"] == param and err["message"].startswith(f"{param}: ")
+
+
+def test_null_is_a_field_left_out(http: httpx.Client) -> None:
+    """Every field OpenAI marks nullable takes an explicit null (clients send them)."""
+    nullable = ["model", "temperature", "top_p", "n", "stop", "seed", "presence_penalty"]
+    nullable += ["frequency_penalty", "stream", "stream_options", "user", "logit_bias"]
+    base = {k: None for k in nullable}
+    chat_nulls = {**base, "max_completion_tokens": None, "logprobs": None, "top_logprobs": None}
+    chat_nulls |= {"tools": None, "tool_choice": None, "response_format": None}
+    chat_nulls |= {"parallel_tool_calls": None, "functions": None, "function_call": None}
+    r = http.post("/v1/chat/completions", json={**MSG, **chat_nulls, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    completion_nulls = {**base, "logprobs": None, "echo": None, "best_of": None, "suffix": None}
+    r = http.post("/v1/completions", json={"prompt": "Hi", **completion_nulls, "max_tokens": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16  # max_tokens: null is OpenAI's default
+    options = {"stream": True, "stream_options": {"include_usage": None}, "max_tokens": 1}
+    events = http.post("/v1/completions", json={"prompt": "Hi", **options}).text
+    assert '"usage": null' not in events  # include_usage: null is false
 
 
 def test_openai_client_sees_bad_requests(client: openai.OpenAI) -> None:
@@ -842,11 +924,52 @@ def cap_generation(path: str, body: Any) -> None:
         target["max_tokens"] = 2
 
 
-def test_schemathesis_finds_no_server_errors(server: Server, http: httpx.Client) -> None:
+def test_openapi_describes_what_the_server_answers(http: httpx.Client) -> None:
+    doc = http.get("/openapi.json").json()
+    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            answers = op["responses"]
+            assert "422" not in answers, (method, path)  # invalid bodies get 400
+            assert "401" in answers or path == "/health"  # the server has a key
+            for code, answer in answers.items():
+                if int(code) >= 400:
+                    assert answer["content"] == {"application/json": {"schema": error_ref}}
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        answers = doc["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "408", "413", "503"} <= set(answers)
+        assert set(answers["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {"200", "400", "413", "503"} <= set(doc["paths"]["/flush_cache"]["post"]["responses"])
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "ValidationError" not in doc["components"]["schemas"]
+
+
+def test_the_key_from_a_file_works_and_is_never_shown(server: Server, http: httpx.Client) -> None:
+    assert http.get("/v1/models").status_code == 200  # every test here authenticates
+    assert API_KEY not in http.get("/metrics").text
+    assert API_KEY not in server.log_text()
+
+
+def test_schemathesis_finds_no_nonconformance(server: Server, http: httpx.Client) -> None:
+    """Generated requests, valid and invalid, against /openapi.json: no 5xx, and every status
+    code, content type and body as documented."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.errors import FailureGroup
     from schemathesis.generation import GenerationMode
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
+    checks = [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_schema_conformance,
+    ]
     schema = schemathesis.openapi.from_dict(http.get("/openapi.json").json())
     failures: list[str] = []
     for result in schema.get_all_operations():
@@ -865,9 +988,12 @@ def test_schemathesis_finds_no_server_errors(server: Server, http: httpx.Client)
             @given(case=op.as_strategy(generation_mode=mode))
             def check(case: Any) -> None:
                 cap_generation(case.path, case.body)
-                r = case.call(base_url=server.url, headers=server.headers, timeout=600)
-                if r.status_code >= 500:
-                    failures.append(f"{case.method} {case.path} {case.body!r}: {r.text[:300]}")
+                try:
+                    case.call_and_validate(
+                        base_url=server.url, headers=server.headers, timeout=600, checks=checks
+                    )
+                except FailureGroup as e:
+                    failures.append(f"{case.method} {case.path} {case.body!r}: {str(e)[:800]}")
 
             check()
     assert not failures, "\n".join(failures[:10])

@@ -5,10 +5,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from minisgl.config.secrets import ENV_API_KEY
 from minisgl.server.args import parse_args
+from minisgl.server.connection import Deadlines
+from minisgl.server.limits import Limits
 
 FLAGS = [
     "--model",
@@ -38,6 +42,14 @@ FLAGS = [
     "--kv-cache-dtype",
     "--kv-cache-calibrate",
     "--quantization",
+    "--api-key-file",
+    "--max-request-bytes",
+    "--max-seqs-per-request",
+    "--max-queued-seqs",
+    "--header-timeout",
+    "--body-timeout",
+    "--send-timeout",
+    "--keep-alive-timeout",
 ]
 
 
@@ -179,6 +191,12 @@ def test_bad_multi_node_flags(
         ["--mem-fraction", "0"],
         ["--mem-fraction", "1.5"],
         ["--cuda-graph-max-bs", "-1"],
+        ["--max-request-bytes", "0"],
+        ["--max-seqs-per-request", "0"],
+        ["--max-seqs-per-request", "10", "--max-queued-seqs", "5"],
+        ["--header-timeout", "0"],
+        ["--send-timeout", "-1"],
+        ["--keep-alive-timeout", "0"],
     ],
 )
 def test_bad_values_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,3 +204,82 @@ def test_bad_values_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixtu
         parse_args(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_limit_and_timeout_flags() -> None:
+    cfg = parse_args(
+        ["--max-request-bytes", "1000", "--max-seqs-per-request", "4", "--max-queued-seqs", "9"]
+        + ["--header-timeout", "1.5", "--body-timeout", "2", "--send-timeout", "3"]
+        + ["--keep-alive-timeout", "4"]
+    )
+    assert cfg.limits == Limits(max_request_bytes=1000, max_seqs_per_request=4, max_queued_seqs=9)
+    assert cfg.deadlines == Deadlines(
+        header_timeout=1.5, body_timeout=2, send_timeout=3, keep_alive_timeout=4
+    )
+    default = parse_args([])
+    assert default.limits == Limits() and default.deadlines == Deadlines()
+    assert default.limits.max_request_bytes >= 2**20  # "a few MB"
+    assert default.deadlines.header_timeout == default.deadlines.body_timeout == 60  # nginx's
+
+
+# ---- the API key ------------------------------------------------------------------------------
+
+
+def test_api_key_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ENV_API_KEY, raising=False)
+    assert parse_args([]).api_key is None
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")  # the newline an editor leaves is not part of the key
+    assert parse_args(["--api-key-file", str(key_file)]).api_key == "from-file"
+    monkeypatch.setenv(ENV_API_KEY, "from-env")
+    assert parse_args([]).api_key == "from-env"
+    # A flag is more explicit than the environment.
+    assert parse_args(["--api-key", "flag"]).api_key == "flag"
+    assert parse_args(["--api-key-file", str(key_file)]).api_key == "from-file"
+
+
+def test_the_key_stays_out_of_reprs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_API_KEY, "very-secret-key")
+    assert "very-secret-key" not in repr(parse_args([]))
+
+
+@pytest.mark.parametrize(
+    ("content", "env", "message"),
+    [
+        (None, None, "api_key_file: cannot read"),
+        ("  \n", None, "api_key: --api-key-file .* gives an empty key"),
+        ("two words", None, "whitespace or control characters"),
+        ("", "", f"api_key: {ENV_API_KEY} gives an empty key"),
+    ],
+)
+def test_bad_keys_are_refused_without_showing_them(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: str | None,
+    env: str | None,
+    message: str,
+) -> None:
+    key_file = tmp_path / "key"
+    argv = []
+    if content is not None:
+        key_file.write_text(content)
+    if env is None:
+        monkeypatch.delenv(ENV_API_KEY, raising=False)
+        argv = ["--api-key-file", str(key_file)]
+    else:
+        monkeypatch.setenv(ENV_API_KEY, env)
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(message, err), err
+    if content and content.strip():
+        assert content.strip() not in err
+
+
+def test_both_key_flags_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--api-key", "a", "--api-key-file", str(tmp_path / "k")])
+    assert "not both" in capsys.readouterr().err

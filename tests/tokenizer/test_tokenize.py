@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from minisgl.core import InvalidRequestError, SamplingParams
 from minisgl.message import ChatMessage, EngineInfo, GenerateReq
-from minisgl.tokenizer.tokenize import RequestTokenizer, resolve_max_tokens
+from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars, resolve_max_tokens
 
 INFO = EngineInfo("m", max_context=64, num_pages=100, page_size=1, vocab_size=49152)
 
@@ -59,3 +60,25 @@ def test_token_ids_outside_the_vocabulary_are_refused(tokenizer: Any) -> None:
 def test_too_long_prompt_is_refused(tokenizer: Any) -> None:
     with pytest.raises(InvalidRequestError, match="^prompt:.*context of 64"):
         RequestTokenizer(tokenizer, INFO).tokenize(req(text="word " * 100))
+
+
+def test_no_token_stands_for_more_characters_than_the_bound(tokenizer: Any) -> None:
+    bound = max_token_chars(tokenizer)
+    assert bound is not None
+    longest = max(len(tokenizer.decode([i])) for i in range(len(tokenizer)))
+    assert longest <= bound
+    # The prompts that pack the most characters into each token still fit the bound.
+    for text in ["#" * 5000, "\n" + " " * 5000, "=" * 5000, "<|im_start|>" * 100]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(text) <= len(ids) * bound
+
+
+def test_a_tokenizer_that_loses_text_has_no_bound(tmp_path: Path) -> None:
+    # Word-level: whitespace runs vanish and any unknown word becomes one token.
+    from minisgl.benchmark.serving import synthetic_tokenizer_model
+    from minisgl.tokenizer.loading import load_saved
+
+    config_dir = Path(__file__).parents[2] / "minisgl/benchmark/models/qwen3-0.6b"
+    words = load_saved(synthetic_tokenizer_model(str(config_dir), tmp_path))
+    assert len(words("x" * 10_000)["input_ids"]) == 1
+    assert max_token_chars(words) is None

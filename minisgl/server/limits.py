@@ -1,0 +1,134 @@
+"""What one request may ask of the server, checked before any expensive work: the body's bytes
+(before it is read), the prompts' characters (before they are tokenized), the sequences it
+asks for, and (in `EngineClient.submit`) the sequences queued server-wide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from minisgl.core import InvalidRequestError
+from minisgl.message import EngineInfo, GenerateReq
+from minisgl.server.errors import ApiError, error_response
+from minisgl.tokenizer.tokenize import resolve_max_tokens
+
+CLOSE = {"Connection": "close"}  # the rest of a refused body is never read
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_request_bytes: int = 8 * 2**20
+    max_seqs_per_request: int = 256  # prompts x n
+    # Sequences accepted but without their first token yet (waiting to be tokenized, admitted
+    # or prefilled); a request that would pass this gets 503 with Retry-After.
+    max_queued_seqs: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_seqs_per_request", "max_queued_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_seqs_per_request > self.max_queued_seqs:
+            raise ValueError(
+                f"max_seqs_per_request: {self.max_seqs_per_request} is more than "
+                f"max_queued_seqs ({self.max_queued_seqs}) lets wait; such a request could never "
+                "be served"
+            )
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while the body is read; an HTTPException so that FastAPI's body parsing passes it
+    on to the error handlers unchanged."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(
+            413,
+            f"the request body exceeds the server's limit of {max_bytes} bytes "
+            "(--max-request-bytes)",
+            headers=CLOSE,
+        )
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = Headers(scope=scope).get("content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+class BodyLimit:
+    """413 for a body over `max_bytes`: before reading any of it when Content-Length announces
+    the size, else (chunked bodies) as soon as the bytes read pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        e = BodyTooLarge(self.max_bytes)
+        await error_response(413, e.detail, headers=CLOSE)(scope, receive, send)
+
+
+# ---- prompts and sequences -----------------------------------------------------------------
+
+
+def max_prompt_chars(info: EngineInfo) -> int | None:
+    """No legal prompt has more characters than the context has tokens times the longest
+    token's characters; None while the tokenizer has not said how long that is."""
+    if info.max_token_chars is None:
+        return None
+    return info.max_context * info.max_token_chars
+
+
+def check_prompts(reqs: list[GenerateReq], info: EngineInfo) -> None:
+    """Refuse a prompt too long for the context before anyone tokenizes it: text by its
+    characters, token ids by their count (with the tokenizer's own check)."""
+    limit = max_prompt_chars(info)
+    for req in reqs:
+        chars = req.prompt_chars
+        if limit is not None and chars > limit:
+            param = "messages" if req.messages is not None else "prompt"
+            raise ApiError(
+                400,
+                f"{param}: {chars} characters cannot fit the context of {info.max_context} "
+                f"tokens (no token of this model is longer than {info.max_token_chars} "
+                "characters); shorten the prompt",
+                param,
+            )
+        if req.input_ids is not None:
+            try:
+                resolve_max_tokens(len(req.input_ids), req.max_tokens, info)
+            except InvalidRequestError as e:
+                raise ApiError.from_invalid(e) from e
+
+
+def check_seqs(reqs: list[GenerateReq], limits: Limits) -> None:
+    num = sum(len(r.rids) for r in reqs)
+    if num > limits.max_seqs_per_request:
+        raise ApiError(
+            400,
+            f"n: {len(reqs)} prompts x n = {num} sequences; this server takes at most "
+            f"{limits.max_seqs_per_request} per request (--max-seqs-per-request): send fewer "
+            "prompts per request or a smaller n",
+            "n",
+        )

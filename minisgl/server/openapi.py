@@ -1,0 +1,157 @@
+"""What `/openapi.json` says the server answers: the response bodies, every status code a route
+can return with the error body, `text/event-stream` for streams, and no 422 (FastAPI's default
+for invalid bodies; this server answers 400)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+
+# ---- response bodies (open: fields may be added) -------------------------------------------
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Open):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(_Open):
+    error: ErrorDetail
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(_Open):
+    role: str
+    content: str | None
+
+
+class ChatChoice(_Open):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class Completion(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class Generated(_Open):
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
+class ModelCard(_Open):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(_Open):
+    object: str
+    data: list[ModelCard]
+
+
+class Status(_Open):
+    status: str
+
+
+# ---- status codes --------------------------------------------------------------------------
+
+_WHY = {
+    400: "The request is invalid; `error.param` names the field to change.",
+    401: "Missing or wrong API key.",
+    408: "The request's header or body did not arrive within the server's time-out.",
+    413: "The request body is larger than --max-request-bytes.",
+    503: "The engine is unavailable, or (with Retry-After) too many sequences are queued.",
+}
+# Each server-sent event: `data:` one JSON chunk (an error object if the request fails after
+# its stream began), and `[DONE]` last. `itemSchema` describes one event (OpenAPI 3.2, as
+# FastAPI and schemathesis read it).
+STREAM = {
+    "text/event-stream": {
+        "itemSchema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {"type": "string", "contentMediaType": "application/json"},
+                "event": {"type": "string"},
+            },
+        }
+    }
+}
+
+
+def responses(
+    ok: type[BaseModel] | None, *errors: int, stream: bool = False
+) -> dict[int | str, Any]:
+    """A route's `responses=`: its 200 body (JSON, or server-sent events when `stream`) and
+    the error codes it can answer with."""
+    out: dict[int | str, Any] = {
+        code: {"model": ErrorBody, "description": _WHY[code]} for code in sorted(errors)
+    }
+    if ok is not None:
+        out[200] = {"model": ok, **({"content": STREAM} if stream else {})}
+    return out
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI document (built once), without FastAPI's 422 responses."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in doc.get("paths", {}).values():
+            for operation in path.values():
+                answers = operation.get("responses", {})
+                answers.pop("422", None)
+                for code, answer in answers.items():
+                    _errors_are_json(code, answer)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def _errors_are_json(code: str, answer: dict[str, Any]) -> None:
+    # FastAPI files an error's model under the route's own media type (text/plain for
+    # /metrics); error bodies are JSON everywhere.
+    content = answer.get("content", {})
+    if content and code.isdigit() and int(code) >= 400 and "application/json" not in content:
+        answer["content"] = {"application/json": next(iter(content.values()))}
