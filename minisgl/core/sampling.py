@@ -17,6 +17,8 @@ class SamplingParams:
     `ignore_eos`, and `stop_token_ids`) cannot be sampled and its stop strings do not count.
     `include_stop_str_in_output` keeps the stop string (or stop token's text) that ended the
     answer in its text. The output semantics are written down in `minisgl.tokenizer.output`.
+    `priority` (lower is more urgent, as in vLLM; any integer) orders requests under the
+    scheduler's `priority` policy (`minisgl.scheduler.policy`); other policies take only 0.
     """
 
     max_tokens: int = 16
@@ -41,6 +43,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples inside (hashable, immutable).
@@ -78,6 +81,10 @@ class SamplingParams:
                 "min_tokens",
                 f"{self.min_tokens} is more than max_tokens ({self.max_tokens}); lower it or "
                 "raise max_tokens",
+            )
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise bad(
+                "priority", f"must be an integer (lower is more urgent), got {self.priority!r}"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")

@@ -29,6 +29,8 @@ MAX_TOKEN_ID = 2**31 - 1
 MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]  # OpenAI's range
+# Lower is more urgent (vLLM's convention); only the priority schedule policy takes one but 0.
+Priority = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -152,6 +154,10 @@ class SamplingFields(_OpenAI):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
+    priority: Priority = 0
+    # The usage gains `token_times`: per choice, when the scheduler had each output token
+    # (seconds since the epoch); a stream needs `stream_options.include_usage` for it.
+    return_token_times: bool = False
     # Known but unsupported: refused with a message when set to anything but "off".
     logit_bias: dict[str, float] | None = None
 
@@ -237,6 +243,7 @@ class NativeSamplingParams(_Strict):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
+    priority: Priority = 0
 
 
 class GenerateRequest(_Strict):
@@ -246,6 +253,8 @@ class GenerateRequest(_Strict):
     input_ids: list[TokenId] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
+    # The finished answer's `meta_info` gains `token_times` (see `SamplingFields`).
+    return_token_times: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

@@ -60,6 +60,7 @@ def sampling_params(
             stop=stop_strings(body.stop),
             min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            priority=body.priority,
         )
     except InvalidRequestError as e:
         raise ApiError.from_invalid(e) from e
