@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from minisgl.benchmark.serving import wait_healthy
 from minisgl.config.secrets import ENV_API_KEY
@@ -150,3 +151,14 @@ def start_server(
             argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
     return Server(proc, port, log, api_key)
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """/metrics as {name[label values...]: value}."""
+    text = http.get("/metrics").text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + "".join(f"[{v}]" for v in s.labels.values())
+            out[key] = s.value
+    return out
