@@ -132,3 +132,34 @@ def test_it_is_ready_after_a_few_steps() -> None:
         assert not model.ready
         model.observe(StepShape(i + 1, 0, 10 * (i + 1), False), 1e-3)
     assert model.ready
+
+
+def test_rank0_samples_replayed_elsewhere_give_the_same_model() -> None:
+    # Tensor parallelism: rank 0 measures and sends its samples with the next step's requests
+    # (the same packing as `RequestSync` broadcasts); another rank's model, fed those bytes,
+    # must plan the same budgets: equal bit for bit.
+    import msgpack
+
+    from minisgl.scheduler.sync import RequestSync
+    from minisgl.scheduler.timing import StepTimer
+
+    sync = RequestSync(group=None, rank=0)
+    rank0 = StepTimer(LinearStepTime(), True, sync.publish_step_times)
+    other = StepTimer(LinearStepTime(), True, measures=False)
+
+    class Sink:
+        def apply_step_times(self, samples: list, anchor: bool) -> None:
+            other.apply(samples, anchor)
+
+    rng = random.Random(5)
+    rank0.record([(s, machine(s)) for s in (random_shape(rng) for _ in range(20))], anchor=True)
+    for _ in range(100):
+        s = random_shape(rng)
+        rank0.completed(s)  # a real (tiny) measured period
+        rank0.record([(s, machine(s) * rng.uniform(0.9, 1.5))])
+    data, sync._ops = msgpack.packb(sync._ops), []
+    for op in msgpack.unpackb(data):
+        RequestSync._apply(op, Sink())  # type: ignore[arg-type]
+    assert other.model.samples == rank0.model.samples == 220  # type: ignore[attr-defined]
+    assert other.model.coefficients() == rank0.model.coefficients()
+    assert other.model.prior == rank0.model.prior  # type: ignore[attr-defined]
