@@ -350,8 +350,13 @@ def flush_cache(url: str, timeout: float = 60) -> None:
 
 
 def run_online(work: Workload, url: str, rate: float, seed: int, procs: int = 1) -> dict[str, Any]:
+    """The run's summary, with every request's server token times under `token_times`
+    ([priority, t0, t1, ...] each: for plots; `report` takes them out of its JSON line)."""
     flush_cache(url)
-    return summarize(run_clients(url, work, rate, seed, procs), work)
+    traces = run_clients(url, work, rate, seed, procs)
+    return summarize(traces, work) | {
+        "token_times": [[t.priority, *t.server_times] for t in traces]
+    }
 
 
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -497,6 +502,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--server-args", default="", help="more flags for the server, e.g. '--num-pages 4000'"
     )
+    p.add_argument(
+        "--token-times-out",
+        default=None,
+        metavar="PATH",
+        help="write every request's server token times here (JSON: {itl target: {rate: "
+        "[[priority, t0, t1, ...], ...]}}), e.g. to plot ITL distributions",
+    )
     args = p.parse_args(argv)
     if args.url and args.itl_targets:
         p.error("--itl-targets starts servers of its own; leave --url out")
@@ -570,6 +582,14 @@ def report(
     for target, runs in (by_target or {}).items():
         print(f"--itl-target-ms {target}:")
         print_table(None, runs)
+    times = {
+        target: {rate: summary.pop("token_times", []) for rate, summary in runs.items()}
+        for target, runs in (by_target or {"default": online}).items()
+    }
+    for summary in (*online.values(), *saturated_runs):
+        summary.pop("token_times", None)
+    if args.token_times_out:
+        Path(args.token_times_out).write_text(json.dumps(times))
     print_table(offline, online)
     for rate, summary in online.items():
         if summary["incomplete"]:

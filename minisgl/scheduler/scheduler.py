@@ -127,7 +127,7 @@ class Scheduler:
         measures = sync is None or sync.rank == 0
         publish = sync.publish_step_times if sync is not None and sync.rank == 0 else None
         self.timer = StepTimer(LinearStepTime(), self.overlap, publish, measures)
-        self._busy = False  # the last step() left work in flight
+        self._busy = False  # the last step() left requests running
         self.last_target_s = 0.0  # the latency target of the last step planned (0: none)
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Req] = []
@@ -246,7 +246,8 @@ class Scheduler:
         events = self.run_overlapped() if self.overlap else self.run_normal()
         if not (self.running or self._in_flight or refused):
             self.grammars.wait(GRAMMAR_POLL_S)  # only requests whose grammar still compiles
-        self._busy = self.has_work
+        # The next iteration follows at once with a step to run (else its periods start anew).
+        self._busy = bool(self.running or self._in_flight)
         return refused + events
 
     def grammar_ready(self, rid: str) -> None:
@@ -408,8 +409,9 @@ class Scheduler:
             if self.kv.slots.num_free and self._can_admit(head, reserved):
                 return
             victims = [r for r in self.running if self._needs_step(r) and self.policy.key(r) > key]
-            if not victims:
-                return
+            freeable = self.kv.available_pages + sum(len(r.pages) for r in victims)
+            if not victims or pages_for(head.seq_len + 1, self.page_size) > freeable:
+                return  # nobody to retract, or retracting them all would not make room
             if self.kv.has_deferred and self._completed < self._launched:
                 self._reclaim(block=True)
                 continue

@@ -3,6 +3,7 @@ its own: every test directory has a conftest)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from minisgl.benchmark.serving import wait_healthy
+from minisgl.benchmark.serving import synthetic_tokenizer_model, wait_healthy
 from minisgl.config.secrets import ENV_API_KEY
 
 STARTUP_TIMEOUT_S = 300
@@ -162,3 +163,17 @@ def metrics(http: httpx.Client) -> dict[str, float]:
             key = s.name + "".join(f"[{v}]" for v in s.labels.values())
             out[key] = s.value
     return out
+
+
+QWEN3_06B = Path(__file__).resolve().parents[2] / "minisgl" / "benchmark" / "models" / "qwen3-0.6b"
+
+
+def tiny_dummy_model(directory: Path) -> str:
+    """A config-only model directory (the Qwen3-0.6B config shrunk to a few thousand
+    parameters, for `--load-format dummy`) with the benchmark's synthetic tokenizer."""
+    config = json.loads((QWEN3_06B / "config.json").read_text())
+    config |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=10000, eos_token_id=2)  # fmt: skip
+    (directory / "cfg").mkdir()
+    (directory / "cfg" / "config.json").write_text(json.dumps(config))
+    return synthetic_tokenizer_model(str(directory / "cfg"), directory)

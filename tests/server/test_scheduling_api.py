@@ -9,18 +9,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from serving_helpers import Server, metrics, start_server
+from serving_helpers import Server, metrics, start_server, tiny_dummy_model
 
-from minisgl.benchmark.serving import Workload, run_clients, summarize, synthetic_tokenizer_model
+from minisgl.benchmark.serving import Workload, run_clients, summarize
 
 pytestmark = pytest.mark.slow
-
-QWEN3_06B = Path(__file__).resolve().parents[2] / "minisgl" / "benchmark" / "models" / "qwen3-0.6b"
 
 
 @dataclass
@@ -32,12 +29,7 @@ class Servers:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     tmp = tmp_path_factory.mktemp("sched")
-    config = json.loads((QWEN3_06B / "config.json").read_text())
-    config |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
-                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=10000, eos_token_id=2)  # fmt: skip
-    (tmp / "cfg").mkdir()
-    (tmp / "cfg" / "config.json").write_text(json.dumps(config))
-    model = synthetic_tokenizer_model(str(tmp / "cfg"), tmp)
+    model = tiny_dummy_model(tmp)
     common = ["--model", model, "--load-format", "dummy", "--num-pages", "4096"]
     fcfs = start_server(tmp, *common, "--skip-warmup")
     prio = start_server(tmp, *common, "--schedule-policy", "priority", "--priority-aging-s", "5")
