@@ -172,9 +172,9 @@ def record_steps(sched: Any) -> list[tuple[list[Any], Any]]:
     seen: list[tuple[list[Any], Any]] = []
     launch = sched._launch
 
-    def spy(reqs: list[Any], batch: Any) -> Any:
+    def spy(reqs: list[Any], batch: Any, **kw: Any) -> Any:
         seen.append((list(reqs), batch))
-        return launch(reqs, batch)
+        return launch(reqs, batch, **kw)
 
     sched._launch = spy
     return seen
