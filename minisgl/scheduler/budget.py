@@ -11,7 +11,7 @@ request sharing the prefix, or this one resumed after a retraction, reuses them)
 
 The time limit applies only when it can be met usefully: with no decodes running, a prompt
 prefills at full size (nobody waits on the step); and when the target leaves less than a
-minimum chunk (`min_chunk`: a page, and 1/32 of `max_prefill_tokens`) beside the decodes, no
+minimum chunk (`min_chunk`: a page, 1/32 of `max_prefill_tokens`, two tokens) beside the decodes, no
 step that prefills can meet it, so the step is planned by the token limit alone, exactly as
 without a target (fewest such steps). The target itself is either given in seconds or, by
 default, `AUTO_MULTIPLE` times the predicted time of the decodes alone: the decode step at the
@@ -36,7 +36,10 @@ def token_budget(max_prefill_tokens: int, num_decode: int) -> int:
 
 
 def min_chunk(max_prefill_tokens: int, page_size: int) -> int:
-    return max(page_size, max_prefill_tokens // MIN_CHUNK_SHARE // page_size * page_size)
+    """The smallest chunk worth a step that prefills (at least two tokens: a one-token row is
+    priced, and run, as a decode row)."""
+    share = max_prefill_tokens // MIN_CHUNK_SHARE // page_size * page_size
+    return max(2, page_size, share)
 
 
 @dataclass(frozen=True)
