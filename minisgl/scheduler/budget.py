@@ -11,9 +11,9 @@ request sharing the prefix, or this one resumed after a retraction, reuses them)
 
 The time limit applies only when it can be met usefully: with no decodes running, a prompt
 prefills at full size (nobody waits on the step); and when the target leaves less than a
-minimum chunk (`min_chunk`: a page, 1/32 of `max_prefill_tokens`, two tokens) beside the decodes, no
-step that prefills can meet it, so the step is planned by the token limit alone, exactly as
-without a target (fewest such steps). The target itself is either given in seconds or, by
+minimum chunk (`min_chunk`: a page, 1/32 of `max_prefill_tokens`, two tokens) beside the
+decodes, no step that prefills can meet it, so the step is planned by the token limit alone,
+exactly as without a target (fewest such steps). The target itself is either given in seconds or, by
 default, `AUTO_MULTIPLE` times the predicted time of the decodes alone: the decode step at the
 current load.
 """
