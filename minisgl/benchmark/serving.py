@@ -594,6 +594,14 @@ def report(
     for rate, summary in online.items():
         if summary["incomplete"]:
             print(f"rate {rate}: {summary['incomplete']} requests did not stream all their tokens")
+        srv = summary.get("server")
+        if srv and srv["steps_timed"]:
+            print(
+                f"rate {rate}: {srv['retractions']:.0f} retractions; {srv['steps_timed']:.0f} "
+                f"steps timed, mean period {srv['step_measured_s'] / srv['steps_timed'] * 1e3:.2f}"
+                f" ms, predicted {srv['step_predicted_s'] / srv['steps_timed'] * 1e3:.2f} ms, "
+                f"mean abs error {srv['step_abs_error_s'] / srv['steps_timed'] * 1e3:.2f} ms"
+            )
     ratio = online["inf"]["output_tok_s"] / offline["output_tok_s"] if offline else None
     if ratio is not None:
         print(

@@ -74,6 +74,9 @@ def test_policies_and_priority_classes_in_one_run(
         assert len(requests) == 8 and {r[0] for r in requests} <= {0, 1}
         assert all(r[1:] == sorted(r[1:]) and 3 <= len(r) - 1 <= 8 for r in requests)
     assert "token_times" not in result["online"]["inf"]
+    server = result["online"]["inf"]["server"]  # the server's own counters over the run
+    assert server["steps_timed"] > 0 and server["step_measured_s"] > 0
+    assert server["retractions"] == 0  # 2048 pages hold every request
     assert set(result["by_itl_target"]) == {"auto", "0"}
     for online in result["by_itl_target"].values():
         run = online["inf"]
