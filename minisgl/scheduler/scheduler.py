@@ -415,7 +415,9 @@ class Scheduler:
             if self.kv.has_deferred and self._completed < self._launched:
                 self._reclaim(block=True)
                 continue
-            self._retract(max(victims, key=self.policy.key))
+            # Not a pool that ran short: the reservation share stays where it is (raising it
+            # would raise every running request's reservation and call for more victims).
+            self._retract(max(victims, key=self.policy.key), ran_short=False)
 
     def prefill_budget(self, num_decode: int) -> int:
         """Prompt tokens a step with `num_decode` decoding requests may compute (the token
@@ -494,13 +496,14 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, ran_short: bool = True) -> None:
         logger.info("retracting %s to free KV pages", req.rid)
         self.stats["retractions"] += 1
         p, counts = req.params.priority, self.retractions_by_priority
         if p in counts or len(counts) < PRIORITIES_COUNTED:
             counts[p] = counts.get(p, 0) + 1
-        self.reserve_ratio = self.config.reserve_ratio  # the pool ran short: reserve more again
+        if ran_short:  # decoding ran out of pages: reserve more again
+            self.reserve_ratio = self.config.reserve_ratio
         self.running.remove(req)
         self.kv.release(req, self._launched)
         req.num_retractions += 1
