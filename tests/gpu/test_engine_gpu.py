@@ -149,7 +149,10 @@ def compare(
             compared += 1
             near_tie = rt[0][1] - rt[1][1] < tol
             if r["token_ids"][j] != g["token_ids"][j]:
-                assert near_tie, f"prompt {i}: tokens differ at {j} without a near tie"
+                assert near_tie, (
+                    f"prompt {i}: tokens differ at {j} without a near tie: reference top two "
+                    f"{rt[:2]}, got {gt[:2]}, worst |diff| so far {worst:.4f}"
+                )
                 break
             if near_tie:
                 break
