@@ -1,11 +1,17 @@
 """What every child process does the same way: its OS name, signals, the parent watch, logging,
-and the startup handshake with its launcher over a multiprocessing pipe."""
+and the startup handshake with its launcher over a multiprocessing pipe.
+
+A launcher killed with SIGKILL can neither stop its children nor remove their folder (the
+sockets, the saved tokenizer): each child watches its parent, and on noticing it gone removes
+the folder and exits, so the last one to leave removes whatever the others left.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -14,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -31,6 +38,16 @@ class ChildReady:
 @dataclass
 class ChildFailed:
     error: str  # the traceback, for the launcher to show
+
+
+@dataclass
+class ParentLink:
+    """What a server worker gets from its launcher besides its own arguments."""
+
+    conn: Connection  # the startup handshake
+    parent_pid: int  # watched: the child exits once it is gone
+    log_level: str
+    folder: Path  # the server's sockets; removed by the child if the launcher dies
 
 
 def set_process_name(name: str) -> None:
@@ -54,14 +71,16 @@ def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def watch_parent(parent_pid: int) -> None:
-    """Exit at once when the parent is gone: a launcher killed with SIGKILL cannot stop its
-    children, so they notice and go."""
+def watch_parent(parent_pid: int, folder: Path | None = None) -> None:
+    """Exit at once when the parent is gone (a launcher killed with SIGKILL cannot stop its
+    children, so they notice and go), removing `folder` first: the parent cannot either."""
 
     def loop() -> None:
         while True:
             time.sleep(PARENT_POLL_S)
             if os.getppid() != parent_pid:
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
                 os._exit(1)
 
     threading.Thread(target=loop, name="minisgl-parent-watch", daemon=True).start()
@@ -76,8 +95,9 @@ def _exit(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
-def setup_child(parent_pid: int, log_level: str, name: str) -> None:
-    """Signals, logging and the parent watch of a server worker process."""
+def setup_child(parent_pid: int, log_level: str, name: str, folder: Path | None = None) -> None:
+    """Signals, logging and the parent watch of a server worker process (which removes `folder`
+    if the parent dies)."""
     ignore_sigint()
     # The launcher stops its workers with SIGTERM; as an exception it runs their exit hooks.
     signal.signal(signal.SIGTERM, _exit)
@@ -85,22 +105,18 @@ def setup_child(parent_pid: int, log_level: str, name: str) -> None:
         level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    watch_parent(parent_pid)
+    watch_parent(parent_pid, folder)
 
 
 def run_child(
-    name: str,
-    conn: Connection,
-    parent_pid: int,
-    log_level: str,
-    start: Callable[[Connection], Callable[[], None]],
+    name: str, link: ParentLink, start: Callable[[Connection], Callable[[], None]]
 ) -> None:
-    """Run a child: `start(conn)` loads what it needs (it may talk to the launcher on `conn`)
-    and returns the serving loop; a failure before the loop runs is sent to the launcher."""
-    setup_child(parent_pid, log_level, name)
+    """Run a child: `start(link.conn)` loads what it needs (it may talk to the launcher on the
+    pipe) and returns the serving loop; a failure before the loop runs is sent to the launcher."""
+    setup_child(link.parent_pid, link.log_level, name, link.folder)
     try:
-        loop = start(conn)
+        loop = start(link.conn)
     except BaseException:
-        conn.send(ChildFailed(traceback.format_exc()))
+        link.conn.send(ChildFailed(traceback.format_exc()))
         raise
     loop()

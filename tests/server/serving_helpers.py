@@ -110,13 +110,18 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(p) for p in children):
-            time.sleep(0.1)
-        left = [p for p in children if _alive(p)]
+        left = still_alive(children, 5)
         for p in left:
             os.kill(p, signal.SIGKILL)
         return left
+
+
+def still_alive(pids: list[int], limit_s: float) -> list[int]:
+    """Those of `pids` still running after waiting up to `limit_s` for them to exit."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
 
 
 def _alive(pid: int) -> bool:
@@ -128,14 +133,21 @@ def _alive(pid: int) -> bool:
 
 
 def start_server(
-    log_dir: Path, *args: str, api_key: str | None = None, key_from: str = "flag"
+    log_dir: Path,
+    *args: str,
+    api_key: str | None = None,
+    key_from: str = "flag",
+    tmpdir: Path | None = None,
 ) -> Server:
     """Start `python -m minisgl` on a free port (without waiting for it to be ready), with
-    `api_key` given by `key_from`: "flag" (--api-key), "file" (--api-key-file) or "env"."""
+    `api_key` given by `key_from`: "flag" (--api-key), "file" (--api-key-file) or "env"; with
+    `tmpdir`, the server makes its socket folder there rather than in /tmp."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
     argv = [sys.executable, "-m", "minisgl", "--port", str(port), *args]
     env = {k: v for k, v in os.environ.items() if k != ENV_API_KEY}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     if api_key and key_from == "flag":
         argv += ["--api-key", api_key]
     elif api_key and key_from == "file":
