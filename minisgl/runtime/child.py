@@ -3,11 +3,14 @@ and the startup handshake with its launcher over a multiprocessing pipe.
 
 A launcher killed with SIGKILL can neither stop its children nor remove their folder (the
 sockets, the saved tokenizer): each child watches its parent, and on noticing it gone removes
-the folder and exits, so the last one to leave removes whatever the others left.
+the folder and exits, so the last one to leave removes whatever the others left. The kernel
+tells a child at once (Linux's parent-death signal); a thread polling the parent's pid covers
+the rest (other systems, and a main thread stuck in native code that runs no signal handler).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -28,6 +31,12 @@ logger = logging.getLogger(__name__)
 
 EXIT_GRACE_S = 2.0
 PARENT_POLL_S = 0.5
+# What the kernel sends a child when its parent dies. Not SIGTERM (the launcher's "stop"), and
+# acted on only once the parent is gone: Linux sends it when the thread that started the child
+# exits, which need not be the parent's last.
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -50,13 +59,15 @@ class ParentLink:
     folder: Path  # the server's sockets; removed by the child if the launcher dies
 
 
+def _prctl(option: int, arg: int | bytes) -> None:
+    """Linux's prctl(2); elsewhere nothing happens."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(option, arg, 0, 0, 0)
+
+
 def set_process_name(name: str) -> None:
     """The OS-level name of this process (Linux; elsewhere nothing happens)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
+    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def named_main(os_name: str, target: Callable[..., None], *args: Any) -> None:
@@ -73,16 +84,24 @@ def ignore_sigint() -> None:
 
 def watch_parent(parent_pid: int, folder: Path | None = None) -> None:
     """Exit at once when the parent is gone (a launcher killed with SIGKILL cannot stop its
-    children, so they notice and go), removing `folder` first: the parent cannot either."""
+    children, so they notice and go), removing `folder` first: the parent cannot either.
+    Call from the main thread (it sets a signal handler)."""
+
+    def leave_if_orphaned() -> None:
+        if os.getppid() == parent_pid:
+            return
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
 
     def loop() -> None:
         while True:
             time.sleep(PARENT_POLL_S)
-            if os.getppid() != parent_pid:
-                if folder is not None:
-                    shutil.rmtree(folder, ignore_errors=True)
-                os._exit(1)
+            leave_if_orphaned()
 
+    signal.signal(PARENT_DEATH_SIGNAL, lambda signum, frame: leave_if_orphaned())
+    _prctl(_PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL))
+    leave_if_orphaned()  # the parent may have died before the kernel was asked to tell
     threading.Thread(target=loop, name="minisgl-parent-watch", daemon=True).start()
 
 

@@ -33,7 +33,7 @@ from minisgl.server.openapi import (
     responses,
 )
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from minisgl.server.shutdown import Gate, GateMiddleware, drain
+from minisgl.server.shutdown import DEFAULT_TIMEOUT_S, Gate, GateMiddleware, drain
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ServerState:
     api_key: str | None = field(default=None, repr=False)
     limits: Limits = field(default_factory=Limits)
     # How long requests in flight may take to finish once shutdown begins.
-    shutdown_timeout: float = 5.0
+    shutdown_timeout: float = DEFAULT_TIMEOUT_S
     metrics: Metrics | None = None
     client: EngineClient | None = None
     gate: Gate = field(default_factory=Gate)

@@ -12,6 +12,7 @@ from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
 from minisgl.kvcache import CACHE_KINDS
 from minisgl.server.connection import Deadlines
 from minisgl.server.limits import Limits
+from minisgl.server.shutdown import DEFAULT_TIMEOUT_S
 from minisgl.weights import resolve_source
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -28,7 +29,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     deadlines: Deadlines = field(default_factory=Deadlines)
     # On SIGINT/SIGTERM, how long requests in flight may take to finish before they get 503.
-    shutdown_timeout: float = 5.0
+    shutdown_timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -6,7 +6,7 @@ begun) before uvicorn closes the connections. A second signal leaves at once.
 uvicorn's own shutdown cancels the requests still running once its grace period ends, before
 the app could answer them (a plain-text 500, or a chunked body cut short); `GracefulServer`
 takes the signals over so that the drain runs first and uvicorn's shutdown finds nothing left
-in flight. It relies on `uvicorn.Server`'s `handle_exit`, `main_loop` and `should_exit`
+in flight. It relies on `uvicorn.Server`'s `handle_exit`, `shutdown` and `should_exit`
 (pyproject.toml pins the uvicorn versions it was checked against).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
@@ -27,6 +28,9 @@ from minisgl.server.errors import error_response
 logger = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "the server is shutting down"
+# --shutdown-timeout's default: long enough for most answers to finish, short enough for an
+# orchestrator's own grace period (Kubernetes waits 30 s before SIGKILL).
+DEFAULT_TIMEOUT_S = 5.0
 # After the drain answered what was left: how long those answers may take to be written.
 ANSWER_GRACE_S = 2.0
 
@@ -103,7 +107,7 @@ async def drain(gate: Gate, client: EngineClient, timeout_s: float) -> None:
 
 class GracefulServer(uvicorn.Server):
     """uvicorn's server with the signals taken over: the first SIGINT/SIGTERM ends its main
-    loop and runs `drain` before uvicorn's shutdown; a second one calls `exit_now(signum)`."""
+    loop, and its shutdown runs `drain` first; a second one calls `exit_now(signum)`."""
 
     def __init__(
         self,
@@ -124,6 +128,6 @@ class GracefulServer(uvicorn.Server):
         self.stop_signal = sig
         self.should_exit = True  # the main loop sees it within its 0.1 s tick
 
-    async def main_loop(self) -> None:
-        await super().main_loop()
-        await self._drain()
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._drain()  # the listening sockets stay open: late clients get 503, not refused
+        await super().shutdown(sockets)

@@ -3,6 +3,7 @@ its own: every test directory has a conftest)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 from minisgl.benchmark.serving import wait_healthy
 from minisgl.config.secrets import ENV_API_KEY
@@ -26,26 +28,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses; fields resume after the last ')'.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live process below `pid`."""
+    return [p for p in psutil.Process(pid).children(recursive=True) if alive(p)]
+
+
+def alive(p: psutil.Process) -> bool:
+    """Whether `p` runs (the pid not reused by another process since, not a zombie)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def still_alive(procs: list[psutil.Process], limit_s: float) -> list[psutil.Process]:
+    """Those of `procs` still running after waiting up to `limit_s` for them to exit."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(alive(p) for p in procs):
+        time.sleep(0.1)
+    return [p for p in procs if alive(p)]
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Server:
         if why is not None:
             raise AssertionError(f"{why}:\n{self.log_text()[-5000:]}")
 
-    def terminate(self, timeout: float = 30) -> list[int]:
+    def terminate(self, timeout: float = 30) -> list[psutil.Process]:
         """SIGTERM the launcher, wait for it, and return the processes it left behind."""
         children = descendants(self.proc.pid)
         self.proc.send_signal(signal.SIGTERM)
@@ -112,24 +113,9 @@ class Server:
             self.proc.wait()
         left = still_alive(children, 5)
         for p in left:
-            os.kill(p, signal.SIGKILL)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
         return left
-
-
-def still_alive(pids: list[int], limit_s: float) -> list[int]:
-    """Those of `pids` still running after waiting up to `limit_s` for them to exit."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rindex(")") + 2] != "Z"
 
 
 def start_server(

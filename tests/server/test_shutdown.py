@@ -23,7 +23,7 @@ from serving_helpers import Server, descendants, start_server, still_alive
 pytestmark = pytest.mark.slow
 
 PROMPT = "Once upon a time"
-SHORT = 96  # tokens: runs for seconds at 12 requests on a 2-core CPU, long past the SIGTERM
+SHORT = 32  # tokens: at 12 requests, seconds of decoding on a CPU, long past the SIGTERM
 LONG = 4000  # tokens: never finishes within the tests
 # The 8 streams and the 4 non-streaming requests, by endpoint.
 STREAMED = ["chat", "completions", "generate"] * 2 + ["chat", "completions"]
