@@ -1,7 +1,8 @@
 """Graceful shutdown of a real server process (random weights, raw HTTP): SIGTERM during 8 streams
 and 4 non-streaming requests over chat, completions and /generate; a second SIGTERM; kill -9.
 Each test stops its own server and then checks that no process of its tree and no socket
-folder is left (each server makes its folder in a directory of the test's own)."""
+folder is left (each server makes its folder in a directory of the test's own). Every test
+starts a server (tens of seconds on a 2-core CPU, most of it imports): slow."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from serving_helpers import Server, descendants, start_server, still_alive
 
@@ -135,20 +137,20 @@ def running(server: Server) -> int:
 class Tree:
     """A server's processes and socket folders, taken while it runs."""
 
-    pids: list[int]
+    procs: list[psutil.Process]
     tmpdir: Path
 
     @staticmethod
     def of(server: Server, tmpdir: Path) -> Tree:
         tree = Tree(descendants(server.proc.pid), tmpdir)
-        assert len(tree.pids) >= 3 and len(tree.folders()) == 1, (tree, tree.folders())
+        assert len(tree.procs) >= 3 and len(tree.folders()) == 1, (tree, tree.folders())
         return tree
 
     def folders(self) -> list[Path]:
         return list(self.tmpdir.glob("minisgl-*"))
 
     def assert_gone(self, within_s: float = 10) -> None:
-        assert still_alive(self.pids, within_s) == [], "processes left behind"
+        assert still_alive(self.procs, within_s) == [], "processes left behind"
         assert self.folders() == [], "the socket folder is left behind"
 
 
