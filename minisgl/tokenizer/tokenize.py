@@ -38,6 +38,11 @@ class RequestTokenizer:
 
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         conv = [{"role": m.role, "content": m.content} for m in messages]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "messages: this model's tokenizer has no chat template; send a prompt to "
+                "/v1/completions instead"
+            )
         try:
             out = self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=True, tokenize=True
