@@ -15,7 +15,13 @@ from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
-from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar, fill_bitmask
+from minisgl.constrain import (
+    CompileStats,
+    GrammarCompiler,
+    GrammarError,
+    RequestGrammar,
+    fill_bitmask,
+)
 from minisgl.core import Req
 from minisgl.engine.step import TokenMask
 
@@ -34,6 +40,11 @@ class Grammars:
         self._failed: dict[str, str] = {}  # the compile's error, for the request's answer
         self._matchers: dict[str, RequestGrammar] = {}  # admitted (kept through retraction)
         self.num_constrained = 0  # constrained requests added so far
+
+    @property
+    def stats(self) -> CompileStats:
+        """Compiles so far (none before the first constraint: no compiler then)."""
+        return self._compiler.stats if self._compiler is not None else CompileStats()
 
     @property
     def compiler(self) -> GrammarCompiler:

@@ -123,9 +123,26 @@ class ChatMessageIn(_OpenAI):
         return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(_OpenAI):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced (`strict` or not);
+    a schema the grammar engine cannot enforce in full is refused."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_OpenAI):
-    type: str
-    json_schema: dict[str, Any] | None = None
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('`json_schema` goes with "type": "json_schema", and only with it')
+        return self
 
 
 class SamplingFields(_OpenAI):
@@ -152,12 +169,14 @@ class SamplingFields(_OpenAI):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
-    # Known but unsupported: refused with a message when set to anything but "off".
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang's extensions: the output must match
+    ebnf: str | None = None
 
     def unsupported(self) -> list[str]:
         """The fields set to something this server cannot honour yet."""
-        return ["logit_bias"] if self.logit_bias else []
+        return []
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -170,7 +189,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -178,8 +196,6 @@ class ChatCompletionRequest(SamplingFields):
         bad += [
             f for f in ("tool_choice", "function_call") if getattr(self, f) not in (None, "none")
         ]
-        if self.response_format is not None and self.response_format.type != "text":
-            bad.append("response_format")
         return bad
 
 
@@ -237,6 +253,12 @@ class NativeSamplingParams(_Strict):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    # At most one grammar the output must follow: a JSON schema as JSON text, a regex, or an
+    # EBNF grammar (SGLang's spelling).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(_Strict):
