@@ -65,6 +65,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minisgl-grammar")
         self._lock = threading.Lock()
         self._xgr: Any = None
+        self._info: Any = None
         self._known: OrderedDict[Constraint, None] = OrderedDict()  # a repeat is a cache hit
         self.stats = CompileStats()
 
@@ -93,7 +94,9 @@ class GrammarCompiler:
         return compiled
 
     def tokenizer_info(self) -> Any:
-        return self._compiler().tokenizer_info
+        """The xgrammar TokenizerInfo the grammars are compiled against."""
+        self._compiler()
+        return self._info
 
     def _compiler(self) -> Any:
         with self._lock:
@@ -105,6 +108,7 @@ class GrammarCompiler:
                     vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_ids,
                 )
+                self._info = info
                 self._xgr = xgr.GrammarCompiler(
                     info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES
                 )

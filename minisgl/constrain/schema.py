@@ -4,7 +4,7 @@ A schema is first checked against the JSON Schema 2020-12 meta-schema (with the 
 package), so that a malformed one is refused with the place and the reason rather than
 compiled into something else, and so that the checks below see well-formed keywords.
 xgrammar compiles some keywords into its grammar and silently ignores others (probed on
-xgrammar 0.2: `allOf`, `not`, `if`/`then`/`else`, `uniqueItems`, `dependentRequired`,
+xgrammar 0.2: `allOf`, `not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `dependentRequired`,
 `dependentSchemas`, `dependencies`, `multipleOf` on numbers, the siblings of a `$ref`, an
 `anyOf`/`oneOf`, an `enum` or a `const`, a `pattern` beside `format` or a length,
 type-specific keywords in a schema without `type`, `required` names that `properties` does not
@@ -51,13 +51,16 @@ _IGNORED = (
     "dependencies",
     "$dynamicRef",
     "$recursiveRef",
+    "contains",
+    "minContains",
+    "maxContains",
 )
 # Keywords that xgrammar reads only when the schema's type says what they apply to (or, for
 # objects and arrays, when `properties` / `items` does).
 _TYPED = {
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
     "string": ("minLength", "maxLength", "pattern", "format"),
-    "array": ("minItems", "maxItems", "contains", "minContains", "maxContains"),
+    "array": ("minItems", "maxItems"),
     "object": ("minProperties", "maxProperties", "required", "propertyNames"),
 }
 _IMPLIES = {"object": ("properties", "additionalProperties"), "array": ("items", "prefixItems")}
@@ -68,7 +71,6 @@ _SCHEMAS = (
     "unevaluatedProperties",
     "items",
     "unevaluatedItems",
-    "contains",
     "propertyNames",
 )
 
@@ -110,6 +112,8 @@ class _Checker:
         if "oneOf" in s:
             self._one_of(s["oneOf"], where)
         for key, sub in _subschemas(s):
+            if key == "propertyNames" and isinstance(sub, dict):
+                sub = {"type": "string", **sub}  # names are strings, and xgrammar reads them so
             self.check(sub, f"{path}/{key}")
 
     def _siblings(self, s: dict[str, Any], where: str) -> None:

@@ -190,7 +190,7 @@ CASES: list[Case] = [
     ),
     Case(
         "website",
-        "Give the name and URL of a search engine.",
+        "Give the name and home page URL of the Google search engine.",
         obj({"name": NAME, "url": {"type": "string", "format": "uri"}}),
     ),
     Case(
@@ -372,7 +372,8 @@ CASES: list[Case] = [
                             "items": {"$ref": "#/$defs/node"},
                             "maxItems": 2,
                         },
-                    }
+                    },
+                    required=["name"],
                 )
             },
             "$ref": "#/$defs/node",
@@ -451,7 +452,7 @@ CASES: list[Case] = [
     Case(
         "type_list",
         "Give the population of Tokyo, or null if unknown.",
-        obj({"city": NAME, "population": {"type": ["integer", "null"], "minimum": 0}}),
+        obj({"city": NAME, "population": {"type": ["integer", "null"], "minimum": 0, "maximum": 10**9}}),
     ),
     Case(
         "integer_step",
@@ -518,7 +519,7 @@ CASES: list[Case] = [
         "Give the stock of the fruits apple and pear.",
         {
             "type": "object",
-            "propertyNames": {"type": "string", "pattern": "^[a-z]{1,10}$"},
+            "propertyNames": {"pattern": "^[a-z]{1,10}$"},
             "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 1000},
             "minProperties": 1,
             "maxProperties": 3,
@@ -529,8 +530,8 @@ CASES: list[Case] = [
         "Opening hours of a shop: 09:00 to 17:00.",
         obj(
             {
-                "opens": {"type": "string", "format": "time"},
-                "closes": {"type": "string", "format": "time"},
+                "opens": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"},
+                "closes": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"},
             }
         ),
     ),
