@@ -452,7 +452,12 @@ CASES: list[Case] = [
     Case(
         "type_list",
         "Give the population of Tokyo, or null if unknown.",
-        obj({"city": NAME, "population": {"type": ["integer", "null"], "minimum": 0, "maximum": 10**9}}),
+        obj(
+            {
+                "city": NAME,
+                "population": {"type": ["integer", "null"], "minimum": 0, "maximum": 10**9},
+            }
+        ),
     ),
     Case(
         "integer_step",

@@ -123,6 +123,11 @@ class ChatMessageIn(_OpenAI):
         return "".join(p.text for p in self.content)
 
 
+LOGIT_BIAS = "Token id (a numeral) -> a bias in [-100, 100] added to its logit at every step."
+REGEX = "The whole output matches this regular expression."
+EBNF = "The output follows this grammar (xgrammar's EBNF dialect, starting at `root`)."
+
+
 class JsonSchemaFormat(_OpenAI):
     """OpenAI's `response_format.json_schema`. The schema is always enforced (`strict` or not);
     a schema the grammar engine cannot enforce in full is refused."""
@@ -169,10 +174,13 @@ class SamplingFields(_OpenAI):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    response_format: ResponseFormat | None = None
-    regex: str | None = None  # SGLang's extensions: the output must match
-    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
+    response_format: ResponseFormat | None = Field(
+        default=None, description="The output follows this JSON schema, or is any JSON object."
+    )
+    # SGLang's extensions; at most one of them and `response_format` (other than text).
+    regex: str | None = Field(default=None, description=REGEX)
+    ebnf: str | None = Field(default=None, description=EBNF)
 
     def unsupported(self) -> list[str]:
         """The fields set to something this server cannot honour yet."""
@@ -253,12 +261,14 @@ class NativeSamplingParams(_Strict):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    # At most one grammar the output must follow: a JSON schema as JSON text, a regex, or an
-    # EBNF grammar (SGLang's spelling).
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
+    # At most one grammar the output must follow: a JSON schema (as JSON text, SGLang's
+    # spelling, or as an object), a regex, or an EBNF grammar.
+    json_schema: (
+        Annotated[str | dict[str, Any], one_of("a JSON schema: JSON text or an object")] | None
+    ) = Field(default=None, description="The output is JSON that this JSON schema accepts.")
+    regex: str | None = Field(default=None, description=REGEX)
+    ebnf: str | None = Field(default=None, description=EBNF)
 
 
 class GenerateRequest(_Strict):

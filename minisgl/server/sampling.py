@@ -55,7 +55,9 @@ def request_grammar(body: SamplingFields | NativeSamplingParams) -> GrammarField
             text = json.dumps(rf.json_schema.schema_)
             given.append(GrammarField("json_schema", text, "response_format.json_schema.schema"))
     elif body.json_schema is not None:
-        given.append(GrammarField("json_schema", body.json_schema, "json_schema"))
+        schema = body.json_schema
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        given.append(GrammarField("json_schema", text, "json_schema"))
     for kind in ("regex", "ebnf"):
         text = getattr(body, kind)
         if text is not None:

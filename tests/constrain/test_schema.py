@@ -6,6 +6,7 @@ compile, never anything else."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -168,7 +169,10 @@ def test_malformed_schemas_are_refused_by_the_meta_schema() -> None:
         ({"type": [["string"]]}, "at /type:"),
         ({"type": "object", "required": [1]}, "at /required/0:"),
         ({"properties": {"a": {"minimum": "3"}}}, "at /properties/a/minimum:"),
-        ({"type": "object", "properties": {"a": {"enum": [{}], "type": {}}}}, "at /properties/a/type:"),
+        (
+            {"type": "object", "properties": {"a": {"enum": [{}], "type": {}}}},
+            "at /properties/a/type:",
+        ),
     ]:
         with pytest.raises(UnenforceableSchema, match="not a valid JSON Schema") as e:
             check_enforceable(schema)
@@ -197,7 +201,5 @@ def test_random_schemas_compile_or_give_a_grammar_error(
         constraint = Constraint("json_schema", json.dumps(schema))
     except InvalidRequestError:
         return  # not an object: refused before compiling
-    try:
+    with contextlib.suppress(GrammarError):  # anything else fails the test
         compiler.compile(constraint)
-    except GrammarError:
-        pass
