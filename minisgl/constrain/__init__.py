@@ -2,13 +2,13 @@
 matchers, and the token bitmask each constrained row of a step samples under."""
 
 from minisgl.constrain.grammar import CompileStats, GrammarCompiler, GrammarError
-from minisgl.constrain.matcher import RequestGrammar, bitmask_width, fill_bitmask
+from minisgl.constrain.matcher import MaskFiller, RequestGrammar, bitmask_width
 
 __all__ = [
     "CompileStats",
     "GrammarCompiler",
     "GrammarError",
+    "MaskFiller",
     "RequestGrammar",
     "bitmask_width",
-    "fill_bitmask",
 ]

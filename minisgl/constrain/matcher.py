@@ -35,19 +35,59 @@ class RequestGrammar:
         done: bool = self._matcher.is_terminated()
         return done
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of `bitmask` ([N, W] int32, CPU)."""
-        if self.terminated:  # only its stop tokens were left, and one came: anything will do
-            bitmask[row].fill_(-1)
-        else:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
+    @property
+    def matcher(self) -> Any:
+        """The xgrammar matcher (for batched filling)."""
+        return self._matcher
 
 
-def fill_bitmask(grammars: list[RequestGrammar | None], vocab_size: int) -> torch.Tensor:
-    """[len(grammars), W] int32 allowed-token bits, one row per grammar (all bits set where
-    None)."""
-    out = torch.full((len(grammars), bitmask_width(vocab_size)), -1, dtype=torch.int32)
-    for i, g in enumerate(grammars):
-        if g is not None:
-            g.fill(out, i)
-    return out
+class MaskFiller:
+    """Fills the token bitmask of a step's constrained rows: several rows at once on xgrammar's
+    batch matcher (`threads` C++ threads, the GIL released), into reused host buffers (pinned
+    when CUDA is present, so the copy to the device is asynchronous).
+
+    Two buffers alternate: a step's mask may still be copying to the device while the next
+    step's is filled (under overlap the mask of step N + 2 is filled only after step N + 1's
+    tokens arrived, so step N's copy has finished by then). Rows without a grammar hold
+    whatever they held (the sampler never reads them: `TokenMask.rows`).
+    """
+
+    def __init__(self, vocab_size: int, threads: int) -> None:
+        import xgrammar as xgr
+
+        self.width = bitmask_width(vocab_size)
+        self.threads = threads
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        self._turn ^= 1
+        if len(self._buffers) < 2 or self._buffers[self._turn].shape[0] < rows:
+            cap = max(rows, 2 * self._buffers[0].shape[0] if self._buffers else 64)
+            pin = torch.cuda.is_available()
+            self._buffers = [
+                torch.full((cap, self.width), -1, dtype=torch.int32, pin_memory=pin)
+                for _ in range(2)
+            ]
+        return self._buffers[self._turn][:rows]
+
+    def fill(self, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+        """[len(grammars), W] int32: row i the next tokens grammars[i] allows (all of them
+        once it has terminated: its stop token came, anything will do); rows of None are not
+        written."""
+        bits = self._buffer(len(grammars))
+        live, rows = [], []
+        for i, g in enumerate(grammars):
+            if g is None:
+                continue
+            if g.terminated:
+                bits[i].fill_(-1)
+            else:
+                live.append(g.matcher)
+                rows.append(i)
+        if len(live) == 1:  # no thread hand-off for a single row
+            live[0].fill_next_token_bitmask(bits, rows[0])
+        elif live:
+            self._batch.batch_fill_next_token_bitmask(live, bits, rows)
+        return bits

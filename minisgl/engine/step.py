@@ -48,8 +48,8 @@ class StepRows:
 class TokenMask(NamedTuple):
     """Which tokens the constrained rows of a step may sample (built on the host)."""
 
-    # [S, ceil(V / 32)] int32, a row per sampling row of the step (all bits set for rows
-    # without a constraint): bit j of word w allows token 32 * w + j
+    # [S, ceil(V / 32)] int32, a row per sampling row of the step (rows without a constraint
+    # are never read and may hold anything): bit j of word w allows token 32 * w + j
     bits: torch.Tensor
     rows: list[int]  # the sampling rows that have a constraint (the others are not touched)
 

@@ -152,12 +152,15 @@ def _fp8_gemm_kernel(
         if UPCAST:  # the CPU interpreter: products of the exact e4m3 values in fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        # Each K step's dot starts from zero and is added to `acc` in full fp32: Hopper's FP8
+        # MMAs accumulate in reduced precision, so the error is bounded per 128 columns rather
+        # than growing over all of K (the promotion DeepSeek-V3 describes).
         if W_BLOCK:
             sa = tl.load(as_ptr + offs_m * stride_asm + kt, mask=mask_m, other=0.0)
             sb = tl.load(bs_ptr + (offs_n // 128) * stride_bsn + kt, mask=mask_n, other=0.0)
             acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc += tl.dot(a, b)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not W_BLOCK:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar, fill_bitmask
+from minisgl.constrain import GrammarCompiler, GrammarError, MaskFiller, RequestGrammar
 from minisgl.core import Constraint, InvalidRequestError
 
 VOCAB = 49152
@@ -35,8 +35,12 @@ def compiler(tokenizer: Any) -> GrammarCompiler:
     return GrammarCompiler(lambda: tokenizer, VOCAB, stop_ids=[EOS])
 
 
+def fill_bitmask(grammars: list[RequestGrammar | None]) -> torch.Tensor:
+    return MaskFiller(VOCAB, threads=2).fill(grammars).clone()
+
+
 def allowed(grammar: RequestGrammar) -> set[int]:
-    bits = fill_bitmask([grammar], VOCAB)[0]
+    bits = fill_bitmask([grammar])[0]
     words = bits.tolist()
     return {32 * w + j for w, word in enumerate(words) for j in range(32) if word >> j & 1}
 
@@ -117,14 +121,36 @@ def test_repeats_are_cache_hits(tokenizer) -> None:
     again = compiler.compile(c)
     assert compiler.stats.compiled == 1 and compiler.stats.hits == 1
     g1, g2 = RequestGrammar(first, [EOS]), RequestGrammar(again, [EOS])
-    assert torch.equal(fill_bitmask([g1], VOCAB), fill_bitmask([g2], VOCAB))
+    assert torch.equal(fill_bitmask([g1]), fill_bitmask([g2]))
 
 
-def test_unconstrained_rows_allow_everything(compiler) -> None:
-    g = RequestGrammar(compiler.compile(Constraint("regex", "a")), [EOS])
-    bits = fill_bitmask([None, g], VOCAB)
-    assert bool((bits[0] == -1).all())
-    assert not bool((bits[1] == -1).all())
+def test_batched_fill_equals_each_row_alone(compiler, tokenizer) -> None:
+    """Rows filled together on the batch matcher's threads equal each grammar's own mask,
+    whatever state each is in; a terminated grammar allows everything; rows without a grammar
+    are left alone; the two alternating buffers do not mix steps."""
+    person = Constraint("json_schema", json.dumps(PERSON))
+    texts = ['{"name": "Ad', '{"name": "Ada", "age": 3', "", '{"name": "Ada", "age": 36}']
+    grammars = []
+    for text in texts:
+        g = RequestGrammar(compiler.compile(person), [EOS])
+        for t in tokenizer(text, add_special_tokens=False)["input_ids"]:
+            assert g.accept(t)
+        grammars.append(g)
+    assert grammars[3].accept(EOS) and grammars[3].terminated
+    date = RequestGrammar(compiler.compile(Constraint("regex", r"\d{4}-\d{2}")), [EOS])
+    rows: list[RequestGrammar | None] = [grammars[0], None, date, grammars[1], grammars[2]]
+    alone = [None if g is None else allowed(g) for g in rows]
+    filler = MaskFiller(VOCAB, threads=2)
+    filler.fill([None] * 5)[:].fill_(7)  # the first buffer of the pair, scribbled over
+    filler.fill(rows)  # the second
+    bits = filler.fill(rows)  # the first again
+    for i, want in enumerate(alone):
+        words = bits[i].tolist()
+        if want is None:
+            assert words == [7] * len(words)  # not written
+            continue
+        assert {32 * w + j for w, x in enumerate(words) for j in range(32) if x >> j & 1} == want
+    assert bool((filler.fill([grammars[3]])[0] == -1).all())
 
 
 _PIECES = list('ab01()[]{}|*+?.^$\\-:=" ,;#<>/!&~') + ["::=", "root", "\\d", "\\p{L}", "(?="]

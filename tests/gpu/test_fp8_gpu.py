@@ -151,7 +151,10 @@ def test_fp8_moe_matches_reference(layout: str, tokens: int) -> None:
 
 # ---- engines -------------------------------------------------------------------------------------
 
-TOL = 5e-2
+# Twice the bf16 engine's budget: the fast path rounds k, v and activations to bf16 before they
+# are rounded to e4m3 (whose step is 2^-3 relative), the fp32 reference does not, so a value
+# near an e4m3 rounding boundary lands on the other side of it: one e4m3 step on that element.
+TOL = 1e-1
 VOCAB = 2048
 NUM_TOKENS = 24
 PARAMS = SamplingParams(
@@ -198,7 +201,7 @@ def test_fp8_engine_with_graphs_matches_the_reference_path(gemv_rows: int) -> No
     assert llm.engine.graphs is not None and llm.engine.pool.dtype == torch.float8_e4m3fn
     got = llm.generate(ps, PARAMS, use_tqdm=False)
     got[-4:] = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in ps[-4:]]
-    worst, compared = compare(want, got)
+    worst, compared = compare(want, got, TOL)
     assert compared >= len(ps) and worst <= TOL, (worst, compared)
     assert_kv_clean(llm)
 
