@@ -132,10 +132,9 @@ class JsonSchemaFormat(_OpenAI):
     """OpenAI's `response_format.json_schema`. The schema is always enforced (`strict` or not);
     a schema the grammar engine cannot enforce in full is refused."""
 
-    model_config = ConfigDict(populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow pydantic's own
     strict: bool | None = None
 
 
