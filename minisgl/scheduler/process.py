@@ -125,7 +125,7 @@ class SchedulerProcess:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
-        kv, st = s.kv_accounting(), s.stats
+        kv, st, gs = s.kv_accounting(), s.stats, s.grammars.stats
         return SchedulerStats(
             running=len(s.running),
             waiting=len(s.waiting),
@@ -137,4 +137,8 @@ class SchedulerProcess:
             prompt_tokens=st["prompt_tokens"],
             cached_tokens=st["cached_tokens"],
             generated_tokens=st["generated_tokens"],
+            constrained_requests=s.grammars.num_constrained,
+            grammar_compiles=gs.compiled,
+            grammar_compile_seconds=gs.seconds,
+            grammar_cache_hits=gs.hits,
         )

@@ -96,7 +96,10 @@ class Status(_Open):
 # ---- status codes --------------------------------------------------------------------------
 
 _WHY = {
-    400: "The request is invalid; `error.param` names the field to change.",
+    400: (
+        "The request is invalid (a JSON schema, regex or grammar that cannot be compiled or "
+        "enforced included); `error.param` names the field to change."
+    ),
     401: "Missing or wrong API key.",
     408: "The request's header or body did not arrive within the server's time-out.",
     413: "The request body is larger than --max-request-bytes.",

@@ -54,6 +54,7 @@ class RequestTokenizer:
         return list(ids)
 
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
+        req.params.check_vocab(self.info.vocab_size)
         ids = self.prompt_ids(req)
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.info)
         params = replace(req.params, max_tokens=max_tokens)

@@ -308,6 +308,29 @@ def test_overlap_and_plain_give_the_same_tokens_on_the_fast_path() -> None:
     assert same >= len(ps) - 2, f"only {same} of {len(ps)} sampled sequences agree"
 
 
+def test_logit_bias_on_the_fast_path() -> None:
+    """logit_bias with CUDA graphs, overlap and the fused sampling kernel: -100 keeps the
+    greedy tokens out, +100 forces one token, and the rows of the batch without a bias give
+    exactly their tokens alone."""
+    llm = make_llm(fast=True)
+    ps = prompts(8, seed=9)
+    greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    free = [o["token_ids"] for o in llm.generate(ps, greedy, use_tqdm=False)]
+    banned = set(free[0])
+    ban = SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logit_bias={t: -100 for t in banned}
+    )
+    force = SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0.8, seed=1, ignore_eos=True, logit_bias={5: 100}
+    )
+    params = [ban, force] + [greedy] * (len(ps) - 2)
+    out = [o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)]
+    assert not banned & set(out[0]), (banned, out[0])
+    assert out[1] == [5] * NUM_TOKENS
+    assert out[2:] == free[2:]
+    assert_kv_clean(llm)
+
+
 def test_sampling_kernel_matches_torch_noise() -> None:
     from minisgl.engine.sample_kernel import gumbel_argmax
     from minisgl.engine.sampler import host_row_key, uniform_from_keys
