@@ -139,6 +139,7 @@ class LLM:
         return list(sp)
 
     def _make_req(self, prompt: Prompt, params: SamplingParams) -> Req:
+        params.check_vocab(self.engine.model_config.vocab_size)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt: must not be empty")

@@ -106,12 +106,42 @@ def test_logprobs_are_consistent(llm):
         lambda: SamplingParams(min_p=2.0),
         lambda: SamplingParams(max_tokens=4, min_tokens=5),
         lambda: SamplingParams(min_tokens=-1),
+        lambda: SamplingParams(logit_bias={5: 100.5}),
+        lambda: SamplingParams(logit_bias={5: float("nan")}),
+        lambda: SamplingParams(logit_bias={-1: 1.0}),
+        lambda: SamplingParams(logit_bias={"five": 1.0}),
+        lambda: SamplingParams(logit_bias=[(5, 1.0), (5, 2.0)]),
+        lambda: SamplingParams(logit_bias={i: 1.0 for i in range(1025)}),
     ],
 )
 def test_bad_sampling_params_raise(make):
     with pytest.raises(ValueError) as info:
         make()
     assert ":" in str(info.value)  # names the field
+
+
+def test_logit_bias_is_a_mapping_or_pairs_of_token_ids():
+    want = ((3, -2.0), (5, 1.0))
+    assert SamplingParams(logit_bias={"5": 1, 3: -2}).logit_bias == want
+    assert SamplingParams(logit_bias=[[5, 1.0], (3, -2)]).logit_bias == want
+
+
+def test_logit_bias_forbids_and_forces_tokens(llm):
+    """-100 keeps a token from ever being sampled, +100 makes it the only one; the rows of the
+    batch without a bias answer as they do alone."""
+    prompts = random_prompts(3, 384, seed=8)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    free = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    banned = set(free[0])
+    ban = SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, logit_bias={t: -100.0 for t in banned}
+    )
+    force = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, logit_bias={7: 100})
+    out = [o["token_ids"] for o in llm.generate(prompts, [ban, force, greedy], use_tqdm=False)]
+    assert len(out[0]) == 8 and not banned & set(out[0]), (banned, out[0])
+    assert out[1] == [7] * 8
+    assert out[2] == free[2]
+    assert_kv_clean(llm)
 
 
 def test_bad_prompts_raise_and_leave_nothing_allocated(llm):
@@ -122,6 +152,7 @@ def test_bad_prompts_raise_and_leave_nothing_allocated(llm):
         ([too_long], SamplingParams(max_tokens=4), "context"),
         ([good[0]], SamplingParams(max_tokens=600), "max_tokens"),
         ([[1, 2, 99999]], SamplingParams(max_tokens=4), "token ids"),
+        ([good[0]], SamplingParams(max_tokens=4, logit_bias={99999: 1.0}), "logit_bias"),
     ]
     for prompts, params, word in cases:
         with pytest.raises(InvalidRequestError, match=word):

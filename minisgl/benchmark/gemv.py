@@ -49,12 +49,18 @@ DT = torch.bfloat16
 Configs = dict[tuple[int, int, bool], GemvConfig]  # (N, K, act) -> config, as `TUNED`
 
 
-def _configs(quick: bool) -> list[GemvConfig]:
+def _configs(quick: bool, fp8: bool = False) -> list[GemvConfig]:
+    """Tiles to sweep. FP8 weights are one byte: the same bytes in flight per program take
+    tiles twice as large (up to 256 elements per thread), so their sweep goes further."""
     if quick:
         return [GemvConfig(bn, bk, w) for bn, bk, w in [(16, 512, 4), (8, 512, 4), (32, 256, 8)]]
+    most = 256 if fp8 else 128
     out = []
-    for bn, bk, w in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)):
-        if bn * bk // (32 * w) > 128 or bn * bk // (32 * w) < 8:  # elements per thread
+    block_ks = (256, 512, 1024, 2048) if fp8 else (256, 512, 1024)
+    for bn, bk, w in itertools.product((4, 8, 16, 32, 64), block_ks, (4, 8)):
+        if bn * bk // (32 * w) > most or bn * bk // (32 * w) < 8:  # elements per thread
+            continue
+        if bn == 64 and not fp8:
             continue
         out.append(GemvConfig(bn, bk, w))
     return out
@@ -197,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(0)
     if not args.fp8:
         print("default configs:", json.dumps(probe_layer(TUNED)), flush=True)
-    configs = _configs(args.quick)
+    configs = _configs(args.quick, args.fp8)
     rows, best = [], dict(TUNED_FP8 if args.fp8 else TUNED)
     for name, (n, k, kind) in SHAPES.items():
         row = probe_shape(name, n, k, kind, configs, args.fp8)

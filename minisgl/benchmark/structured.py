@@ -153,6 +153,35 @@ def compare(llm: LLM, n: int, args: argparse.Namespace) -> Row:
     }
 
 
+def fill_scaling(llm: LLM, rows: Sequence[int], threads: Sequence[int]) -> list[Row]:
+    """Host time of one step's masks alone: `rows` matchers of SCHEMA inside a string (the state
+    the runs above spend their steps in), filled with each thread count."""
+    from minisgl.constrain import MaskFiller, RequestGrammar
+    from minisgl.core import Constraint
+
+    grammars = llm.scheduler.grammars
+    compiled = grammars.compiler.compile(Constraint("json_schema", json.dumps(SCHEMA)))
+    prefix = grammars.load_tokenizer()('{"items": ["hello", "wor', add_special_tokens=False)
+    out: list[Row] = []
+    for n in rows:
+        matchers: list[RequestGrammar | None] = []
+        for _ in range(n):
+            g = RequestGrammar(compiled, [])
+            assert all(g.accept(t) for t in prefix["input_ids"])
+            matchers.append(g)
+        for k in threads:
+            filler = MaskFiller(grammars.vocab_size, k)
+            filler.fill(matchers)
+            times = []
+            for _ in range(10):
+                start = time.perf_counter()
+                filler.fill(matchers)
+                times.append(time.perf_counter() - start)
+            ms = statistics.median(times) * 1e3
+            out.append({"rows": n, "threads": k, "fill_ms": ms, "us_per_row": ms * 1e3 / n})
+    return out
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     on_gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -168,6 +197,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256 if on_gpu else 32)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--fill-threads", type=int, nargs="*", default=[1, 2, 4, 8],
+        help="thread counts for the mask-fill-only table (none: skip it)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -186,7 +219,11 @@ def main(argv: Sequence[str] | None = None) -> None:
          "plain_step_ms", "schema_step_ms", "step_period_ratio", "mask_fill_ms_per_step",
          "hidden_share"],
     )  # fmt: skip
-    emit_json({**info, "schema": SCHEMA, "rows": rows})
+    scaling = fill_scaling(llm, args.concurrency, args.fill_threads) if args.fill_threads else []
+    if scaling:
+        print_table("one step's masks alone, by fill threads", scaling,
+                    ["rows", "threads", "fill_ms", "us_per_row"])  # fmt: skip
+    emit_json({**info, "schema": SCHEMA, "rows": rows, "fill_scaling": scaling})
 
 
 if __name__ == "__main__":

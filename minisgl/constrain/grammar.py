@@ -13,22 +13,33 @@ import json
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.constrain.schema import check_enforceable
 from minisgl.core import Constraint, InvalidRequestError
 
 # Whitespace the JSON grammars allow between tokens: enough for pretty-printed nesting, not
 # so much that a model can idle in blanks until max_tokens.
 JSON_MAX_WHITESPACE = 8
 CACHE_BYTES = 256 << 20
+# Grammars remembered as compiled before, to count cache hits (their texts only; xgrammar's
+# cache, bounded in bytes, holds the compiled ones).
+KNOWN_GRAMMARS = 4096
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
 class GrammarError(InvalidRequestError):
-    """A schema, regex or grammar that cannot be compiled (the message names the field)."""
+    """A schema, regex or grammar that cannot be compiled or enforced; the message is
+    "{kind}: {reason}"."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"{kind}: {reason}")
+        self.kind = kind
+        self.reason = reason
 
 
 @dataclass
@@ -54,7 +65,8 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minisgl-grammar")
         self._lock = threading.Lock()
         self._xgr: Any = None
-        self._known: set[Constraint] = set()  # compiled once: a repeat is a cache hit
+        self._info: Any = None
+        self._known: OrderedDict[Constraint, None] = OrderedDict()  # a repeat is a cache hit
         self.stats = CompileStats()
 
     def submit(self, constraint: Constraint) -> Future[Any]:
@@ -68,18 +80,23 @@ class GrammarCompiler:
         try:
             compiled = _compile(compiler, constraint)
         except (RuntimeError, ValueError) as e:
-            raise GrammarError(f"{constraint.kind}: {_reason(e)}") from None
+            raise GrammarError(constraint.kind, _reason(e)) from None
         with self._lock:
             if constraint in self._known:
                 self.stats.hits += 1
+                self._known.move_to_end(constraint)
             else:
-                self._known.add(constraint)
+                self._known[constraint] = None
+                if len(self._known) > KNOWN_GRAMMARS:
+                    self._known.popitem(last=False)
                 self.stats.compiled += 1
                 self.stats.seconds += time.perf_counter() - start
         return compiled
 
     def tokenizer_info(self) -> Any:
-        return self._compiler().tokenizer_info
+        """The xgrammar TokenizerInfo the grammars are compiled against."""
+        self._compiler()
+        return self._info
 
     def _compiler(self) -> Any:
         with self._lock:
@@ -91,6 +108,7 @@ class GrammarCompiler:
                     vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_ids,
                 )
+                self._info = info
                 self._xgr = xgr.GrammarCompiler(
                     info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES
                 )
@@ -103,6 +121,7 @@ class GrammarCompiler:
 def _compile(compiler: Any, c: Constraint) -> Any:
     if c.kind == "json_schema":
         schema = json.loads(c.text)  # already checked to be JSON
+        check_enforceable(schema)
         return compiler.compile_json_schema(
             json.dumps(schema), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
         )

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl.core.constraint import CONSTRAINT_KINDS, Constraint
 from minisgl.core.errors import InvalidRequestError
@@ -17,6 +19,8 @@ class SamplingParams:
     `ignore_eos`, and `stop_token_ids`) cannot be sampled and its stop strings do not count.
     `include_stop_str_in_output` keeps the stop string (or stop token's text) that ended the
     answer in its text. The output semantics are written down in `minisgl.tokenizer.output`.
+    `logit_bias`: (token id, bias) pairs added to the raw logits before the other filters
+    (OpenAI's field; a mapping or pairs are accepted, kept sorted by id).
     `priority` (lower is more urgent, as in vLLM; any integer) orders requests under the
     scheduler's `priority` policy (`minisgl.scheduler.policy`); other policies take only 0.
     """
@@ -43,11 +47,13 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     priority: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples inside (hashable, immutable).
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         self.validate()
@@ -88,10 +94,35 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
+        self._check_logit_bias()
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise bad(given[1], f"only one constraint per request, got {' and '.join(given)}")
         _ = self.constraint  # checks its shape
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        ids = [t for t, _ in self.logit_bias]
+        for t, bias in self.logit_bias:
+            if t < 0:
+                raise InvalidRequestError(f"logit_bias: token id {t} must be >= 0")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequestError(
+                    f"logit_bias: the bias of token {t} must be in [-100, 100], got {bias!r}"
+                )
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError("logit_bias: a token id is given twice")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError if a token id of `logit_bias` is not in the vocabulary."""
+        for t, _ in self.logit_bias:
+            if t >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias: token id {t} is not in the vocabulary [0, {vocab_size})"
+                )
 
     @property
     def constraint(self) -> Constraint | None:
@@ -113,3 +144,24 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+MAX_LOGIT_BIAS = 1024  # tokens per request: the pairs are sent to the device every step
+
+
+def _bias_pairs(bias: Mapping[Any, float] | Iterable[Any]) -> tuple[tuple[int, float], ...]:
+    """A mapping or (id, bias) pairs as pairs sorted by id (ids may be strings, as JSON keys
+    are)."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    pairs = []
+    for item in items:
+        try:
+            t, b = item
+            if isinstance(t, bool) or not isinstance(t, (int, str)):
+                raise TypeError
+            pairs.append((int(t), float(b)))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(
+                f"logit_bias: {item!r}: keys must be token ids, values numbers"
+            ) from None
+    return tuple(sorted(pairs))

@@ -21,6 +21,7 @@ from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.kv_calibration import init_kv_scales
 from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
 from minisgl.engine.sampler import (
+    LogitBias,
     PenaltyInputs,
     SampleOutput,
     SamplingInputs,
@@ -265,6 +266,9 @@ class Engine:
             pending = [n < s.params.min_tokens for s, n in zip(seqs, out_index)]
             stop_ids = [s.stop_ids for s in seqs]
             sin.stop_mask = StopMask.build(pending, stop_ids, logits.shape[1], self.device)
+        if any(s.params.logit_bias for s in seqs):
+            biases = [s.params.logit_bias for s in seqs]
+            sin.logit_bias = LogitBias.build(biases, logits.shape[1], self.device)
         if mask is not None:
             m = mask()
             sin.token_mask = TokenMask(m.bits.to(self.device, non_blocking=True), m.rows)

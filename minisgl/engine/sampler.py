@@ -89,6 +89,7 @@ class SamplingInputs:
     penalties: PenaltyInputs | None = None
     keys: torch.Tensor | None = None  # [B] int64 `row_keys(seeds, steps)`, mixed on the host
     token_mask: TokenMask | None = None  # grammars: tokens the constrained rows may sample
+    logit_bias: LogitBias | None = None  # OpenAI's logit_bias of the rows that have one
     stop_mask: StopMask | None = None  # stop ids rows may not sample yet (min_tokens)
 
     @staticmethod
@@ -199,6 +200,37 @@ def mask_stop_ids(logits: torch.Tensor, mask: StopMask) -> torch.Tensor:
 
 
 @dataclass
+class LogitBias:
+    """(row, token id, bias) triples added to the logits this step: each row's `logit_bias`."""
+
+    rows: torch.Tensor  # [K] int64
+    ids: torch.Tensor  # [K] int64
+    values: torch.Tensor  # [K] fp32
+
+    @staticmethod
+    def build(
+        biases: Sequence[Sequence[tuple[int, float]]], vocab: int, device: torch.device
+    ) -> LogitBias | None:
+        """Per row its (id, bias) pairs; None when no row has any. Ids outside the vocabulary
+        (refused at the API) are dropped rather than indexed out of bounds."""
+        triples = [(row, t, b) for row, pairs in enumerate(biases) for t, b in pairs if t < vocab]
+        if not triples:
+            return None
+        k = len(triples)
+        ints = to_device(
+            [r for r, _, _ in triples] + [t for _, t, _ in triples], torch.int64, device
+        )
+        values = to_device([b for _, _, b in triples], torch.float32, device)
+        return LogitBias(ints[:k], ints[k:], values)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """logits [B, V] -> an fp32 copy with each triple's bias added (rows without one keep their
+    values; no host sync)."""
+    return logits.float().index_put((bias.rows, bias.ids), bias.values, accumulate=True)
+
+
+@dataclass
 class PenaltyInputs:
     """Tokens seen so far per row (padded with -1) and the penalty strengths."""
 
@@ -244,6 +276,8 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
         # In place unless the raw distribution is still wanted (log-probs are of the raw one).
         keep_raw = inp.want_logprobs or bool(inp.top_logprobs)
         logits = apply_token_mask(logits.clone() if keep_raw else logits, inp.token_mask)
+    if inp.logit_bias is not None:
+        logits = apply_logit_bias(logits, inp.logit_bias)
     if inp.penalties is not None:
         logits = apply_penalties(logits.float(), inp.penalties)
     if inp.stop_mask is not None:

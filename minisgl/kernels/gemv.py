@@ -63,9 +63,17 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 }
 
 
-# The same for FP8 (e4m3) weights: `python -m minisgl.benchmark.gemv --fp8` prints it; until
-# then FP8 weights take the bf16 table's tiles (the same elements per tile, half the bytes).
-TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {}
+# The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.gemv --fp8` on the H200
+# (docs/benchmarks.md); other shapes take the bf16 table's tiles.
+TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
+    (6144, 4096, False): GemvConfig(16, 256, 8),
+    (4096, 4096, False): GemvConfig(8, 512, 8),
+    (28672, 4096, False): GemvConfig(16, 256, 4),
+    (4096, 14336, True): GemvConfig(8, 512, 8),
+    (128256, 4096, False): GemvConfig(16, 256, 4),
+    (5120, 2048, False): GemvConfig(8, 256, 8),
+    (2048, 4096, False): GemvConfig(8, 1024, 8),
+}
 
 
 def default_config(n: int, k: int, act: bool = False, fp8: bool = False) -> GemvConfig:
@@ -95,8 +103,10 @@ def _block_scales(s_ptr, offs, K, W_SCALE: tl.constexpr):
     return s
 
 
-# `M` (rows of x) changes with the batch: no variant per "== 1" or "% 16".
-@triton.jit(do_not_specialize=["M"])
+# `M` (rows of x) is specialized: at M == 1 (batch-1 decode) the row arithmetic folds away
+# (the H200's W2 step took 0.4 ms longer with M a plain runtime value); other M take one or two
+# more variants.
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K], rows `stride_xm` apart ([M, 2K] if ACT)
     w_ptr,  # [N, K]
@@ -153,7 +163,8 @@ def _gemv_kernel(
             rows + (k0 + BLOCK_K) * stride_wk, mask=mn, other=0.0, eviction_policy="evict_first"
         )
         x_next = _load_x(x_ptr, kn, K, ACT)
-        s_next = _block_scales(s_row, kn, K, W_SCALE)
+        if W_SCALE == 2:
+            s_next = _block_scales(s_row, kn, K, W_SCALE)
         if NORM:  # the norm weight is prefetched with x: no load waits inside an iteration
             g_next = tl.load(g_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
             ss += x * x
@@ -164,7 +175,8 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
         x = x_next
-        s = s_next
+        if W_SCALE == 2:
+            s = s_next
     y = tl.sum(acc, 1)
     if W_SCALE == 1:
         y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)

@@ -40,6 +40,9 @@ class GenerateReq:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    # The request field its grammar (`params.constraint`) came from, named when the grammar is
+    # refused; None: the constraint's kind.
+    grammar_field: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.text, self.input_ids, self.messages)]
@@ -122,6 +125,12 @@ class SchedulerStats:
     prompt_tokens: int
     cached_tokens: int
     generated_tokens: int
+    # Grammars (`minisgl.constrain`): constrained requests added, grammars compiled (cache
+    # misses), the seconds that took, and compiles served from the cache.
+    constrained_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
     # Wall-clock time (time.time()) of the snapshot: the tokens that travel with it were on the
     # scheduler's host by then (the server's own token timestamps).
     time: float = 0.0

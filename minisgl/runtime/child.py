@@ -1,11 +1,20 @@
 """What every child process does the same way: its OS name, signals, the parent watch, logging,
-and the startup handshake with its launcher over a multiprocessing pipe."""
+and the startup handshake with its launcher over a multiprocessing pipe.
+
+A launcher killed with SIGKILL can neither stop its children nor remove their folder (the
+sockets, the saved tokenizer): each child watches its parent, and on noticing it gone removes
+the folder and exits, so the last one to leave removes whatever the others left. The kernel
+tells a child at once (Linux's parent-death signal); a thread polling the parent's pid covers
+the rest (other systems, and a main thread stuck in native code that runs no signal handler).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -14,6 +23,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -21,6 +31,12 @@ logger = logging.getLogger(__name__)
 
 EXIT_GRACE_S = 2.0
 PARENT_POLL_S = 0.5
+# What the kernel sends a child when its parent dies. Not SIGTERM (the launcher's "stop"), and
+# acted on only once the parent is gone: Linux sends it when the thread that started the child
+# exits, which need not be the parent's last.
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -33,13 +49,25 @@ class ChildFailed:
     error: str  # the traceback, for the launcher to show
 
 
+@dataclass
+class ParentLink:
+    """What a server worker gets from its launcher besides its own arguments."""
+
+    conn: Connection  # the startup handshake
+    parent_pid: int  # watched: the child exits once it is gone
+    log_level: str
+    folder: Path  # the server's sockets; removed by the child if the launcher dies
+
+
+def _prctl(option: int, arg: int | bytes) -> None:
+    """Linux's prctl(2); elsewhere nothing happens."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(option, arg, 0, 0, 0)
+
+
 def set_process_name(name: str) -> None:
     """The OS-level name of this process (Linux; elsewhere nothing happens)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
+    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def named_main(os_name: str, target: Callable[..., None], *args: Any) -> None:
@@ -54,16 +82,26 @@ def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def watch_parent(parent_pid: int) -> None:
-    """Exit at once when the parent is gone: a launcher killed with SIGKILL cannot stop its
-    children, so they notice and go."""
+def watch_parent(parent_pid: int, folder: Path | None = None) -> None:
+    """Exit at once when the parent is gone (a launcher killed with SIGKILL cannot stop its
+    children, so they notice and go), removing `folder` first: the parent cannot either.
+    Call from the main thread (it sets a signal handler)."""
+
+    def leave_if_orphaned() -> None:
+        if os.getppid() == parent_pid:
+            return
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
 
     def loop() -> None:
         while True:
             time.sleep(PARENT_POLL_S)
-            if os.getppid() != parent_pid:
-                os._exit(1)
+            leave_if_orphaned()
 
+    signal.signal(PARENT_DEATH_SIGNAL, lambda signum, frame: leave_if_orphaned())
+    _prctl(_PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL))
+    leave_if_orphaned()  # the parent may have died before the kernel was asked to tell
     threading.Thread(target=loop, name="minisgl-parent-watch", daemon=True).start()
 
 
@@ -76,8 +114,9 @@ def _exit(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
-def setup_child(parent_pid: int, log_level: str, name: str) -> None:
-    """Signals, logging and the parent watch of a server worker process."""
+def setup_child(parent_pid: int, log_level: str, name: str, folder: Path | None = None) -> None:
+    """Signals, logging and the parent watch of a server worker process (which removes `folder`
+    if the parent dies)."""
     ignore_sigint()
     # The launcher stops its workers with SIGTERM; as an exception it runs their exit hooks.
     signal.signal(signal.SIGTERM, _exit)
@@ -85,22 +124,18 @@ def setup_child(parent_pid: int, log_level: str, name: str) -> None:
         level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    watch_parent(parent_pid)
+    watch_parent(parent_pid, folder)
 
 
 def run_child(
-    name: str,
-    conn: Connection,
-    parent_pid: int,
-    log_level: str,
-    start: Callable[[Connection], Callable[[], None]],
+    name: str, link: ParentLink, start: Callable[[Connection], Callable[[], None]]
 ) -> None:
-    """Run a child: `start(conn)` loads what it needs (it may talk to the launcher on `conn`)
-    and returns the serving loop; a failure before the loop runs is sent to the launcher."""
-    setup_child(parent_pid, log_level, name)
+    """Run a child: `start(link.conn)` loads what it needs (it may talk to the launcher on the
+    pipe) and returns the serving loop; a failure before the loop runs is sent to the launcher."""
+    setup_child(link.parent_pid, link.log_level, name, link.folder)
     try:
-        loop = start(conn)
+        loop = start(link.conn)
     except BaseException:
-        conn.send(ChildFailed(traceback.format_exc()))
+        link.conn.send(ChildFailed(traceback.format_exc()))
         raise
     loop()

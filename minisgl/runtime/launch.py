@@ -28,7 +28,7 @@ from typing import Any
 
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
-from minisgl.runtime.child import ChildFailed, ChildReady, named_main
+from minisgl.runtime.child import ChildFailed, ChildReady, ParentLink, named_main
 from minisgl.runtime.ranks import NodeMemory
 from minisgl.runtime.ranks import run_node as run_node_ranks
 from minisgl.runtime.supervise import ChildProcess, first_exited, stop_processes
@@ -78,9 +78,7 @@ class Workers:
                 WORKER_NAMES[name],
                 target,
                 *args,
-                child_conn,
-                os.getpid(),
-                self.config.log_level,
+                ParentLink(child_conn, os.getpid(), self.config.log_level, self.tmpdir),
             ),
             name=f"minisgl-{name}",
         )
@@ -93,6 +91,7 @@ class Workers:
     def start(self) -> EngineInfo:
         """Start every worker and return once all are ready (or raise StartupError)."""
         engine = self.config.engine
+        logger.info("the workers' sockets and saved tokenizer: %s", self.tmpdir)
         tokenizer_dir = self.tmpdir / "tokenizer"
         sched = self._spawn("scheduler", scheduler_main, engine, self.ipc)
         tok = self._spawn("tokenizer", tokenizer_main, engine.model, tokenizer_dir, self.ipc)
@@ -136,6 +135,12 @@ class Workers:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Once the drain has answered every request: how long uvicorn may take to close the connections
+# before it cancels what still runs (a client that does not read its answer).
+CLOSE_GRACE_S = 2
+
+
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -150,32 +155,58 @@ def running_workers(config: ServerConfig) -> Iterator[tuple[Workers, EngineInfo]
     try:
         yield workers, workers.start()
     finally:
+        # One more signal must not cut the cleanup short (it takes seconds at most).
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         workers.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
+def exit_now(workers: Workers) -> Callable[[int], None]:
+    """What a second signal during the drain does: stop the workers, remove their folder and
+    leave, dropping the requests still in flight (exit code 128 + the signal's number)."""
+
+    def leave(signum: int) -> None:
+        for sig in STOP_SIGNALS:  # a third one must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        logger.warning("%s again: exiting at once", signal.Signals(signum).name)
+        workers.stop()
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    return leave
 
 
 def run_server(config: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then drain (see `minisgl.server.shutdown`) and stop."""
     import uvicorn
 
-    from minisgl.server.app import ServerState, build_app
+    from minisgl.server.app import ServerState, build_app, drain_requests
     from minisgl.server.connection import uvicorn_options
+    from minisgl.server.shutdown import GracefulServer
 
     with running_workers(config) as (workers, info):
         state = ServerState(
-            info, workers.ipc, workers.failure, api_key=config.api_key, limits=config.limits
+            info,
+            workers.ipc,
+            workers.failure,
+            api_key=config.api_key,
+            limits=config.limits,
+            shutdown_timeout=config.shutdown_timeout,
         )
         app = build_app(state)
         logger.info("serving %s on http://%s:%d", info.model_name, config.host, config.port)
-        # uvicorn handles SIGINT / SIGTERM itself: it stops serving, then re-raises the
-        # signal, which lands in `running_workers`' cleanup.
-        uvicorn.run(
+        uv_config = uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=config.log_level,
-            timeout_graceful_shutdown=3,
+            timeout_graceful_shutdown=CLOSE_GRACE_S,
             **uvicorn_options(config.deadlines),
         )
+        server = GracefulServer(uv_config, lambda: drain_requests(state), exit_now(workers))
+        server.run()
 
 
 def run_node(config: ServerConfig) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from minisgl.config import EngineConfig
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
-from minisgl.runtime.child import ChildReady, run_child
+from minisgl.runtime.child import ChildReady, ParentLink, run_child
 from minisgl.runtime.ranks import start_scheduler
 from minisgl.scheduler.process import SchedulerProcess
 from minisgl.tokenizer.detokenizer import Detokenizer
@@ -32,11 +32,9 @@ logger = logging.getLogger(__name__)
 # ---- scheduler ---------------------------------------------------------------------------------
 
 
-def scheduler_main(
-    config: EngineConfig, ipc: IpcPaths, conn: Connection, parent_pid: int, log_level: str
-) -> None:
+def scheduler_main(config: EngineConfig, ipc: IpcPaths, link: ParentLink) -> None:
     """At tp > 1 this process is rank 0: it starts ranks 1..N-1, which stop when it exits."""
-    run_child("scheduler", conn, parent_pid, log_level, lambda c: _start_scheduler(config, ipc, c))
+    run_child("scheduler", link, lambda c: _start_scheduler(config, ipc, c))
 
 
 def _start_scheduler(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
@@ -66,21 +64,8 @@ def _exit_on_rank_failure(reason: str) -> None:
 # ---- tokenizer and detokenizer -----------------------------------------------------------------
 
 
-def tokenizer_main(
-    model: str | None,
-    tokenizer_dir: Path,
-    ipc: IpcPaths,
-    conn: Connection,
-    parent_pid: int,
-    log_level: str,
-) -> None:
-    run_child(
-        "tokenizer",
-        conn,
-        parent_pid,
-        log_level,
-        lambda c: _start_tokenizer(model, tokenizer_dir, ipc, c),
-    )
+def tokenizer_main(model: str | None, tokenizer_dir: Path, ipc: IpcPaths, link: ParentLink) -> None:
+    run_child("tokenizer", link, lambda c: _start_tokenizer(model, tokenizer_dir, ipc, c))
 
 
 def _start_tokenizer(
@@ -103,16 +88,8 @@ def _start_tokenizer(
     return worker.run_forever
 
 
-def detokenizer_main(
-    tokenizer_dir: Path, ipc: IpcPaths, conn: Connection, parent_pid: int, log_level: str
-) -> None:
-    run_child(
-        "detokenizer",
-        conn,
-        parent_pid,
-        log_level,
-        lambda c: _start_detokenizer(tokenizer_dir, ipc, c),
-    )
+def detokenizer_main(tokenizer_dir: Path, ipc: IpcPaths, link: ParentLink) -> None:
+    run_child("detokenizer", link, lambda c: _start_detokenizer(tokenizer_dir, ipc, c))
 
 
 def _start_detokenizer(tokenizer_dir: Path, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:

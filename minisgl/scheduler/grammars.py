@@ -16,7 +16,13 @@ from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
-from minisgl.constrain import GrammarCompiler, GrammarError, MaskFiller, RequestGrammar
+from minisgl.constrain import (
+    CompileStats,
+    GrammarCompiler,
+    GrammarError,
+    MaskFiller,
+    RequestGrammar,
+)
 from minisgl.core import Req
 from minisgl.engine.step import TokenMask
 
@@ -43,6 +49,11 @@ class Grammars:
         self._matchers: dict[str, RequestGrammar] = {}  # admitted (kept through retraction)
         self._filler: MaskFiller | None = None  # made with the first mask
         self.num_constrained = 0  # constrained requests added so far
+
+    @property
+    def stats(self) -> CompileStats:
+        """Compiles so far (none before the first constraint: no compiler then)."""
+        return self._compiler.stats if self._compiler is not None else CompileStats()
 
     @property
     def compiler(self) -> GrammarCompiler:

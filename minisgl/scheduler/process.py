@@ -126,7 +126,7 @@ class SchedulerProcess:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
-        kv, st, timed = s.kv_accounting(), s.stats, s.timer.totals
+        kv, st, gs, timed = s.kv_accounting(), s.stats, s.grammars.stats, s.timer.totals
         queue_times = [[float(p), t] for p, t in s.queue_times]
         s.queue_times.clear()
         return SchedulerStats(
@@ -140,6 +140,10 @@ class SchedulerProcess:
             prompt_tokens=st["prompt_tokens"],
             cached_tokens=st["cached_tokens"],
             generated_tokens=st["generated_tokens"],
+            constrained_requests=s.grammars.num_constrained,
+            grammar_compiles=gs.compiled,
+            grammar_compile_seconds=gs.seconds,
+            grammar_cache_hits=gs.hits,
             time=time.time(),
             retractions=st["retractions"],
             retractions_by_priority=[[p, n] for p, n in s.retractions_by_priority.items()],

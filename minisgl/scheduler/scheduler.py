@@ -198,6 +198,7 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.check_request(req.prompt_len, req.params)
+        req.params.check_vocab(self.engine.model_config.vocab_size)
         stop = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             stop |= self.eos_ids

@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, authentication and the link to the engine processes."""
+"""The FastAPI application: routes, authentication, the link to the engine processes and the
+gate that closes on shutdown."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from minisgl.server.openapi import (
     responses,
 )
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from minisgl.server.shutdown import DEFAULT_TIMEOUT_S, Gate, GateMiddleware, drain
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,11 @@ class ServerState:
     check_workers: Callable[[], str | None]
     api_key: str | None = field(default=None, repr=False)
     limits: Limits = field(default_factory=Limits)
+    # How long requests in flight may take to finish once shutdown begins.
+    shutdown_timeout: float = DEFAULT_TIMEOUT_S
     metrics: Metrics | None = None
     client: EngineClient | None = None
+    gate: Gate = field(default_factory=Gate)
 
 
 class BearerAuth:
@@ -117,11 +122,19 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     if state.api_key is not None:
         app.add_middleware(BearerAuth, key=state.api_key)
-    # Outermost: a body too large is refused before anything else looks at the request.
+    # A body too large is refused before anything else looks at the request.
     app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes)
+    # Outermost: while shutting down, nothing new gets in.
+    app.add_middleware(GateMiddleware, gate=state.gate)
     _add_routes(app, state, metrics)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+async def drain_requests(state: ServerState) -> None:
+    """Once shutdown begins: refuse new requests, let those in flight finish for up to
+    `state.shutdown_timeout` seconds, then answer the rest with 503."""
+    await drain(state.gate, _client(state), state.shutdown_timeout)
 
 
 def _client(state: ServerState) -> EngineClient:
@@ -139,7 +152,8 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     model = state.info.model_name
     started = int(time.time())
     auth = (401,) if state.api_key is not None else ()
-    posted = (*auth, 400, 408, 413, 503)  # what every POST route can answer besides 200
+    got = (*auth, 503)  # what every GET route can answer besides 200 (503: shutting down)
+    posted = (*got, 400, 408, 413)  # what every POST route can answer besides 200
 
     @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *posted, stream=True))
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
@@ -163,7 +177,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    _get_and_head(app, "/v1/models", models, responses=responses(ModelList, *auth))
+    _get_and_head(app, "/v1/models", models, responses=responses(ModelList, *got))
 
     @app.post("/flush_cache", responses=responses(Status, *posted))
     async def flush_cache() -> JSONResponse:
@@ -199,5 +213,5 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         "/metrics",
         prometheus,
         response_class=PlainTextResponse,
-        responses=responses(None, *auth),
+        responses=responses(None, *got),
     )

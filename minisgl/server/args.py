@@ -12,6 +12,7 @@ from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
 from minisgl.kvcache import CACHE_KINDS
 from minisgl.server.connection import Deadlines
 from minisgl.server.limits import Limits
+from minisgl.server.shutdown import DEFAULT_TIMEOUT_S
 from minisgl.weights import resolve_source
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -27,6 +28,8 @@ class ServerConfig:
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
     deadlines: Deadlines = field(default_factory=Deadlines)
+    # On SIGINT/SIGTERM, how long requests in flight may take to finish before they get 503.
+    shutdown_timeout: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -35,6 +38,8 @@ class ServerConfig:
             raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
         if self.api_key == "":
             raise ValueError("api_key: must not be empty (leave it out to disable authentication)")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.shell and self.engine.node_rank > 0:
             raise ValueError("shell: runs on node 0 only; leave --shell out with --node-rank > 0")
 
@@ -221,6 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     h.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging verbosity")
     h.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=ServerConfig.shutdown_timeout,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM the server takes no new request (503, /health too) and gives "
+        "those in flight this long to finish; the rest get 503 (a stream: an error event, then "
+        "[DONE]); a second signal exits at once",
+    )
+    h.add_argument(
         "--skip-warmup",
         action="store_true",
         help="start without the warm-up steps; the first requests then wait for the kernels' "
@@ -347,6 +361,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             send_timeout=args.send_timeout,
             keep_alive_timeout=args.keep_alive_timeout,
         ),
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 

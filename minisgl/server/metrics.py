@@ -68,6 +68,26 @@ class Metrics:
             "matched or the request was aborted",
             registry=r,
         )
+        self.constrained = Gauge(
+            "minisgl_constrained_requests",
+            "Requests with a grammar (JSON schema, regex, EBNF) the scheduler took, since start",
+            registry=r,
+        )
+        self.grammar_compiles = Gauge(
+            "minisgl_grammar_compiles",
+            "Grammars the scheduler compiled (cache misses), since start",
+            registry=r,
+        )
+        self.grammar_compile_seconds = Gauge(
+            "minisgl_grammar_compile_seconds",
+            "Time the scheduler's grammar compiles took, since start",
+            registry=r,
+        )
+        self.grammar_cache_hits = Gauge(
+            "minisgl_grammar_cache_hits",
+            "Grammars the scheduler took from its compile cache, since start",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -180,6 +200,10 @@ class Metrics:
             self.kv_pages.labels(state).set(pages)
         self.prefix_hit_rate.set(s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
         self.engine_generated.set(s.generated_tokens)
+        self.constrained.set(s.constrained_requests)
+        self.grammar_compiles.set(s.grammar_compiles)
+        self.grammar_compile_seconds.set(s.grammar_compile_seconds)
+        self.grammar_cache_hits.set(s.grammar_cache_hits)
         self._set_scheduling_stats(s)
 
     def _set_scheduling_stats(self, s: SchedulerStats) -> None:

@@ -25,7 +25,7 @@ from minisgl.server.streaming import (
 
 def _request(body: GenerateRequest) -> GenerateReq:
     sp = body.sampling_params
-    params = sampling_params(sp, sp.logprobs or sp.top_logprobs > 0, sp.top_logprobs)
+    params, grammar_field = sampling_params(sp, sp.logprobs or sp.top_logprobs > 0, sp.top_logprobs)
     return GenerateReq(
         rids=[new_rid()],
         seeds=choice_seeds(sp.seed, 1),
@@ -33,6 +33,7 @@ def _request(body: GenerateRequest) -> GenerateReq:
         max_tokens=sp.max_new_tokens,
         text=body.text,
         input_ids=body.input_ids,
+        grammar_field=grammar_field,
     )
 
 

@@ -57,7 +57,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerateReq:
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
-    params = sampling_params(body, body.logprobs, top)
+    params, grammar_field = sampling_params(body, body.logprobs, top)
     base = new_rid()
     return GenerateReq(
         rids=[f"{base}-{i}" for i in range(body.n)],
@@ -65,6 +65,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerateReq:
         params=params,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         messages=[ChatMessage(m.role, m.text) for m in body.messages],
+        grammar_field=grammar_field,
     )
 
 
@@ -75,7 +76,7 @@ def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ApiError(400, "prompt: must not be empty", "prompt")
     k = body.logprobs
-    params = sampling_params(body, k is not None, k or 0)
+    params, grammar_field = sampling_params(body, k is not None, k or 0)
     reqs = []
     for prompt in prompts:
         base = new_rid()
@@ -87,6 +88,7 @@ def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
                 max_tokens=body.max_tokens or 16,  # OpenAI's documented default
                 text=prompt if isinstance(prompt, str) else None,
                 input_ids=None if isinstance(prompt, str) else prompt,
+                grammar_field=grammar_field,
             )
         )
     return reqs

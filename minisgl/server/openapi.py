@@ -96,11 +96,15 @@ class Status(_Open):
 # ---- status codes --------------------------------------------------------------------------
 
 _WHY = {
-    400: "The request is invalid; `error.param` names the field to change.",
+    400: (
+        "The request is invalid (a JSON schema, regex or grammar that cannot be compiled or "
+        "enforced included); `error.param` names the field to change."
+    ),
     401: "Missing or wrong API key.",
     408: "The request's header or body did not arrive within the server's time-out.",
     413: "The request body is larger than --max-request-bytes.",
-    503: "The engine is unavailable, or (with Retry-After) too many sequences are queued.",
+    503: "The engine is unavailable, the server is shutting down, or (with Retry-After) too "
+    "many sequences are queued.",
 }
 # Each server-sent event: `data:` one JSON chunk (an error object if the request fails after
 # its stream began), and `[DONE]` last. `itemSchema` describes one event (OpenAPI 3.2, as

@@ -125,9 +125,38 @@ class ChatMessageIn(_OpenAI):
         return "".join(p.text for p in self.content)
 
 
+LOGIT_BIAS = "Token id (a numeral) -> a bias in [-100, 100] added to its logit at every step."
+REGEX = "The whole output matches this regular expression."
+EBNF = "The output follows this grammar (xgrammar's EBNF dialect, starting at `root`)."
+PRIORITY = (
+    "Lower is more urgent (any integer); only a server started with --schedule-policy priority "
+    "takes one but 0."
+)
+TOKEN_TIMES = (
+    "Add `token_times` to the usage: per choice, when the scheduler had each output token "
+    "(seconds since the epoch). A stream needs stream_options.include_usage for it."
+)
+
+
+class JsonSchemaFormat(_OpenAI):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced (`strict` or not);
+    a schema the grammar engine cannot enforce in full is refused."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow pydantic's own
+    strict: bool | None = None
+
+
 class ResponseFormat(_OpenAI):
-    type: str
-    json_schema: dict[str, Any] | None = None
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('`json_schema` goes with "type": "json_schema", and only with it')
+        return self
 
 
 class SamplingFields(_OpenAI):
@@ -154,16 +183,19 @@ class SamplingFields(_OpenAI):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
-    priority: Priority = 0
-    # The usage gains `token_times`: per choice, when the scheduler had each output token
-    # (seconds since the epoch); a stream needs `stream_options.include_usage` for it.
-    return_token_times: bool = False
-    # Known but unsupported: refused with a message when set to anything but "off".
-    logit_bias: dict[str, float] | None = None
+    priority: Priority = Field(default=0, description=PRIORITY)
+    return_token_times: bool = Field(default=False, description=TOKEN_TIMES)
+    logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
+    response_format: ResponseFormat | None = Field(
+        default=None, description="The output follows this JSON schema, or is any JSON object."
+    )
+    # SGLang's extensions; at most one of them and `response_format` (other than text).
+    regex: str | None = Field(default=None, description=REGEX)
+    ebnf: str | None = Field(default=None, description=EBNF)
 
     def unsupported(self) -> list[str]:
         """The fields set to something this server cannot honour yet."""
-        return ["logit_bias"] if self.logit_bias else []
+        return []
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -176,7 +208,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -184,8 +215,6 @@ class ChatCompletionRequest(SamplingFields):
         bad += [
             f for f in ("tool_choice", "function_call") if getattr(self, f) not in (None, "none")
         ]
-        if self.response_format is not None and self.response_format.type != "text":
-            bad.append("response_format")
         return bad
 
 
@@ -243,7 +272,15 @@ class NativeSamplingParams(_Strict):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
-    priority: Priority = 0
+    logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
+    # At most one grammar the output must follow: a JSON schema (as JSON text, SGLang's
+    # spelling, or as an object), a regex, or an EBNF grammar.
+    json_schema: (
+        Annotated[str | dict[str, Any], one_of("a JSON schema: JSON text or an object")] | None
+    ) = Field(default=None, description="The output is JSON that this JSON schema accepts.")
+    regex: str | None = Field(default=None, description=REGEX)
+    ebnf: str | None = Field(default=None, description=EBNF)
+    priority: Priority = Field(default=0, description=PRIORITY)
 
 
 class GenerateRequest(_Strict):
@@ -253,8 +290,11 @@ class GenerateRequest(_Strict):
     input_ids: list[TokenId] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
-    # The finished answer's `meta_info` gains `token_times` (see `SamplingFields`).
-    return_token_times: bool = False
+    return_token_times: bool = Field(
+        default=False,
+        description="The finished answer's meta_info gains `token_times`: when the scheduler "
+        "had each output token (seconds since the epoch).",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

@@ -95,13 +95,15 @@ async def first_batch(request: Request, stream: RequestStream) -> list[ChoiceOut
 
 
 async def with_errors(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`events`, ending with an error event instead of `[DONE]` when the request fails."""
+    """`events`; when the request fails after the stream began, an error event (the error body
+    of a non-streaming answer) and `[DONE]` end it instead."""
     try:
         async for event in events:
             yield event
     except (RequestRejected, EngineUnavailable) as e:
         err = api_error(e)
         yield sse(error_body(err.status, err.message, err.param))
+        yield DONE
 
 
 class EventStreamResponse(StreamingResponse):

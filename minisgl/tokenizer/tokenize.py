@@ -38,6 +38,11 @@ class RequestTokenizer:
 
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         conv = [{"role": m.role, "content": m.content} for m in messages]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "messages: this model's tokenizer has no chat template; send a prompt to "
+                "/v1/completions instead"
+            )
         try:
             out = self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=True, tokenize=True
@@ -49,6 +54,7 @@ class RequestTokenizer:
         return list(ids)
 
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
+        req.params.check_vocab(self.info.vocab_size)
         ids = self.prompt_ids(req)
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.info)
         params = replace(req.params, max_tokens=max_tokens)

@@ -6,10 +6,11 @@ import contextlib
 import logging
 import os
 import queue
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.constrain import GrammarCompiler, GrammarError
 from minisgl.core import InvalidRequestError
 from minisgl.message import (
     AbortReq,
@@ -50,7 +51,14 @@ class _Pending:
 class TokenizerWorker:
     """Requests from the API become tokenized requests for the scheduler. An abort never
     overtakes its request: it follows it down the same pipe, or, while the request still
-    tokenizes, keeps the aborted choices from ever being sent."""
+    tokenizes, keeps the aborted choices from ever being sent.
+
+    A request with a grammar has it compiled first by `grammars` (by default a compiler of its
+    own for the tokenizer's vocabulary; on its own threads, cached), and is refused here when
+    the grammar is bad: it never reaches the scheduler, and no other request waits for its
+    compile. The scheduler compiles the grammar again from its own cache (a compiled grammar is
+    megabytes; its text is what travels).
+    """
 
     def __init__(
         self,
@@ -59,11 +67,15 @@ class TokenizerWorker:
         scheduler: Sender,
         api: Sender,
         threads: int = TOKENIZE_THREADS,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.inbox = inbox
         self.scheduler = scheduler
         self.api = api
+        self.grammars = grammars or GrammarCompiler(
+            lambda: tokenizer.tokenizer, tokenizer.info.vocab_size
+        )
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._pending: dict[str, _Pending] = {}  # rid -> its request, while it tokenizes
         self._done: queue.SimpleQueue[tuple[_Pending, Outcome]] = queue.SimpleQueue()
@@ -91,12 +103,32 @@ class TokenizerWorker:
 
     def _generate(self, req: GenerateReq) -> None:
         logger.debug("request %s: %d prompt characters", req.rids[0], req.prompt_chars)
-        if req.prompt_chars <= INLINE_CHARS:
+        constraint = req.params.constraint
+        if constraint is None and req.prompt_chars <= INLINE_CHARS:
             self._send(self._tokenize(req), aborted=set())
             return
         pending = _Pending(req)
         for rid in req.rids:
             self._pending[rid] = pending
+        if constraint is None:
+            self._pool.submit(self._tokenize_in_thread, pending)
+        else:
+            job = self.grammars.submit(constraint)
+            job.add_done_callback(lambda job: self._grammar_checked(pending, job))
+
+    def _grammar_checked(self, pending: _Pending, job: Future[Any]) -> None:
+        """(On a compile thread.) Refuse the request, or tokenize it next."""
+        req = pending.req
+        try:
+            job.result()
+        except GrammarError as e:
+            param = req.grammar_field or e.kind
+            self._finish(pending, RequestError(req.rids, f"{param}: {e.reason}", param, 400))
+            return
+        except Exception as e:  # a bug of ours must not leave the request hanging
+            logger.exception("compiling the grammar of request %s failed", req.rids[0])
+            self._finish(pending, RequestError(req.rids, f"grammar: {e}", None, status=500))
+            return
         self._pool.submit(self._tokenize_in_thread, pending)
 
     def _tokenize(self, req: GenerateReq) -> Outcome:
@@ -110,7 +142,11 @@ class TokenizerWorker:
             return RequestError(req.rids, f"tokenizer failed: {e}", None, status=500)
 
     def _tokenize_in_thread(self, pending: _Pending) -> None:
-        self._done.put((pending, self._tokenize(pending.req)))
+        self._finish(pending, self._tokenize(pending.req))
+
+    def _finish(self, pending: _Pending, outcome: Outcome) -> None:
+        """(On any thread.) Hand the outcome to the loop, and wake it."""
+        self._done.put((pending, outcome))
         # A full pipe holds wake-ups the loop has yet to read: one more adds nothing.
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"\0")

@@ -3,12 +3,15 @@ errors a bad one gives, and the cache."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
 import jsonschema
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from minisgl.constrain import GrammarCompiler, GrammarError, MaskFiller, RequestGrammar
 from minisgl.core import Constraint, InvalidRequestError
@@ -148,3 +151,23 @@ def test_batched_fill_equals_each_row_alone(compiler, tokenizer) -> None:
             continue
         assert {32 * w + j for w, x in enumerate(words) for j in range(32) if x >> j & 1} == want
     assert bool((filler.fill([grammars[3]])[0] == -1).all())
+
+
+_PIECES = list('ab01()[]{}|*+?.^$\\-:=" ,;#<>/!&~') + ["::=", "root", "\\d", "\\p{L}", "(?="]
+_PIECES += ["(?<n>", "{2,1}", "{99999}", "[^", "\\", "\n"]
+TEXTS = st.lists(st.sampled_from(_PIECES), max_size=25).map("".join) | st.text(max_size=30)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(["regex", "ebnf"]), text=TEXTS)
+def test_random_regexes_and_grammars_compile_or_give_a_grammar_error(compiler, kind, text) -> None:
+    """Whatever a client sends: a GrammarError or a grammar, never another error (a 500) or a
+    crash of the process that compiles it."""
+    if kind == "ebnf" and not text.startswith("root"):
+        text = "root ::= " + text
+    try:
+        constraint = Constraint(kind, text)
+    except InvalidRequestError:
+        return  # blank: refused before compiling
+    with contextlib.suppress(GrammarError):
+        compiler.compile(constraint)

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from minisgl.engine.sampler import SamplingInputs, StopMask, hashed_uniform, sample
+from minisgl.engine.sampler import (
+    LogitBias,
+    SamplingInputs,
+    StopMask,
+    hashed_uniform,
+    sample,
+)
+from minisgl.engine.step import TokenMask
 
 N = 20000
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -137,3 +144,46 @@ def test_stop_mask_samples_the_rest_of_the_distribution():
     sigma = torch.sqrt(expected * (1 - expected) / N)
     assert got[0] == 0 and got[3] == 0
     assert torch.all((got - expected).abs() <= 5 * sigma + 1e-9), (got, expected)
+
+
+def test_logit_bias_moves_the_rows_that_have_one():
+    """OpenAI's logit_bias: added to the row's logits before sampling; -100 forbids a token in
+    practice, +100 forces it; other rows and the log-probs (of the raw logits) are untouched;
+    ids beyond the vocabulary (refused at the API) are left out."""
+    v, cpu = LOGITS.numel(), torch.device("cpu")
+    biases = [[(0, -100.0)], [], [(6, 100.0), (99, 5.0)], [(0, -1.0), (1, 0.75)]]
+    bias = LogitBias.build(biases, v, cpu)
+    assert bias is not None
+    triples = zip(bias.rows.tolist(), bias.ids.tolist(), bias.values.tolist())
+    assert sorted(triples) == [(0, 0, -100.0), (2, 6, 100.0), (3, 0, -1.0), (3, 1, 0.75)]
+    assert LogitBias.build([[], [(99, 1.0)]], v, cpu) is None
+    inp = _inputs(4, temperature=0)
+    inp.logit_bias, inp.want_logprobs = bias, True
+    out = sample(LOGITS.repeat(4, 1), inp)
+    # Row 3: logits 1.0 and 2.25 for tokens 0 and 1 now; token 1 wins.
+    assert out.tokens.tolist() == [1, 0, 6, 1]
+    assert out.logprobs is not None
+    assert torch.allclose(out.logprobs, torch.log_softmax(LOGITS, dim=0)[out.tokens])
+
+
+def test_logit_bias_samples_the_shifted_distribution():
+    inp = _inputs(N)
+    inp.logit_bias = LogitBias.build(
+        [[(7, 3.0), (0, -2.0)]] * N, LOGITS.numel(), torch.device("cpu")
+    )
+    got = _empirical(inp)
+    shifted = LOGITS.clone()
+    shifted[7] += 3.0
+    shifted[0] -= 2.0
+    expected = torch.softmax(shifted.double(), dim=0)
+    sigma = torch.sqrt(expected * (1 - expected) / N)
+    assert torch.all((got - expected).abs() <= 5 * sigma + 1e-9), (got, expected)
+
+
+def test_logit_bias_cannot_lift_a_token_the_grammar_forbids():
+    v, cpu = LOGITS.numel(), torch.device("cpu")
+    bits = torch.tensor([[0b0000_0110], [-1]], dtype=torch.int32)  # row 0: tokens 1, 2 only
+    inp = _inputs(2, temperature=0)
+    inp.token_mask = TokenMask(bits, [0])
+    inp.logit_bias = LogitBias.build([[(7, 100.0)], [(7, 100.0)]], v, cpu)
+    assert sample(LOGITS.repeat(2, 1), inp).tokens.tolist() == [1, 7]

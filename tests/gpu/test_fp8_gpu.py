@@ -155,6 +155,10 @@ def test_fp8_moe_matches_reference(layout: str, tokens: int) -> None:
 # are rounded to e4m3 (whose step is 2^-3 relative), the fp32 reference does not, so a value
 # near an e4m3 rounding boundary lands on the other side of it: one e4m3 step on that element.
 TOL = 1e-1
+# Above the GEMV switch activations are rounded to e4m3 per token too (from bf16 on the fast
+# path, from fp32 on the reference): measured on the H200 up to 0.16 on a top-1 log-prob of a
+# flat random-model distribution (about -4.6).
+TOL_E4M3_ACTIVATIONS = 2.5e-1
 VOCAB = 2048
 NUM_TOKENS = 24
 PARAMS = SamplingParams(
@@ -201,8 +205,9 @@ def test_fp8_engine_with_graphs_matches_the_reference_path(gemv_rows: int) -> No
     assert llm.engine.graphs is not None and llm.engine.pool.dtype == torch.float8_e4m3fn
     got = llm.generate(ps, PARAMS, use_tqdm=False)
     got[-4:] = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in ps[-4:]]
-    worst, compared = compare(want, got, TOL)
-    assert compared >= len(ps) and worst <= TOL, (worst, compared)
+    tol = TOL if gemv_rows > 1000 else TOL_E4M3_ACTIVATIONS
+    worst, compared = compare(want, got, tol)
+    assert compared >= len(ps) and worst <= tol, (worst, compared)
     assert_kv_clean(llm)
 
 

@@ -3,6 +3,7 @@ its own: every test directory has a conftest)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from minisgl.benchmark.serving import synthetic_tokenizer_model, wait_healthy
@@ -28,26 +30,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses; fields resume after the last ')'.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live process below `pid`."""
+    return [p for p in psutil.Process(pid).children(recursive=True) if alive(p)]
+
+
+def alive(p: psutil.Process) -> bool:
+    """Whether `p` runs (the pid not reused by another process since, not a zombie)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def still_alive(procs: list[psutil.Process], limit_s: float) -> list[psutil.Process]:
+    """Those of `procs` still running after waiting up to `limit_s` for them to exit."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(alive(p) for p in procs):
+        time.sleep(0.1)
+    return [p for p in procs if alive(p)]
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Server:
         if why is not None:
             raise AssertionError(f"{why}:\n{self.log_text()[-5000:]}")
 
-    def terminate(self, timeout: float = 30) -> list[int]:
+    def terminate(self, timeout: float = 30) -> list[psutil.Process]:
         """SIGTERM the launcher, wait for it, and return the processes it left behind."""
         children = descendants(self.proc.pid)
         self.proc.send_signal(signal.SIGTERM)
@@ -112,32 +113,29 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(p) for p in children):
-            time.sleep(0.1)
-        left = [p for p in children if _alive(p)]
+        left = still_alive(children, 5)
         for p in left:
-            os.kill(p, signal.SIGKILL)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
         return left
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rindex(")") + 2] != "Z"
-
-
 def start_server(
-    log_dir: Path, *args: str, api_key: str | None = None, key_from: str = "flag"
+    log_dir: Path,
+    *args: str,
+    api_key: str | None = None,
+    key_from: str = "flag",
+    tmpdir: Path | None = None,
 ) -> Server:
     """Start `python -m minisgl` on a free port (without waiting for it to be ready), with
-    `api_key` given by `key_from`: "flag" (--api-key), "file" (--api-key-file) or "env"."""
+    `api_key` given by `key_from`: "flag" (--api-key), "file" (--api-key-file) or "env"; with
+    `tmpdir`, the server makes its socket folder there rather than in /tmp."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
     argv = [sys.executable, "-m", "minisgl", "--port", str(port), *args]
     env = {k: v for k, v in os.environ.items() if k != ENV_API_KEY}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     if api_key and key_from == "flag":
         argv += ["--api-key", api_key]
     elif api_key and key_from == "file":

@@ -53,6 +53,7 @@ FLAGS = [
     "--itl-target-ms",
     "--schedule-policy",
     "--priority-aging-s",
+    "--shutdown-timeout",
 ]
 
 
@@ -215,6 +216,8 @@ def test_bad_multi_node_flags(
         ["--itl-target-ms", "soon"],
         ["--schedule-policy", "lifo"],
         ["--priority-aging-s", "-1"],
+        ["--shutdown-timeout", "-1"],
+        ["--shutdown-timeout", "nan"],
     ],
 )
 def test_bad_values_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -228,7 +231,7 @@ def test_limit_and_timeout_flags() -> None:
     cfg = parse_args(
         ["--max-request-bytes", "1000", "--max-seqs-per-request", "4", "--max-queued-seqs", "9"]
         + ["--header-timeout", "1.5", "--body-timeout", "2", "--send-timeout", "3"]
-        + ["--keep-alive-timeout", "4"]
+        + ["--keep-alive-timeout", "4", "--shutdown-timeout", "0"]
     )
     assert cfg.limits == Limits(max_request_bytes=1000, max_seqs_per_request=4, max_queued_seqs=9)
     assert cfg.deadlines == Deadlines(
@@ -238,6 +241,8 @@ def test_limit_and_timeout_flags() -> None:
     assert default.limits == Limits() and default.deadlines == Deadlines()
     assert default.limits.max_request_bytes >= 2**20  # "a few MB"
     assert default.deadlines.header_timeout == default.deadlines.body_timeout == 60  # nginx's
+    assert cfg.shutdown_timeout == 0  # answer what is in flight at once
+    assert 1 <= default.shutdown_timeout <= 10  # "a few seconds"
 
 
 # ---- the API key ------------------------------------------------------------------------------

@@ -52,6 +52,18 @@ def test_chat_uses_the_template(tokenizer: Any) -> None:
     assert out[0].input_ids == list(expected)
 
 
+def test_chat_without_a_template_is_a_request_error(tokenizer: Any) -> None:
+    """A tokenizer with no chat template (a base model's): the chat request is refused with a
+    400-class error naming `messages`; the tokenizer is left as it was."""
+    import copy
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(InvalidRequestError, match="^messages: .*no chat template"):
+        RequestTokenizer(plain, INFO).tokenize(req(messages=[ChatMessage("user", "Hi")]))
+    assert tokenizer.chat_template
+
+
 def test_token_ids_outside_the_vocabulary_are_refused(tokenizer: Any) -> None:
     with pytest.raises(InvalidRequestError, match="^prompt:"):
         RequestTokenizer(tokenizer, INFO).tokenize(req(input_ids=[1, 49152]))
