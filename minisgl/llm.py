@@ -88,7 +88,7 @@ class LLM:
         params = self._params_per_prompt(len(prompts), sampling_params)
         reqs = [self._make_req(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:  # validate all before admitting any, so a bad one leaves nothing behind
-            self.scheduler.check_request(r.prompt_len, r.params.max_tokens)
+            self.scheduler.check_request(r.prompt_len, r.params)
             self.scheduler.check_grammar(r.params)
         has_text = self.has_tokenizer
         if not has_text and any(r.params.stop for r in reqs):

@@ -172,9 +172,9 @@ def record_steps(sched: Any) -> list[tuple[list[Any], Any]]:
     seen: list[tuple[list[Any], Any]] = []
     launch = sched._launch
 
-    def spy(reqs: list[Any], batch: Any) -> Any:
+    def spy(reqs: list[Any], batch: Any, **kw: Any) -> Any:
         seen.append((list(reqs), batch))
-        return launch(reqs, batch)
+        return launch(reqs, batch, **kw)
 
     sched._launch = spy
     return seen
@@ -299,3 +299,34 @@ def _fp8_config(layout: str) -> dict[str, Any]:
         },
         "ignore": ["lm_head"],
     }  # fmt: skip
+
+
+# ---- scheduling ---------------------------------------------------------------------------------
+
+
+class FixedStepModel:
+    """A step-time model with fixed costs in seconds (`minisgl.scheduler.step_time.StepTimeModel`):
+    not fitted and deaf to what it observes, so a test knows what the prefill budget sees."""
+
+    def __init__(self, base: float = 2e-3, mixed: float = 1e-3, per_row: float = 10e-6,
+                 per_token: float = 2e-6, per_kv: float = 1e-8, ready: bool = True) -> None:  # fmt: skip
+        self.base, self.mixed, self.per_row = base, mixed, per_row
+        self.per_token, self.per_kv, self.ready = per_token, per_kv, ready
+
+    def predict(self, shape: Any) -> float:
+        return (
+            self.base
+            + self.mixed * shape.mixed
+            + self.per_row * shape.decode_rows
+            + self.per_token * shape.prefill_tokens
+            + self.per_kv * shape.kv_tokens
+        )
+
+    def observe(self, shape: Any, seconds: float) -> None:
+        pass
+
+    def anchor(self) -> None:
+        pass
+
+    def coefficients(self) -> dict[str, float]:
+        return {}

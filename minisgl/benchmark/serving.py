@@ -19,10 +19,20 @@ The offline run and the saturated server run alternate `--repeats` times and the
 counts, so that other load on a shared machine hurts both alike. The prefix cache is emptied
 before every run (`/flush_cache` on the server), so no run reuses another's prompts.
 
-Reports request throughput, output tokens/s, TTFT, inter-token latency (gaps between streamed
-chunks) and time per output token, p50/p90/p99; and `server_vs_offline`, the saturated server's
-output tokens/s over the offline figure (target >= 0.85). Prints a table, then one JSON object
-as the last line.
+Reports request throughput, output tokens/s, TTFT, inter-token latency and time per output
+token, p50/p90/p99; and `server_vs_offline`, the saturated server's output tokens/s over the
+offline figure (target >= 0.85). Inter-token latency is measured twice: `itl_ms` from the gaps
+between streamed chunks at the client (a busy client or network merges chunks), and
+`itl_server_ms` from the server's own token times (each request asks for them with
+`return_token_times`: when the scheduler had each token), which the table shows. Prints a
+table, then one JSON object as the last line.
+
+Scheduling comparisons: `--itl-targets auto,0` runs everything once per `--itl-target-ms`
+value, each against a server of its own (the offline run once), and reports each under
+`by_itl_target`; `--priority-classes 0,1` gives each request one of those priorities (drawn
+uniformly, seeded), starts the server with `--schedule-policy priority` and reports TTFT and
+ITL per class under `by_priority`; `--server-args` passes more flags to the server (e.g.
+`--num-pages 4000` for a pool too small for every request, so that retraction happens).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -49,6 +60,7 @@ DEFAULT_RATES = ("1", "2", "4", "inf")
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
+    priorities: list[int] = field(default_factory=list)  # empty: every request's is 0
 
     @staticmethod
     def draw(
@@ -62,6 +74,19 @@ class Workload:
     @property
     def output_tokens(self) -> int:
         return sum(self.output_lens)
+
+    def priority(self, i: int) -> int:
+        return self.priorities[i] if self.priorities else 0
+
+    def with_classes(self, classes: Sequence[int], seed: int) -> Workload:
+        """Each request gets one of `classes` as its priority (uniformly, from `seed`)."""
+        rng = random.Random(seed + 7919)
+        return Workload(self.prompts, self.output_lens, [rng.choice(classes) for _ in self.prompts])
+
+    def part(self, ids: Sequence[int]) -> Workload:
+        """Requests `ids` of this workload, in that order."""
+        pick = [self.priority(i) for i in ids] if self.priorities else []
+        return Workload([self.prompts[i] for i in ids], [self.output_lens[i] for i in ids], pick)
 
 
 TEMPERATURE = 0.6
@@ -100,14 +125,19 @@ def run_offline(llm: Any, work: Workload) -> dict[str, float]:
 @dataclass
 class RequestTrace:
     sent: float
+    priority: int = 0
     first: float | None = None
     chunks: list[float] = field(default_factory=list)
     done: float = 0.0
     completion_tokens: int = 0
+    server_times: list[float] = field(default_factory=list)  # when the scheduler had each token
 
 
-async def open_stream(client: Any, prompt: list[int], max_tokens: int, seed: int) -> Any:
-    """One streamed `/v1/completions` request of the workload (token ids in, usage at the end)."""
+async def open_stream(
+    client: Any, prompt: list[int], max_tokens: int, seed: int, priority: int = 0
+) -> Any:
+    """One streamed `/v1/completions` request of the workload (token ids in, usage with the
+    server's token times at the end)."""
     return await client.completions.create(
         model="default",
         prompt=prompt,
@@ -116,15 +146,15 @@ async def open_stream(client: Any, prompt: list[int], max_tokens: int, seed: int
         seed=seed,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_times": True, "priority": priority},
     )
 
 
 async def one_request(
-    client: Any, prompt: list[int], max_tokens: int, seed: int, sent: float
+    client: Any, prompt: list[int], max_tokens: int, seed: int, sent: float, priority: int = 0
 ) -> RequestTrace:
-    trace = RequestTrace(sent)
-    stream = await open_stream(client, prompt, max_tokens, seed)
+    trace = RequestTrace(sent, priority)
+    stream = await open_stream(client, prompt, max_tokens, seed, priority)
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
@@ -132,6 +162,8 @@ async def one_request(
             trace.chunks.append(now)
         if chunk.usage is not None:
             trace.completion_tokens = chunk.usage.completion_tokens
+            times = getattr(chunk.usage, "token_times", None)  # an extension field
+            trace.server_times = list(times[0]) if times else []
     trace.done = time.perf_counter()
     return trace
 
@@ -155,10 +187,9 @@ async def run_rate(
     async with client:
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-        for i, prompt, m in zip(ids, work.prompts, work.output_lens, strict=True):
-            tasks.append(
-                asyncio.create_task(one_request(client, prompt, m, i, time.perf_counter()))
-            )
+        for k, (i, prompt, m) in enumerate(zip(ids, work.prompts, work.output_lens, strict=True)):
+            sent, priority = time.perf_counter(), work.priority(k)
+            tasks.append(asyncio.create_task(one_request(client, prompt, m, i, sent, priority)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         return list(await asyncio.gather(*tasks))
@@ -187,10 +218,8 @@ def run_clients(url: str, work: Workload, rate: float, seed: int, procs: int) ->
     parts = [list(range(k, n, procs)) for k in range(procs)]
     start_at = time.perf_counter() + 3.0  # CLOCK_MONOTONIC: one clock for every process
     args = [
-        (url, Workload([work.prompts[i] for i in ids], [work.output_lens[i] for i in ids]),
-         rate / procs, seed + k, ids, start_at)
-        for k, ids in enumerate(parts)
-    ]  # fmt: skip
+        (url, work.part(ids), rate / procs, seed + k, ids, start_at) for k, ids in enumerate(parts)
+    ]
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         results = pool.starmap(_client_part, args)
     traces: list[RequestTrace | None] = [None] * n
@@ -208,30 +237,51 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
-def summarize(traces: list[RequestTrace], work: Workload) -> dict[str, Any]:
-    start = min(t.sent for t in traces)
-    seconds = max(t.done for t in traces) - start
-    tokens = sum(t.completion_tokens for t in traces)
+def latencies(traces: list[RequestTrace]) -> dict[str, dict[str, float]]:
+    """TTFT, inter-token latency (client chunks, and the server's token times) and time per
+    output token of `traces`, in milliseconds."""
     ttft = [(t.first - t.sent) * 1e3 for t in traces if t.first is not None]
     itl = [(b - a) * 1e3 for t in traces for a, b in zip(t.chunks, t.chunks[1:])]
+    gaps = [(b - a) * 1e3 for t in traces for a, b in zip(t.server_times, t.server_times[1:])]
     tpot = [
         (t.done - t.first) * 1e3 / (t.completion_tokens - 1)
         for t in traces
         if t.first is not None and t.completion_tokens > 1
     ]
+    return {
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "itl_server_ms": percentiles(gaps),
+        "tpot_ms": percentiles(tpot),
+    }
+
+
+def summarize(traces: list[RequestTrace], work: Workload) -> dict[str, Any]:
+    start = min(t.sent for t in traces)
+    seconds = max(t.done for t in traces) - start
+    tokens = sum(t.completion_tokens for t in traces)
     # ignore_eos: every request must stream exactly its max_tokens (a short or lost one counts)
     short = sum(t.completion_tokens != m for t, m in zip(traces, work.output_lens, strict=True))
-    return {
+    # Every token has a server time: a missing one would skew the server's ITL.
+    untimed = sum(len(t.server_times) != t.completion_tokens for t in traces)
+    summary: dict[str, Any] = {
         "seconds": seconds,
         "requests": len(traces),
         "incomplete": short,
+        "untimed": untimed,
         "output_tokens": tokens,
         "request_s": len(traces) / seconds,
         "output_tok_s": tokens / seconds,
-        "ttft_ms": percentiles(ttft),
-        "itl_ms": percentiles(itl),
-        "tpot_ms": percentiles(tpot),
+        **latencies(traces),
     }
+    classes = sorted({t.priority for t in traces})
+    if len(classes) > 1:
+        summary["by_priority"] = {
+            str(p): {"requests": sum(t.priority == p for t in traces)}
+            | latencies([t for t in traces if t.priority == p])
+            for p in classes
+        }
+    return summary
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None:
@@ -300,8 +350,13 @@ def flush_cache(url: str, timeout: float = 60) -> None:
 
 
 def run_online(work: Workload, url: str, rate: float, seed: int, procs: int = 1) -> dict[str, Any]:
+    """The run's summary, with every request's server token times under `token_times`
+    ([priority, t0, t1, ...] each: for plots; `report` takes them out of its JSON line)."""
     flush_cache(url)
-    return summarize(run_clients(url, work, rate, seed, procs), work)
+    traces = run_clients(url, work, rate, seed, procs)
+    return summarize(traces, work) | {
+        "token_times": [[t.priority, *t.server_times] for t in traces]
+    }
 
 
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -336,20 +391,26 @@ def measure(
 
 def print_table(offline: dict[str, float] | None, online: dict[str, Any]) -> None:
     head = (
-        f"{'rate req/s':>10} {'req/s':>7} {'out tok/s':>9} "
-        f"{'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>22} {'TPOT p50 ms':>11}"
+        f"{'rate req/s':>10} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p90/p99 ms':>22} "
+        f"{'ITL p50/p90/p99 ms (server)':>28} {'TPOT p50 ms':>11}"
     )
     print(head)
     print("-" * len(head))
 
-    def trio(p: dict[str, float]) -> str:
-        return f"{p['p50']:.0f}/{p['p90']:.0f}/{p['p99']:.0f}"
+    def trio(p: dict[str, float], digits: int = 0) -> str:
+        return "/".join(f"{p[k]:.{digits}f}" for k in ("p50", "p90", "p99"))
+
+    def row(label: str, s: dict[str, Any]) -> None:
+        print(
+            f"{label:>10} {s.get('request_s', 0):>7.2f} {s.get('output_tok_s', 0):>9.1f} "
+            f"{trio(s['ttft_ms']):>22} {trio(s['itl_server_ms'], 1):>28} "
+            f"{s['tpot_ms']['p50']:>11.1f}"
+        )
 
     for rate, s in online.items():
-        print(
-            f"{rate:>10} {s['request_s']:>7.2f} {s['output_tok_s']:>9.1f} "
-            f"{trio(s['ttft_ms']):>22} {trio(s['itl_ms']):>22} {s['tpot_ms']['p50']:>11.0f}"
-        )
+        row(rate, s)
+        for p, c in s.get("by_priority", {}).items():
+            row(f"prio {p}", c)
     if offline is not None:
         print(
             f"{'offline':>10} {'':>7} {offline['output_tok_s']:>9.1f}   (LLM.generate, "
@@ -426,40 +487,86 @@ def main(argv: list[str] | None = None) -> None:
         help="the server's share of the GPU's memory; the offline engine then loads after it and "
         "keeps its default (0.9 of the total, less what the server holds)",
     )
+    p.add_argument(
+        "--itl-targets",
+        default=None,
+        help="comma-separated --itl-target-ms values (e.g. auto,0: the latency target and the "
+        "old policy); each gets a server of its own and a report under by_itl_target",
+    )
+    p.add_argument(
+        "--priority-classes",
+        default=None,
+        help="comma-separated priorities (e.g. 0,1): each request gets one, drawn uniformly; "
+        "the server runs --schedule-policy priority; TTFT and ITL reported per class",
+    )
+    p.add_argument(
+        "--server-args", default="", help="more flags for the server, e.g. '--num-pages 4000'"
+    )
+    p.add_argument(
+        "--token-times-out",
+        default=None,
+        metavar="PATH",
+        help="write every request's server token times here (JSON: {itl target: {rate: "
+        "[[priority, t0, t1, ...], ...]}}), e.g. to plot ITL distributions",
+    )
     args = p.parse_args(argv)
-    rates = [float(r) for r in args.rates.split(",")]
+    if args.url and args.itl_targets:
+        p.error("--itl-targets starts servers of its own; leave --url out")
     work = Workload.draw(args.num_requests, args.seed, args.prompt_len, args.output_len)
-    options: dict[str, Any] = {"load_format": args.load_format}
-    extra = ["--load-format", args.load_format]
-    if args.mem_fraction is not None:
-        extra += ["--mem-fraction", str(args.mem_fraction)]
+    if args.priority_classes:
+        work = work.with_classes([int(c) for c in args.priority_classes.split(",")], args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if needs_synthetic_tokenizer(model, args.load_format):
             model = synthetic_tokenizer_model(model, Path(tmp))
             print(f"{args.model} has no tokenizer: a synthetic one of its vocabulary in {model}")
-
-        def load() -> Any:
-            return None if args.skip_offline else load_offline(model, options)
-
-        if args.url:
-            runs = measure(
-                work, args.url, load(), rates, args.repeats, args.seed, args.client_procs
-            )
-        else:
-            with ServerProcess(model, args.server_log, extra) as server:
-                # On a CPU the offline engine loads while the server does; on a GPU after it
-                # (each sizes its KV pool from the memory left). Neither runs while the other
-                # is measured (both sit idle between their runs).
-                llm = load() if args.mem_fraction is None else None
-                server.wait_ready()
-                llm = llm if args.mem_fraction is None else load()
-                runs = measure(
-                    work, server.url, llm, rates, args.repeats, args.seed, args.client_procs
-                )
-    offline_runs, online, saturated_runs = runs
+        by_target = run_targets(args, model, work)
+    offline_runs = [r for runs in by_target.values() for r in runs[0]]
     offline = best(offline_runs) if offline_runs else None
-    report(args, work, offline, online, offline_runs, saturated_runs)
+    _, online, saturated_runs = next(iter(by_target.values()))
+    others = {t: runs[1] for t, runs in by_target.items()} if len(by_target) > 1 else None
+    report(args, work, offline, online, offline_runs, saturated_runs, others)
+
+
+Runs = tuple[list[dict[str, float]], dict[str, Any], list[dict[str, Any]]]
+
+
+def run_targets(args: argparse.Namespace, model: str | None, work: Workload) -> dict[str, Runs]:
+    """`measure` against a server per `--itl-targets` value (one server with its own default
+    when none is given), or against `--url`."""
+    rates = [float(r) for r in args.rates.split(",")]
+    options: dict[str, Any] = {"load_format": args.load_format}
+    extra = ["--load-format", args.load_format, *shlex.split(args.server_args)]
+    if args.mem_fraction is not None:
+        extra += ["--mem-fraction", str(args.mem_fraction)]
+    if args.priority_classes:
+        extra += ["--schedule-policy", "priority"]
+    llm = None
+
+    def load() -> Any:
+        return None if args.skip_offline else load_offline(model, options)
+
+    def run(url: str) -> Runs:
+        return measure(work, url, llm, rates, args.repeats, args.seed, args.client_procs)
+
+    if args.url:
+        llm = load()
+        return {"server": run(args.url)}
+    out = {}
+    for target in args.itl_targets.split(",") if args.itl_targets else ["default"]:
+        flags = extra if target == "default" else [*extra, "--itl-target-ms", target]
+        log = args.server_log if target == "default" else f"{args.server_log}.{target}"
+        with ServerProcess(model, log, flags) as server:
+            # On a CPU the offline engine loads while the server does; on a GPU after it
+            # (each sizes its KV pool from the memory left). Neither runs while the other
+            # is measured (both sit idle between their runs).
+            if llm is None and args.mem_fraction is None:
+                llm = load()
+            server.wait_ready()
+            if llm is None:
+                llm = load()
+            out[target] = run(server.url)
+    return out
 
 
 def report(
@@ -469,11 +576,32 @@ def report(
     online: dict[str, Any],
     offline_runs: list[dict[str, float]],
     saturated_runs: list[dict[str, Any]],
+    by_target: dict[str, dict[str, Any]] | None = None,
 ) -> None:
+    """`online`: the first server's runs; `by_target`: every server's, by ITL target."""
+    for target, runs in (by_target or {}).items():
+        print(f"--itl-target-ms {target}:")
+        print_table(None, runs)
+    times = {
+        target: {rate: summary.pop("token_times", []) for rate, summary in runs.items()}
+        for target, runs in (by_target or {"default": online}).items()
+    }
+    for summary in (*online.values(), *saturated_runs):
+        summary.pop("token_times", None)
+    if args.token_times_out:
+        Path(args.token_times_out).write_text(json.dumps(times))
     print_table(offline, online)
     for rate, summary in online.items():
         if summary["incomplete"]:
             print(f"rate {rate}: {summary['incomplete']} requests did not stream all their tokens")
+        srv = summary.get("server")
+        if srv and srv["steps_timed"]:
+            print(
+                f"rate {rate}: {srv['retractions']:.0f} retractions; {srv['steps_timed']:.0f} "
+                f"steps timed, mean period {srv['step_measured_s'] / srv['steps_timed'] * 1e3:.2f}"
+                f" ms, predicted {srv['step_predicted_s'] / srv['steps_timed'] * 1e3:.2f} ms, "
+                f"mean abs error {srv['step_abs_error_s'] / srv['steps_timed'] * 1e3:.2f} ms"
+            )
     ratio = online["inf"]["output_tok_s"] / offline["output_tok_s"] if offline else None
     if ratio is not None:
         print(
@@ -493,7 +621,11 @@ def report(
         "server_vs_offline": ratio,
         "offline_runs_tok_s": [r["output_tok_s"] for r in offline_runs],
         "saturated_runs_tok_s": [r["output_tok_s"] for r in saturated_runs],
+        "priority_classes": args.priority_classes,
+        "server_args": args.server_args,
     }
+    if by_target is not None:
+        result["by_itl_target"] = by_target
     print(json.dumps(result))
 
 

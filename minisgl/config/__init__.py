@@ -2,6 +2,7 @@
 
 from minisgl.config.engine import (
     DTYPES,
+    SCHEDULE_POLICIES,
     EngineConfig,
     apply_env_switches,
     resolve_engine_config,
@@ -11,6 +12,7 @@ from minisgl.config.quant import QuantConfig, resolve_model_quantization
 
 __all__ = [
     "DTYPES",
+    "SCHEDULE_POLICIES",
     "EngineConfig",
     "ModelConfig",
     "MoEConfig",

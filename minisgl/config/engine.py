@@ -10,6 +10,7 @@ from minisgl.config.quant import FP8_GEMV_MAX_ROWS, KV_CACHE_DTYPES, QUANTIZATIO
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 KV_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
+SCHEDULE_POLICIES = ("fcfs", "priority")
 
 # Environment switches (for benchmarks, bisecting and tests), read here and nowhere else in
 # the engine's config: "1" turns the feature off (on, for the debug mode).
@@ -66,6 +67,16 @@ class EngineConfig:
     reserve_ratio: float = 0.5
     min_reserve_ratio: float = 0.1
     reserve_decay_steps: int = 600
+    # Inter-token latency target (`minisgl.scheduler.budget`): while requests decode, a step
+    # prefills only the prompt tokens that the step-time model says fit in it. None: auto (2.5x
+    # the predicted time of the step's decodes alone); 0: off (the token limit alone, as
+    # before); else milliseconds.
+    itl_target_ms: float | None = None
+    # fcfs | priority (`minisgl.scheduler.policy`): the waiting queue's order and who is
+    # retracted first; under priority a request gains one level per `priority_aging_s` seconds
+    # of waiting (0: never).
+    schedule_policy: str = "fcfs"
+    priority_aging_s: float = 10.0
     show_progress: bool = True
     # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
     # allocator are overwritten with NaN, and giving back a page or slot that a step in flight
@@ -99,6 +110,23 @@ class EngineConfig:
             raise ValueError(f"reserve_decay_steps: must be >= 1, got {self.reserve_decay_steps}")
         self._check_distributed()
         self._check_fp8()
+        self._check_scheduling()
+
+    def _check_scheduling(self) -> None:
+        if self.itl_target_ms is not None and not self.itl_target_ms >= 0:
+            raise ValueError(
+                f"itl_target_ms: must be >= 0 (0 turns the target off) or None (auto), got "
+                f"{self.itl_target_ms}"
+            )
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy: {self.schedule_policy!r} is not one of "
+                f"{', '.join(SCHEDULE_POLICIES)}"
+            )
+        if not self.priority_aging_s >= 0:
+            raise ValueError(
+                f"priority_aging_s: must be >= 0 (0: no aging), got {self.priority_aging_s}"
+            )
 
     def _check_fp8(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

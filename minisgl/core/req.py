@@ -34,7 +34,10 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # resolved seed: params.seed, or drawn by the front end
-    arrival: int = 0  # monotone admission order; the newest is retracted first
+    arrival: int = 0  # monotone arrival order at the scheduler
+    # When the scheduler received it (time.monotonic() of rank 0, which the other tensor-parallel
+    # ranks are given); None until then. The priority policy's aging counts from it.
+    arrival_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     seq: SeqInfo | None = None  # what the engine knows of it, while it holds a table slot

@@ -21,6 +21,8 @@ class SamplingParams:
     answer in its text. The output semantics are written down in `minisgl.tokenizer.output`.
     `logit_bias`: (token id, bias) pairs added to the raw logits before the other filters
     (OpenAI's field; a mapping or pairs are accepted, kept sorted by id).
+    `priority` (lower is more urgent, as in vLLM; any integer) orders requests under the
+    scheduler's `priority` policy (`minisgl.scheduler.policy`); other policies take only 0.
     """
 
     max_tokens: int = 16
@@ -46,6 +48,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples inside (hashable, immutable).
@@ -84,6 +87,10 @@ class SamplingParams:
                 "min_tokens",
                 f"{self.min_tokens} is more than max_tokens ({self.max_tokens}); lower it or "
                 "raise max_tokens",
+            )
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise bad(
+                "priority", f"must be an integer (lower is more urgent), got {self.priority!r}"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")

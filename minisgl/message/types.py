@@ -113,7 +113,7 @@ class TokenOut:
 
 @dataclass
 class SchedulerStats:
-    """A snapshot taken after a step; token counts are totals since start."""
+    """A snapshot taken after a step; token and step counts are totals since start."""
 
     running: int
     waiting: int
@@ -131,6 +131,23 @@ class SchedulerStats:
     grammar_compiles: int = 0
     grammar_compile_seconds: float = 0.0
     grammar_cache_hits: int = 0
+    # Wall-clock time (time.time()) of the snapshot: the tokens that travel with it were on the
+    # scheduler's host by then (the server's own token timestamps).
+    time: float = 0.0
+    retractions: int = 0
+    retractions_by_priority: list[list[int]] = field(default_factory=list)  # [priority, count]
+    # [priority, seconds from arrival at the scheduler to admission] of each request admitted
+    # for the first time since the previous snapshot.
+    queue_times: list[list[float]] = field(default_factory=list)
+    # The step-time model: periods of the steps measured (predicted just before each was
+    # seen, and measured), its coefficients now by name (seconds), and the latency target of
+    # the last step planned (0: none applied).
+    steps_timed: int = 0
+    step_predicted_s: float = 0.0
+    step_measured_s: float = 0.0
+    step_abs_error_s: float = 0.0
+    step_model: dict[str, float] = field(default_factory=dict)
+    itl_target_s: float = 0.0
 
 
 @dataclass
@@ -169,6 +186,9 @@ class StrOut:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
+    # When the scheduler had each of `new_ids` (`SchedulerStats.time`); the API server fills
+    # it in as outputs arrive (it does not travel between processes).
+    token_times: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Waiting queue, running set, chunked prefill, KV reservation, retraction; with tensor
-parallelism, rank 0's requests replayed on every rank (`sync`)."""
+"""Waiting queue (in the schedule policy's order), running set, chunked prefill within a token
+and a latency budget (the step-time model), KV reservation, retraction; with tensor
+parallelism, rank 0's requests and step times replayed on every rank (`sync`)."""
 
 from minisgl.scheduler.kv_manager import KVManager
 from minisgl.scheduler.scheduler import Scheduler, StepEvent

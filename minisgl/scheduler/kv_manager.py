@@ -76,6 +76,11 @@ class KVManager:
         return self.allocator.num_free + self.cache.evictable_pages
 
     @property
+    def has_deferred(self) -> bool:
+        """Whether anything released waits for a step in flight (pages, a slot, a lock)."""
+        return bool(self._deferred)
+
+    @property
     def deferred_pages(self) -> int:
         return sum(len(d.pages) for d in self._deferred)
 

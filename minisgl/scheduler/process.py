@@ -8,6 +8,7 @@ inbox without waiting before every step, so new requests join the next batch.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from minisgl.core import InvalidRequestError, Req
@@ -125,7 +126,9 @@ class SchedulerProcess:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
-        kv, st, gs = s.kv_accounting(), s.stats, s.grammars.stats
+        kv, st, gs, timed = s.kv_accounting(), s.stats, s.grammars.stats, s.timer.totals
+        queue_times = [[float(p), t] for p, t in s.queue_times]
+        s.queue_times.clear()
         return SchedulerStats(
             running=len(s.running),
             waiting=len(s.waiting),
@@ -141,4 +144,14 @@ class SchedulerProcess:
             grammar_compiles=gs.compiled,
             grammar_compile_seconds=gs.seconds,
             grammar_cache_hits=gs.hits,
+            time=time.time(),
+            retractions=st["retractions"],
+            retractions_by_priority=[[p, n] for p, n in s.retractions_by_priority.items()],
+            queue_times=queue_times,
+            steps_timed=timed.steps,
+            step_predicted_s=timed.predicted_s,
+            step_measured_s=timed.measured_s,
+            step_abs_error_s=timed.abs_error_s,
+            step_model=s.step_model.coefficients(),
+            itl_target_s=s.last_target_s,
         )

@@ -20,15 +20,22 @@ from minisgl.core import (
 )
 from minisgl.engine import Engine, ForwardOutput, TokenMask
 from minisgl.kvcache import PageAllocator, SlotAllocator, make_prefix_cache
+from minisgl.scheduler.budget import PrefillBudget, token_budget
+from minisgl.scheduler.calibrate import calibrate
 from minisgl.scheduler.grammars import Grammars
 from minisgl.scheduler.kv_manager import KVManager, pages_for
+from minisgl.scheduler.policy import SchedulePolicy, WaitingQueue
+from minisgl.scheduler.step_time import LinearStepTime, StepShape, StepTimeModel
 from minisgl.scheduler.sync import RequestSync
+from minisgl.scheduler.timing import Sample, StepTimer
 from minisgl.scheduler.warmup import run_warmup
 from minisgl.weights import load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.01  # how long an idle loop waits for a grammar to compile before looking again
+QUEUE_TIMES_KEPT = 4096  # queue-time observations kept until /metrics takes them
+PRIORITIES_COUNTED = 16  # retractions are counted per priority for this many priorities
 
 
 class Step(NamedTuple):
@@ -38,6 +45,7 @@ class Step(NamedTuple):
     reqs: list[Req]  # the request of each row of `batch`
     batch: Batch
     out: ForwardOutput
+    shape: StepShape
 
 
 @dataclass
@@ -53,15 +61,23 @@ class Scheduler:
     """Decides each step's batch and turns sampled tokens into request progress.
 
     Every step carries one token for each decoding request plus prefill chunks (newest
-    admissions last) that fill the step up to `max_prefill_tokens` tokens in all (prefill gets
-    at least a quarter of it however many requests decode). Steps that prefill therefore have
-    the same token count while prompts wait, and the GEMM libraries see one shape rather than
-    a new one per step (cuBLAS picks an algorithm for each new M, ~0.1 ms of host time per
-    GEMM on an H200 host). A request is admitted only when the pool can
-    hold its prompt plus a share of its remaining `max_tokens` on top of what running requests
-    reserved; when decoding still runs short, the newest request is retracted and requeued.
-    The share starts at `reserve_ratio` and falls to `min_reserve_ratio` over
-    `reserve_decay_steps` steps; a retraction sets it back (as SGLang's new-token ratio).
+    admissions last) within a budget (`minisgl.scheduler.budget`): by tokens, decodes and
+    chunks fill the step up to `max_prefill_tokens` tokens in all (prefill gets at least a
+    quarter of it however many requests decode), so that steps that prefill have the same
+    token count while prompts wait and the GEMM libraries see one shape rather than a new one
+    per step (cuBLAS picks an algorithm for each new M, ~0.1 ms of host time per GEMM on an
+    H200 host); by time, while requests decode, the chunks keep the step within the
+    inter-token latency target as the step-time model (`step_model`, fitted at start-up and
+    refined from every measured step, `minisgl.scheduler.timing`) predicts it.
+
+    The waiting queue's order and who gives way when KV runs short follow the schedule policy
+    (`minisgl.scheduler.policy`: first come first served, or by priority). A request is
+    admitted only when the pool can hold its prompt plus a share of its remaining `max_tokens`
+    on top of what running requests reserved; when decoding still runs short, the last
+    request in the policy's order (the newest, under fcfs) is retracted and requeued, its
+    computed pages left in the prefix cache. The share starts at `reserve_ratio` and falls to
+    `min_reserve_ratio` over `reserve_decay_steps` steps; a retraction sets it back (as
+    SGLang's new-token ratio).
 
     The scheduler talks to the engine through one call, `engine.forward_batch(plan)`: the plan
     (`Batch`) carries the rows of the step and the request-table writes queued since the last
@@ -102,10 +118,24 @@ class Scheduler:
         cfg = self.config
         self._min_reserve = min(cfg.min_reserve_ratio, cfg.reserve_ratio)
         self._reserve_decay = (cfg.reserve_ratio - self._min_reserve) / cfg.reserve_decay_steps
+        self.policy = SchedulePolicy(
+            cfg.schedule_policy,
+            cfg.priority_aging_s if cfg.schedule_policy == "priority" else 0.0,
+        )
+        # The latency target in seconds: None is auto, 0 is off.
+        self.itl_target_s = None if cfg.itl_target_ms is None else cfg.itl_target_ms / 1e3
+        measures = sync is None or sync.rank == 0
+        publish = sync.publish_step_times if sync is not None and sync.rank == 0 else None
+        self.timer = StepTimer(LinearStepTime(), self.overlap, publish, measures)
+        self._busy = False  # the last step() left requests running
+        self.last_target_s = 0.0  # the latency target of the last step planned (0: none)
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Req] = []
+        # (priority, seconds) of each request admitted for the first time, until taken.
+        self.queue_times: deque[tuple[int, float]] = deque(maxlen=QUEUE_TIMES_KEPT)
+        self.retractions_by_priority: dict[int, int] = {}
         if not cfg.skip_warmup and engine.num_steps == 0:
             self._warmup()
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
         vocab = engine.model_config.vocab_size
         self.grammars = Grammars(tokenizer_loader or self._model_tokenizer, vocab)
         self._refused: list[StepEvent] = []  # finished before running (a grammar that failed)
@@ -121,20 +151,44 @@ class Scheduler:
     def _model_tokenizer(self) -> Any:
         return load_tokenizer(resolve_source(self.config.model))
 
+    @property
+    def step_model(self) -> StepTimeModel:
+        """Predicts step times for the prefill budget (tests may put a fixed one here)."""
+        return self.timer.model
+
+    @step_model.setter
+    def step_model(self, model: StepTimeModel) -> None:
+        self.timer.model = model
+
     def _warmup(self) -> None:
         """The start-up steps of `minisgl.scheduler.warmup` (every eager kernel variant that
-        serving reaches), once per engine, before any request."""
+        serving reaches), then the step-time model's calibration (`minisgl.scheduler
+        .calibrate`), once per engine, before any request."""
         start = time.perf_counter()
         steps = run_warmup(self.engine)
         logger.info("warm-up: %d steps in %.2f s", steps, time.perf_counter() - start)
+        samples = calibrate(self.engine)
+        if self.timer.measures:
+            self.timer.record(samples, anchor=True)
+        logger.info("step-time model from %d timed steps: %s", len(samples), self._model_text())
+
+    def _model_text(self) -> str:
+        coef = self.step_model.coefficients()
+        return ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in coef.items())
+
+    def apply_step_times(self, samples: list[Sample], anchor: bool) -> None:
+        """Rank 0's measured step times (tensor parallelism: every other rank's model
+        follows rank 0's)."""
+        self.timer.apply(samples, anchor)
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+    def check_request(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise InvalidRequestError if a request of this shape can never be served."""
         resolve_max_tokens(
-            prompt_len, max_tokens, self.max_context, self.num_pages * self.page_size
+            prompt_len, params.max_tokens, self.max_context, self.num_pages * self.page_size
         )
+        self.policy.check(params.priority)
 
     def check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar now (blocks; cached): GrammarError (an
@@ -143,7 +197,7 @@ class Scheduler:
             self.grammars.compiler.compile(params.constraint)
 
     def add_request(self, req: Req) -> None:
-        self.check_request(req.prompt_len, req.params.max_tokens)
+        self.check_request(req.prompt_len, req.params)
         req.params.check_vocab(self.engine.model_config.vocab_size)
         stop = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
@@ -151,8 +205,10 @@ class Scheduler:
         req.stop_ids = frozenset(stop)
         req.arrival = self._arrivals
         self._arrivals += 1
+        if req.arrival_time is None:  # other ranks than 0 are given rank 0's
+            req.arrival_time = time.monotonic()
         self.stats["prompt_tokens"] += req.prompt_len
-        self.waiting.append(req)
+        self.waiting.push(req)
         self.grammars.add(req)
         if self.sync is not None:
             self.sync.publish_add(req)
@@ -181,6 +237,7 @@ class Scheduler:
 
     def step(self) -> list[StepEvent]:
         """Run one step: `run_overlapped` when overlap scheduling is on, else `run_normal`."""
+        self.timer.iteration(self._busy)
         if self.sync is None or self.sync.rank == 0:
             for rid in self.grammars.poll():
                 self.grammar_ready(rid)
@@ -190,6 +247,8 @@ class Scheduler:
         events = self.run_overlapped() if self.overlap else self.run_normal()
         if not (self.running or self._in_flight or refused):
             self.grammars.wait(GRAMMAR_POLL_S)  # only requests whose grammar still compiles
+        # The next iteration follows at once with a step to run (else its periods start anew).
+        self._busy = bool(self.running or self._in_flight)
         return refused + events
 
     def grammar_ready(self, rid: str) -> None:
@@ -239,6 +298,8 @@ class Scheduler:
     ) -> Step:
         self._launched += 1
         self.kv.launched(self._launched, reqs)
+        shape = StepShape.of(batch)
+        self.timer.launched(shape)
         mask = None
         if self.grammars.constrained(reqs):
             sampling = [r for r, s in zip(reqs, batch.sample) if s]
@@ -248,7 +309,7 @@ class Scheduler:
                     before_mask()
                 return self.grammars.mask(sampling)
 
-        return Step(self._launched, reqs, batch, self.engine.forward_batch(batch, mask))
+        return Step(self._launched, reqs, batch, self.engine.forward_batch(batch, mask), shape)
 
     def _reclaim(self, block: bool = False) -> None:
         """Give back what released requests held once the steps that may use it completed;
@@ -266,14 +327,16 @@ class Scheduler:
     def schedule(self) -> tuple[list[Req], Batch] | None:
         """The next step's requests and plan (None: nothing to run)."""
         self._reclaim()
+        if self.policy.by_priority:
+            self._preempt_for_waiting()
         decode = [r for r in self.running if self._ready_to_decode(r)]
         decode = self._make_room_for_decode(decode)
         room = self.kv.available_pages - self._pages_needed(decode)
-        prefill = self._prefill_chunks(room, self.prefill_budget(len(decode)))
+        prefill = self._prefill_chunks(room, self._budget(decode))
         stuck = [r for r in self.running if self._needs_step(r)]
         if not decode and not prefill and stuck:
-            # Partial prefills stuck without pages: free the newest one's and try again.
-            self._retract(max(stuck, key=lambda r: r.arrival))
+            # Partial prefills stuck without pages: free the last one's and try again.
+            self._retract(max(stuck, key=self.policy.key))
             return self.schedule()
         reqs = decode + [r for r, _ in prefill]
         if not reqs:
@@ -322,48 +385,88 @@ class Scheduler:
         return sum(max(0, pages_for(r.seq_len, self.page_size) - len(r.pages)) for r in reqs)
 
     def _make_room_for_decode(self, decode: list[Req]) -> list[Req]:
-        """Retract the newest requests until every decoding request has room for its token
-        (first waiting for the step in flight, when released pages only wait for it)."""
+        """Retract the last requests in the policy's order until every decoding request has
+        room for its token (first waiting for the step in flight, when released pages only
+        wait for it)."""
         while decode and self._pages_needed(decode) > self.kv.available_pages:
             if self.kv.deferred_pages and self._completed < self._launched:
                 self._reclaim(block=True)
                 continue
-            victim = max((r for r in self.running if self._needs_step(r)), key=lambda r: r.arrival)
+            victim = max((r for r in self.running if self._needs_step(r)), key=self.policy.key)
             self._retract(victim)
             decode = [r for r in decode if r is not victim]
         return decode
 
-    def prefill_budget(self, num_decode: int) -> int:
-        """Prompt tokens a step with `num_decode` decoding requests may compute."""
-        total = self.config.max_prefill_tokens
-        return max(total - num_decode, -(-total // 4))
+    def _preempt_for_waiting(self) -> None:
+        """Priority policy: while the first waiting request that could start cannot be
+        admitted for lack of KV or a slot, retract the least urgent running request that is
+        less urgent than it. (Keys never change, so two requests never take turns.)"""
+        head = next((r for r in self.waiting if self._admissible(r)), None)
+        if head is None:
+            return
+        key = self.policy.key(head)
+        while True:
+            reserved = sum(self._reserved(r) for r in self.running)
+            if self.kv.slots.num_free and self._can_admit(head, reserved):
+                return
+            victims = [r for r in self.running if self._needs_step(r) and self.policy.key(r) > key]
+            freeable = self.kv.available_pages + sum(len(r.pages) for r in victims)
+            if not victims or pages_for(head.seq_len + 1, self.page_size) > freeable:
+                return  # nobody to retract, or retracting them all would not make room
+            if self.kv.has_deferred and self._completed < self._launched:
+                self._reclaim(block=True)
+                continue
+            # Not a pool that ran short: the reservation share stays where it is (raising it
+            # would raise every running request's reservation and call for more victims).
+            self._retract(max(victims, key=self.policy.key), ran_short=False)
 
-    def _prefill_chunks(self, room: int, budget: int) -> list[tuple[Req, int]]:
+    def prefill_budget(self, num_decode: int) -> int:
+        """Prompt tokens a step with `num_decode` decoding requests may compute (the token
+        limit; the latency target may allow fewer)."""
+        return token_budget(self.config.max_prefill_tokens, num_decode)
+
+    def _budget(self, decode: list[Req]) -> PrefillBudget:
+        decodes = StepShape(len(decode), 0, sum(r.seq_len for r in decode), False)
+        budget = PrefillBudget.plan(
+            self.config.max_prefill_tokens,
+            self.page_size,
+            decodes,
+            self.step_model,
+            self.itl_target_s,
+        )
+        self.last_target_s = 0.0 if budget.limit is None else budget.limit.target_s
+        return budget
+
+    def _admissible(self, req: Req) -> bool:
+        """Whether a waiting request could start now if there were room."""
+        # A request retracted with a token still in flight: its ids are not all known yet.
+        return self.grammars.is_ready(req) and len(req.output_ids) == req.num_sampled
+
+    def _prefill_chunks(self, room: int, budget: PrefillBudget) -> list[tuple[Req, int]]:
         chunks: list[tuple[Req, int]] = []
         for r in self.running:  # continue partial prefills first
-            if r.num_computed < r.seq_len - 1 and budget > 0:
-                n = min(budget, r.seq_len - r.num_computed)
+            if r.num_computed < r.seq_len - 1 and not budget.exhausted:
+                n = budget.size(r.num_computed, r.seq_len - r.num_computed)
                 need = pages_for(r.num_computed + n, self.page_size) - len(r.pages)
-                if need <= room:
+                if n > 0 and need <= room:
                     chunks.append((r, n))
-                    budget -= n
+                    budget.take(r.num_computed, n)
                     room -= need
         reserved = sum(self._reserved(r) for r in self.running) if self.waiting else 0
-        for req in list(self.waiting):
-            if budget <= 0 or self.kv.slots.num_free == 0:
+        for req in self.waiting:
+            if budget.exhausted or self.kv.slots.num_free == 0:
                 break
             if not self.grammars.is_ready(req):
                 continue  # its grammar still compiles: the requests behind it may go first
-            if len(req.output_ids) != req.num_sampled:
-                break  # retracted with a token still in flight: its ids are not all known yet
-            if not self._can_admit(req, reserved):
+            if not self._admissible(req) or not self._can_admit(req, reserved):
                 break
             self.waiting.remove(req)
             self._admit(req)
             reserved += self._reserved(req)
-            n = min(budget, req.seq_len - req.num_computed)
-            chunks.append((req, n))
-            budget -= n
+            n = budget.size(req.num_computed, req.seq_len - req.num_computed)
+            if n > 0:
+                chunks.append((req, n))
+                budget.take(req.num_computed, n)
         return chunks
 
     def _reserved(self, req: Req) -> int:
@@ -389,18 +492,24 @@ class Scheduler:
         if req.num_retractions == 0:
             req.cached_tokens = req.num_computed
             self.stats["cached_tokens"] += req.num_computed
+            assert req.arrival_time is not None
+            self.queue_times.append((req.params.priority, time.monotonic() - req.arrival_time))
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, ran_short: bool = True) -> None:
         logger.info("retracting %s to free KV pages", req.rid)
         self.stats["retractions"] += 1
-        self.reserve_ratio = self.config.reserve_ratio  # the pool ran short: reserve more again
+        p, counts = req.params.priority, self.retractions_by_priority
+        if p in counts or len(counts) < PRIORITIES_COUNTED:
+            counts[p] = counts.get(p, 0) + 1
+        if ran_short:  # decoding ran out of pages: reserve more again
+            self.reserve_ratio = self.config.reserve_ratio
         self.running.remove(req)
         self.kv.release(req, self._launched)
         req.num_retractions += 1
         req.status = ReqStatus.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.push(req)
 
     # ---- results ---------------------------------------------------------------------------
 
@@ -413,6 +522,7 @@ class Scheduler:
         """
         reqs, batch, out = step.reqs, step.batch, step.out
         out.wait()
+        self.timer.completed(step.shape)
         self._completed = max(self._completed, step.number)
         # The step's KV is in the pool now: a request that finishes below caches all of it.
         live = [r.seq is seq for r, seq in zip(reqs, batch.seqs)]  # not released since

@@ -1,4 +1,5 @@
-"""Keep every tensor-parallel rank's scheduler fed with the same requests and aborts.
+"""Keep every tensor-parallel rank's scheduler fed with the same requests and aborts (and
+rank 0's measured step times, which the prefill budget depends on).
 
 Rank 0 alone takes requests and aborts; its scheduler applies them at once and records them
 here. At the top of every step each rank calls `exchange`: rank 0 broadcasts what it recorded
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed import RankFailedError
+from minisgl.scheduler.step_time import StepShape
 
 
 class EngineStopped(Exception):
@@ -38,21 +40,37 @@ class RequestSink(Protocol):
 
     def grammar_ready(self, rid: str) -> None: ...
 
+    def apply_step_times(self, samples: list[tuple[StepShape, float]], anchor: bool) -> None: ...
+
 
 BLAME_WAIT_S = 1.0
 
-# One recorded operation: ["add", rid, prompt_ids, params, seed] | ["abort", rid] |
-# ["grammar_ready", rid] | ["stop"].
+# One recorded operation: ["add", rid, prompt_ids, params, seed, arrival_time] |
+# ["abort", rid] | ["grammar_ready", rid] | ["step_times", [[shape fields..., seconds], ...],
+# anchor] | ["stop"].
 Op = list[Any]
 
 
 def encode_req(req: Req) -> Op:
-    return ["add", req.rid, list(req.prompt_ids), dataclasses.asdict(req.params), req.seed]
+    params = dataclasses.asdict(req.params)
+    return ["add", req.rid, list(req.prompt_ids), params, req.seed, req.arrival_time]
 
 
 def decode_req(op: Op) -> Req:
-    _, rid, prompt_ids, params, seed = op
-    return Req(rid=rid, prompt_ids=prompt_ids, params=SamplingParams(**params), seed=seed)
+    _, rid, prompt_ids, params, seed, arrival_time = op
+    req = Req(rid=rid, prompt_ids=prompt_ids, params=SamplingParams(**params), seed=seed)
+    req.arrival_time = arrival_time  # rank 0's: the priority policy orders by it
+    return req
+
+
+def encode_step_times(samples: list[tuple[StepShape, float]], anchor: bool) -> Op:
+    rows = [[*dataclasses.astuple(shape), seconds] for shape, seconds in samples]
+    return ["step_times", rows, anchor]
+
+
+def decode_step_times(op: Op) -> tuple[list[tuple[StepShape, float]], bool]:
+    _, rows, anchor = op
+    return [(StepShape(*row[:-1]), row[-1]) for row in rows], anchor
 
 
 class RequestSync:
@@ -83,6 +101,11 @@ class RequestSync:
             self._ops.append(["abort", rid])
         else:
             self._check_replaying()
+
+    def publish_step_times(self, samples: list[tuple[StepShape, float]], anchor: bool) -> None:
+        """Rank 0's measured step times, for every rank's step-time model."""
+        assert self.rank == 0
+        self._ops.append(encode_step_times(samples, anchor))
 
     def publish_grammar_ready(self, rid: str) -> None:
         if self.rank == 0:
@@ -127,6 +150,8 @@ class RequestSync:
             sink.abort(op[1])
         elif kind == "grammar_ready":
             sink.grammar_ready(op[1])
+        elif kind == "step_times":
+            sink.apply_step_times(*decode_step_times(op))
         elif kind == "stop":
             raise EngineStopped
         else:

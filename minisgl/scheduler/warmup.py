@@ -130,9 +130,10 @@ class WarmupRun:
         self.reqs.append(req)
         return req
 
-    def step(self, rows: list[tuple[Req, int]], masked: tuple[Req, ...] = ()) -> None:
+    def step(self, rows: list[tuple[Req, int]], masked: tuple[Req, ...] = ()) -> Batch:
         """One batch as the scheduler builds it: (request, new tokens) rows, decodes first;
-        the `masked` rows sample under a grammar's token mask (one that allows everything)."""
+        the `masked` rows sample under a grammar's token mask (one that allows everything).
+        Returns the step's plan."""
         reqs = [r for r, _ in rows]
         prefix = [r.num_computed for r in reqs]
         extend = [n for _, n in rows]
@@ -167,6 +168,7 @@ class WarmupRun:
         # Nothing reads the tokens back: the next step takes its inputs from the token table.
         self.last = self.engine.forward_batch(batch, mask)
         self.steps += 1
+        return batch
 
     def _grow(self, req: Req, tokens: int) -> None:
         need = pages_for(tokens, self.engine.page_size) - len(req.pages)

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minisgl.config import DTYPES, EngineConfig
+from minisgl.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
 from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
 from minisgl.kvcache import CACHE_KINDS
@@ -138,6 +138,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-running-requests", type=int, default=256, help="requests decoded together at most"
+    )
+    s.add_argument(
+        "--itl-target-ms",
+        type=itl_target,
+        default=None,
+        metavar="auto|MS",
+        help="inter-token latency target: while requests decode, a step prefills only the "
+        "prompt tokens that the measured step-time model says fit in it (long prompts are "
+        "chunked at page boundaries; alone, a prompt prefills at full size). auto (the "
+        "default): 2.5x the predicted time of the step's decodes alone; 0: off (steps are "
+        "filled up to --max-prefill-tokens, as before)",
+    )
+    s.add_argument(
+        "--schedule-policy",
+        default="fcfs",
+        choices=SCHEDULE_POLICIES,
+        help="fcfs: first come, first served; priority: by each request's `priority` (lower "
+        "is more urgent), the least urgent retracted first when KV runs short",
+    )
+    s.add_argument(
+        "--priority-aging-s",
+        type=float,
+        default=10.0,
+        help="with --schedule-policy priority: a waiting request gains one priority level per "
+        "this many seconds of waiting, so none starves; 0: no aging",
     )
     s.add_argument(
         "--mem-fraction",
@@ -277,6 +302,16 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def itl_target(text: str) -> float | None:
+    """`--itl-target-ms`: "auto" (None) or milliseconds."""
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or milliseconds, got {text!r}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError naming the flag to change."""
     resolve_source(args.model)  # fail here, not after the workers started, on a bad path
@@ -292,6 +327,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_pages=args.num_pages,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
+        itl_target_ms=args.itl_target_ms,
+        schedule_policy=args.schedule_policy,
+        priority_aging_s=args.priority_aging_s,
         max_context_len=args.max_context_len,
         mem_fraction=args.mem_fraction,
         cuda_graph_max_bs=args.cuda_graph_max_bs,

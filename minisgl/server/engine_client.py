@@ -27,6 +27,7 @@ from minisgl.message import (
     StrOut,
 )
 from minisgl.message.transport import AsyncReceiver, IpcPaths, Sender
+from minisgl.server.errors import error_param
 from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
 
@@ -53,8 +54,10 @@ class ServerBusy(Exception):
 @dataclass
 class _Choice:
     index: int
-    started: float
-    last_token: float | None = None
+    started: float  # perf_counter() when submitted
+    priority: int = 0
+    first_token: bool = False  # seen yet
+    last_token_time: float = 0.0  # the scheduler's time of its latest token
 
 
 @dataclass
@@ -124,6 +127,7 @@ def merge(a: StrOut, b: StrOut) -> StrOut:
         logprobs=a.logprobs + b.logprobs,
         error=b.error,
         matched_stop=b.matched_stop,
+        token_times=a.token_times + b.token_times,
     )
 
 
@@ -193,7 +197,9 @@ class EngineClient:
                 "(--max-queued-seqs): retry later"
             )
         self._waiting.update(rids)
-        stream = RequestStream(self, {rid: _Choice(i, now) for i, rid in enumerate(rids)})
+        priorities = [r.params.priority for r in reqs for _ in r.rids]
+        choices = {rid: _Choice(i, now, p) for i, (rid, p) in enumerate(zip(rids, priorities))}
+        stream = RequestStream(self, choices)
         for rid in rids:
             self._streams[rid] = stream
         for r in reqs:
@@ -241,7 +247,7 @@ class EngineClient:
                 self.stats = msg.stats
                 self.metrics.set_scheduler_stats(msg.stats)
                 for out in msg.outputs:
-                    self._deliver(out)
+                    self._deliver(out, msg.stats.time)
             elif isinstance(msg, FlushCacheOut):
                 answer = self._flushes.get(msg.token)
                 if answer is not None and not answer.done():
@@ -256,7 +262,8 @@ class EngineClient:
             else:
                 logger.error("API server: unexpected message %s", type(msg).__name__)
 
-    def _deliver(self, out: StrOut) -> None:
+    def _deliver(self, out: StrOut, time_s: float) -> None:
+        """`time_s`: when the scheduler had the output's tokens (wall clock)."""
         self._waiting.discard(out.rid)
         stream = self._streams.get(out.rid)
         if stream is None:  # aborted: its last outputs are still on their way
@@ -264,20 +271,25 @@ class EngineClient:
         if out.error is not None:
             del self._streams[out.rid]
             stream.choices.pop(out.rid, None)
-            stream.queue.put_nowait(RequestRejected(out.error, None, 400))
+            stream.queue.put_nowait(RequestRejected(out.error, error_param(out.error), 400))
             return
-        self._record(stream.choices[out.rid], out)
+        out.token_times = [time_s] * len(out.new_ids)
+        self._record(stream.choices[out.rid], out, time_s)
         if out.finished:
             del self._streams[out.rid]
         stream.queue.put_nowait(out)
 
-    def _record(self, choice: _Choice, out: StrOut) -> None:
+    def _record(self, choice: _Choice, out: StrOut, time_s: float) -> None:
+        """TTFT is the API server's (submit to first output); inter-token latency the
+        scheduler's (its token times: no queueing between the processes in it)."""
         now = time.perf_counter()
         if out.new_ids:
-            if choice.last_token is None:
-                self.metrics.ttft.observe(now - choice.started)
+            if not choice.first_token:
+                self.metrics.on_first_token(now - choice.started, choice.priority)
+                choice.first_token = True
             else:
-                self.metrics.itl.observe((now - choice.last_token) / len(out.new_ids))
-            choice.last_token = now
+                gap = (time_s - choice.last_token_time) / len(out.new_ids)
+                self.metrics.on_tokens(gap, len(out.new_ids), choice.priority)
+            choice.last_token_time = time_s
         if out.finished:
             self.metrics.on_finished(out, now - choice.started)

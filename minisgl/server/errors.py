@@ -46,9 +46,14 @@ class ApiError(Exception):
 
     @staticmethod
     def from_invalid(e: InvalidRequestError) -> ApiError:
-        # InvalidRequestError messages start with the field's name: "top_p: must be ...".
-        field, sep, _ = str(e).partition(":")
-        return ApiError(400, str(e), field if sep and " " not in field else None)
+        return ApiError(400, str(e), error_param(str(e)))
+
+
+def error_param(message: str) -> str | None:
+    """The field an InvalidRequestError's message names: they start with it ("top_p: must be
+    ...")."""
+    field, sep, _ = message.partition(":")
+    return field if sep and field and " " not in field else None
 
 
 class ClientDisconnected(Exception):

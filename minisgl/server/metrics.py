@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from minisgl.message import SchedulerStats, StrOut
 
+PRIORITY_LABELS = 16  # distinct priorities labelled; the rest count as "other"
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -26,6 +28,11 @@ _LATENCY_BUCKETS = (
     20.0,
     60.0,
 )
+# Inter-token gaps are a few milliseconds on a GPU.
+_ITL_BUCKETS = (
+    0.001, 0.002, 0.003, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2,
+    0.5, 1.0, 5.0,
+)  # fmt: skip
 
 
 class Metrics:
@@ -108,6 +115,75 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._labels: set[str] = set()
+        self._scheduling_metrics()
+
+    def _scheduling_metrics(self) -> None:
+        r = self.registry
+        by_priority = ["priority"]
+        self.queue_time = Histogram(
+            "minisgl_queue_time_seconds",
+            "Time from arrival at the scheduler to admission (first admission only)",
+            by_priority,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_by_priority = Histogram(
+            "minisgl_time_to_first_token_by_priority_seconds",
+            "Time to first token, by request priority",
+            by_priority,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl_by_priority = Histogram(
+            "minisgl_inter_token_latency_by_priority_seconds",
+            "Time between tokens on the scheduler's clock, by request priority",
+            by_priority,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.retractions = Gauge(
+            "minisgl_retractions",
+            "Requests retracted (KV pages ran short, or a more urgent request needed them), "
+            "since start",
+            registry=r,
+        )
+        self.retractions_by_priority = Gauge(
+            "minisgl_retractions_by_priority",
+            "Retractions since start, by the retracted request's priority",
+            by_priority,
+            registry=r,
+        )
+        self.steps_timed = Gauge(
+            "minisgl_steps_timed", "Steps whose period the scheduler measured", registry=r
+        )
+        self.step_time = Gauge(
+            "minisgl_step_time_seconds",
+            "Sum over the steps timed of their period: measured, as predicted by the step-time "
+            "model just before, and the absolute difference",
+            ["kind"],
+            registry=r,
+        )
+        self.step_model = Gauge(
+            "minisgl_step_model_coefficient_seconds",
+            "The step-time model's coefficients: seconds per step (base), per step that "
+            "prefills (mixed), per 64 decode rows, per 1024 prefill tokens, per 65536 KV tokens",
+            ["term"],
+            registry=r,
+        )
+        self.itl_target = Gauge(
+            "minisgl_itl_target_seconds",
+            "The inter-token latency target of the last step planned (0: none applied)",
+            registry=r,
+        )
+
+    def priority_label(self, priority: int | float) -> str:
+        """The label of a priority (a bounded set, whatever the clients send)."""
+        label = str(int(priority))
+        if label in self._labels or len(self._labels) < PRIORITY_LABELS:
+            self._labels.add(label)
+            return label
+        return "other"
 
     def set_scheduler_stats(self, s: SchedulerStats) -> None:
         self.running.set(s.running)
@@ -128,6 +204,32 @@ class Metrics:
         self.grammar_compiles.set(s.grammar_compiles)
         self.grammar_compile_seconds.set(s.grammar_compile_seconds)
         self.grammar_cache_hits.set(s.grammar_cache_hits)
+        self._set_scheduling_stats(s)
+
+    def _set_scheduling_stats(self, s: SchedulerStats) -> None:
+        for priority, seconds in s.queue_times:
+            self.queue_time.labels(self.priority_label(priority)).observe(seconds)
+        self.retractions.set(s.retractions)
+        for priority, count in s.retractions_by_priority:
+            self.retractions_by_priority.labels(self.priority_label(priority)).set(count)
+        self.steps_timed.set(s.steps_timed)
+        self.step_time.labels("measured").set(s.step_measured_s)
+        self.step_time.labels("predicted").set(s.step_predicted_s)
+        self.step_time.labels("abs_error").set(s.step_abs_error_s)
+        for term, value in s.step_model.items():
+            self.step_model.labels(term).set(value)
+        self.itl_target.set(s.itl_target_s)
+
+    def on_first_token(self, ttft: float, priority: int) -> None:
+        self.ttft.observe(ttft)
+        self.ttft_by_priority.labels(self.priority_label(priority)).observe(ttft)
+
+    def on_tokens(self, gap: float, n: int, priority: int) -> None:
+        """`n` tokens arrived `gap` seconds apart each."""
+        hist = self.itl_by_priority.labels(self.priority_label(priority))
+        for _ in range(n):
+            self.itl.observe(gap)
+            hist.observe(gap)
 
     def on_finished(self, out: StrOut, latency: float) -> None:
         self.prompt_tokens.inc(out.prompt_tokens)

@@ -37,7 +37,10 @@ def _request(body: GenerateRequest) -> GenerateReq:
     )
 
 
-def _meta(rid: str, r: ChoiceResult | StrOut, logprobs: bool) -> dict[str, Any]:
+def _meta(
+    rid: str, r: ChoiceResult | StrOut, logprobs: bool, token_times: list[float] | None = None
+) -> dict[str, Any]:
+    """`token_times`: the finished answer's, when the request asked for them."""
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": r.finish_reason,
@@ -56,31 +59,40 @@ def _meta(rid: str, r: ChoiceResult | StrOut, logprobs: bool) -> dict[str, Any]:
             }
             for t in r.logprobs
         ]
+    if token_times is not None:
+        meta["token_times"] = token_times
     return meta
 
 
 async def generate(request: Request, body: GenerateRequest, client: EngineClient) -> Response:
     req = _request(body)
-    rid, want_lp = req.rids[0], req.params.logprobs
+    rid, want_lp, want_times = req.rids[0], req.params.logprobs, body.return_token_times
     if body.stream:
         stream = submit(client, [req])
         first = await first_batch(request, stream)
-        return EventStreamResponse(_events(stream, first, rid, want_lp), stream)
+        return EventStreamResponse(_events(stream, first, rid, want_lp, want_times), stream)
     r = (await run_to_completion(request, client, [req], 1))[0]
-    return JSONResponse({"text": r.text, "output_ids": r.ids, "meta_info": _meta(rid, r, want_lp)})
+    meta = _meta(rid, r, want_lp, r.token_times if want_times else None)
+    return JSONResponse({"text": r.text, "output_ids": r.ids, "meta_info": meta})
 
 
 async def _events(
-    stream: RequestStream, first: list[ChoiceOutput], rid: str, want_lp: bool
+    stream: RequestStream,
+    first: list[ChoiceOutput],
+    rid: str,
+    want_lp: bool,
+    want_times: bool,
 ) -> AsyncIterator[bytes]:
-    batch = first
+    batch, times = first, []
     while True:
         for co in batch:
+            times += co.out.token_times
+            last = want_times and co.out.finished
             yield sse(
                 {
                     "text": co.out.text,
                     "output_ids": co.out.new_ids,
-                    "meta_info": _meta(rid, co.out, want_lp),
+                    "meta_info": _meta(rid, co.out, want_lp, times if last else None),
                 }
             )
         if stream.finished:

@@ -40,8 +40,20 @@ def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
         )
 
 
+def check_token_times(body: ChatCompletionRequest | CompletionRequest) -> None:
+    include = body.stream_options is not None and body.stream_options.include_usage
+    if body.return_token_times and body.stream and not include:
+        raise ApiError(
+            400,
+            "return_token_times: a stream carries the token times in its usage chunk; set "
+            "stream_options.include_usage to true",
+            "return_token_times",
+        )
+
+
 def chat_request(body: ChatCompletionRequest) -> GenerateReq:
     check_supported(body)
+    check_token_times(body)
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
@@ -59,6 +71,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerateReq:
 
 def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
     check_supported(body)
+    check_token_times(body)
     prompts = body.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ApiError(400, "prompt: must not be empty", "prompt")
@@ -84,17 +97,21 @@ def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
 # ---- results -------------------------------------------------------------------------------
 
 
-def usage(results: list[ChoiceResult], n: int) -> dict[str, Any]:
-    """Prompts count once however many choices share them."""
+def usage(results: list[ChoiceResult], n: int, token_times: bool = False) -> dict[str, Any]:
+    """Prompts count once however many choices share them. `token_times`: add, per choice,
+    when the scheduler had each output token (the server's own token timestamps)."""
     firsts = results[::n]
     prompt = sum(r.prompt_tokens for r in firsts)
     completion = sum(r.completion_tokens for r in results)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
     }
+    if token_times:
+        out["token_times"] = [r.token_times for r in results]
+    return out
 
 
 def _bytes(s: str) -> list[int]:
@@ -169,7 +186,9 @@ async def chat_completions(
         include = body.stream_options is not None and body.stream_options.include_usage
         stream = submit(client, [req])
         first = await first_batch(request, stream)
-        events = _chat_events(stream, first, meta, body.n, body.logprobs, include)
+        events = _chat_events(
+            stream, first, meta, body.n, body.logprobs, include, body.return_token_times
+        )
         return EventStreamResponse(events, stream)
 
     def respond(results: list[ChoiceResult]) -> dict[str, Any]:
@@ -182,7 +201,10 @@ async def chat_completions(
             }
             for i, r in enumerate(results)
         ]
-        return {**meta.envelope("chat.completion", choices), "usage": usage(results, body.n)}
+        return {
+            **meta.envelope("chat.completion", choices),
+            "usage": usage(results, body.n, body.return_token_times),
+        }
 
     return await _run(request, client, [req], body.n, respond)
 
@@ -198,7 +220,9 @@ async def completions(
         include = body.stream_options is not None and body.stream_options.include_usage
         stream = submit(client, reqs)
         first = await first_batch(request, stream)
-        events = _completion_events(stream, first, meta, num_choices, body.n, want_lp, top, include)
+        events = _completion_events(
+            stream, first, meta, num_choices, body.n, want_lp, top, include, body.return_token_times
+        )
         return EventStreamResponse(events, stream)
 
     def respond(results: list[ChoiceResult]) -> dict[str, Any]:
@@ -211,7 +235,10 @@ async def completions(
             }
             for i, r in enumerate(results)
         ]
-        return {**meta.envelope("text_completion", choices), "usage": usage(results, body.n)}
+        return {
+            **meta.envelope("text_completion", choices),
+            "usage": usage(results, body.n, body.return_token_times),
+        }
 
     return await _run(request, client, reqs, num_choices, respond)
 
@@ -231,6 +258,7 @@ async def _chat_events(
     n: int,
     logprobs: bool,
     include_usage: bool,
+    token_times: bool,
 ) -> AsyncIterator[bytes]:
     def chunk(index: int, delta: dict[str, Any], lps: Any, reason: str | None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
@@ -253,7 +281,9 @@ async def _chat_events(
                 events.append(chunk(co.index, {}, None, out.finish_reason))
         yield b"".join(events)
     if include_usage:
-        yield sse({**meta.envelope("chat.completion.chunk", []), "usage": usage(results, n)})
+        yield sse(
+            {**meta.envelope("chat.completion.chunk", []), "usage": usage(results, n, token_times)}
+        )
     yield DONE
 
 
@@ -266,6 +296,7 @@ async def _completion_events(
     want_lp: bool,
     top: bool,
     include_usage: bool,
+    token_times: bool,
 ) -> AsyncIterator[bytes]:
     results = [ChoiceResult() for _ in range(num_choices)]
     offsets = [0] * num_choices
@@ -288,5 +319,5 @@ async def _completion_events(
             events.append(sse(body))
         yield b"".join(events)
     if include_usage:
-        yield sse({**meta.envelope("text_completion", []), "usage": usage(results, n)})
+        yield sse({**meta.envelope("text_completion", []), "usage": usage(results, n, token_times)})
     yield DONE

@@ -29,6 +29,8 @@ MAX_TOKEN_ID = 2**31 - 1
 MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]  # OpenAI's range
+# Lower is more urgent (vLLM's convention); only the priority schedule policy takes one but 0.
+Priority = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -126,6 +128,14 @@ class ChatMessageIn(_OpenAI):
 LOGIT_BIAS = "Token id (a numeral) -> a bias in [-100, 100] added to its logit at every step."
 REGEX = "The whole output matches this regular expression."
 EBNF = "The output follows this grammar (xgrammar's EBNF dialect, starting at `root`)."
+PRIORITY = (
+    "Lower is more urgent (any integer); only a server started with --schedule-policy priority "
+    "takes one but 0."
+)
+TOKEN_TIMES = (
+    "Add `token_times` to the usage: per choice, when the scheduler had each output token "
+    "(seconds since the epoch). A stream needs stream_options.include_usage for it."
+)
 
 
 class JsonSchemaFormat(_OpenAI):
@@ -173,6 +183,8 @@ class SamplingFields(_OpenAI):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     include_stop_str_in_output: bool = False
+    priority: Priority = Field(default=0, description=PRIORITY)
+    return_token_times: bool = Field(default=False, description=TOKEN_TIMES)
     logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
     response_format: ResponseFormat | None = Field(
         default=None, description="The output follows this JSON schema, or is any JSON object."
@@ -268,6 +280,7 @@ class NativeSamplingParams(_Strict):
     ) = Field(default=None, description="The output is JSON that this JSON schema accepts.")
     regex: str | None = Field(default=None, description=REGEX)
     ebnf: str | None = Field(default=None, description=EBNF)
+    priority: Priority = Field(default=0, description=PRIORITY)
 
 
 class GenerateRequest(_Strict):
@@ -277,6 +290,11 @@ class GenerateRequest(_Strict):
     input_ids: list[TokenId] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
+    return_token_times: bool = Field(
+        default=False,
+        description="The finished answer's meta_info gains `token_times`: when the scheduler "
+        "had each output token (seconds since the epoch).",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

@@ -106,6 +106,7 @@ def sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias(body.logit_bias),
             **constraint,
+            priority=body.priority,
         )
     except InvalidRequestError as e:
         if grammar is not None and str(e).startswith(f"{grammar.kind}:"):

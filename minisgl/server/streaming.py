@@ -136,10 +136,12 @@ class ChoiceResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)  # the scheduler's, per token
 
     def add(self, out: StrOut) -> None:
         self.parts.append(out.text)
         self.ids += out.new_ids
+        self.token_times += out.token_times
         self.logprobs += out.logprobs
         self.finish_reason = out.finish_reason
         self.matched_stop = out.matched_stop

@@ -263,3 +263,20 @@ def test_heads_that_do_not_divide(models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="4 attention heads do not divide by tp size 3"):
         LLM(str(models["llama3"]), tp_size=3, **OPTS)
     assert rank_processes() == []
+
+
+def test_priorities_and_the_latency_target_stay_in_step(models: dict[str, Path]) -> None:
+    # Every rank plans by rank 0's step-time model and arrival times: the budget and the
+    # queue's order are the same everywhere, or the ranks' batches would differ.
+    prompts = random_prompts(6, VOCAB, seed=10, lo=15, hi=40)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, priority=i % 3)
+        for i in range(len(prompts))
+    ]
+    opts = {**OPTS, "num_pages": 96, "schedule_policy": "priority"}  # the auto target
+    with LLM(str(models["llama3"]), **opts) as llm:
+        ref = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(models["llama3"]), tp_size=2, **opts) as llm:
+        out = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.scheduler.step_model.ready
+    assert out == ref and all(len(t) == 12 for t in out)

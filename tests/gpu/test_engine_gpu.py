@@ -414,6 +414,34 @@ def test_qwen3_06b_shape_with_graphs_and_overlap() -> None:
     print(f"qwen3-0.6b shape: {sum(p.max_tokens for p in params)} tokens in {elapsed:.2f} s")
 
 
+def test_step_time_model_and_a_binding_latency_target() -> None:
+    """The step-time model fitted at start-up on the GPU follows the measured step periods of
+    the overlapped loop; a target tight enough to chunk prompts beside decodes leaves the
+    tokens as they were."""
+    from helpers import record_steps
+
+    from minisgl.scheduler.step_time import StepShape
+
+    llm = make_llm(fast=True)
+    sched = llm.scheduler
+    model = sched.step_model
+    assert model.ready and all(c >= 0 for c in model.coefficients().values())
+    print("start-up fit (ms):", {k: round(v * 1e3, 4) for k, v in model.coefficients().items()})
+    check_against_reference(llm)
+    t = sched.timer.totals
+    print(f"{t.steps} steps: predicted {t.predicted_s:.3f} s, measured {t.measured_s:.3f} s, "
+          f"mean abs error {t.abs_error_s / max(t.steps, 1) * 1e3:.3f} ms")  # fmt: skip
+    assert t.steps > 20 and 0.33 < t.predicted_s / t.measured_s < 3
+    # 1.5x a 16-row decode step: prompts of up to 200 tokens must be chunked beside decodes.
+    sched.itl_target_s = 1.5 * model.predict(StepShape(16, 0, 16 * 100, False))
+    steps = record_steps(sched)
+    check_against_reference(llm, seed=1)
+    limited = [b for _, b in steps if StepShape.of(b).mixed and StepShape.of(b).decode_rows > 0]
+    print(
+        f"target {sched.itl_target_s * 1e3:.3f} ms: {len(limited)} steps prefilled beside decodes"
+    )
+
+
 # ---- without pytest -----------------------------------------------------------------------------
 
 

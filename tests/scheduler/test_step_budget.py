@@ -1,6 +1,7 @@
 """A step's token budget: decodes and prefill chunks together fill `max_prefill_tokens`, so
 steps that prefill have one token count while prompts wait (one GEMM shape for cuBLAS); prefill
-keeps at least a quarter of the budget however many requests decode."""
+keeps at least a quarter of the budget however many requests decode. (The latency target is
+off here, as with `--itl-target-ms 0`: it is tested in test_latency_target.py.)"""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ Steps = list[tuple[list[Req], Batch]]
 
 def run_steps(path: Any, budget: int, prompts: list[list[int]]) -> tuple[Steps, LLM]:
     """`prompts` added at once and stepped to the end; every step's requests and plan."""
-    llm = LLM(str(path), dtype="float32", device="cpu", max_prefill_tokens=budget)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_prefill_tokens=budget, itl_target_ms=0)
     sched = llm.scheduler
     batches = record_steps(sched)
     for i, p in enumerate(prompts):

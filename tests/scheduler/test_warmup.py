@@ -27,6 +27,7 @@ from minisgl.core import BatchKind  # noqa: E402
 from minisgl.engine import Engine  # noqa: E402
 from minisgl.kvcache import PageAllocator  # noqa: E402
 from minisgl.scheduler import Scheduler  # noqa: E402
+from minisgl.scheduler.calibrate import REPEATS, calibration_plan  # noqa: E402
 from minisgl.scheduler.warmup import (  # noqa: E402
     WarmupRun,
     moe_sweep,
@@ -134,10 +135,13 @@ def test_warmup_runs_with_the_first_scheduler_unless_skipped(tiny_model_dir) -> 
     path = tiny_model_dir("llama3")
     engine = make_engine(path)
     assert engine.num_steps == 0  # an engine alone runs nothing
-    Scheduler(engine)
-    assert engine.num_steps == 5  # the warm-up's
+    sched = Scheduler(engine)
+    # The warm-up's, then the step-time model's timed steps (each shape three times).
+    timed = len(calibration_plan(False, 8192, 256, engine.max_context)) * REPEATS
+    assert timed == 21 and engine.num_steps == 5 + timed
+    assert sched.step_model.ready
     Scheduler(engine)  # once per engine: a second scheduler finds it warm
-    assert engine.num_steps == 5
+    assert engine.num_steps == 5 + timed
     llm = LLM(str(path), dtype="float32", device="cpu", skip_warmup=True)
     assert llm.engine.num_steps == 0
 

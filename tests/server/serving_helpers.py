@@ -4,6 +4,7 @@ its own: every test directory has a conftest)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -15,8 +16,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
-from minisgl.benchmark.serving import wait_healthy
+from minisgl.benchmark.serving import synthetic_tokenizer_model, wait_healthy
 from minisgl.config.secrets import ENV_API_KEY
 
 STARTUP_TIMEOUT_S = 300
@@ -148,3 +150,28 @@ def start_server(
             argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
     return Server(proc, port, log, api_key)
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """/metrics as {name[label values...]: value}."""
+    text = http.get("/metrics").text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + "".join(f"[{v}]" for v in s.labels.values())
+            out[key] = s.value
+    return out
+
+
+QWEN3_06B = Path(__file__).resolve().parents[2] / "minisgl" / "benchmark" / "models" / "qwen3-0.6b"
+
+
+def tiny_dummy_model(directory: Path) -> str:
+    """A config-only model directory (the Qwen3-0.6B config shrunk to a few thousand
+    parameters, for `--load-format dummy`) with the benchmark's synthetic tokenizer."""
+    config = json.loads((QWEN3_06B / "config.json").read_text())
+    config |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=10000, eos_token_id=2)  # fmt: skip
+    (directory / "cfg").mkdir()
+    (directory / "cfg" / "config.json").write_text(json.dumps(config))
+    return synthetic_tokenizer_model(str(directory / "cfg"), directory)

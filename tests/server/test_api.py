@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import Server, start_server
+from serving_helpers import Server, metrics, start_server
 
 from minisgl import LLM, SamplingParams
 from minisgl.weights import default_model_path
@@ -88,16 +87,6 @@ def test_worker_processes_are_named(server: Server) -> None:
 def chat(client: openai.OpenAI, messages: Any = COUNT, **kw: Any) -> Any:
     kw.setdefault("max_tokens", 16)
     return client.chat.completions.create(model="default", messages=messages, **kw)
-
-
-def metrics(http: httpx.Client) -> dict[str, float]:
-    text = http.get("/metrics").text
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + "".join(f"[{v}]" for v in s.labels.values())
-            out[key] = s.value
-    return out
 
 
 # ---- basics ----------------------------------------------------------------------------------

@@ -50,6 +50,9 @@ FLAGS = [
     "--body-timeout",
     "--send-timeout",
     "--keep-alive-timeout",
+    "--itl-target-ms",
+    "--schedule-policy",
+    "--priority-aging-s",
     "--shutdown-timeout",
 ]
 
@@ -143,6 +146,17 @@ def test_fp8_flags() -> None:
     )
 
 
+def test_scheduling_flags() -> None:
+    e = parse_args(
+        ["--itl-target-ms", "7.5", "--schedule-policy", "priority", "--priority-aging-s", "2"]
+    ).engine
+    assert (e.itl_target_ms, e.schedule_policy, e.priority_aging_s) == (7.5, "priority", 2.0)
+    assert parse_args(["--itl-target-ms", "0"]).engine.itl_target_ms == 0.0  # off
+    default = parse_args([]).engine
+    assert (default.itl_target_ms, default.schedule_policy) == (None, "fcfs")  # None: auto
+    assert parse_args(["--itl-target-ms", "auto"]).engine.itl_target_ms is None
+
+
 def test_multi_node_flags() -> None:
     node = ["--tp-size", "4", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"]
     head, other = parse_args(node), parse_args([*node, "--node-rank", "1"])
@@ -198,6 +212,10 @@ def test_bad_multi_node_flags(
         ["--header-timeout", "0"],
         ["--send-timeout", "-1"],
         ["--keep-alive-timeout", "0"],
+        ["--itl-target-ms", "-1"],
+        ["--itl-target-ms", "soon"],
+        ["--schedule-policy", "lifo"],
+        ["--priority-aging-s", "-1"],
         ["--shutdown-timeout", "-1"],
         ["--shutdown-timeout", "nan"],
     ],

@@ -8,18 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
-from serving_helpers import start_server
+from serving_helpers import QWEN3_06B, start_server, tiny_dummy_model
 from transformers import AutoTokenizer
 
 from minisgl.benchmark.serving import (
     Workload,
+    main,
     needs_synthetic_tokenizer,
     run_clients,
     summarize,
     synthetic_tokenizer_model,
 )
-
-QWEN3_06B = Path(__file__).resolve().parents[2] / "minisgl" / "benchmark" / "models" / "qwen3-0.6b"
 
 
 def test_synthetic_tokenizer_covers_the_vocabulary(tmp_path: Path) -> None:
@@ -36,12 +35,7 @@ def test_synthetic_tokenizer_covers_the_vocabulary(tmp_path: Path) -> None:
 
 
 def test_clients_in_several_processes_count_every_token(tmp_path: Path) -> None:
-    config = json.loads((QWEN3_06B / "config.json").read_text())
-    config |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
-                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=10000, eos_token_id=2)  # fmt: skip
-    (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
-    model = synthetic_tokenizer_model(str(tmp_path / "cfg"), tmp_path)
+    model = tiny_dummy_model(tmp_path)
     server = start_server(tmp_path, "--model", model, "--load-format", "dummy", "--skip-warmup")
     try:
         server.wait_ready()
@@ -59,3 +53,35 @@ def test_clients_in_several_processes_count_every_token(tmp_path: Path) -> None:
                         float("inf"), 0, procs=3)  # fmt: skip
     finally:
         server.terminate()
+
+
+@pytest.mark.slow
+def test_policies_and_priority_classes_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What the GPU runs compare: the latency target against the old policy (a server each),
+    # two priority classes, a pool set through --server-args; every token timed by the server.
+    model = tiny_dummy_model(tmp_path)
+    main(["--model", model, "--load-format", "dummy", "--skip-offline", "--rates", "inf",
+          "--num-requests", "8", "--prompt-len", "8-40", "--output-len", "3-8", "--repeats", "1",
+          "--itl-targets", "auto,0", "--priority-classes", "0,1", "--client-procs", "2",
+          "--server-args", "--num-pages 2048", "--server-log", str(tmp_path / "server.log"),
+          "--token-times-out", str(tmp_path / "times.json")])  # fmt: skip
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    times = json.loads((tmp_path / "times.json").read_text())
+    for target in ("auto", "0"):
+        requests = times[target]["inf"]
+        assert len(requests) == 8 and {r[0] for r in requests} <= {0, 1}
+        assert all(r[1:] == sorted(r[1:]) and 3 <= len(r) - 1 <= 8 for r in requests)
+    assert "token_times" not in result["online"]["inf"]
+    server = result["online"]["inf"]["server"]  # the server's own counters over the run
+    assert server["steps_timed"] > 0 and server["step_measured_s"] > 0
+    assert server["retractions"] == 0  # 2048 pages hold every request
+    assert set(result["by_itl_target"]) == {"auto", "0"}
+    for online in result["by_itl_target"].values():
+        run = online["inf"]
+        assert run["requests"] == 8 and run["incomplete"] == 0 and run["untimed"] == 0
+        assert set(run["by_priority"]) == {"0", "1"} and run["itl_server_ms"]["p50"] > 0
+    assert result["online"] == result["by_itl_target"]["auto"]
+    logs = [(tmp_path / f"server.log.{t}").read_text() for t in ("auto", "0")]
+    assert all("Traceback" not in log for log in logs)
