@@ -148,13 +148,19 @@ class LlamaModel(nn.Module):
         return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quant)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """`num_layers`: run only the first layers, then the final norm (a layer-skip draft:
+        the model's own early exit)."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         if fused_kernels(h) is None:  # the fused rotation kernel reads the table itself
             ctx = replace(ctx, rope=self.rotary.lookup(positions))
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             h, residual = layer(h, residual, positions, ctx)
         return self.norm(h, residual)[0]
 
@@ -178,10 +184,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tie_to=tied)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
+        """input_ids, positions [T] -> final hidden states [T, hidden] (after the first
+        `num_layers` layers only, when given)."""
+        return self.model(input_ids, positions, ctx, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts where it needs to:
