@@ -3,6 +3,7 @@
 from minisgl.config.engine import (
     DTYPES,
     SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
     EngineConfig,
     apply_env_switches,
     resolve_engine_config,
@@ -13,6 +14,7 @@ from minisgl.config.quant import QuantConfig, resolve_model_quantization
 __all__ = [
     "DTYPES",
     "SCHEDULE_POLICIES",
+    "SPECULATIVE_ALGORITHMS",
     "EngineConfig",
     "ModelConfig",
     "MoEConfig",
