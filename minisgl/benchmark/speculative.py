@@ -25,7 +25,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-
 from minisgl.benchmark.common import Row, device_info, emit_json, print_table, synchronize
 from minisgl.core import Batch, Req, SamplingParams, TableWrite
 from minisgl.llm import LLM
