@@ -416,10 +416,13 @@ class Scheduler:
         """Drafts per decoding request (0: a plain decode) within `room` free pages; host
         drafts are queued as token writes. Returns them and the room left."""
         drafts = [0] * len(decode)
-        if self.spec is None or self._in_flight is not None:
+        if self.spec is None:
             return drafts, room
-        want = [(i, r, self._draft_limit(r)) for i, r in enumerate(decode)]
-        want = [(i, r, k) for i, r, k in want if k and self.spec.wants(r.rid, len(decode))]
+        chosen = self.spec.select([r.rid for r in decode])
+        if self._in_flight is not None:  # tokens in flight: drafts wait for the host
+            return drafts, room
+        want = [(i, r, self._draft_limit(r)) for i, r in enumerate(decode) if r.rid in chosen]
+        want = [(i, r, k) for i, r, k in want if k]
         if self.proposer is not None:
             rows = [DraftRow(r.all_ids(), r.slot or 0, k, r.seq_len) for _, r, k in want]
             proposed = self.proposer.propose(rows)

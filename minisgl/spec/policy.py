@@ -48,16 +48,18 @@ class SpecPolicy:
         r = self._reqs.get(rid)
         return r is None or r.backoff == 0
 
-    def wants(self, rid: str, batch_size: int) -> bool:
-        """Whether request `rid` should speculate in a step of `batch_size` decodes (counts a
-        plain step towards the end of its back-off when not)."""
-        if batch_size > self.max_batch:
-            return False
-        r = self._reqs.setdefault(rid, _ReqSpec())
-        if r.backoff > 0:
-            r.backoff -= 1
-            return False
-        return True
+    def select(self, rids: list[str]) -> set[str]:
+        """Of a step's decoding requests, those that should speculate: none when there are
+        more than `max_batch`, else all but those backing off (each step counts towards the
+        end of their back-off)."""
+        chosen = set()
+        for rid in rids:
+            r = self._reqs.setdefault(rid, _ReqSpec())
+            if r.backoff > 0:
+                r.backoff -= 1
+            else:
+                chosen.add(rid)
+        return chosen if len(rids) <= self.max_batch else set()
 
     def record(self, rid: str, proposed: int, accepted: int) -> None:
         """A verify step of `rid` checked `proposed` drafts and kept `accepted`."""

@@ -170,3 +170,48 @@ def test_stop_ids_and_max_tokens(tiny_model_dir, reference) -> None:
     assert all(len(o["token_ids"]) <= 13 for o in out)
     assert any(o["finish_reason"] == "stop" for o in out)
     assert spec_stats(llm).accepted > 0
+
+
+def test_penalties_min_tokens_and_bias_see_the_drafts(tiny_model_dir) -> None:
+    """Greedy with a repetition penalty, a frequency penalty, min_tokens holding back a stop id
+    and a logit bias: each verified position is adjusted as if the drafts before it had been
+    sampled, so the output is the one without speculation."""
+    path = tiny_model_dir("qwen3")
+    ref = generate(make_llm(path))
+    stop = ref[4]["token_ids"][2]
+    params = SamplingParams(
+        max_tokens=NUM_TOKENS,
+        temperature=0,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        min_tokens=6,
+        stop_token_ids=[stop],
+        logit_bias={ref[4]["token_ids"][5]: 2.0},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    base = generate(make_llm(path), params)
+    llm = make_llm(path, speculative_algorithm="ngram")
+    out = generate(llm, params)
+    assert_same(base, out)
+    for a, b in zip(base, out):
+        assert [t for t, _ in sum(a["top_logprobs"], [])] == [
+            t for t, _ in sum(b["top_logprobs"], [])
+        ]
+    assert spec_stats(llm).verify_rows > 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir) -> None:
+    """Speculative sampling draws from the request's own hashed numbers: the same seed gives the
+    same tokens twice, and alone the same as in a batch."""
+    path = tiny_model_dir("qwen3")
+    llm = make_llm(path, speculative_algorithm="ngram")
+    params = SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0.7, top_p=0.9, min_p=0.05, seed=5, ignore_eos=True
+    )
+    first = generate(llm, params)
+    again = generate(llm, params)
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in again]
+    alone = llm.generate([prompts()[4]], params, use_tqdm=False)[0]
+    assert alone["token_ids"] == first[4]["token_ids"]
+    assert spec_stats(llm).verify_rows > 0
