@@ -129,8 +129,10 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int) -> Row:
     vocab = min(10000, engine.model_config.vocab_size)
     prompt = [(7 * i + 3) % vocab for i in range(context)]
     req = Req("verify-cost", prompt, SamplingParams(max_tokens=k + 8, ignore_eos=True), seed=0)
+    overlap, sched.overlap = sched.overlap, False  # the prefill's token on the host at once
     sched.add_request(req)
     sched.step()  # the prefill, and the first token
+    sched.overlap = overlap
     assert req.output_ids and req.seq is not None
     sched.kv.grow(req, req.seq_len + k)
     pages, tokens, _ = sched.kv.take_writes()
@@ -176,6 +178,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default="copy,chat,concurrent",
                    help="comma-separated: copy, chat, concurrent; none for --verify-cost alone")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="--speculative-max-batch: larger steps decode plainly")  # fmt: skip
     p.add_argument("--copy-tokens", type=int, default=320)
     p.add_argument("--chat-tokens", type=int, default=128)
     p.add_argument("--verify-cost", action="store_true", help="time a verify step (see above)")
@@ -194,7 +198,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         speculative_num_draft_tokens=args.num_draft_tokens,
         speculative_ngram_n=args.ngram_n,
         speculative_draft_layers=args.draft_layers,
-        speculative_max_batch=max(8, args.concurrency // 2),
+        speculative_max_batch=args.max_batch,
     )
     if args.load_format == "dummy":
         options["max_context_len"] = 4096
