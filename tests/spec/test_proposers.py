@@ -65,3 +65,35 @@ def test_config_checks() -> None:
         EngineConfig(speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="speculative_max_batch"):
         EngineConfig(speculative_max_batch=0)
+
+
+def test_stats_reach_the_metrics(tiny_model_dir) -> None:
+    from helpers import random_prompts
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.scheduler.process import SchedulerProcess
+    from minisgl.server.metrics import Metrics
+
+    llm = LLM(str(tiny_model_dir("qwen3")), dtype="float32", device="cpu", skip_warmup=True,
+              speculative_algorithm="ngram")  # fmt: skip
+    prompt = random_prompts(1, 384, seed=4, lo=8, hi=9)[0] * 3
+    llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    spec = llm.scheduler.spec
+    assert spec is not None and spec.stats.verify_rows > 0
+    stats = SchedulerProcess(llm.scheduler, None, None).stats()  # type: ignore[arg-type]
+    assert (stats.spec_verify_rows, stats.spec_proposed, stats.spec_accepted) == (
+        spec.stats.verify_rows,
+        spec.stats.proposed,
+        spec.stats.accepted,
+    )
+    metrics = Metrics()
+    metrics.set_scheduler_stats(stats)
+    text = metrics.render().decode()
+    assert f'minisgl_spec_tokens{{kind="proposed"}} {float(spec.stats.proposed)}' in text
+    assert f'minisgl_spec_tokens{{kind="accepted"}} {float(spec.stats.accepted)}' in text
+    mean = spec.stats.mean_accepted_length
+    assert any(
+        line.startswith("minisgl_spec_mean_accepted_length ")
+        and abs(float(line.split()[1]) - mean) < 1e-9
+        for line in text.splitlines()
+    )
