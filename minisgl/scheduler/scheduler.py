@@ -424,7 +424,12 @@ class Scheduler:
         want = [(i, r, self._draft_limit(r)) for i, r in enumerate(decode) if r.rid in chosen]
         want = [(i, r, k) for i, r, k in want if k]
         if self.proposer is not None:
-            rows = [DraftRow(r.all_ids(), r.slot or 0, k, r.seq_len) for _, r, k in want]
+            slots = [r.slot for _, r, _ in want]
+            assert None not in slots  # running requests hold a slot
+            rows = [
+                DraftRow(r.all_ids(), s, k, r.seq_len)  # type: ignore[arg-type]
+                for (_, r, k), s in zip(want, slots)
+            ]
             proposed = self.proposer.propose(rows)
         else:
             proposed = [[0] * k for _, _, k in want]  # lengths only: the engine drafts
