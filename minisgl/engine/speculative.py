@@ -24,7 +24,7 @@ from minisgl.engine.sampler import (
 from minisgl.engine.step import ForwardOutput, StepRows, TokenMask
 from minisgl.layers import ForwardContext
 from minisgl.spec import DraftRow, LayerSkipProposer, Proposer
-from minisgl.spec.verify import accepted_tokens, greedy_verify, rejection_sample
+from minisgl.spec.verify import Verdict, accepted_tokens, greedy_verify, rejection_sample
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -127,8 +127,9 @@ def verify_step(
     idx = to_device(sc.rows, torch.int64, dev)
     slots = to_device([s.slot for s in sc.seqs], torch.int64, dev)
     pos = to_device(sc.positions, torch.int64, dev)
-    logits = engine.model.compute_logits(hidden[idx])  # type: ignore[operator]  # [N, V]
-    sin = _sampling_inputs(engine, sc, StepRows(hidden[idx], slots, pos + 1), mask)
+    scored = hidden[idx]  # [N, hidden]
+    logits = engine.model.compute_logits(scored)  # type: ignore[operator]  # [N, V]
+    sin = _sampling_inputs(engine, sc, StepRows(scored, slots, pos + 1), mask)
     adjusted = adjust_logits(logits, sin)
     width = engine.table.token_table.shape[1]
     draft = engine.table.token_table[slots, (pos + 1).clamp(max=width - 1)].long()  # [N]
@@ -139,8 +140,11 @@ def verify_step(
         probs = probs / probs.sum(dim=-1, keepdim=True)
         u = hashed_uniform(sin.seeds, sin.steps, probs.shape[1])
         drawn = rejection_sample(probs, draft, has, u)
-        greedy = (sin.temperature == 0).unsqueeze(0)
-        verdict = type(verdict)(*(torch.where(greedy[0], g, r) for g, r in zip(verdict, drawn)))
+        greedy = sin.temperature == 0
+        verdict = Verdict(
+            torch.where(greedy, verdict.accept, drawn.accept),
+            torch.where(greedy, verdict.choice, drawn.choice),
+        )
     return _outputs(engine, sc, logits, sin, draft, verdict.accept, verdict.choice)
 
 
