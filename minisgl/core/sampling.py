@@ -117,7 +117,14 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias: a token id is given twice")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError if a token id of `logit_bias` is not in the vocabulary."""
+        """Raise InvalidRequestError if a token id of `logit_bias` or `stop_token_ids` is not
+        in the vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids: token id {t} is not in the vocabulary [0, {vocab_size}) "
+                    f"of {vocab_size} tokens"
+                )
         for t, _ in self.logit_bias:
             if t >= vocab_size:
                 raise InvalidRequestError(

@@ -102,6 +102,7 @@ _WHY = {
     ),
     401: "Missing or wrong API key.",
     408: "The request's header or body did not arrive within the server's time-out.",
+    404: "No such model: the server serves one, the id `/v1/models` lists.",
     413: "The request body is larger than --max-request-bytes.",
     503: "The engine is unavailable, the server is shutting down, or (with Retry-After) too "
     "many sequences are queued.",

@@ -75,11 +75,15 @@ class Sampling(NamedTuple):
 
 
 def sampling_params(
-    body: SamplingFields | NativeSamplingParams, logprobs: bool, top_logprobs: int
+    body: SamplingFields | NativeSamplingParams,
+    logprobs: bool,
+    top_logprobs: int,
+    grammar: GrammarField | None = None,
 ) -> Sampling:
     """The body's sampling fields checked by `SamplingParams` (`max_tokens` travels apart,
-    since the default depends on the prompt's length)."""
-    grammar = request_grammar(body)
+    since the default depends on the prompt's length); `grammar`: one that replaces the body's
+    own (a forced tool call's)."""
+    grammar = grammar if grammar is not None else request_grammar(body)
     constraint = {grammar.kind: grammar.text} if grammar is not None else {}
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
