@@ -6,11 +6,13 @@ a grammar, or declined) over two turns, the reasoning split, and the Responses A
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from serving_helpers import Server, start_server
@@ -146,3 +148,139 @@ def test_fields_that_do_not_change_the_answer(client: openai.OpenAI) -> None:
     assert e.value.body["param"] == "store"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         chat(client, HELLO, modalities=["audio"])
+
+
+# ---- tool calls --------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 10}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Now.", "parameters": TIME},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def valid_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.fixture(scope="module")
+def forced(client: openai.OpenAI) -> Any:
+    """An answer with one forced call (the tests share it: a CPU takes seconds for it)."""
+    return chat(
+        client, ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=80
+    )
+
+
+def test_required_call_follows_the_schema(forced: Any) -> None:
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1 and calls[0].type == "function"
+    assert calls[0].id.startswith("call_")
+    valid_call(calls[0].function.name, calls[0].function.arguments)
+    assert not choice.message.content
+
+
+def test_parallel_required_calls_all_validate(client: openai.OpenAI) -> None:
+    r = chat(client, ASK, tools=TOOLS, tool_choice="required", max_tokens=60)
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0]  # the first call fits in the tokens; later ones may be cut off
+    for c in calls:
+        valid_call(c.function.name, c.function.arguments)
+    assert len({c.id for c in calls}) == len(calls)
+
+
+def test_named_call_streams_as_openai_does(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    stream = chat(client, ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                  max_tokens=80, stream=True)  # fmt: skip
+    heads, arguments, reasons = [], "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or ():
+                assert tc.index == 0
+                if tc.id is not None:
+                    heads.append((tc.id, tc.function.name))  # the call's first delta
+                arguments += tc.function.arguments or ""
+            reasons.append(c.finish_reason)
+    assert len(heads) == 1 and heads[0][1] == "get_time"
+    valid_call("get_time", arguments)
+    assert [r for r in reasons if r] == ["tool_calls"]
+
+
+def test_none_answers_in_words_and_a_second_turn_is_answered(
+    client: openai.OpenAI, forced: Any
+) -> None:
+    r = chat(client, ASK, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    answer = forced.choices[0].message
+    assert answer.tool_calls
+    messages = [*ASK, answer.model_dump()]
+    messages.append({"role": "tool", "tool_call_id": answer.tool_calls[0].id, "content": "18 C"})
+    second = chat(client, messages, tools=TOOLS, max_tokens=8)
+    assert second.choices[0].message.content
+
+
+def test_tool_choice_mistakes_are_400s(client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_mood"}}
+    with pytest.raises(openai.BadRequestError, match="get_mood"):
+        chat(client, ASK, tools=TOOLS, tool_choice=named)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(
+            client,
+            ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):  # a role tool message needs its call's id
+        chat(client, [*ASK, {"role": "tool", "content": "18 C"}])
+
+
+# ---- reasoning ---------------------------------------------------------------------------------
+
+# SmolLM2 does not think; a regex makes it write a thinking part for the qwen3 parser to split.
+THINK = r"<think>[a-z ]{3,20}</think>\n[A-Za-z ]{3,20}"
+
+
+def test_reasoning_is_split_off(client: openai.OpenAI) -> None:
+    r = chat(client, HELLO, max_tokens=60, extra_body={"regex": THINK})
+    message = r.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]  # type: ignore[index]
+    assert reasoning and "<think>" not in message.content and "</think>" not in message.content
+    stream = chat(client, HELLO, max_tokens=60, stream=True, extra_body={"regex": THINK})
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            for key in parts:
+                parts[key] += (
+                    (c.delta.model_extra or {}).get(key) or getattr(c.delta, key, None) or ""
+                )
+    assert parts == {"reasoning_content": reasoning, "content": message.content}
+
+
+def test_thinking_off_leaves_the_output_whole(client: openai.OpenAI) -> None:
+    off = {"regex": THINK, "chat_template_kwargs": {"enable_thinking": False}}
+    r = chat(client, HELLO, max_tokens=60, extra_body=off)
+    assert r.choices[0].message.content.startswith("<think>")
+    assert r.choices[0].message.model_extra["reasoning_content"] is None  # type: ignore[index]
