@@ -72,6 +72,13 @@ class RequestTokenizer:
         return list(req.input_ids)
 
     def chat_ids(self, messages: list[ChatMessage], chat: ChatOptions | None = None) -> list[int]:
+        # What apply_chat_template(tokenize=True) does: the template's text holds its special
+        # tokens already.
+        text = self.chat_prompt(messages, chat)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chat_prompt(self, messages: list[ChatMessage], chat: ChatOptions | None = None) -> str:
+        """The conversation rendered by the chat template, with its tools and documents."""
         chat = chat or ChatOptions()
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
@@ -84,19 +91,19 @@ class RequestTokenizer:
                 f"chat_template_kwargs: {reserved[0]!r} is set by the server; remove it"
             )
         try:
-            out = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 [template_message(m) for m in messages],
                 tools=chat.tools or None,
                 documents=chat.documents or None,
                 add_generation_prompt=True,
-                tokenize=True,
+                tokenize=False,
                 **chat.template_kwargs,
             )
         except jinja2.TemplateError as e:
             # Templates reject conversations they cannot render (say, roles out of order).
             raise InvalidRequestError(f"messages: the chat template refused them: {e}") from e
-        ids = out["input_ids"] if not isinstance(out, list) else out
-        return list(ids)
+        assert isinstance(text, str)
+        return text
 
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
         req.params.check_vocab(self.info.vocab_size)
