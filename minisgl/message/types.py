@@ -64,6 +64,9 @@ class GenerateReq:
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     chat: ChatOptions | None = None  # with `messages`
+    # A reasoning model's end-of-thinking text (`</think>`): the grammar starts after it, when
+    # it is one token of the vocabulary (`SamplingParams.grammar_after_token`).
+    grammar_after: str | None = None
     # The request field its grammar (`params.constraint`) came from, named when the grammar is
     # refused; None: the constraint's kind.
     grammar_field: str | None = None

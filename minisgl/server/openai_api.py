@@ -26,7 +26,7 @@ from minisgl.server.streaming import (
     sse,
     submit,
 )
-from minisgl.tokenizer.parsers import ChatDelta, ChatOutputParser
+from minisgl.tokenizer.parsers import THINK_END, ChatDelta, ChatOutputParser
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -93,6 +93,8 @@ def chat_request(body: ChatCompletionRequest, parsing: ChatParsing) -> ChatPlan:
         grammar_field=grammar_field,
     )
     thinking = options.template_kwargs.get("enable_thinking", True) is not False
+    if thinking and parsing.reasoning_parser is not None and params.constraint is not None:
+        req.grammar_after = THINK_END  # the answer follows the grammar, not the thinking
     return ChatPlan(req, parser_factory(plan, parsing, thinking))
 
 

@@ -105,11 +105,22 @@ class RequestTokenizer:
         assert isinstance(text, str)
         return text
 
+    def single_token(self, text: str | None) -> int | None:
+        """The id of the vocabulary token spelled `text`, if there is one."""
+        if text is None:
+            return None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return int(ids[0]) if len(ids) == 1 else None
+
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
         req.params.check_vocab(self.info.vocab_size)
         ids = self.prompt_ids(req)
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.info)
-        params = replace(req.params, max_tokens=max_tokens)
+        params = replace(
+            req.params,
+            max_tokens=max_tokens,
+            grammar_after_token=self.single_token(req.grammar_after),
+        )
         return [
             TokenizedReq(rid, ids, params, seed)
             for rid, seed in zip(req.rids, req.seeds, strict=True)

@@ -3,7 +3,11 @@ stream of deltas. Pure string processing, one object per choice."""
 
 from minisgl.tokenizer.parsers.base import ParsedCall, ParsedDelta, ToolCallParser
 from minisgl.tokenizer.parsers.chat import ChatDelta, ChatOutputParser
-from minisgl.tokenizer.parsers.reasoning import REASONING_PARSERS, ReasoningSplitter
+from minisgl.tokenizer.parsers.reasoning import (
+    REASONING_PARSERS,
+    THINK_END,
+    ReasoningSplitter,
+)
 from minisgl.tokenizer.parsers.tool_calls import (
     TOOL_CALL_PARSERS,
     CallFormat,
@@ -14,6 +18,7 @@ from minisgl.tokenizer.parsers.tool_calls import (
 
 __all__ = [
     "REASONING_PARSERS",
+    "THINK_END",
     "TOOL_CALL_PARSERS",
     "CallFormat",
     "ChatDelta",
