@@ -20,6 +20,7 @@ from minisgl.config import ChatConfig
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
+from minisgl.server import responses as openai_responses
 from minisgl.server.chat import ChatParsing
 from minisgl.server.engine_client import EngineClient, EngineUnavailable
 from minisgl.server.errors import error_body, error_response, install_error_handlers
@@ -31,11 +32,17 @@ from minisgl.server.openapi import (
     Generated,
     ModelCard,
     ModelList,
+    ResponseObject,
     Status,
     openapi_schema,
     responses,
 )
-from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from minisgl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ResponsesRequest,
+)
 from minisgl.server.shutdown import DEFAULT_TIMEOUT_S, Gate, GateMiddleware, drain
 
 logger = logging.getLogger(__name__)
@@ -165,6 +172,11 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *posted, stream=True))
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await openai_api.chat_completions(request, body, _client(state), model, parsing)
+
+    @app.post("/v1/responses", responses=responses(ResponseObject, *posted, stream=True))
+    async def create_response(request: Request, body: ResponsesRequest) -> Response:
+        """The Responses API, stateless (`store` only false)."""
+        return await openai_responses.create_response(request, body, _client(state), model, parsing)
 
     @app.post("/v1/completions", responses=responses(Completion, *posted, stream=True))
     async def completions(request: Request, body: CompletionRequest) -> Response:

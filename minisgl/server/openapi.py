@@ -84,6 +84,17 @@ class ModelCard(_Open):
     owned_by: str
 
 
+class ResponseObject(_Open):
+    """A Responses API answer: `output` holds message, function_call and reasoning items."""
+
+    id: str
+    object: str
+    created_at: int
+    model: str
+    status: str
+    output: list[dict[str, Any]]
+
+
 class ModelList(_Open):
     object: str
     data: list[ModelCard]

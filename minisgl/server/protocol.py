@@ -386,3 +386,112 @@ class GenerateRequest(_Strict):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` and `input_ids`")
         return self
+
+
+# ---- the Responses API (stateless) ---------------------------------------------------------
+
+
+class _Item(_OpenAI):
+    # Items the SDK returns carry more fields (ids, statuses, annotations) than a request needs;
+    # a client sends them back as they came.
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputText(_Item):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str | list[InputText], one_of("a string or a list of text parts")]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ReasoningItem(_Item):
+    """A reasoning item of an earlier answer: accepted, not shown to the model again."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    one_of("a message, function_call, function_call_output or reasoning item"),
+]
+
+
+class ResponseTool(_OpenAI):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedTool(_OpenAI):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_OpenAI):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_OpenAI):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ReasoningConfig(_OpenAI):
+    effort: ReasoningEffort | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_OpenAI):
+    model: str | None = None
+    input: Annotated[str | list[InputItem], one_of("a string or a list of input items")]
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[ResponseTool] | None = None
+    tool_choice: (
+        Annotated[
+            Literal["none", "auto", "required"] | ResponseNamedTool,
+            one_of('"none", "auto", "required" or {"type": "function", "name": ...}'),
+        ]
+        | None
+    ) = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool = False
+    store: bool | None = Field(default=None, description=STORE)
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # an extension

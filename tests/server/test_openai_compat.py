@@ -284,3 +284,89 @@ def test_thinking_off_leaves_the_output_whole(client: openai.OpenAI) -> None:
     r = chat(client, HELLO, max_tokens=60, extra_body=off)
     assert r.choices[0].message.content.startswith("<think>")
     assert r.choices[0].message.model_extra["reasoning_content"] is None  # type: ignore[index]
+
+
+# ---- the Responses API -------------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+RESPONSE_TOOLS: list[Any] = [
+    {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+    for t in TOOLS
+]
+
+
+def test_responses_text(client: openai.OpenAI) -> None:
+    r = client.responses.create(
+        model="m", input="Say hello.", instructions="Be brief.", max_output_tokens=6, temperature=0
+    )
+    assert r.object == "response" and r.output_text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    assert r.usage is not None and r.usage.output_tokens == 6
+    events = list(
+        client.responses.create(
+            model="m", input="Say hello.", instructions="Be brief.", max_output_tokens=6,
+            temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text == events[-1].response.output_text  # type: ignore[union-attr]
+
+
+def test_responses_json_schema(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    r = client.responses.create(
+        model="m",
+        input="A person as JSON.",
+        text={"format": fmt},
+        max_output_tokens=60,  # type: ignore[typeddict-item]
+        temperature=0,
+    )
+    assert r.status == "completed", r
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
+def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "name": "get_weather"}
+    r = client.responses.create(
+        model="m", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+        parallel_tool_calls=False, max_output_tokens=80, temperature=0,
+    )  # fmt: skip
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather"
+    valid_call(call.name, call.arguments)
+    events = list(
+        client.responses.create(
+            model="m", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments and events[-1].type == "response.completed"
+    # The second turn: the call and its output sent back as items.
+    items = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump()]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "18 C"})
+    second = client.responses.create(
+        model="m",
+        input=items,
+        tools=RESPONSE_TOOLS,
+        max_output_tokens=6,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert second.output_text
+
+
+def test_responses_store_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="m", input="Hi", store=True, max_output_tokens=2)
+    assert e.value.body["param"] == "store"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="m", input="Hi", previous_response_id="resp_1")
