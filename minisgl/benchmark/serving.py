@@ -349,13 +349,35 @@ def flush_cache(url: str, timeout: float = 60) -> None:
     r.raise_for_status()
 
 
+# The scheduler's running totals in /metrics that a run's `server` entry reports (their change).
+SERVER_TOTALS = {
+    "retractions": "minisgl_retractions",
+    "steps_timed": "minisgl_steps_timed",
+    "step_measured_s": 'minisgl_step_time_seconds{kind="measured"}',
+    "step_predicted_s": 'minisgl_step_time_seconds{kind="predicted"}',
+    "step_abs_error_s": 'minisgl_step_time_seconds{kind="abs_error"}',
+}
+
+
+def server_totals(url: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] not in ("#", ""))
+    return {key: float(values.get(name, 0.0)) for key, name in SERVER_TOTALS.items()}
+
+
 def run_online(work: Workload, url: str, rate: float, seed: int, procs: int = 1) -> dict[str, Any]:
-    """The run's summary, with every request's server token times under `token_times`
-    ([priority, t0, t1, ...] each: for plots; `report` takes them out of its JSON line)."""
+    """The run's summary, with the change of the server's totals under `server` and every
+    request's server token times under `token_times` ([priority, t0, t1, ...] each: for plots;
+    `report` takes them out of its JSON line)."""
     flush_cache(url)
+    before = server_totals(url)
     traces = run_clients(url, work, rate, seed, procs)
+    after = server_totals(url)
     return summarize(traces, work) | {
-        "token_times": [[t.priority, *t.server_times] for t in traces]
+        "server": {k: after[k] - before[k] for k in after},
+        "token_times": [[t.priority, *t.server_times] for t in traces],
     }
 
 
