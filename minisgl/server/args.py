@@ -188,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         "0 disables the graphs",
     )
     s.add_argument(
+        "--piecewise-graph-max-tokens",
+        type=int,
+        default=2048,
+        help="steps that prefill up to this many tokens replay piecewise CUDA graphs (dense "
+        "models at tp 1; attention runs between the pieces); 0 runs them eagerly",
+    )
+    s.add_argument(
         "--disable-overlap",
         action="store_true",
         help="schedule each step after the previous step's tokens are back (by default on "
@@ -369,6 +376,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_context_len=args.max_context_len,
         mem_fraction=args.mem_fraction,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
         overlap=not args.disable_overlap,
         cache=args.cache,
         tp_size=args.tp_size,

@@ -38,6 +38,7 @@ FLAGS = [
     "--skip-warmup",
     "--mem-fraction",
     "--cuda-graph-max-bs",
+    "--piecewise-graph-max-tokens",
     "--disable-overlap",
     "--kv-cache-dtype",
     "--kv-cache-calibrate",
@@ -105,13 +106,17 @@ def test_flags_map_onto_the_engine_config() -> None:
             "0.5",
             "--cuda-graph-max-bs",
             "0",
+            "--piecewise-graph-max-tokens",
+            "512",
             "--disable-overlap",
         ]
     )
     e = cfg.engine
     assert (e.mem_fraction, e.cuda_graph_max_bs, e.overlap) == (0.5, 0, False)
+    assert e.piecewise_graph_max_tokens == 512
     default = parse_args([]).engine
     assert (default.mem_fraction, default.cuda_graph_max_bs, default.overlap) == (0.9, 256, True)
+    assert default.piecewise_graph_max_tokens == 2048
     assert (cfg.host, cfg.port, cfg.api_key, cfg.log_level) == ("0.0.0.0", 8000, "k", "debug")
     assert (e.cache, e.page_size, e.max_prefill_tokens, e.max_running_requests) == (
         "naive",
@@ -206,6 +211,7 @@ def test_bad_multi_node_flags(
         ["--mem-fraction", "0"],
         ["--mem-fraction", "1.5"],
         ["--cuda-graph-max-bs", "-1"],
+        ["--piecewise-graph-max-tokens", "-1"],
         ["--max-request-bytes", "0"],
         ["--max-seqs-per-request", "0"],
         ["--max-seqs-per-request", "10", "--max-queued-seqs", "5"],
