@@ -260,15 +260,15 @@ def test_tool_choice_mistakes_are_400s(client: openai.OpenAI) -> None:
 # ---- reasoning ---------------------------------------------------------------------------------
 
 # SmolLM2 does not think; a regex makes it write a thinking part for the qwen3 parser to split.
-THINK = r"<think>[a-z ]{3,20}</think>\n[A-Za-z ]{3,20}"
+THINK = r"<think>[a-z ]{3,10}</think>\n[A-Za-z ]{3,10}"
 
 
 def test_reasoning_is_split_off(client: openai.OpenAI) -> None:
-    r = chat(client, HELLO, max_tokens=60, extra_body={"regex": THINK})
+    r = chat(client, HELLO, max_tokens=40, extra_body={"regex": THINK})
     message = r.choices[0].message
     reasoning = message.model_extra["reasoning_content"]  # type: ignore[index]
     assert reasoning and "<think>" not in message.content and "</think>" not in message.content
-    stream = chat(client, HELLO, max_tokens=60, stream=True, extra_body={"regex": THINK})
+    stream = chat(client, HELLO, max_tokens=40, stream=True, extra_body={"regex": THINK})
     parts = {"reasoning_content": "", "content": ""}
     for chunk in stream:
         for c in chunk.choices:
@@ -281,7 +281,7 @@ def test_reasoning_is_split_off(client: openai.OpenAI) -> None:
 
 def test_thinking_off_leaves_the_output_whole(client: openai.OpenAI) -> None:
     off = {"regex": THINK, "chat_template_kwargs": {"enable_thinking": False}}
-    r = chat(client, HELLO, max_tokens=60, extra_body=off)
+    r = chat(client, HELLO, max_tokens=40, extra_body=off)
     assert r.choices[0].message.content.startswith("<think>")
     assert r.choices[0].message.model_extra["reasoning_content"] is None  # type: ignore[index]
 
