@@ -332,6 +332,14 @@ def test_responses_json_schema(client: openai.OpenAI) -> None:
     )
     assert r.status == "completed", r
     jsonschema.validate(json.loads(r.output_text), PERSON)
+    events = list(
+        client.responses.create(
+            model="m", input="A person as JSON.", text={"format": fmt}, max_output_tokens=60,  # type: ignore[typeddict-item]
+            temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text and events[-1].type == "response.completed"
 
 
 def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> None:
