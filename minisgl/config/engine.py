@@ -72,9 +72,11 @@ class EngineConfig:
     reserve_decay_steps: int = 600
     # Inter-token latency target (`minisgl.scheduler.budget`): while requests decode, a step
     # prefills only the prompt tokens that the step-time model says fit in it. None: auto (2.5x
-    # the predicted time of the step's decodes alone); 0: off (the token limit alone, as
-    # before); else milliseconds.
-    itl_target_ms: float | None = None
+    # the predicted time of the step's decodes alone); 0: off (the token limit alone), the
+    # default: on the H200, with piecewise graphs, auto cost W4 16% of its saturated
+    # throughput and did not shorten the tail (docs/benchmarks.md, eleventh session); else
+    # milliseconds.
+    itl_target_ms: float | None = 0.0
     # fcfs | priority (`minisgl.scheduler.policy`): the waiting queue's order and who is
     # retracted first; under priority a request gains one level per `priority_aging_s` seconds
     # of waiting (0: never).

@@ -151,13 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--itl-target-ms",
         type=itl_target,
-        default=None,
+        default=0.0,
         metavar="auto|MS",
         help="inter-token latency target: while requests decode, a step prefills only the "
         "prompt tokens that the measured step-time model says fit in it (long prompts are "
-        "chunked at page boundaries; alone, a prompt prefills at full size). auto (the "
-        "default): 2.5x the predicted time of the step's decodes alone; 0: off (steps are "
-        "filled up to --max-prefill-tokens, as before)",
+        "chunked at page boundaries; alone, a prompt prefills at full size). auto: 2.5x the "
+        "predicted time of the step's decodes alone; 0 (the default): off (steps are filled "
+        "up to --max-prefill-tokens)",
     )
     s.add_argument(
         "--schedule-policy",
