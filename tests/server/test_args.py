@@ -312,3 +312,22 @@ def test_both_key_flags_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         parse_args(["--api-key", "a", "--api-key-file", str(tmp_path / "k")])
     assert "not both" in capsys.readouterr().err
+
+
+def test_chat_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    c = parse_args(["--chat-template", str(path), "--tool-call-parser", "llama3"]).chat
+    assert (c.template, c.tool_call_parser, c.reasoning_parser) == (template, "llama3", None)
+    c = parse_args(["--chat-template", template, "--reasoning-parser", "deepseek-r1"]).chat
+    assert c.template == template and c.reasoning_parser == "deepseek-r1"
+    assert parse_args([]).chat.template is None
+    for argv, why in (
+        (["--chat-template", str(tmp_path / "missing.jinja")], "chat_template: .* neither a file"),
+        (["--chat-template", "plain {text}"], "chat_template: not a Jinja template"),
+        (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert re.search(why, capsys.readouterr().err), argv
