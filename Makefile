@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy minisgl
 
 test: lint typecheck
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 tests
 
 bench-cpu: $(STAMP)
 	$(PY) -m minisgl.benchmark.cpu

@@ -349,13 +349,35 @@ def flush_cache(url: str, timeout: float = 60) -> None:
     r.raise_for_status()
 
 
+# The scheduler's running totals in /metrics that a run's `server` entry reports (their change).
+SERVER_TOTALS = {
+    "retractions": "minisgl_retractions",
+    "steps_timed": "minisgl_steps_timed",
+    "step_measured_s": 'minisgl_step_time_seconds{kind="measured"}',
+    "step_predicted_s": 'minisgl_step_time_seconds{kind="predicted"}',
+    "step_abs_error_s": 'minisgl_step_time_seconds{kind="abs_error"}',
+}
+
+
+def server_totals(url: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] not in ("#", ""))
+    return {key: float(values.get(name, 0.0)) for key, name in SERVER_TOTALS.items()}
+
+
 def run_online(work: Workload, url: str, rate: float, seed: int, procs: int = 1) -> dict[str, Any]:
-    """The run's summary, with every request's server token times under `token_times`
-    ([priority, t0, t1, ...] each: for plots; `report` takes them out of its JSON line)."""
+    """The run's summary, with the change of the server's totals under `server` and every
+    request's server token times under `token_times` ([priority, t0, t1, ...] each: for plots;
+    `report` takes them out of its JSON line)."""
     flush_cache(url)
+    before = server_totals(url)
     traces = run_clients(url, work, rate, seed, procs)
+    after = server_totals(url)
     return summarize(traces, work) | {
-        "token_times": [[t.priority, *t.server_times] for t in traces]
+        "server": {k: after[k] - before[k] for k in after},
+        "token_times": [[t.priority, *t.server_times] for t in traces],
     }
 
 
@@ -401,8 +423,14 @@ def print_table(offline: dict[str, float] | None, online: dict[str, Any]) -> Non
         return "/".join(f"{p[k]:.{digits}f}" for k in ("p50", "p90", "p99"))
 
     def row(label: str, s: dict[str, Any]) -> None:
+        # A priority class's row has latencies only (its throughput is the whole run's).
+        rates = (
+            f"{s['request_s']:>7.2f} {s['output_tok_s']:>9.1f}"
+            if "request_s" in s
+            else f"{s['requests']:>5} r {'':>9}"
+        )
         print(
-            f"{label:>10} {s.get('request_s', 0):>7.2f} {s.get('output_tok_s', 0):>9.1f} "
+            f"{label:>10} {rates} "
             f"{trio(s['ttft_ms']):>22} {trio(s['itl_server_ms'], 1):>28} "
             f"{s['tpot_ms']['p50']:>11.1f}"
         )
@@ -553,17 +581,19 @@ def run_targets(args: argparse.Namespace, model: str | None, work: Workload) -> 
         llm = load()
         return {"server": run(args.url)}
     out = {}
-    for target in args.itl_targets.split(",") if args.itl_targets else ["default"]:
+    targets = args.itl_targets.split(",") if args.itl_targets else ["default"]
+    for i, target in enumerate(targets):
         flags = extra if target == "default" else [*extra, "--itl-target-ms", target]
         log = args.server_log if target == "default" else f"{args.server_log}.{target}"
         with ServerProcess(model, log, flags) as server:
-            # On a CPU the offline engine loads while the server does; on a GPU after it
-            # (each sizes its KV pool from the memory left). Neither runs while the other
-            # is measured (both sit idle between their runs).
-            if llm is None and args.mem_fraction is None:
+            # On a CPU the offline engine loads while the first server does; on a GPU after
+            # the last one is ready (each sizes its KV pool from the memory left, and the
+            # offline engine's is not given back). Neither runs while the other is measured
+            # (both sit idle between their runs).
+            if i == 0 and args.mem_fraction is None:
                 llm = load()
             server.wait_ready()
-            if llm is None:
+            if i == len(targets) - 1 and llm is None:
                 llm = load()
             out[target] = run(server.url)
     return out

@@ -1,5 +1,11 @@
 """Frozen configs, resolved once by pure functions."""
 
+from minisgl.config.chat import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ChatConfig,
+    resolve_chat_template,
+)
 from minisgl.config.engine import (
     DTYPES,
     SCHEDULE_POLICIES,
@@ -12,6 +18,10 @@ from minisgl.config.model import ModelConfig, MoEConfig, RopeConfig, model_confi
 from minisgl.config.quant import QuantConfig, resolve_model_quantization
 
 __all__ = [
+    "REASONING_PARSERS",
+    "TOOL_CALL_PARSERS",
+    "ChatConfig",
+    "resolve_chat_template",
     "DTYPES",
     "SCHEDULE_POLICIES",
     "SPECULATIVE_ALGORITHMS",

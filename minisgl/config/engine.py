@@ -58,6 +58,9 @@ class EngineConfig:
     mem_fraction: float = 0.9
     cpu_kv_gib: float = 2.0  # KV pool size on CPU when num_pages is auto
     cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
+    # Steps that prefill up to this many tokens run as piecewise CUDA graphs (dense models at
+    # tp = 1; `minisgl.engine.piecewise`); 0: eagerly. Off with CUDA graphs.
+    piecewise_graph_max_tokens: int = 2048
     overlap: bool = True  # overlap scheduling (CUDA only)
     # The engine runs a few synthetic steps at start-up so serving never waits on a JIT
     # compile of a kernel variant (`minisgl.scheduler.warmup`); tests and tools may skip them.
@@ -70,9 +73,11 @@ class EngineConfig:
     reserve_decay_steps: int = 600
     # Inter-token latency target (`minisgl.scheduler.budget`): while requests decode, a step
     # prefills only the prompt tokens that the step-time model says fit in it. None: auto (2.5x
-    # the predicted time of the step's decodes alone); 0: off (the token limit alone, as
-    # before); else milliseconds.
-    itl_target_ms: float | None = None
+    # the predicted time of the step's decodes alone); 0: off (the token limit alone), the
+    # default: on the H200, with piecewise graphs, auto cost W4 16% of its saturated
+    # throughput and did not shorten the tail (docs/benchmarks.md, eleventh session); else
+    # milliseconds.
+    itl_target_ms: float | None = 0.0
     # fcfs | priority (`minisgl.scheduler.policy`): the waiting queue's order and who is
     # retracted first; under priority a request gains one level per `priority_aging_s` seconds
     # of waiting (0: never).
@@ -114,6 +119,10 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_gib: must be > 0, got {self.cpu_kv_gib}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs: must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.piecewise_graph_max_tokens < 0:
+            raise ValueError(
+                f"piecewise_graph_max_tokens: must be >= 0, got {self.piecewise_graph_max_tokens}"
+            )
         if not 0.0 < self.reserve_ratio <= 1.0:
             raise ValueError(f"reserve_ratio: must be in (0, 1], got {self.reserve_ratio}")
         if not 0.0 < self.min_reserve_ratio <= 1.0:

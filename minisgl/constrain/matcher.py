@@ -18,15 +18,28 @@ class RequestGrammar:
     `stop_ids` are the request's own stop tokens (EOS unless ignore_eos, stop_token_ids): the
     grammar allows them only where it may end, so a constrained request stops with "stop" only
     once its output is complete.
+
+    `start_after`: the grammar starts once this token has been accepted (a reasoning model's
+    end of thinking); until then every token is allowed.
     """
 
-    def __init__(self, compiled: Any, stop_ids: list[int]) -> None:
+    def __init__(self, compiled: Any, stop_ids: list[int], start_after: int | None = None) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids or None)
+        self._waiting_for = start_after
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (its start token has come)."""
+        return self._waiting_for is None
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False if the grammar does not allow it (then nothing changes)."""
+        if self._waiting_for is not None:
+            if token == self._waiting_for:
+                self._waiting_for = None
+            return True
         ok: bool = self._matcher.accept_token(token)
         return ok
 
@@ -74,14 +87,14 @@ class MaskFiller:
 
     def fill(self, grammars: list[RequestGrammar | None]) -> torch.Tensor:
         """[len(grammars), W] int32: row i the next tokens grammars[i] allows (all of them
-        once it has terminated: its stop token came, anything will do); rows of None are not
-        written."""
+        before it starts, and once it has terminated: its stop token came, anything will do);
+        rows of None are not written."""
         bits = self._buffer(len(grammars))
         live, rows = [], []
         for i, g in enumerate(grammars):
             if g is None:
                 continue
-            if g.terminated:
+            if g.terminated or not g.active:
                 bits[i].fill_(-1)
             else:
                 live.append(g.matcher)

@@ -49,6 +49,9 @@ class SamplingParams:
     ebnf: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     priority: int = 0
+    # The grammar applies only once this token has been sampled (a reasoning model's end of
+    # thinking, `</think>`): the thinking before it is free text.
+    grammar_after_token: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples inside (hashable, immutable).
@@ -117,7 +120,18 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias: a token id is given twice")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError if a token id of `logit_bias` is not in the vocabulary."""
+        """Raise InvalidRequestError if a token id of `logit_bias` or `stop_token_ids` is not
+        in the vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids: token id {t} is not in the vocabulary [0, {vocab_size}) "
+                    f"of {vocab_size} tokens"
+                )
+        if self.grammar_after_token is not None and self.grammar_after_token >= vocab_size:
+            raise InvalidRequestError(
+                f"grammar_after_token: {self.grammar_after_token} is not in the vocabulary"
+            )
         for t, _ in self.logit_bias:
             if t >= vocab_size:
                 raise InvalidRequestError(

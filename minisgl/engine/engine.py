@@ -19,7 +19,8 @@ from minisgl.config import (
 from minisgl.core import Batch, SeqInfo
 from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.kv_calibration import init_kv_scales
-from minisgl.engine.memory import graph_reserve_bytes, plan_num_pages
+from minisgl.engine.memory import graph_reserve_bytes, piecewise_reserve_bytes, plan_num_pages
+from minisgl.engine.piecewise import PiecewiseGraphRunner
 from minisgl.engine.sampler import (
     LogitBias,
     PenaltyInputs,
@@ -88,6 +89,7 @@ class Engine:
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
         self._build_kv(agree_num_pages, src, kv_scales)
         self.graphs = self._capture_graphs()
+        self.pieces = self._capture_pieces()
         # Speculative decoding's device proposer (the layer-skip draft), if configured.
         self.drafter = make_device_proposer(self)
         self.num_steps = 0  # batches run so far (the warm-up's included)
@@ -118,6 +120,8 @@ class Engine:
             cfg.max_running_requests, self.max_context, cfg.page_size, self.device
         )
         reserve = graph_reserve_bytes(cfg, mcfg, self.max_context) if self._wants_graphs() else 0
+        if self._wants_pieces():
+            reserve += piecewise_reserve_bytes(cfg, mcfg)
         own = cfg.num_pages or plan_num_pages(cfg, mcfg, num_kv_heads, self.max_context, reserve)
         self.num_pages = agree_num_pages(own) if agree_num_pages else own
         self.config = cfg = replace(cfg, num_pages=self.num_pages)
@@ -155,6 +159,18 @@ class Engine:
             return None
         return CudaGraphRunner(self)
 
+    def _wants_pieces(self) -> bool:
+        """Piecewise graphs for prefilling steps: with the decode graphs, at tp = 1, for a
+        dense model (a mixture of experts routes on host-side numbers)."""
+        cfg, dense = self.config, self.model_config.moe is None
+        wanted = cfg.piecewise_graph_max_tokens > 0 and cfg.tp_size == 1 and dense
+        return wanted and self._wants_graphs()
+
+    def _capture_pieces(self) -> PiecewiseGraphRunner | None:
+        if not (self._wants_pieces() and self.backend.supports_cuda_graph):
+            return None
+        return PiecewiseGraphRunner(self, self.config.piecewise_graph_max_tokens)
+
     @property
     def page_size(self) -> int:
         return self.config.page_size
@@ -180,6 +196,8 @@ class Engine:
         rows: StepRows | None
         if self.graphs is not None and self.graphs.can_run(batch):
             rows = self.graphs.run(batch)
+        elif self.pieces is not None and self.pieces.can_run(batch):
+            rows = self.pieces.run(batch)
         else:
             rows = self._run_eager(batch)
         return self._sample(batch, rows, mask)
@@ -191,9 +209,15 @@ class Engine:
         inputs.out_loc = self.token_locations(step.token_slots, step.positions)
         ctx = ForwardContext(self.backend, self.backend.prepare(inputs))
         hidden = self.model(input_ids, step.positions, ctx)  # [T, hidden]
+        return self.sampled_rows(batch, step, hidden)
+
+    def sampled_rows(self, batch: Batch, step: StepInputs, hidden: torch.Tensor) -> StepRows | None:
+        """The rows of the step's final hidden states [T, hidden] that sample (each such
+        request's last new token), with their request slots and context lengths."""
         rows = [i for i, s in enumerate(batch.sample) if s]
         if not rows:
             return None
+        inputs = step.attn
         last = step.cu_extend[1:] - 1  # [B] row of each request's last new token
         slots, seq_lens = inputs.req_slots, step.seq_lens
         if len(rows) < batch.size:

@@ -40,6 +40,13 @@ def graph_reserve_bytes(cfg: EngineConfig, mcfg: ModelConfig, max_context: int) 
     return 2 * (activations + tables + partials) + (256 << 20)
 
 
+def piecewise_reserve_bytes(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+    """Memory the piecewise graphs keep: the activations of their largest token count (the
+    smaller ones reuse them) and the attention output buffer."""
+    width = mcfg.hidden_size * 4 + mcfg.intermediate_size * 3 + mcfg.q_size * 4
+    return cfg.piecewise_graph_max_tokens * width * _elem(cfg) + (64 << 20)
+
+
 def plan_num_pages(
     cfg: EngineConfig,
     mcfg: ModelConfig,

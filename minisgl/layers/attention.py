@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -17,6 +19,17 @@ class ForwardContext:
     # RoPE rows of this step's positions (`RotaryEmbedding.lookup`), looked up once for all
     # layers by models that run the torch rotation; None: each layer looks them up.
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Piecewise CUDA graphs (`minisgl.engine.piecewise`): each attention layer hands its q/k/v
+    # projections and its `attend` to `pieces.split` and reads its output from what that returns.
+    pieces: Splitter | None = None
+
+
+class Splitter(Protocol):
+    def split(
+        self,
+        qkv: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
+    ) -> torch.Tensor: ...
 
 
 class PagedAttention(nn.Module):

@@ -4,6 +4,7 @@ from minisgl.message.codec import DecodeError, decode, encode
 from minisgl.message.types import (
     AbortReq,
     ChatMessage,
+    ChatOptions,
     DetokOut,
     EngineInfo,
     FlushCacheOut,
@@ -16,12 +17,14 @@ from minisgl.message.types import (
     TokenizedReq,
     TokenLogprob,
     TokenOut,
+    ToolCall,
     TopLogprob,
 )
 
 __all__ = [
     "AbortReq",
     "ChatMessage",
+    "ChatOptions",
     "DecodeError",
     "DetokOut",
     "EngineInfo",
@@ -35,6 +38,7 @@ __all__ = [
     "TokenLogprob",
     "TokenOut",
     "TokenizedReq",
+    "ToolCall",
     "TopLogprob",
     "decode",
     "encode",

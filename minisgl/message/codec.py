@@ -12,6 +12,7 @@ from minisgl.core import SamplingParams
 from minisgl.message.types import (
     AbortReq,
     ChatMessage,
+    ChatOptions,
     DetokOut,
     EngineInfo,
     FlushCacheOut,
@@ -24,6 +25,7 @@ from minisgl.message.types import (
     TokenizedReq,
     TokenLogprob,
     TokenOut,
+    ToolCall,
     TopLogprob,
 )
 
@@ -45,6 +47,8 @@ _TYPES: tuple[type, ...] = (
     EngineInfo,
     FlushCacheReq,
     FlushCacheOut,
+    ToolCall,
+    ChatOptions,
 )
 _CODES = {cls: code for code, cls in enumerate(_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES}

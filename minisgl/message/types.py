@@ -14,14 +14,37 @@ Every field is a plain value, list or another message, so `codec` packs them wit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl.core import SamplingParams
 
 
 @dataclass
+class ToolCall:
+    """A function call of an assistant message: `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
 class ChatMessage:
-    role: str  # system | user | assistant
+    role: str  # system | developer | user | assistant | tool
     content: str
+    name: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # role assistant
+    tool_call_id: str | None = None  # role tool: the call this message answers
+
+
+@dataclass
+class ChatOptions:
+    """How a conversation becomes a prompt: the tools (OpenAI's function objects) and
+    documents the chat template renders, and extra template variables."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    documents: list[dict[str, Any]] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -40,6 +63,10 @@ class GenerateReq:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    chat: ChatOptions | None = None  # with `messages`
+    # A reasoning model's end-of-thinking text (`</think>`): the grammar starts after it, when
+    # it is one token of the vocabulary (`SamplingParams.grammar_after_token`).
+    grammar_after: str | None = None
     # The request field its grammar (`params.constraint`) came from, named when the grammar is
     # refused; None: the constraint's kind.
     grammar_field: str | None = None
@@ -225,3 +252,6 @@ class EngineInfo:
     # Characters of the vocabulary's longest token (a bound on the characters one token can
     # stand for); None until the tokenizer worker fills it in.
     max_token_chars: int | None = None
+    # The format of the model's tool calls (`--tool-call-parser`, or detected from the chat
+    # template by the tokenizer worker); None: not known.
+    tool_call_parser: str | None = None

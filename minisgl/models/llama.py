@@ -47,7 +47,10 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, ctx))
+        qkv = self.qkv_proj(x)
+        if ctx.pieces is not None:  # a piecewise CUDA graph: attention runs between pieces
+            return self.o_proj(ctx.pieces.split(qkv, self.attend))
+        return self.o_proj(self.attend(qkv, positions, ctx))
 
     def attend(
         self, qkv: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -147,6 +150,15 @@ class LlamaModel(nn.Module):
     def _mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quant)
 
+    def attention_context(
+        self, ctx: ForwardContext, positions: torch.Tensor, like: torch.Tensor
+    ) -> ForwardContext:
+        """`ctx` with the RoPE rows of `positions` where the torch rotation needs them (the
+        fused rotation kernel, used for tensors like `like`, reads the table itself)."""
+        if fused_kernels(like) is None:
+            return replace(ctx, rope=self.rotary.lookup(positions))
+        return ctx
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -157,8 +169,7 @@ class LlamaModel(nn.Module):
         """`num_layers`: run only the first layers, then the final norm (a layer-skip draft:
         the model's own early exit)."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        if fused_kernels(h) is None:  # the fused rotation kernel reads the table itself
-            ctx = replace(ctx, rope=self.rotary.lookup(positions))
+        ctx = self.attention_context(ctx, positions, h)
         residual: torch.Tensor | None = None
         for layer in self.layers[:num_layers]:
             h, residual = layer(h, residual, positions, ctx)
@@ -193,6 +204,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden] (after the first
         `num_layers` layers only, when given)."""
         return self.model(input_ids, positions, ctx, num_layers)
+
+    def attention_context(
+        self, ctx: ForwardContext, positions: torch.Tensor, like: torch.Tensor
+    ) -> ForwardContext:
+        return self.model.attention_context(ctx, positions, like)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts where it needs to:

@@ -94,7 +94,9 @@ class Workers:
         logger.info("the workers' sockets and saved tokenizer: %s", self.tmpdir)
         tokenizer_dir = self.tmpdir / "tokenizer"
         sched = self._spawn("scheduler", scheduler_main, engine, self.ipc)
-        tok = self._spawn("tokenizer", tokenizer_main, engine.model, tokenizer_dir, self.ipc)
+        tok = self._spawn(
+            "tokenizer", tokenizer_main, engine.model, tokenizer_dir, self.ipc, self.config.chat
+        )
         self._await_ready(tok)  # the tokenizer is saved
         detok = self._spawn("detokenizer", detokenizer_main, tokenizer_dir, self.ipc)
         info = self._await_ready(sched).payload
@@ -194,6 +196,7 @@ def run_server(config: ServerConfig) -> None:
             api_key=config.api_key,
             limits=config.limits,
             shutdown_timeout=config.shutdown_timeout,
+            chat=config.chat,
         )
         app = build_app(state)
         logger.info("serving %s on http://%s:%d", info.model_name, config.host, config.port)

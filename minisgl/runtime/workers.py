@@ -14,7 +14,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from minisgl.config import EngineConfig
+from minisgl.config import ChatConfig, EngineConfig
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
 from minisgl.runtime.child import ChildReady, ParentLink, run_child
@@ -22,6 +22,7 @@ from minisgl.runtime.ranks import start_scheduler
 from minisgl.scheduler.process import SchedulerProcess
 from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.loading import load_and_save, load_saved
+from minisgl.tokenizer.parsers import detect_tool_call_parser
 from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars
 from minisgl.tokenizer.workers import DetokenizerWorker, TokenizerWorker
 from minisgl.weights import resolve_source
@@ -64,14 +65,16 @@ def _exit_on_rank_failure(reason: str) -> None:
 # ---- tokenizer and detokenizer -----------------------------------------------------------------
 
 
-def tokenizer_main(model: str | None, tokenizer_dir: Path, ipc: IpcPaths, link: ParentLink) -> None:
-    run_child("tokenizer", link, lambda c: _start_tokenizer(model, tokenizer_dir, ipc, c))
+def tokenizer_main(
+    model: str | None, tokenizer_dir: Path, ipc: IpcPaths, chat: ChatConfig, link: ParentLink
+) -> None:
+    run_child("tokenizer", link, lambda c: _start_tokenizer(model, tokenizer_dir, ipc, chat, c))
 
 
 def _start_tokenizer(
-    model: str | None, tokenizer_dir: Path, ipc: IpcPaths, conn: Connection
+    model: str | None, tokenizer_dir: Path, ipc: IpcPaths, chat: ChatConfig, conn: Connection
 ) -> Callable[[], None]:
-    tokenizer = load_and_save(model, tokenizer_dir)
+    tokenizer = load_and_save(model, tokenizer_dir, chat.template)
     conn.send(ChildReady(str(tokenizer_dir)))  # the detokenizer can start loading now
     info = conn.recv()  # the launcher passes on the scheduler's limits
     assert isinstance(info, EngineInfo)
@@ -84,7 +87,9 @@ def _start_tokenizer(
     )
     # The API server refuses prompts longer than the context by their characters, before they
     # are sent to be tokenized.
-    conn.send(ChildReady(replace(info, max_token_chars=max_token_chars(tokenizer))))
+    parser = chat.tool_call_parser or detect_tool_call_parser(tokenizer.chat_template)
+    info = replace(info, max_token_chars=max_token_chars(tokenizer), tool_call_parser=parser)
+    conn.send(ChildReady(info))
     return worker.run_forever
 
 

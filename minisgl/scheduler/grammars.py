@@ -98,7 +98,8 @@ class Grammars:
     def admit(self, req: Req) -> None:
         compiled = self._compiled.pop(req.rid, None)
         if compiled is not None:  # a retracted request keeps the matcher it has
-            self._matchers[req.rid] = RequestGrammar(compiled, sorted(req.stop_ids))
+            start = req.params.grammar_after_token
+            self._matchers[req.rid] = RequestGrammar(compiled, sorted(req.stop_ids), start)
 
     def accept(self, req: Req, token: int) -> bool:
         """Advance the request's matcher (True for an unconstrained request)."""

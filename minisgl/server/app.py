@@ -16,9 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from minisgl.config import ChatConfig
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
+from minisgl.server import responses as openai_responses
+from minisgl.server.chat import ChatParsing
 from minisgl.server.engine_client import EngineClient, EngineUnavailable
 from minisgl.server.errors import error_body, error_response, install_error_handlers
 from minisgl.server.limits import BodyLimit, Limits
@@ -27,12 +30,19 @@ from minisgl.server.openapi import (
     ChatCompletion,
     Completion,
     Generated,
+    ModelCard,
     ModelList,
+    ResponseObject,
     Status,
     openapi_schema,
     responses,
 )
-from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from minisgl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ResponsesRequest,
+)
 from minisgl.server.shutdown import DEFAULT_TIMEOUT_S, Gate, GateMiddleware, drain
 
 logger = logging.getLogger(__name__)
@@ -54,6 +64,7 @@ class ServerState:
     metrics: Metrics | None = None
     client: EngineClient | None = None
     gate: Gate = field(default_factory=Gate)
+    chat: ChatConfig = field(default_factory=ChatConfig)
 
 
 class BearerAuth:
@@ -150,6 +161,9 @@ def _get_and_head(app: FastAPI, path: str, endpoint: Callable[..., Any], **kw: A
 
 def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     model = state.info.model_name
+    parsing = ChatParsing(
+        state.chat.tool_call_parser or state.info.tool_call_parser, state.chat.reasoning_parser
+    )
     started = int(time.time())
     auth = (401,) if state.api_key is not None else ()
     got = (*auth, 503)  # what every GET route can answer besides 200 (503: shutting down)
@@ -157,7 +171,12 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
 
     @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *posted, stream=True))
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await openai_api.chat_completions(request, body, _client(state), model)
+        return await openai_api.chat_completions(request, body, _client(state), model, parsing)
+
+    @app.post("/v1/responses", responses=responses(ResponseObject, *posted, stream=True))
+    async def create_response(request: Request, body: ResponsesRequest) -> Response:
+        """The Responses API, stateless (`store` only false)."""
+        return await openai_responses.create_response(request, body, _client(state), model, parsing)
 
     @app.post("/v1/completions", responses=responses(Completion, *posted, stream=True))
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -167,17 +186,30 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     async def generate(request: Request, body: GenerateRequest) -> Response:
         return await native_api.generate(request, body, _client(state))
 
+    card = {
+        "id": model,
+        "object": "model",
+        "created": started,
+        "owned_by": "minisgl",
+        "max_model_len": state.info.max_context,
+    }
+
     async def models() -> JSONResponse:
-        card = {
-            "id": model,
-            "object": "model",
-            "created": started,
-            "owned_by": "minisgl",
-            "max_model_len": state.info.max_context,
-        }
         return JSONResponse({"object": "list", "data": [card]})
 
     _get_and_head(app, "/v1/models", models, responses=responses(ModelList, *got))
+
+    async def model_card(model_id: str) -> JSONResponse:
+        """One model (the SDK's `models.retrieve`); ids may hold slashes."""
+        if model_id != model:
+            return error_response(
+                404, f"model {model_id!r} does not exist; this server serves {model!r}", "model"
+            )
+        return JSONResponse(card)
+
+    _get_and_head(
+        app, "/v1/models/{model_id:path}", model_card, responses=responses(ModelCard, *got, 404)
+    )
 
     @app.post("/flush_cache", responses=responses(Status, *posted))
     async def flush_cache() -> JSONResponse:

@@ -6,7 +6,16 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minisgl.config import DTYPES, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, EngineConfig
+from minisgl.config import (
+    DTYPES,
+    REASONING_PARSERS,
+    SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
+    TOOL_CALL_PARSERS,
+    ChatConfig,
+    EngineConfig,
+    resolve_chat_template,
+)
 from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
 from minisgl.kvcache import CACHE_KINDS
@@ -21,6 +30,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     host: str = "127.0.0.1"
     port: int = 1919
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
@@ -142,13 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--itl-target-ms",
         type=itl_target,
-        default=None,
+        default=0.0,
         metavar="auto|MS",
         help="inter-token latency target: while requests decode, a step prefills only the "
         "prompt tokens that the measured step-time model says fit in it (long prompts are "
-        "chunked at page boundaries; alone, a prompt prefills at full size). auto (the "
-        "default): 2.5x the predicted time of the step's decodes alone; 0: off (steps are "
-        "filled up to --max-prefill-tokens, as before)",
+        "chunked at page boundaries; alone, a prompt prefills at full size). auto: 2.5x the "
+        "predicted time of the step's decodes alone; 0 (the default): off (steps are filled "
+        "up to --max-prefill-tokens)",
     )
     s.add_argument(
         "--schedule-policy",
@@ -177,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="decode batches up to this size replay CUDA graphs (padded to a captured size); "
         "0 disables the graphs",
+    )
+    s.add_argument(
+        "--piecewise-graph-max-tokens",
+        type=int,
+        default=2048,
+        help="steps that prefill up to this many tokens replay piecewise CUDA graphs (dense "
+        "models at tp 1; attention runs between the pieces); 0 runs them eagerly",
     )
     s.add_argument(
         "--disable-overlap",
@@ -241,8 +258,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="start without the warm-up steps; the first requests then wait for the kernels' "
         "JIT compiles",
     )
+    _add_chat_flags(p)
     _add_limit_flags(p)
     return p
+
+
+def _add_chat_flags(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("chat")
+    c.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_STRING",
+        help="a Jinja chat template (a file, or the template itself) used instead of the "
+        "model's own; it renders `messages`, `tools`, `documents` and chat_template_kwargs",
+    )
+    c.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help="the format of the model's tool calls (hermes = qwen25 = qwen3: <tool_call>{...}"
+        "</tool_call>; llama3: JSON after <|python_tag|>; mistral: [TOOL_CALLS][...]); "
+        "default: detected from the chat template",
+    )
+    c.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split the model's <think>...</think> part into reasoning_content; default: none "
+        "(the thinking stays in the content)",
+    )
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -383,6 +427,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_context_len=args.max_context_len,
         mem_fraction=args.mem_fraction,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
         overlap=not args.disable_overlap,
         cache=args.cache,
         tp_size=args.tp_size,
@@ -395,6 +440,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     return ServerConfig(
         engine=engine,
+        chat=ChatConfig(
+            template=resolve_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        ),
         host=args.host,
         port=args.port,
         api_key=resolve_api_key(args.api_key, args.api_key_file),

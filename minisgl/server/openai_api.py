@@ -6,16 +6,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from minisgl.message import ChatMessage, GenerateReq, TokenLogprob
+from minisgl.message import ChatMessage, ChatOptions, GenerateReq, TokenLogprob, ToolCall
+from minisgl.server.chat import ChatParsing, parser_factory, tool_call_json, tool_plan
 from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
 from minisgl.server.errors import ApiError
-from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
-from minisgl.server.sampling import choice_seeds, new_rid, sampling_params
+from minisgl.server.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from minisgl.server.sampling import choice_seeds, new_rid, request_grammar, sampling_params
 from minisgl.server.streaming import (
     DONE,
     ChoiceResult,
@@ -25,6 +26,7 @@ from minisgl.server.streaming import (
     sse,
     submit,
 )
+from minisgl.tokenizer.parsers import THINK_END, ChatDelta, ChatOutputParser
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -40,7 +42,13 @@ def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
         )
 
 
-def check_token_times(body: ChatCompletionRequest | CompletionRequest) -> None:
+def check_stream_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(
+            400,
+            "stream_options: only allowed when stream is true; remove it or set stream",
+            "stream_options",
+        )
     include = body.stream_options is not None and body.stream_options.include_usage
     if body.return_token_times and body.stream and not include:
         raise ApiError(
@@ -51,27 +59,61 @@ def check_token_times(body: ChatCompletionRequest | CompletionRequest) -> None:
         )
 
 
-def chat_request(body: ChatCompletionRequest) -> GenerateReq:
+class ChatPlan(NamedTuple):
+    req: GenerateReq
+    parser: Callable[[], ChatOutputParser] | None  # one per choice; None: no parsing
+
+
+def chat_request(body: ChatCompletionRequest, parsing: ChatParsing) -> ChatPlan:
     check_supported(body)
-    check_token_times(body)
+    check_stream_fields(body)
+    if body.store:
+        raise ApiError(400, "store: this server keeps no answers; leave it out or false", "store")
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
-    params, grammar_field = sampling_params(body, body.logprobs, top)
+    other = request_grammar(body)
+    plan = tool_plan(
+        body.tools or [],
+        body.tool_choice,
+        body.parallel_tool_calls,
+        parsing.tool_call_parser,
+        other.field.split(".")[0] if other is not None else None,
+    )
+    params, grammar_field = sampling_params(body, body.logprobs, top, plan.grammar)
     base = new_rid()
-    return GenerateReq(
+    options = chat_options(body, plan.template_tools)
+    req = GenerateReq(
         rids=[f"{base}-{i}" for i in range(body.n)],
         seeds=choice_seeds(body.seed, body.n),
         params=params,
         max_tokens=body.max_completion_tokens or body.max_tokens,
-        messages=[ChatMessage(m.role, m.text) for m in body.messages],
+        messages=[chat_message(m) for m in body.messages],
+        chat=options,
         grammar_field=grammar_field,
     )
+    thinking = options.template_kwargs.get("enable_thinking", True) is not False
+    if thinking and parsing.reasoning_parser is not None and params.constraint is not None:
+        req.grammar_after = THINK_END  # the answer follows the grammar, not the thinking
+    return ChatPlan(req, parser_factory(plan, parsing, thinking))
+
+
+def chat_message(m: ChatMessageIn) -> ChatMessage:
+    calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+    return ChatMessage(m.role, m.text, m.name, calls, m.tool_call_id)
+
+
+def chat_options(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ChatOptions:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        # Templates that can think take `enable_thinking`; an explicit kwarg wins.
+        kwargs.setdefault("enable_thinking", body.reasoning_effort not in ("none", "minimal"))
+    return ChatOptions(tools, list(body.documents or ()), kwargs)
 
 
 def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
     check_supported(body)
-    check_token_times(body)
+    check_stream_fields(body)
     prompts = body.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ApiError(400, "prompt: must not be empty", "prompt")
@@ -136,6 +178,8 @@ def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(lps: list[TokenLogprob], offset: int, top: bool) -> dict[str, Any]:
+    """`top`: each token's top alternatives (the request's `logprobs` of them) and the sampled
+    token itself, as OpenAI gives them: up to logprobs + 1 entries."""
     offsets = []
     for t in lps:
         offsets.append(offset)
@@ -143,9 +187,15 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int, top: bool) -> dict
     return {
         "tokens": [t.token for t in lps],
         "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [{x.token: x.logprob for x in t.top} for t in lps] if top else None,
+        "top_logprobs": [_top_with_sampled(t) for t in lps] if top else None,
         "text_offset": offsets,
     }
+
+
+def _top_with_sampled(t: TokenLogprob) -> dict[str, float]:
+    top = {x.token: x.logprob for x in t.top}
+    top.setdefault(t.token, t.logprob)
+    return top
 
 
 @dataclass(frozen=True)
@@ -178,26 +228,29 @@ async def _run(
 
 
 async def chat_completions(
-    request: Request, body: ChatCompletionRequest, client: EngineClient, model: str
+    request: Request,
+    body: ChatCompletionRequest,
+    client: EngineClient,
+    model: str,
+    parsing: ChatParsing,
 ) -> Response:
-    req = chat_request(body)
+    req, make_parser = chat_request(body, parsing)
     meta = ResponseMeta(f"chatcmpl-{new_rid()}", int(time.time()), model)
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         stream = submit(client, [req])
         first = await first_batch(request, stream)
-        events = _chat_events(
-            stream, first, meta, body.n, body.logprobs, include, body.return_token_times
+        opts = ChatStreamOptions(
+            body.n, body.logprobs, include, body.return_token_times, make_parser, parsing
         )
-        return EventStreamResponse(events, stream)
+        return EventStreamResponse(_chat_events(stream, first, meta, opts), stream)
 
     def respond(results: list[ChoiceResult]) -> dict[str, Any]:
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": r.text},
+                **chat_message_out(r.text, r.finish_reason, make_parser, parsing),
                 "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
-                "finish_reason": r.finish_reason,
             }
             for i, r in enumerate(results)
         ]
@@ -209,13 +262,52 @@ async def chat_completions(
     return await _run(request, client, [req], body.n, respond)
 
 
+def chat_message_out(
+    text: str,
+    finish_reason: str | None,
+    make_parser: Callable[[], ChatOutputParser] | None,
+    parsing: ChatParsing,
+) -> dict[str, Any]:
+    """A whole choice's `message` and `finish_reason`, its output split by the parsers."""
+    if make_parser is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    d = make_parser().parse(text)
+    message: dict[str, Any] = {"role": "assistant"}
+    message["content"] = d.content if d.content.strip() or not d.calls else None
+    if parsing.reasoning_parser is not None:
+        message["reasoning_content"] = d.reasoning or None
+    if d.calls:
+        message["tool_calls"] = [tool_call_json(c) for c in d.calls]
+    return {"message": message, "finish_reason": calls_finish(finish_reason, bool(d.calls))}
+
+
+def calls_finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" for an answer that stopped after its calls."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_deltas(d: ChatDelta) -> list[dict[str, Any]]:
+    """The deltas of a parsed piece, as OpenAI streams them: the reasoning, the content, and
+    per call first its id and name, then its arguments."""
+    out: list[dict[str, Any]] = []
+    if d.reasoning:
+        out.append({"reasoning_content": d.reasoning})
+    if d.content:
+        out.append({"content": d.content})
+    for c in d.calls:
+        head = {"index": c.index, "id": c.id, "type": "function"}
+        out.append({"tool_calls": [{**head, "function": {"name": c.name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": c.index, "function": {"arguments": c.arguments}}]})
+    return out
+
+
 async def completions(
     request: Request, body: CompletionRequest, client: EngineClient, model: str
 ) -> Response:
     reqs = completion_requests(body)
     meta = ResponseMeta(f"cmpl-{new_rid()}", int(time.time()), model)
     num_choices = len(reqs) * body.n
-    want_lp, top = body.logprobs is not None, bool(body.logprobs)
+    want_lp = top = body.logprobs is not None
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         stream = submit(client, reqs)
@@ -251,39 +343,56 @@ async def _batches(
         yield batch
 
 
+@dataclass(frozen=True)
+class ChatStreamOptions:
+    n: int
+    logprobs: bool
+    include_usage: bool
+    token_times: bool
+    make_parser: Callable[[], ChatOutputParser] | None
+    parsing: ChatParsing
+
+
 async def _chat_events(
     stream: RequestStream,
     first: list[ChoiceOutput],
     meta: ResponseMeta,
-    n: int,
-    logprobs: bool,
-    include_usage: bool,
-    token_times: bool,
+    opts: ChatStreamOptions,
 ) -> AsyncIterator[bytes]:
     def chunk(index: int, delta: dict[str, Any], lps: Any, reason: str | None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
         body = meta.envelope("chat.completion.chunk", [choice])
-        if include_usage:
+        if opts.include_usage:
             body["usage"] = None
         return sse(body)
 
+    n = opts.n
     results = [ChoiceResult() for _ in range(n)]
+    parsers = [opts.make_parser() if opts.make_parser else None for _ in range(n)]
     yield b"".join(chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(n))
     async for batch in _batches(stream, first):
         events = []
         for co in batch:
-            out = co.out
+            out, parser = co.out, parsers[co.index]
             results[co.index].add(out)
-            if out.text or out.logprobs:
-                lps = chat_logprobs(out.logprobs) if logprobs else None
-                events.append(chunk(co.index, {"content": out.text}, lps, None))
+            lps = chat_logprobs(out.logprobs) if opts.logprobs and out.logprobs else None
+            if parser is None:
+                deltas = [{"content": out.text}] if out.text or lps else []
+            else:
+                d = parser.feed(out.text)
+                if out.finished:
+                    d += parser.finish()
+                deltas = chat_deltas(d) or ([{"content": ""}] if lps else [])
+            for k, delta in enumerate(deltas):
+                events.append(chunk(co.index, delta, lps if k == 0 else None, None))
             if out.finished:
-                events.append(chunk(co.index, {}, None, out.finish_reason))
+                called = parser is not None and parser.num_calls > 0
+                reason = calls_finish(out.finish_reason, called)
+                events.append(chunk(co.index, {}, None, reason))
         yield b"".join(events)
-    if include_usage:
-        yield sse(
-            {**meta.envelope("chat.completion.chunk", []), "usage": usage(results, n, token_times)}
-        )
+    if opts.include_usage:
+        body = meta.envelope("chat.completion.chunk", [])
+        yield sse({**body, "usage": usage(results, n, opts.token_times)})
     yield DONE
 
 

@@ -84,6 +84,17 @@ class ModelCard(_Open):
     owned_by: str
 
 
+class ResponseObject(_Open):
+    """A Responses API answer: `output` holds message, function_call and reasoning items."""
+
+    id: str
+    object: str
+    created_at: int
+    model: str
+    status: str
+    output: list[dict[str, Any]]
+
+
 class ModelList(_Open):
     object: str
     data: list[ModelCard]
@@ -102,6 +113,7 @@ _WHY = {
     ),
     401: "Missing or wrong API key.",
     408: "The request's header or body did not arrive within the server's time-out.",
+    404: "No such model: the server serves one, the id `/v1/models` lists.",
     413: "The request body is larger than --max-request-bytes.",
     503: "The engine is unavailable, the server is shutting down, or (with Retry-After) too "
     "many sequences are queued.",

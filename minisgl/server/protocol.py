@@ -110,16 +110,55 @@ class StreamOptions(_OpenAI):
 
 
 class TextPart(_OpenAI):
+    # Clients add keys of their own to parts (say, `cache_control`); they do not change the text.
+    model_config = ConfigDict(extra="ignore")
+
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(_OpenAI):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(_OpenAI):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageIn(_OpenAI):
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str | list[TextPart], one_of("a string or a list of text parts")]
+    """A message of the conversation. The fields OpenAI's SDK writes into `model_dump()` of an
+    answer (`refusal`, `annotations`, `audio`, `function_call`) are accepted as null or empty."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | list[TextPart], one_of("a string or a list of text parts")] | None = (
+        None
+    )
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+    reasoning_content: str | None = None  # a reasoning model's earlier thinking; not re-sent
+
+    @model_validator(mode="after")
+    def _content_by_role(self) -> ChatMessageIn:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required, except for an assistant message with tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: required in a message of role tool")
+        if self.annotations:
+            raise ValueError("annotations: only null or [] in a request")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -198,23 +237,69 @@ class SamplingFields(_OpenAI):
         return []
 
 
+class FunctionDef(_OpenAI):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # the arguments always follow the schema when enforced
+
+
+class Tool(_OpenAI):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_OpenAI):
+    name: str
+
+
+class NamedToolChoice(_OpenAI):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice,
+    one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
+]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+STORE = "Only false: this server keeps nothing (true is refused)."
+CHAT_TEMPLATE_KWARGS = (
+    'Extra variables for the model\'s chat template, such as {"enable_thinking": false}.'
+)
+REASONING_EFFORT = (
+    '"none" or "minimal" turn a reasoning model\'s thinking off (where its chat template '
+    "takes `enable_thinking`); the others leave it on."
+)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
+    # Accepted for compatibility: they do not change the answer.
+    store: bool | None = Field(default=None, description=STORE)
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    modalities: list[Literal["text"]] | None = None
+    reasoning_effort: ReasoningEffort | None = Field(default=None, description=REASONING_EFFORT)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description=CHAT_TEMPLATE_KWARGS
+    )
+    documents: list[dict[str, Any]] | None = Field(
+        default=None, description="Documents for a chat template that takes them (RAG)."
+    )
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        bad += [f for f in ("tools", "functions") if getattr(self, f)]
-        bad += [
-            f for f in ("tool_choice", "function_call") if getattr(self, f) not in (None, "none")
-        ]
+        bad += [f for f in ("functions",) if getattr(self, f)]
+        bad += [f for f in ("function_call",) if getattr(self, f) not in (None, "none")]
         return bad
 
 
@@ -301,3 +386,112 @@ class GenerateRequest(_Strict):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` and `input_ids`")
         return self
+
+
+# ---- the Responses API (stateless) ---------------------------------------------------------
+
+
+class _Item(_OpenAI):
+    # Items the SDK returns carry more fields (ids, statuses, annotations) than a request needs;
+    # a client sends them back as they came.
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputText(_Item):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str | list[InputText], one_of("a string or a list of text parts")]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ReasoningItem(_Item):
+    """A reasoning item of an earlier answer: accepted, not shown to the model again."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    one_of("a message, function_call, function_call_output or reasoning item"),
+]
+
+
+class ResponseTool(_OpenAI):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedTool(_OpenAI):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_OpenAI):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_OpenAI):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ReasoningConfig(_OpenAI):
+    effort: ReasoningEffort | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_OpenAI):
+    model: str | None = None
+    input: Annotated[str | list[InputItem], one_of("a string or a list of input items")]
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[ResponseTool] | None = None
+    tool_choice: (
+        Annotated[
+            Literal["none", "auto", "required"] | ResponseNamedTool,
+            one_of('"none", "auto", "required" or {"type": "function", "name": ...}'),
+        ]
+        | None
+    ) = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool = False
+    store: bool | None = Field(default=None, description=STORE)
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # an extension

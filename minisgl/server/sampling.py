@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from minisgl.core import JSON_OBJECT, InvalidRequestError, SamplingParams
 from minisgl.server.errors import ApiError
@@ -75,12 +75,16 @@ class Sampling(NamedTuple):
 
 
 def sampling_params(
-    body: SamplingFields | NativeSamplingParams, logprobs: bool, top_logprobs: int
+    body: SamplingFields | NativeSamplingParams,
+    logprobs: bool,
+    top_logprobs: int,
+    grammar: GrammarField | None = None,
 ) -> Sampling:
     """The body's sampling fields checked by `SamplingParams` (`max_tokens` travels apart,
-    since the default depends on the prompt's length)."""
-    grammar = request_grammar(body)
-    constraint = {grammar.kind: grammar.text} if grammar is not None else {}
+    since the default depends on the prompt's length); `grammar`: one that replaces the body's
+    own (a forced tool call's)."""
+    grammar = grammar if grammar is not None else request_grammar(body)
+    constraint: dict[str, Any] = {grammar.kind: grammar.text} if grammar is not None else {}
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     try:

@@ -12,8 +12,14 @@ from typing import Any
 from minisgl.weights import load_tokenizer, resolve_source
 
 
-def load_and_save(model: str | None, directory: str | Path) -> Any:
+def load_and_save(
+    model: str | None, directory: str | Path, chat_template: str | None = None
+) -> Any:
+    """The model's tokenizer (with `chat_template` in place of its own, when given), also
+    saved in `directory`."""
     tokenizer = load_tokenizer(resolve_source(model))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(directory))
     return tokenizer
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -10,7 +11,7 @@ import jinja2
 
 from minisgl.core import InvalidRequestError
 from minisgl.core import resolve_max_tokens as core_resolve_max_tokens
-from minisgl.message import ChatMessage, EngineInfo, GenerateReq, TokenizedReq
+from minisgl.message import ChatMessage, ChatOptions, EngineInfo, GenerateReq, TokenizedReq
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, info: EngineInfo) -> int:
@@ -18,6 +19,40 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, info: EngineInfo
     limits); None becomes all the room the prompt leaves."""
     pool_tokens = info.num_pages * info.page_size
     return core_resolve_max_tokens(prompt_len, max_tokens, info.max_context, pool_tokens)
+
+
+# apply_chat_template's own parameters, which `chat_template_kwargs` must not override.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+     "continue_final_message", "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it (Hugging Face's convention): `developer` is the
+    system prompt, and a call's arguments are an object where they parse as one."""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    out["content"] = m.content
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+            for c in m.tool_calls
+        ]  # fmt: skip
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class RequestTokenizer:
@@ -29,35 +64,63 @@ class RequestTokenizer:
         if req.text is not None:
             return list(self.tokenizer(req.text)["input_ids"])
         if req.messages is not None:
-            return self.chat_ids(req.messages)
+            return self.chat_ids(req.messages, req.chat)
         assert req.input_ids is not None
         vocab = self.info.vocab_size
         if any(not 0 <= t < vocab for t in req.input_ids):
             raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
         return list(req.input_ids)
 
-    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        conv = [{"role": m.role, "content": m.content} for m in messages]
+    def chat_ids(self, messages: list[ChatMessage], chat: ChatOptions | None = None) -> list[int]:
+        # What apply_chat_template(tokenize=True) does: the template's text holds its special
+        # tokens already.
+        text = self.chat_prompt(messages, chat)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chat_prompt(self, messages: list[ChatMessage], chat: ChatOptions | None = None) -> str:
+        """The conversation rendered by the chat template, with its tools and documents."""
+        chat = chat or ChatOptions()
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "messages: this model's tokenizer has no chat template; send a prompt to "
-                "/v1/completions instead"
+                "/v1/completions instead (or start the server with --chat-template)"
+            )
+        reserved = sorted(set(chat.template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs: {reserved[0]!r} is set by the server; remove it"
             )
         try:
-            out = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=True, tokenize=True
+            text = self.tokenizer.apply_chat_template(
+                [template_message(m) for m in messages],
+                tools=chat.tools or None,
+                documents=chat.documents or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **chat.template_kwargs,
             )
         except jinja2.TemplateError as e:
             # Templates reject conversations they cannot render (say, roles out of order).
             raise InvalidRequestError(f"messages: the chat template refused them: {e}") from e
-        ids = out["input_ids"] if not isinstance(out, list) else out
-        return list(ids)
+        assert isinstance(text, str)
+        return text
+
+    def single_token(self, text: str | None) -> int | None:
+        """The id of the vocabulary token spelled `text`, if there is one."""
+        if text is None:
+            return None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return int(ids[0]) if len(ids) == 1 else None
 
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
         req.params.check_vocab(self.info.vocab_size)
         ids = self.prompt_ids(req)
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, self.info)
-        params = replace(req.params, max_tokens=max_tokens)
+        params = replace(
+            req.params,
+            max_tokens=max_tokens,
+            grammar_after_token=self.single_token(req.grammar_after),
+        )
         return [
             TokenizedReq(rid, ids, params, seed)
             for rid, seed in zip(req.rids, req.seeds, strict=True)

@@ -186,6 +186,23 @@ def test_fast_path_matches_reference() -> None:
     assert len(replays) >= NUM_TOKENS - 1, "decode steps should replay CUDA graphs"
 
 
+def test_piecewise_graph_steps_match_reference() -> None:
+    """A small prefill budget: every step that prefills (chunks beside decodes) replays the
+    piecewise graphs of its token bucket, with attention launched between the pieces."""
+    llm = make_llm(fast=True, max_prefill_tokens=200)
+    assert llm.engine.pieces is not None and llm.engine.pieces.pieces
+    counts = []
+    original = llm.engine.pieces.run
+
+    def spy(batch: Any) -> Any:
+        counts.append(batch.num_tokens)
+        return original(batch)
+
+    llm.engine.pieces.run = spy  # type: ignore[method-assign]
+    check_against_reference(llm)
+    assert len(counts) >= 10 and any(n not in llm.engine.pieces.sizes for n in counts)
+
+
 def test_batch_one_steps_match_reference() -> None:
     """Requests one at a time: every decode step is one row, which the layers run as fused GEMVs
     (`DecoderLayer.forward_one_row`, captured in the batch-1 graph)."""

@@ -111,3 +111,20 @@ def test_a_bad_grammar_is_refused_before_anything_runs(llm) -> None:
         params(regex="a", ebnf='root ::= "a"')
     assert llm.engine.num_steps == steps
     assert not llm.scheduler.has_work
+
+
+def test_a_grammar_after_its_start_token(llm) -> None:
+    """A reasoning model's thinking is free text: the grammar starts once its end-of-thinking
+    token came (here a token the free answer writes early, standing in for `</think>`)."""
+    prompt = chat_ids(llm, "Tell me a short story about a cat.")
+    [free] = llm.generate([prompt], params(max_tokens=8), use_tqdm=False)
+    start = free["token_ids"][4]
+    cut = free["token_ids"].index(start) + 1
+    p = params(json_schema=json.dumps(PERSON), max_tokens=80, grammar_after_token=start)
+    [out] = llm.generate([prompt], p, use_tqdm=False)
+    assert out["token_ids"][:cut] == free["token_ids"][:cut]  # unconstrained up to the start
+    assert out["finish_reason"] == "stop", out
+    answer = llm.tokenizer.decode(out["token_ids"][cut:], skip_special_tokens=True)
+    jsonschema.validate(json.loads(answer), PERSON)
+    with pytest.raises(InvalidRequestError, match="grammar_after_token"):
+        llm.generate([prompt], params(json_schema="{}", grammar_after_token=10**6), use_tqdm=False)

@@ -38,6 +38,7 @@ FLAGS = [
     "--skip-warmup",
     "--mem-fraction",
     "--cuda-graph-max-bs",
+    "--piecewise-graph-max-tokens",
     "--disable-overlap",
     "--kv-cache-dtype",
     "--kv-cache-calibrate",
@@ -105,13 +106,17 @@ def test_flags_map_onto_the_engine_config() -> None:
             "0.5",
             "--cuda-graph-max-bs",
             "0",
+            "--piecewise-graph-max-tokens",
+            "512",
             "--disable-overlap",
         ]
     )
     e = cfg.engine
     assert (e.mem_fraction, e.cuda_graph_max_bs, e.overlap) == (0.5, 0, False)
+    assert e.piecewise_graph_max_tokens == 512
     default = parse_args([]).engine
     assert (default.mem_fraction, default.cuda_graph_max_bs, default.overlap) == (0.9, 256, True)
+    assert default.piecewise_graph_max_tokens == 2048
     assert (cfg.host, cfg.port, cfg.api_key, cfg.log_level) == ("0.0.0.0", 8000, "k", "debug")
     assert (e.cache, e.page_size, e.max_prefill_tokens, e.max_running_requests) == (
         "naive",
@@ -153,7 +158,7 @@ def test_scheduling_flags() -> None:
     assert (e.itl_target_ms, e.schedule_policy, e.priority_aging_s) == (7.5, "priority", 2.0)
     assert parse_args(["--itl-target-ms", "0"]).engine.itl_target_ms == 0.0  # off
     default = parse_args([]).engine
-    assert (default.itl_target_ms, default.schedule_policy) == (None, "fcfs")  # None: auto
+    assert (default.itl_target_ms, default.schedule_policy) == (0.0, "fcfs")  # off
     assert parse_args(["--itl-target-ms", "auto"]).engine.itl_target_ms is None
 
 
@@ -206,6 +211,7 @@ def test_bad_multi_node_flags(
         ["--mem-fraction", "0"],
         ["--mem-fraction", "1.5"],
         ["--cuda-graph-max-bs", "-1"],
+        ["--piecewise-graph-max-tokens", "-1"],
         ["--max-request-bytes", "0"],
         ["--max-seqs-per-request", "0"],
         ["--max-seqs-per-request", "10", "--max-queued-seqs", "5"],
@@ -306,3 +312,22 @@ def test_both_key_flags_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         parse_args(["--api-key", "a", "--api-key-file", str(tmp_path / "k")])
     assert "not both" in capsys.readouterr().err
+
+
+def test_chat_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    c = parse_args(["--chat-template", str(path), "--tool-call-parser", "llama3"]).chat
+    assert (c.template, c.tool_call_parser, c.reasoning_parser) == (template, "llama3", None)
+    c = parse_args(["--chat-template", template, "--reasoning-parser", "deepseek-r1"]).chat
+    assert c.template == template and c.reasoning_parser == "deepseek-r1"
+    assert parse_args([]).chat.template is None
+    for argv, why in (
+        (["--chat-template", str(tmp_path / "missing.jinja")], "chat_template: .* neither a file"),
+        (["--chat-template", "plain {text}"], "chat_template: not a Jinja template"),
+        (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert re.search(why, capsys.readouterr().err), argv

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from minisgl.core import InvalidRequestError, SamplingParams
-from minisgl.message import ChatMessage, EngineInfo, GenerateReq
+from minisgl.message import ChatMessage, ChatOptions, EngineInfo, GenerateReq, ToolCall
 from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars, resolve_max_tokens
 
 INFO = EngineInfo("m", max_context=64, num_pages=100, page_size=1, vocab_size=49152)
@@ -94,3 +94,36 @@ def test_a_tokenizer_that_loses_text_has_no_bound(tmp_path: Path) -> None:
     words = load_saved(synthetic_tokenizer_model(str(config_dir), tmp_path))
     assert len(words("x" * 10_000)["input_ids"]) == 1
     assert max_token_chars(words) is None
+
+
+def test_grammar_starts_after_a_single_token_only(tokenizer: Any) -> None:
+    """The end-of-thinking text becomes the grammar's start token when the vocabulary has it
+    as one token (SmolLM2 has `<|im_end|>`, not `</think>`)."""
+    rt = RequestTokenizer(tokenizer, INFO)
+    for text, expected in (("<|im_end|>", 2), ("</think>", None), (None, None)):
+        r = req(text="Hi", grammar_after=text)
+        assert rt.tokenize(r)[0].params.grammar_after_token == expected
+
+
+def test_developer_tools_and_tool_messages_reach_the_template(tokenizer: Any) -> None:
+    import copy
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ m.tool_call_id }}|"
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments.x }}"
+        "{% endfor %}]{% endfor %}{{ tools | length }}{{ flag }}"
+    )
+    messages = [
+        ChatMessage("developer", "Be brief."),
+        ChatMessage("assistant", "", tool_calls=[ToolCall("c1", "f", '{"x": 5}')]),
+        ChatMessage("tool", "ok", tool_call_id="c1"),
+    ]
+    options = ChatOptions(tools=[{"type": "function", "function": {"name": "f"}}],
+                          template_kwargs={"flag": "!"})  # fmt: skip
+    text = RequestTokenizer(tok, INFO).chat_prompt(messages, options)
+    assert text == "[system|Be brief.||][assistant|||f5][tool|ok|c1|]1!"
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs: 'tokenize'"):
+        RequestTokenizer(tok, INFO).chat_prompt(
+            messages, ChatOptions(template_kwargs={"tokenize": 1})
+        )

@@ -1,0 +1,88 @@
+"""Grammars that force a tool call: the call objects (`{"name": ..., args_key: {...}}`) of the
+allowed functions, each argument object following its function's parameter schema, written
+in the model's own call format (between its tags, or as items of one JSON array).
+
+The result is EBNF text (a `Constraint` of kind "ebnf"), so it travels and is compiled like
+any other grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NamedTuple
+
+from minisgl.constrain.grammar import JSON_MAX_WHITESPACE, GrammarError
+from minisgl.constrain.schema import UnenforceableSchema, check_enforceable
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class FunctionSchema(NamedTuple):
+    name: str
+    parameters: dict[str, Any] | None  # a JSON schema of the arguments; None: no arguments
+
+
+class CallLayout(NamedTuple):
+    """How calls are written (see `minisgl.tokenizer.parsers.CallFormat`)."""
+
+    args_key: str
+    open: str
+    close: str
+    separator: str
+    array: bool
+
+
+def call_object_schema(functions: list[FunctionSchema], args_key: str) -> dict[str, Any]:
+    """The JSON schema of one call of any of `functions`."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f.name},
+                args_key: f.parameters if f.parameters is not None else EMPTY_PARAMETERS,
+            },
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def forced_calls_grammar(
+    functions: list[FunctionSchema], layout: CallLayout, parallel: bool
+) -> str:
+    """EBNF of one call (or, with `parallel`, one or more) of `functions`; GrammarError (kind
+    "tools") when a parameter schema cannot be enforced."""
+    import xgrammar as xgr
+
+    for f in functions:
+        try:
+            check_enforceable(f.parameters if f.parameters is not None else EMPTY_PARAMETERS)
+        except UnenforceableSchema as e:
+            raise GrammarError("tools", f"function {f.name!r}: {e}") from None
+    schema = call_object_schema(functions, layout.args_key)
+    if layout.array:
+        schema = {"type": "array", "items": schema, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+    try:
+        call = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+        )
+    except (RuntimeError, ValueError) as e:
+        raise GrammarError("tools", f"a parameter schema cannot be compiled: {e}") from None
+    parts = [_literal(layout.open), call, _literal(layout.close)]
+    one = xgr.Grammar.concat(*[p for p in parts if p is not None])
+    if layout.array or not parallel:
+        return str(one)
+    # One or more calls: the single call's root becomes a rule of its own, repeated.
+    text = re.sub(r"^root ::= ", "one_call ::= ", str(one), count=1, flags=re.MULTILINE)
+    sep = json.dumps(layout.separator)
+    return f"root ::= one_call ({sep} one_call)*\n{text}"
+
+
+def _literal(text: str) -> Any:
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") if text else None

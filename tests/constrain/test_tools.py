@@ -1,0 +1,77 @@
+"""The grammar of a forced tool call accepts exactly the calls of the allowed functions whose
+arguments follow their schemas, in the call format asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar
+from minisgl.constrain.tools import CallLayout, FunctionSchema, forced_calls_grammar
+from minisgl.core import Constraint
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+FUNCTIONS = [FunctionSchema("get_weather", CITY), FunctionSchema("now", None)]
+HERMES = CallLayout("arguments", "<tool_call>\n", "\n</tool_call>", "\n", array=False)
+ARRAY = CallLayout("arguments", "", "", "", array=True)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Any) -> GrammarCompiler:
+    return GrammarCompiler(lambda: tokenizer, len(tokenizer))
+
+
+def accepts(compiler: GrammarCompiler, tokenizer: Any, grammar: str, text: str) -> bool:
+    """Whether `text`, then EOS, is a complete output of `grammar`."""
+    g = RequestGrammar(compiler.compile(Constraint("ebnf", grammar)), [tokenizer.eos_token_id])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return all(g.accept(t) for t in ids) and g.accept(tokenizer.eos_token_id)
+
+
+W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+N = '{"name": "now", "arguments": {}}'
+
+
+@pytest.mark.parametrize(
+    ("layout", "parallel", "text", "ok"),
+    [
+        (HERMES, False, f"<tool_call>\n{W}\n</tool_call>", True),
+        (HERMES, False, f"<tool_call>\n{N}\n</tool_call>", True),
+        (HERMES, False, f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{N}\n</tool_call>", False),
+        (HERMES, True, f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{N}\n</tool_call>", True),
+        (HERMES, False, W, False),  # the tags are part of the format
+        (
+            HERMES,
+            False,
+            '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+            False,
+        ),
+        (HERMES, False, '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>', False),
+        (ARRAY, False, f"[{W}]", True),
+        (ARRAY, False, f"[{W}, {N}]", False),
+        (ARRAY, True, f"[{W}, {N}]", True),
+        (ARRAY, True, "[]", False),
+    ],
+)
+def test_forced_calls(
+    compiler: GrammarCompiler,
+    tokenizer: Any,
+    layout: CallLayout,
+    parallel: bool,
+    text: str,
+    ok: bool,
+) -> None:
+    grammar = forced_calls_grammar(FUNCTIONS, layout, parallel)
+    assert accepts(compiler, tokenizer, grammar, text) is ok
+
+
+def test_a_schema_that_cannot_be_enforced_is_refused() -> None:
+    bad = FunctionSchema("f", {"type": "object", "not": {"required": ["x"]}})
+    with pytest.raises(GrammarError, match="function 'f'"):
+        forced_calls_grammar([bad], HERMES, parallel=False)
