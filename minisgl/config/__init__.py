@@ -9,6 +9,7 @@ from minisgl.config.chat import (
 from minisgl.config.engine import (
     DTYPES,
     SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
     EngineConfig,
     apply_env_switches,
     resolve_engine_config,
@@ -23,6 +24,7 @@ __all__ = [
     "resolve_chat_template",
     "DTYPES",
     "SCHEDULE_POLICIES",
+    "SPECULATIVE_ALGORITHMS",
     "EngineConfig",
     "ModelConfig",
     "MoEConfig",

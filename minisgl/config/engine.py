@@ -11,6 +11,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LOAD_FORMATS = ("auto", "dummy")
 KV_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 SCHEDULE_POLICIES = ("fcfs", "priority")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 
 # Environment switches (for benchmarks, bisecting and tests), read here and nowhere else in
 # the engine's config: "1" turns the feature off (on, for the debug mode).
@@ -82,6 +83,17 @@ class EngineConfig:
     # of waiting (0: never).
     schedule_policy: str = "fcfs"
     priority_aging_s: float = 10.0
+    # Speculative decoding (`minisgl.spec`): None (off) | ngram (prompt lookup: the tokens that
+    # followed the last occurrence of the request's last n tokens) | draft (the target's own
+    # first `speculative_draft_layers` layers with its final norm and LM head). Each verify step
+    # scores up to `speculative_num_draft_tokens` drafts per request; batches of more than
+    # `speculative_max_batch` decoding requests, and requests whose drafts are mostly rejected,
+    # decode plainly.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_n: int = 3  # longest suffix looked up (shorter ones down to 1 after it)
+    speculative_draft_layers: int = 0  # 0: auto (a quarter of the layers, at least one)
+    speculative_max_batch: int = 8
     show_progress: bool = True
     # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
     # allocator are overwritten with NaN, and giving back a page or slot that a step in flight
@@ -120,6 +132,31 @@ class EngineConfig:
         self._check_distributed()
         self._check_fp8()
         self._check_scheduling()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm: {algo!r} is not one of "
+                f"{', '.join(SPECULATIVE_ALGORITHMS)} (or None: off)"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens: must be >= 1, got "
+                f"{self.speculative_num_draft_tokens}"
+            )
+        if self.speculative_ngram_n < 1:
+            raise ValueError(f"speculative_ngram_n: must be >= 1, got {self.speculative_ngram_n}")
+        if self.speculative_draft_layers < 0:
+            raise ValueError(
+                "speculative_draft_layers: must be >= 0 (0: auto), got "
+                f"{self.speculative_draft_layers}"
+            )
+        if self.speculative_max_batch < 1:
+            raise ValueError(
+                f"speculative_max_batch: must be >= 1, got {self.speculative_max_batch}"
+            )
 
     def _check_scheduling(self) -> None:
         if self.itl_target_ms is not None and not self.itl_target_ms >= 0:

@@ -44,6 +44,13 @@ class Batch:
     token row. The engine applies `page_writes` and `token_writes` (in list order, before the
     step's kernels) and, in the KV debug mode, poisons `freed_pages` (pages given back to the
     allocator since the previous plan) so that a step that still read them would see NaNs.
+
+    Speculative decoding: a row with `draft_lens[i] = d > 0` verifies d draft tokens. It
+    computes the request's last token and the d drafts after it (`extend_lens[i] = d + 1`,
+    starting at the last token's position) and samples at all d + 1 positions, keeping the
+    accepted drafts and one token of the target's (`minisgl.spec.verify`). The drafts are in
+    the token row once `token_writes` are applied, or are written there by the engine's
+    device proposer. An empty `draft_lens` means no row verifies.
     """
 
     seqs: list[SeqInfo]
@@ -54,12 +61,21 @@ class Batch:
     token_writes: list[TableWrite] = field(default_factory=list)
     page_writes: list[TableWrite] = field(default_factory=list)
     freed_pages: list[int] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.seqs)
         assert len(self.prefix_lens) == n and len(self.extend_lens) == n
         assert len(self.sample) == n and len(self.out_index) == n
         assert all(e >= 1 for e in self.extend_lens)
+        assert not self.draft_lens or len(self.draft_lens) == n
+        for d, e, s in zip(self.draft_lens, self.extend_lens, self.sample):
+            assert d == 0 or (e == d + 1 and s), "a verify row extends by its drafts and samples"
+
+    @property
+    def speculative(self) -> bool:
+        """Whether some row verifies drafts."""
+        return any(self.draft_lens)
 
     @property
     def size(self) -> int:

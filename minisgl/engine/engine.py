@@ -30,6 +30,7 @@ from minisgl.engine.sampler import (
     sample,
     to_device,
 )
+from minisgl.engine.speculative import make_device_proposer, verify_step
 from minisgl.engine.step import ForwardOutput, StepInputs, StepRows, TokenMask
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.layers import ForwardContext
@@ -89,6 +90,8 @@ class Engine:
         self._build_kv(agree_num_pages, src, kv_scales)
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
+        # Speculative decoding's device proposer (the layer-skip draft), if configured.
+        self.drafter = make_device_proposer(self)
         self.num_steps = 0  # batches run so far (the warm-up's included)
 
     def _build_model(self, src: ModelSource) -> KVScales | None:
@@ -188,6 +191,8 @@ class Engine:
         if self.config.debug_kv:
             self.pool.poison(batch.freed_pages)
         self.table.apply(batch.page_writes, batch.token_writes)
+        if batch.speculative:  # eager, and its tokens are on the host when it returns
+            return verify_step(self, batch, mask)
         rows: StepRows | None
         if self.graphs is not None and self.graphs.can_run(batch):
             rows = self.graphs.run(batch)
@@ -227,12 +232,15 @@ class Engine:
         return pages * ps + positions % ps
 
     def _step_inputs(self, batch: Batch) -> StepInputs:
-        """The device inputs of an eager step, from one host-to-device copy of every
-        per-request number of the step; per-token numbers are built on the device."""
-        b, t = batch.size, batch.num_tokens
-        prefix, ext, seq_lens_host = batch.prefix_lens, batch.extend_lens, batch.seq_lens
+        return self.step_inputs(batch.slots, batch.prefix_lens, batch.extend_lens)
+
+    def step_inputs(self, slots: list[int], prefix: list[int], ext: list[int]) -> StepInputs:
+        """The device inputs of an eager step (rows: request slot, tokens already in KV, new
+        tokens), from one host-to-device copy of every per-request number of the step;
+        per-token numbers are built on the device."""
+        b, t = len(slots), sum(ext)
+        seq_lens_host = [p + e for p, e in zip(prefix, ext)]
         cu = [0, *itertools.accumulate(ext)]
-        slots = batch.slots
         decode = t == b
         # New token i of request r is step row cu[r] + i at position prefix[r] + i: its row
         # plus shift[r]. (A host list of T positions cost 0.7 ms at T = 8,000: building it

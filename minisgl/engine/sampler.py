@@ -267,13 +267,11 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None  # [B, K] fp32
 
 
-def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
-    """logits [B, V] (fp32, or the model's 16-bit dtype: upcast here where the math needs it;
-    argmax and the fused kernel take them as they are, the upcast being exact) -> next tokens,
-    and log-probs when asked for."""
-    raw = logits
+def adjust_logits(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """logits [B, V] -> the logits sampling draws from: grammar masks, logit bias, penalties
+    and min_tokens' stop masks applied (in place on `logits` only where the raw ones are not
+    wanted afterwards: log-probs are of the raw distribution)."""
     if inp.token_mask is not None:
-        # In place unless the raw distribution is still wanted (log-probs are of the raw one).
         keep_raw = inp.want_logprobs or bool(inp.top_logprobs)
         logits = apply_token_mask(logits.clone() if keep_raw else logits, inp.token_mask)
     if inp.logit_bias is not None:
@@ -282,6 +280,29 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
         logits = apply_penalties(logits.float(), inp.penalties)
     if inp.stop_mask is not None:
         logits = mask_stop_ids(logits, inp.stop_mask)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """Adjusted logits [B, V] -> the fp32 distribution [B, V] a row with a temperature samples
+    from: temperature, then top-k / top-p, then min-p (not renormalised after the cuts: the
+    exponential race only needs ratios)."""
+    temp = inp.temperature.clamp(min=1e-5).unsqueeze(1)
+    probs = torch.softmax(logits.float() / temp, dim=-1)
+    if inp.needs_sort:
+        probs = _top_k_top_p(probs, inp.top_k, inp.top_p)
+    if inp.needs_min_p:
+        cut = inp.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < cut, 0.0)
+    return probs
+
+
+def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
+    """logits [B, V] (fp32, or the model's 16-bit dtype: upcast here where the math needs it;
+    argmax and the fused kernel take them as they are, the upcast being exact) -> next tokens,
+    and log-probs when asked for."""
+    raw = logits
+    logits = adjust_logits(logits, inp)
     if inp.all_greedy:
         tokens = logits.argmax(dim=-1)
     elif _use_fused(logits, inp):
@@ -290,18 +311,16 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
         assert inp.keys is not None
         tokens = gumbel_argmax(logits, inp.temperature, inp.keys)
     else:
-        logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
-        temp = inp.temperature.clamp(min=1e-5).unsqueeze(1)
-        probs = torch.softmax(logits / temp, dim=-1)
-        if inp.needs_sort:
-            probs = _top_k_top_p(probs, inp.top_k, inp.top_p)
-        if inp.needs_min_p:
-            cut = inp.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < cut, 0.0)
+        probs = sampling_probs(logits, inp)
         noise = -torch.log(hashed_uniform(inp.seeds, inp.steps, probs.shape[1]))
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(inp.temperature == 0, greedy_tokens, sampled)
+    return with_logprobs(raw, tokens, inp)
+
+
+def with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
+    """The sampled `tokens` [B] with the log-probs (of the raw logits [B, V]) asked for."""
     if not (inp.want_logprobs or inp.top_logprobs):
         return SampleOutput(tokens, None, None, None)
     logp = torch.log_softmax(raw.float(), dim=-1)

@@ -24,6 +24,9 @@ class ForwardOutput:
     # Waited for. On the CPU a step counts as completed only then, as if the device were slow:
     # the scheduler's deferred frees run the same way as on a GPU (and the tests see them).
     waited: bool = False
+    # A verify step (speculative decoding): tokens each sampling row produced, in row order;
+    # `tokens_host` and the log-probs then hold them all, row after row. None: one per row.
+    counts: list[int] | None = None
 
     def wait(self) -> None:
         """Block until the step has completed on the device."""

@@ -160,12 +160,18 @@ class LlamaModel(nn.Module):
         return ctx
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """`num_layers`: run only the first layers, then the final norm (a layer-skip draft:
+        the model's own early exit)."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         ctx = self.attention_context(ctx, positions, h)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             h, residual = layer(h, residual, positions, ctx)
         return self.norm(h, residual)[0]
 
@@ -189,10 +195,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tie_to=tied)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
+        """input_ids, positions [T] -> final hidden states [T, hidden] (after the first
+        `num_layers` layers only, when given)."""
+        return self.model(input_ids, positions, ctx, num_layers)
 
     def attention_context(
         self, ctx: ForwardContext, positions: torch.Tensor, like: torch.Tensor

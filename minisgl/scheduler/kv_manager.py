@@ -115,6 +115,20 @@ class KVManager:
         self._page_writes.append(TableWrite(req.slot, len(req.pages), new))
         req.pages.extend(new)
 
+    def write_tokens(self, req: Req, start: int, ids: list[int]) -> None:
+        """Queue token ids for cells `start ..` of the request's token row (drafts to verify)."""
+        assert req.slot is not None
+        self._token_writes.append(TableWrite(req.slot, start, ids))
+
+    def shrink(self, req: Req, tokens: int, last_step: int) -> None:
+        """`req` keeps pages for its first `tokens` tokens only (rejected drafts rolled back):
+        its own pages past them come back once step `last_step` has completed."""
+        keep = max(pages_for(tokens, self.page_size), req.cache_len // self.page_size)
+        extra = req.pages[keep:]
+        if extra:
+            self._deferred.append(_Deferred(last_step, extra, None, None))
+            del req.pages[keep:]
+
     def cache_prefix(self, req: Req, last_step: int) -> None:
         """Offer the request's stored whole pages to the prefix cache and switch to the cache's
         copies, so a later request with the same prefix can share them. Pages of ours that the

@@ -23,6 +23,7 @@ from minisgl.message import (
 )
 from minisgl.message.transport import Receiver, Sender
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.spec import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class SchedulerProcess:
         s = self.scheduler
         kv, st, gs, timed = s.kv_accounting(), s.stats, s.grammars.stats, s.timer.totals
         queue_times = [[float(p), t] for p, t in s.queue_times]
+        spec = s.spec.stats if s.spec is not None else SpecStats()
         s.queue_times.clear()
         return SchedulerStats(
             running=len(s.running),
@@ -146,6 +148,9 @@ class SchedulerProcess:
             grammar_cache_hits=gs.hits,
             time=time.time(),
             retractions=st["retractions"],
+            spec_verify_rows=spec.verify_rows,
+            spec_proposed=spec.proposed,
+            spec_accepted=spec.accepted,
             retractions_by_priority=[[p, n] for p, n in s.retractions_by_priority.items()],
             queue_times=queue_times,
             steps_timed=timed.steps,

@@ -29,6 +29,7 @@ from minisgl.scheduler.step_time import LinearStepTime, StepShape, StepTimeModel
 from minisgl.scheduler.sync import RequestSync
 from minisgl.scheduler.timing import Sample, StepTimer
 from minisgl.scheduler.warmup import run_warmup
+from minisgl.spec import DraftRow, NgramProposer, Proposer, SpecPolicy, ngram_hit
 from minisgl.weights import load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,14 @@ class Scheduler:
         vocab = engine.model_config.vocab_size
         self.grammars = Grammars(tokenizer_loader or self._model_tokenizer, vocab)
         self._refused: list[StepEvent] = []  # finished before running (a grammar that failed)
+        # Speculative decoding: who speculates (None: off) and the host proposer (n-gram;
+        # the layer-skip draft runs in the engine).
+        self.spec: SpecPolicy | None = None
+        self.proposer: Proposer | None = None
+        if cfg.speculative_algorithm is not None:
+            self.spec = SpecPolicy(cfg.speculative_num_draft_tokens, cfg.speculative_max_batch)
+        if cfg.speculative_algorithm == "ngram":
+            self.proposer = NgramProposer(cfg.speculative_ngram_n)
         self._arrivals = 0
         self.stats = {
             "prompt_tokens": 0,
@@ -280,6 +289,10 @@ class Scheduler:
         engine launches the model, then calls back, and the previous step is processed (and
         the mask filled) while the device runs the new step's forward.
         """
+        if self._in_flight is not None and self._speculates_next():
+            # Drafts need every token on the host: finish the step in flight, then verify.
+            last, self._in_flight = self._in_flight, None
+            return self.process(last) + self.run_normal()
         planned = self.schedule()
         prev, events = self._in_flight, None
 
@@ -332,6 +345,7 @@ class Scheduler:
         decode = [r for r in self.running if self._ready_to_decode(r)]
         decode = self._make_room_for_decode(decode)
         room = self.kv.available_pages - self._pages_needed(decode)
+        drafts, room = self._plan_drafts(decode, room)
         prefill = self._prefill_chunks(room, self._budget(decode))
         stuck = [r for r in self.running if self._needs_step(r)]
         if not decode and not prefill and stuck:
@@ -342,8 +356,11 @@ class Scheduler:
         if not reqs:
             return None
         prefix = [r.num_computed for r in reqs]
-        extend = [1] * len(decode) + [n for _, n in prefill]
-        sample = [p + e == r.seq_len for r, p, e in zip(reqs, prefix, extend)]
+        draft_lens = drafts + [0] * len(prefill) if any(drafts) else []
+        extend = [1 + d for d in drafts] + [n for _, n in prefill]
+        sample = [True] * len(decode) + [
+            p + e == r.seq_len for (r, e), p in zip(prefill, prefix[len(decode) :])
+        ]
         out_index = [r.num_sampled for r in reqs]
         for r, p, e in zip(reqs, prefix, extend):
             self.kv.grow(r, p + e)
@@ -366,8 +383,66 @@ class Scheduler:
             token_writes=token_writes,
             page_writes=page_writes,
             freed_pages=freed,
+            draft_lens=draft_lens,
         )
         return reqs, batch
+
+    # ---- speculative decoding ----------------------------------------------------------
+
+    def _draft_limit(self, r: Req) -> int:
+        """Drafts `r` may verify now: within max_tokens and the context (the step's own token
+        comes on top), 0 when it should not speculate."""
+        assert self.spec is not None
+        if r.params.constraint is not None or len(r.output_ids) != r.num_sampled:
+            return 0  # grammars are not advanced through drafts; tokens still in flight
+        room = min(r.params.max_tokens - r.num_sampled, self.max_context - r.seq_len) - 1
+        return max(0, min(self.spec.k, room))
+
+    def _speculates_next(self) -> bool:
+        """Whether the next step would verify drafts if all tokens were on the host (the
+        overlap loop then finishes the step in flight first)."""
+        if self.spec is None:
+            return False
+        ready = [r for r in self.running if self._ready_to_decode(r)]
+        if not ready or len(ready) > self.spec.max_batch:
+            return False
+        ok = [r for r in ready if self.spec.allows(r.rid) and r.params.constraint is None]
+        if self.proposer is None:  # a device draft always proposes
+            return bool(ok)
+        n = self.config.speculative_ngram_n
+        return any(ngram_hit(r.all_ids(), n) for r in ok)
+
+    def _plan_drafts(self, decode: list[Req], room: int) -> tuple[list[int], int]:
+        """Drafts per decoding request (0: a plain decode) within `room` free pages; host
+        drafts are queued as token writes. Returns them and the room left."""
+        drafts = [0] * len(decode)
+        if self.spec is None:
+            return drafts, room
+        chosen = self.spec.select([r.rid for r in decode])
+        if self._in_flight is not None:  # tokens in flight: drafts wait for the host
+            return drafts, room
+        want = [(i, r, self._draft_limit(r)) for i, r in enumerate(decode) if r.rid in chosen]
+        want = [(i, r, k) for i, r, k in want if k]
+        if self.proposer is not None:
+            slots = [r.slot for _, r, _ in want]
+            assert None not in slots  # running requests hold a slot
+            rows = [
+                DraftRow(r.all_ids(), s, k, r.seq_len)  # type: ignore[arg-type]
+                for (_, r, k), s in zip(want, slots)
+            ]
+            proposed = self.proposer.propose(rows)
+        else:
+            proposed = [[0] * k for _, _, k in want]  # lengths only: the engine drafts
+        for (i, r, _), ids in zip(want, proposed):
+            need = pages_for(r.seq_len + len(ids), self.page_size)
+            extra = need - max(len(r.pages), pages_for(r.seq_len, self.page_size))
+            if not ids or extra > room:
+                continue
+            room -= max(0, extra)
+            drafts[i] = len(ids)
+            if self.proposer is not None:
+                self.kv.write_tokens(r, r.seq_len, ids)
+        return drafts, room
 
     def _can_sample_more(self, r: Req) -> bool:
         """False once the launched steps have sampled every token `r` may get."""
@@ -524,19 +599,31 @@ class Scheduler:
         out.wait()
         self.timer.completed(step.shape)
         self._completed = max(self._completed, step.number)
-        # The step's KV is in the pool now: a request that finishes below caches all of it.
+        counts = out.counts or [1] * len(out.sample_rows)
+        drafts = batch.draft_lens or [0] * batch.size
+        # The step's KV is in the pool now: a request that finishes below caches all of it
+        # (a verify row's up to its last token: its accepted drafts count once appended).
         live = [r.seq is seq for r, seq in zip(reqs, batch.seqs)]  # not released since
-        for r, is_live, end in zip(reqs, live, batch.seq_lens):
+        for i, (r, is_live, end) in enumerate(zip(reqs, live, batch.seq_lens)):
             if is_live:
-                r.num_stored = max(r.num_stored, end)
+                r.num_stored = max(r.num_stored, batch.prefix_lens[i] + 1 if drafts[i] else end)
         tokens = out.tokens_host.tolist()
         events: list[StepEvent] = []
-        for k, row in enumerate(out.sample_rows):
-            req = reqs[row]
+        flat = 0
+        for row, count in zip(out.sample_rows, counts):
+            req, first = reqs[row], flat
+            flat += count
             if req.finished:  # finished or aborted while its step ran: the token is dropped
                 continue
-            self._append_token(req, tokens[k], out, k)
-            events.append(StepEvent(req, [tokens[k]], req.finished))
+            new: list[int] = []
+            for k in range(first, first + count):
+                self._append_token(req, tokens[k], out, k)
+                new.append(tokens[k])
+                if req.finished:
+                    break
+            if drafts[row]:
+                self._verified(req, batch.prefix_lens[row], drafts[row], count)
+            events.append(StepEvent(req, new, req.finished))
         # After the tokens: a request's next step (in flight) may already count the KV of the
         # token just appended, and the cache needs the ids of every page it takes.
         for r, seq, e in zip(reqs, batch.seqs, batch.extend_lens):
@@ -544,6 +631,17 @@ class Scheduler:
                 self.kv.cache_prefix(r, self._launched)
         self.kv.reclaim(self._completed)
         return events
+
+    def _verified(self, req: Req, prefix: int, proposed: int, count: int) -> None:
+        """A verify row of `req` kept `count` tokens: its lengths follow, and the pages of
+        the rejected drafts go back."""
+        assert self.spec is not None
+        self.spec.record(req.rid, proposed, count - 1)
+        if req.finished:  # released with its step: nothing left to roll back
+            return
+        req.num_sampled += count - 1
+        req.num_computed = req.num_stored = prefix + count
+        self.kv.shrink(req, req.seq_len, self._launched)
 
     def _append_token(self, req: Req, token: int, out: ForwardOutput, k: int) -> None:
         req.output_ids.append(token)
@@ -570,6 +668,8 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         self.grammars.drop(req.rid)
+        if self.spec is not None:
+            self.spec.drop(req.rid)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req, self._launched)

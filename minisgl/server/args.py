@@ -10,6 +10,7 @@ from minisgl.config import (
     DTYPES,
     REASONING_PARSERS,
     SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
     TOOL_CALL_PARSERS,
     ChatConfig,
     EngineConfig,
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="longest prompt + output in tokens; 0: the model's maximum",
     )
+    add_speculative_args(p)
     d = p.add_argument_group(
         "multi-node",
         "Ranks spread evenly over the nodes. Node 0 serves HTTP and holds ranks "
@@ -355,6 +357,50 @@ def itl_target(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected auto or milliseconds, got {text!r}") from None
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    sp = p.add_argument_group(
+        "speculative decoding",
+        "Each verify step scores the drafts of every speculating request in one forward and "
+        "keeps the longest prefix the target's own sampling agrees with (greedy output and "
+        "the sampling distribution are unchanged); a request whose drafts are mostly rejected, "
+        "and a batch larger than --speculative-max-batch, decodes plainly.",
+    )
+    sp.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=SPECULATIVE_ALGORITHMS,
+        help="ngram: prompt lookup (what followed the last earlier occurrence of the last n "
+        "tokens); draft: the model's own first --speculative-draft-layers layers with its "
+        "final norm and LM head; default: off",
+    )
+    sp.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="drafts verified per request and step at most",
+    )
+    sp.add_argument(
+        "--speculative-ngram-n",
+        type=int,
+        default=3,
+        help="ngram: the longest suffix looked up (shorter ones down to 1 when it is not found)",
+    )
+    sp.add_argument(
+        "--speculative-draft-layers",
+        type=int,
+        default=0,
+        metavar="L",
+        help="draft: layers of the layer-skip draft; 0: a quarter of the model's, at least one",
+    )
+    sp.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=8,
+        help="steps with more decoding requests than this do not speculate",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError naming the flag to change."""
     resolve_source(args.model)  # fail here, not after the workers started, on a bad path
@@ -373,6 +419,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         itl_target_ms=args.itl_target_ms,
         schedule_policy=args.schedule_policy,
         priority_aging_s=args.priority_aging_s,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_ngram_n=args.speculative_ngram_n,
+        speculative_draft_layers=args.speculative_draft_layers,
+        speculative_max_batch=args.speculative_max_batch,
         max_context_len=args.max_context_len,
         mem_fraction=args.mem_fraction,
         cuda_graph_max_bs=args.cuda_graph_max_bs,

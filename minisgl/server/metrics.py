@@ -148,6 +148,18 @@ class Metrics:
             "since start",
             registry=r,
         )
+        self.spec_tokens = Gauge(
+            "minisgl_spec_tokens",
+            "Speculative decoding since start: draft tokens proposed (verified) and accepted",
+            ["kind"],
+            registry=r,
+        )
+        self.spec_accept_length = Gauge(
+            "minisgl_spec_mean_accepted_length",
+            "Tokens a speculating request gained per verify step on average, since start "
+            "(accepted drafts plus the target's own token; 0 before any)",
+            registry=r,
+        )
         self.retractions_by_priority = Gauge(
             "minisgl_retractions_by_priority",
             "Retractions since start, by the retracted request's priority",
@@ -210,6 +222,10 @@ class Metrics:
         for priority, seconds in s.queue_times:
             self.queue_time.labels(self.priority_label(priority)).observe(seconds)
         self.retractions.set(s.retractions)
+        self.spec_tokens.labels("proposed").set(s.spec_proposed)
+        self.spec_tokens.labels("accepted").set(s.spec_accepted)
+        rows = s.spec_verify_rows
+        self.spec_accept_length.set((s.spec_accepted + rows) / rows if rows else 0.0)
         for priority, count in s.retractions_by_priority:
             self.retractions_by_priority.labels(self.priority_label(priority)).set(count)
         self.steps_timed.set(s.steps_timed)

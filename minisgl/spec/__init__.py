@@ -1,0 +1,18 @@
+"""Speculative decoding: proposers behind one interface (`base.Proposer`), the acceptance rule
+(`verify`) and when to speculate (`policy`)."""
+
+from minisgl.spec.base import DraftRow, Proposer
+from minisgl.spec.layer_skip import LayerSkipProposer
+from minisgl.spec.ngram import NgramProposer, ngram_hit, ngram_lookup
+from minisgl.spec.policy import SpecPolicy, SpecStats
+
+__all__ = [
+    "DraftRow",
+    "LayerSkipProposer",
+    "NgramProposer",
+    "Proposer",
+    "SpecPolicy",
+    "SpecStats",
+    "ngram_hit",
+    "ngram_lookup",
+]

@@ -1,0 +1,217 @@
+"""Greedy outputs with speculative decoding are token-identical to those without (fp32, CPU),
+for both proposers, tiny random Llama-3 and Qwen3 models, batched, with chunked prefill, the
+radix cache, page sizes 1 and 16, retraction forced by a small pool, overlap scheduling forced
+on, an abort in flight, stop ids and max_tokens; the KV invariant holds after every step and
+the pool is whole at the end (the tests run in the KV debug mode)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from helpers import assert_kv_clean, random_prompts
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import Req
+from minisgl.scheduler import Scheduler
+
+NUM_TOKENS = 24
+VOCAB = 384
+
+
+def prompts() -> list[list[int]]:
+    """Random prompts, some sharing a prefix (radix matches), some repeating themselves
+    (n-gram matches), of lengths that need several chunks."""
+    ps = random_prompts(6, VOCAB, seed=7, lo=5, hi=40)
+    shared = ps[0][:20]
+    return [*ps[:3], shared + ps[3], ps[4] * 3, shared + ps[5][:4] * 4]
+
+
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=True)
+
+
+def make_llm(path: Any, overlap: bool = False, **options: Any) -> LLM:
+    options.setdefault("max_prefill_tokens", 32)  # chunked prefill
+    llm = LLM(str(path), dtype="float32", device="cpu", skip_warmup=True, **options)
+    if overlap:
+        llm.scheduler = Scheduler(llm.engine, overlap=True)
+    assert llm.scheduler.kv.debug, "the tests run in the KV debug mode"
+    step = llm.scheduler.step
+
+    def checked_step() -> Any:  # the KV invariant after every step
+        events = step()
+        llm.scheduler.check_invariants()
+        return events
+
+    llm.scheduler.step = checked_step  # type: ignore[method-assign]
+    return llm
+
+
+def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[dict[str, Any]]:
+    outs = llm.generate(prompts(), params, use_tqdm=False)
+    assert_kv_clean(llm)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> Any:
+    """Outputs without speculation, per (arch, page size)."""
+    made: dict[tuple[str, int], list[dict[str, Any]]] = {}
+
+    def get(arch: str, page_size: int) -> list[dict[str, Any]]:
+        if (arch, page_size) not in made:
+            made[arch, page_size] = generate(make_llm(tiny_model_dir(arch), page_size=page_size))
+        return made[arch, page_size]
+
+    return get
+
+
+def assert_same(ref: list[dict[str, Any]], out: list[dict[str, Any]]) -> None:
+    for a, b in zip(ref, out, strict=True):
+        assert b["token_ids"] == a["token_ids"]
+        assert b["finish_reason"] == a["finish_reason"]
+        if "logprobs" in a:
+            assert all(
+                math.isclose(x, y, abs_tol=1e-4) for x, y in zip(a["logprobs"], b["logprobs"])
+            )
+
+
+def spec_stats(llm: LLM) -> Any:
+    assert llm.scheduler.spec is not None
+    return llm.scheduler.spec.stats
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("arch", "algo", "page_size"),
+    [
+        ("qwen3", "ngram", 16),
+        ("llama3", "draft", 1),
+        pytest.param("qwen3", "ngram", 1, marks=SLOW),
+        pytest.param("qwen3", "draft", 1, marks=SLOW),
+        pytest.param("qwen3", "draft", 16, marks=SLOW),
+        pytest.param("llama3", "ngram", 1, marks=SLOW),
+        pytest.param("llama3", "ngram", 16, marks=SLOW),
+        pytest.param("llama3", "draft", 16, marks=SLOW),
+    ],
+)
+def test_greedy_identical(tiny_model_dir, reference, arch, algo, page_size) -> None:
+    llm = make_llm(tiny_model_dir(arch), page_size=page_size, speculative_algorithm=algo)
+    out = generate(llm)
+    assert_same(reference(arch, page_size), out)
+    stats = spec_stats(llm)
+    assert stats.verify_rows > 0 and stats.proposed > stats.verify_rows
+    if algo == "ngram":
+        assert stats.accepted > 0  # the looping outputs of a random model repeat themselves
+
+
+@pytest.mark.parametrize("algo", [pytest.param("ngram", marks=SLOW), "draft"])
+def test_retraction_with_a_small_pool(tiny_model_dir, reference, algo) -> None:
+    """Six requests in a pool that holds about three: retractions while drafts come and go."""
+    llm = make_llm(
+        tiny_model_dir("qwen3"),
+        page_size=16,
+        num_pages=12,
+        reserve_ratio=0.05,  # admit all six: decoding runs short
+        min_reserve_ratio=0.05,
+        speculative_algorithm=algo,
+        speculative_draft_layers=2,
+    )
+    out = generate(llm)
+    assert llm.scheduler.stats["retractions"] > 0
+    assert spec_stats(llm).accepted > 0
+    assert_same(reference("qwen3", 16), out)
+
+
+def test_overlap_forced_on(tiny_model_dir, reference) -> None:
+    """Overlap scheduling: the step in flight is finished before a verify step."""
+    llm = make_llm(tiny_model_dir("qwen3"), True, speculative_algorithm="ngram")
+    assert_same(reference("qwen3", 1), generate(llm))
+    assert spec_stats(llm).accepted > 0
+
+
+@pytest.mark.parametrize("algo", ["ngram", "draft"])
+def test_abort_in_flight(tiny_model_dir, reference, algo) -> None:
+    """One request aborted after its first verify steps: the others are unchanged and the pool
+    is whole."""
+    llm = make_llm(tiny_model_dir("qwen3"), speculative_algorithm=algo)
+    sched = llm.scheduler
+    reqs = [Req(f"r{i}", p, GREEDY, seed=0) for i, p in enumerate(prompts())]
+    for r in reqs:
+        sched.add_request(r)
+    victim = reqs[4]
+    while sched.has_work:
+        sched.step()
+        if victim.output_ids and len(victim.output_ids) > 3 and not victim.finished:
+            assert sched.abort(victim.rid) is victim
+            sched.check_invariants()
+    assert_kv_clean(llm)
+    ref = reference("qwen3", 1)
+    for i, r in enumerate(reqs):
+        if r is not victim:
+            assert r.output_ids == ref[i]["token_ids"]
+    assert victim.finish_reason is not None and victim.finish_reason.value == "abort"
+    assert ref[4]["token_ids"][: len(victim.output_ids)] == victim.output_ids
+
+
+def test_stop_ids_and_max_tokens(tiny_model_dir, reference) -> None:
+    """A stop id in the middle of an accepted run ends the output there; max_tokens is never
+    exceeded."""
+    ref = reference("qwen3", 1)
+    stop = ref[4]["token_ids"][9]  # inside the looping output of the repeated prompt
+    params = SamplingParams(max_tokens=13, temperature=0, stop_token_ids=[stop], ignore_eos=True)
+    base = generate(make_llm(tiny_model_dir("qwen3")), params)
+    llm = make_llm(tiny_model_dir("qwen3"), speculative_algorithm="ngram")
+    out = generate(llm, params)
+    assert_same(base, out)
+    assert all(len(o["token_ids"]) <= 13 for o in out)
+    assert any(o["finish_reason"] == "stop" for o in out)
+    assert spec_stats(llm).accepted > 0
+
+
+def test_penalties_min_tokens_and_bias_see_the_drafts(tiny_model_dir) -> None:
+    """Greedy with a repetition penalty, a frequency penalty, min_tokens holding back a stop id
+    and a logit bias: each verified position is adjusted as if the drafts before it had been
+    sampled, so the output is the one without speculation."""
+    path = tiny_model_dir("qwen3")
+    ref = generate(make_llm(path))
+    stop = ref[4]["token_ids"][2]
+    params = SamplingParams(
+        max_tokens=NUM_TOKENS,
+        temperature=0,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        min_tokens=6,
+        stop_token_ids=[stop],
+        logit_bias={ref[4]["token_ids"][5]: 2.0},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    base = generate(make_llm(path), params)
+    llm = make_llm(path, speculative_algorithm="ngram")
+    out = generate(llm, params)
+    assert_same(base, out)
+    for a, b in zip(base, out):
+        assert [t for t, _ in sum(a["top_logprobs"], [])] == [
+            t for t, _ in sum(b["top_logprobs"], [])
+        ]
+    assert spec_stats(llm).verify_rows > 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir) -> None:
+    """Speculative sampling draws from the request's own hashed numbers: the same seed gives the
+    same tokens twice, and alone the same as in a batch."""
+    path = tiny_model_dir("qwen3")
+    llm = make_llm(path, speculative_algorithm="ngram")
+    params = SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0.7, top_p=0.9, min_p=0.05, seed=5, ignore_eos=True
+    )
+    first = generate(llm, params)
+    again = generate(llm, params)
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in again]
+    alone = llm.generate([prompts()[4]], params, use_tqdm=False)[0]
+    assert alone["token_ids"] == first[4]["token_ids"]
+    assert spec_stats(llm).verify_rows > 0

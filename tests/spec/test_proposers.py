@@ -1,0 +1,99 @@
+"""The pieces of speculative decoding on their own: n-gram lookup, the acceptance rule's edge
+cases, the per-request policy, the config's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.config import EngineConfig
+from minisgl.spec import DraftRow, NgramProposer, SpecPolicy, ngram_lookup
+from minisgl.spec.policy import BACKOFF_STEPS, PROBATION_STEPS
+from minisgl.spec.verify import accepted_tokens, greedy_verify, rejection_sample
+
+
+def test_ngram_lookup_takes_the_latest_longest_match() -> None:
+    ids = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_lookup(ids, 2, 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5
+    assert ngram_lookup(ids, 3, 2) == [7, 8]  # "5 2 3" unseen: falls back to "2 3"
+    assert ngram_lookup([4, 5, 6, 4], 3, 4) == [5, 6, 4]  # runs into the suffix itself
+    assert ngram_lookup([1, 2, 3], 3, 4) == []
+    assert ngram_lookup([7], 3, 4) == []
+    rows = [DraftRow([1, 2, 1], 0, 1, 3), DraftRow([3, 4], 1, 2, 2)]
+    assert NgramProposer(1).propose(rows) == [[2], []]
+
+
+def test_accepted_tokens() -> None:
+    assert accepted_tokens([5, 6, 7], [True, True, True, False], [0, 0, 0, 9]) == [5, 6, 7, 9]
+    assert accepted_tokens([5, 6, 7], [True, False, True, False], [0, 4, 0, 9]) == [5, 4]
+    assert accepted_tokens([], [False], [3]) == [3]
+
+
+def test_rejection_rule_edges() -> None:
+    """A draft the target surely samples is kept; one it never samples is replaced by a
+    token of the rest of the distribution; the last position samples p itself."""
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.2, 0.3, 0.5]])
+    draft = torch.tensor([1, 1, 0])
+    has = torch.tensor([True, True, False])
+    u = torch.full((3, 3), 0.5)
+    v = rejection_sample(probs, draft, has, u)
+    assert v.accept.tolist() == [True, False, False]
+    assert v.choice[1].item() in (0, 2) and v.choice[2].item() == 2
+    g = greedy_verify(torch.tensor([[0.0, 2.0], [3.0, 1.0]]), torch.tensor([1, 1]), has[:2])
+    assert g.accept.tolist() == [True, False] and g.choice.tolist() == [1, 0]
+
+
+def test_policy_backs_off_after_rejections_and_for_large_batches() -> None:
+    policy = SpecPolicy(k=4, max_batch=2)
+    assert policy.select(["a", "b"]) == {"a", "b"}
+    assert policy.select(["a", "b", "c"]) == set()  # more than max_batch
+    for _ in range(PROBATION_STEPS):
+        policy.record("a", 4, 0)
+        policy.record("b", 4, 4)
+    assert policy.select(["a", "b"]) == {"b"}
+    for _ in range(BACKOFF_STEPS - 1):
+        policy.select(["a"])
+    assert policy.select(["a"]) == {"a"}  # tries again after its back-off
+    assert policy.stats.proposed == 16 and policy.stats.accepted == 8
+    assert policy.stats.mean_accepted_length == 3.0
+
+
+def test_config_checks() -> None:
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        EngineConfig(speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
+        EngineConfig(speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="speculative_max_batch"):
+        EngineConfig(speculative_max_batch=0)
+
+
+def test_stats_reach_the_metrics(tiny_model_dir) -> None:
+    from helpers import random_prompts
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.scheduler.process import SchedulerProcess
+    from minisgl.server.metrics import Metrics
+
+    llm = LLM(str(tiny_model_dir("qwen3")), dtype="float32", device="cpu", skip_warmup=True,
+              speculative_algorithm="ngram")  # fmt: skip
+    prompt = random_prompts(1, 384, seed=4, lo=8, hi=9)[0] * 3
+    llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    spec = llm.scheduler.spec
+    assert spec is not None and spec.stats.verify_rows > 0
+    stats = SchedulerProcess(llm.scheduler, None, None).stats()  # type: ignore[arg-type]
+    assert (stats.spec_verify_rows, stats.spec_proposed, stats.spec_accepted) == (
+        spec.stats.verify_rows,
+        spec.stats.proposed,
+        spec.stats.accepted,
+    )
+    metrics = Metrics()
+    metrics.set_scheduler_stats(stats)
+    text = metrics.render().decode()
+    assert f'minisgl_spec_tokens{{kind="proposed"}} {float(spec.stats.proposed)}' in text
+    assert f'minisgl_spec_tokens{{kind="accepted"}} {float(spec.stats.accepted)}' in text
+    mean = spec.stats.mean_accepted_length
+    assert any(
+        line.startswith("minisgl_spec_mean_accepted_length ")
+        and abs(float(line.split()[1]) - mean) < 1e-9
+        for line in text.splitlines()
+    )
