@@ -1,6 +1,6 @@
 # The two commands a newcomer runs on a fresh machine:
 #   make run    start the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct
-#   make test   lint, type-check and run the whole test suite
+#   make test   lint, type-check and run the whole test suite (two pytest workers, a module each)
 # Each creates .venv and installs what it needs first.
 
 PYTHON ?= python3
@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy minisgl
 
 test: lint typecheck
-	$(PY) -m pytest -q -p no:cacheprovider --durations=40 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 -n 2 --dist loadfile tests
 
 bench-cpu: $(STAMP)
 	$(PY) -m minisgl.benchmark.cpu

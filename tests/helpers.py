@@ -330,3 +330,24 @@ class FixedStepModel:
 
     def coefficients(self) -> dict[str, float]:
         return {}
+
+
+def checked_llm(path: Any, overlap: bool, **options: Any) -> Any:
+    """A CPU fp32 LLM whose scheduler checks the KV invariant after every step (the tests run
+    in the KV debug mode); `overlap` forces the overlapped loop on."""
+    from minisgl import LLM
+    from minisgl.scheduler import Scheduler
+
+    llm = LLM(str(path), dtype="float32", device="cpu", **options)
+    if overlap:
+        llm.scheduler = Scheduler(llm.engine, overlap=True)
+    assert llm.scheduler.kv.debug, "the tests run in the KV debug mode"
+    step = llm.scheduler.step
+
+    def checked_step() -> Any:
+        events = step()
+        llm.scheduler.check_invariants()
+        return events
+
+    llm.scheduler.step = checked_step
+    return llm

@@ -13,29 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_kv_clean, random_prompts
+from helpers import assert_kv_clean, checked_llm, random_prompts
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
-from minisgl.scheduler import Scheduler
 
 NUM_TOKENS = 24
 
 
 def make_llm(path: Any, overlap: bool, **options: Any) -> LLM:
-    llm = LLM(str(path), dtype="float32", device="cpu", **options)
-    if overlap:
-        llm.scheduler = Scheduler(llm.engine, overlap=True)
-    assert llm.scheduler.kv.debug, "the tests run in the KV debug mode"
-    step = llm.scheduler.step
-
-    def checked_step() -> Any:  # the KV invariant after every step
-        events = step()
-        llm.scheduler.check_invariants()
-        return events
-
-    llm.scheduler.step = checked_step  # type: ignore[method-assign]
-    return llm
+    return checked_llm(path, overlap, **options)  # type: ignore[no-any-return]
 
 
 def mixed_params(n: int) -> list[SamplingParams]:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,19 @@ def start_server(
             argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
     return Server(proc, port, log, api_key)
+
+
+@contextlib.contextmanager
+def running_server(log_dir: Path, *args: str) -> Iterator[Server]:
+    """A started and ready server for a test module; stopped by SIGTERM at the end, which must
+    leave no process behind."""
+    server = start_server(log_dir, *args)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        left = server.terminate()
+    assert not left, f"SIGTERM left processes behind: {left}"
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:

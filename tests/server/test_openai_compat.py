@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving_helpers import Server, start_server
+from serving_helpers import Server, running_server
 
 pytestmark = pytest.mark.slow  # a server of its own: about a minute to start
 
@@ -27,19 +27,9 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(
-        tmp_path_factory.mktemp("logs"),
-        "--chat-template",
-        str(TEMPLATE),
-        "--reasoning-parser",
-        "qwen3",
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        left = server.terminate()
-    assert not left, f"SIGTERM left processes behind: {left}"
+    logs = tmp_path_factory.mktemp("logs")
+    with running_server(logs, "--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

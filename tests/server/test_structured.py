@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from serving_helpers import Server, start_server
+from serving_helpers import Server, running_server
 from structured_schemas import CASES, REFUSED
 from test_api import assert_pool_clean, wait_idle
 
@@ -41,13 +41,8 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("logs"))
-    try:
-        server.wait_ready()
+    with running_server(tmp_path_factory.mktemp("logs")) as server:
         yield server
-    finally:
-        left = server.terminate()
-    assert not left, f"SIGTERM left processes behind: {left}"
 
 
 @pytest.fixture(scope="module")

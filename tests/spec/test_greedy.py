@@ -10,11 +10,10 @@ import math
 from typing import Any
 
 import pytest
-from helpers import assert_kv_clean, random_prompts
+from helpers import assert_kv_clean, checked_llm, random_prompts
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
-from minisgl.scheduler import Scheduler
 
 NUM_TOKENS = 24
 VOCAB = 384
@@ -33,19 +32,7 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, l
 
 def make_llm(path: Any, overlap: bool = False, **options: Any) -> LLM:
     options.setdefault("max_prefill_tokens", 32)  # chunked prefill
-    llm = LLM(str(path), dtype="float32", device="cpu", skip_warmup=True, **options)
-    if overlap:
-        llm.scheduler = Scheduler(llm.engine, overlap=True)
-    assert llm.scheduler.kv.debug, "the tests run in the KV debug mode"
-    step = llm.scheduler.step
-
-    def checked_step() -> Any:  # the KV invariant after every step
-        events = step()
-        llm.scheduler.check_invariants()
-        return events
-
-    llm.scheduler.step = checked_step  # type: ignore[method-assign]
-    return llm
+    return checked_llm(path, overlap, skip_warmup=True, **options)  # type: ignore[no-any-return]
 
 
 def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[dict[str, Any]]:
