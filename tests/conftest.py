@@ -45,3 +45,16 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from minisgl.tokenizer.loading import load_and_save
 
     return load_and_save(None, tmp_path_factory.mktemp("tokenizer"))
+
+
+# Modules that start servers or several engines first: `make test` gives two workers a module
+# at a time, in collection order, so the long modules overlap each other rather than leaving one
+# worker alone with them at the end. The order within a module is kept.
+HEAVY_DIRS = ("server", "distributed", "spec")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def heavy_first(item: pytest.Item) -> int:
+        return 0 if Path(str(item.path)).parent.name in HEAVY_DIRS else 1
+
+    items.sort(key=heavy_first)
