@@ -171,11 +171,13 @@ class Scheduler:
 
     def _warmup(self) -> None:
         """The start-up steps of `minisgl.scheduler.warmup` (every eager kernel variant that
-        serving reaches), then the step-time model's calibration (`minisgl.scheduler
-        .calibrate`), once per engine, before any request."""
+        serving reaches), then, with a latency target, the step-time model's calibration
+        (`minisgl.scheduler.calibrate`), once per engine, before any request."""
         start = time.perf_counter()
         steps = run_warmup(self.engine)
         logger.info("warm-up: %d steps in %.2f s", steps, time.perf_counter() - start)
+        if self.itl_target_s == 0:  # the target is off: the online fit alone serves /metrics
+            return
         samples = calibrate(self.engine)
         if self.timer.measures:
             self.timer.record(samples, anchor=True)

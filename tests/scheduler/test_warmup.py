@@ -134,6 +134,9 @@ def test_steps_cover_every_eager_path_and_give_everything_back(tiny_model_dir, b
 def test_warmup_runs_with_the_first_scheduler_unless_skipped(tiny_model_dir) -> None:
     path = tiny_model_dir("llama3")
     engine = make_engine(path)
+    Scheduler(engine)  # the latency target off (the default): the warm-up alone
+    assert engine.num_steps == 5
+    engine = make_engine(path, itl_target_ms=None)
     assert engine.num_steps == 0  # an engine alone runs nothing
     sched = Scheduler(engine)
     # The warm-up's, then the step-time model's timed steps (each shape three times).
