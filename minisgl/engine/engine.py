@@ -204,12 +204,18 @@ class Engine:
 
     def _run_eager(self, batch: Batch) -> StepRows | None:
         step = self._step_inputs(batch)
+        return self.sampled_rows(batch, step, self.eager_forward(step))
+
+    def eager_forward(self, step: StepInputs, num_layers: int | None = None) -> torch.Tensor:
+        """The model on a step's inputs, launched eagerly -> final hidden states [T, hidden]
+        (`num_layers`: the first layers only, then the final norm: a layer-skip draft)."""
         inputs = step.attn
         input_ids = self.table.token_table[step.token_slots, step.positions]  # [T]
         inputs.out_loc = self.token_locations(step.token_slots, step.positions)
         ctx = ForwardContext(self.backend, self.backend.prepare(inputs))
-        hidden = self.model(input_ids, step.positions, ctx)  # [T, hidden]
-        return self.sampled_rows(batch, step, hidden)
+        return self.model(  # type: ignore[no-any-return]
+            input_ids, step.positions, ctx, num_layers=num_layers
+        )
 
     def sampled_rows(self, batch: Batch, step: StepInputs, hidden: torch.Tensor) -> StepRows | None:
         """The rows of the step's final hidden states [T, hidden] that sample (each such

@@ -22,7 +22,6 @@ from minisgl.engine.sampler import (
     with_logprobs,
 )
 from minisgl.engine.step import ForwardOutput, StepRows, TokenMask
-from minisgl.layers import ForwardContext
 from minisgl.spec import DraftRow, LayerSkipProposer, Proposer
 from minisgl.spec.verify import Verdict, accepted_tokens, greedy_verify, rejection_sample
 
@@ -57,11 +56,7 @@ def draft_step(engine: Engine, slots: list[int], positions: list[int], layers: i
     the pool, where the verify step overwrites it), the greedy draft comes out and is written
     to the token table after it. Returns the drafts, [B] int64 on the device."""
     step = engine.step_inputs(slots, positions, [1] * len(slots))
-    inputs = step.attn
-    input_ids = engine.table.token_table[step.token_slots, step.positions]  # [B]
-    inputs.out_loc = engine.token_locations(step.token_slots, step.positions)
-    ctx = ForwardContext(engine.backend, engine.backend.prepare(inputs))
-    hidden = engine.model(input_ids, step.positions, ctx, num_layers=layers)  # [B, hidden]
+    hidden = engine.eager_forward(step, num_layers=layers)  # [B, hidden]
     tokens = engine.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
     engine.table.token_table[step.token_slots, step.positions + 1] = tokens.int()
     return tokens
@@ -116,12 +111,7 @@ def verify_step(
     """Run a plan with verify rows (table writes already applied); waits for its tokens."""
     if engine.drafter is not None:
         propose_on_device(engine, engine.drafter, batch)
-    step = engine._step_inputs(batch)
-    inputs = step.attn
-    input_ids = engine.table.token_table[step.token_slots, step.positions]  # [T]
-    inputs.out_loc = engine.token_locations(step.token_slots, step.positions)
-    ctx = ForwardContext(engine.backend, engine.backend.prepare(inputs))
-    hidden = engine.model(input_ids, step.positions, ctx)  # [T, hidden]
+    hidden = engine.eager_forward(engine._step_inputs(batch))  # [T, hidden]
     sc = _scored(batch)
     dev = engine.device
     idx = to_device(sc.rows, torch.int64, dev)
