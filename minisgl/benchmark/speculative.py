@@ -178,6 +178,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--algorithm", default="ngram", choices=["ngram", "draft"])
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K")
     p.add_argument("--ngram-n", type=int, default=3)
+    p.add_argument("--ngram-min-n", type=int, default=2)
     p.add_argument("--draft-layers", type=int, default=0)
     p.add_argument("--workloads", default="copy,chat,concurrent",
                    help="comma-separated: copy, chat, concurrent; none for --verify-cost alone")  # fmt: skip
@@ -202,6 +203,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         speculative_algorithm=args.algorithm,
         speculative_num_draft_tokens=args.num_draft_tokens,
         speculative_ngram_n=args.ngram_n,
+        speculative_ngram_min_n=args.ngram_min_n,
         speculative_draft_layers=args.draft_layers,
         speculative_max_batch=args.max_batch,
     )

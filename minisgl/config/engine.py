@@ -91,7 +91,8 @@ class EngineConfig:
     # decode plainly.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
-    speculative_ngram_n: int = 3  # longest suffix looked up (shorter ones down to 1 after it)
+    speculative_ngram_n: int = 3  # longest suffix looked up (shorter ones after it, down to:)
+    speculative_ngram_min_n: int = 2
     speculative_draft_layers: int = 0  # 0: auto (a quarter of the layers, at least one)
     speculative_max_batch: int = 8
     show_progress: bool = True
@@ -148,6 +149,11 @@ class EngineConfig:
             )
         if self.speculative_ngram_n < 1:
             raise ValueError(f"speculative_ngram_n: must be >= 1, got {self.speculative_ngram_n}")
+        if not 1 <= self.speculative_ngram_min_n <= self.speculative_ngram_n:
+            raise ValueError(
+                "speculative_ngram_min_n: must be between 1 and speculative_ngram_n "
+                f"({self.speculative_ngram_n}), got {self.speculative_ngram_min_n}"
+            )
         if self.speculative_draft_layers < 0:
             raise ValueError(
                 "speculative_draft_layers: must be >= 0 (0: auto), got "

@@ -63,9 +63,20 @@ class CudaGraphRunner:
     With `capture=False` (tests on the CPU) `run` executes the same padded step eagerly.
     """
 
-    def __init__(self, engine: GraphHost, capture: bool = True, max_bs: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: GraphHost,
+        capture: bool = True,
+        max_bs: int | None = None,
+        num_layers: int | None = None,
+        pool: Any = None,
+    ) -> None:
+        """`num_layers`: the first layers only, then the final norm (a layer-skip draft's
+        steps); `pool`: another runner's graph memory pool to share (runners that never run at
+        once, and whose outputs are copied into their own static buffers)."""
         cfg = engine.config
         self.engine = engine
+        self.num_layers = num_layers
         limit = cfg.cuda_graph_max_bs if max_bs is None else max_bs
         self.sizes = graph_batch_sizes(min(limit, cfg.max_running_requests))
         self.max_bs = self.sizes[-1]
@@ -77,7 +88,8 @@ class CudaGraphRunner:
         self.extend_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.cu_extend = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool: Any = None  # the graphs' shared memory pool, from the first capture
+        self.pool: Any = pool  # the graphs' shared memory pool, from the first capture
+        self.captured = capture
         self.memory_bytes = self._capture_all() if capture else 0
 
     # ---- capture -----------------------------------------------------------------------------
@@ -120,6 +132,12 @@ class CudaGraphRunner:
         e = self.engine
         slots, pos, seq_lens = self.inputs[:bs, 0], self.inputs[:bs, 1], self.inputs[:bs, 2]
         out_loc = torch.where(seq_lens > 0, e.token_locations(slots, pos), e.dummy_loc)
+        # Upper bounds: they fix the block-table width and the decode split count. A backend
+        # that cannot be captured (the torch one, running the padded step eagerly in CPU tests)
+        # gets the exact lengths, which its masks are built from.
+        bounds = [e.max_context] * bs
+        if not self.captured and not e.backend.supports_cuda_graph:
+            bounds = seq_lens.tolist()
         inputs = AttentionInputs(
             req_slots=slots,
             seq_lens=seq_lens.int(),
@@ -128,12 +146,12 @@ class CudaGraphRunner:
             cu_extend=self.cu_extend[: bs + 1],
             out_loc=out_loc,
             is_decode=True,
-            # Upper bounds: they fix the block-table width and the decode split count.
-            seq_lens_host=[e.max_context] * bs,
+            seq_lens_host=bounds,
             extend_lens_host=[1] * bs,
         )
         ctx = ForwardContext(e.backend, e.backend.prepare(inputs))
-        hidden = e.model(e.table.token_table[slots, pos], pos, ctx)  # [bs, hidden]
+        ids = e.table.token_table[slots, pos]
+        hidden = e.model(ids, pos, ctx, num_layers=self.num_layers)  # [bs, hidden]
         self.hidden[:bs].copy_(hidden)
 
     # ---- replay ------------------------------------------------------------------------------
@@ -149,10 +167,16 @@ class CudaGraphRunner:
 
     def run(self, batch: Batch) -> StepRows:
         """Replay the graph of the batch's padded size; no host sync."""
-        n = batch.size
+        return self.run_rows(batch.slots, batch.prefix_lens, batch.seq_lens)
+
+    def run_rows(self, slots: list[int], positions: list[int], seq_lens: list[int]) -> StepRows:
+        """One token per row (request slot, its position, the context length after it; rows
+        may share a request: a verify step's drafts, each attending up to itself) through the
+        graph of the padded row count; no host sync."""
+        n = len(slots)
         bs = self.padded_size(n)
         host: list[int] = []
-        for slot, p, s in zip(batch.slots, batch.prefix_lens, batch.seq_lens):
+        for slot, p, s in zip(slots, positions, seq_lens):
             host += (slot, p, s)
         host += [0] * (3 * (bs - n))  # padding rows: context length 0
         on_cuda = self.engine.device.type == "cuda"

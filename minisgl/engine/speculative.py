@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from minisgl.core import Batch, SeqInfo
+from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.sampler import (
     LogitBias,
     SamplingInputs,
@@ -42,23 +43,40 @@ def make_device_proposer(engine: Engine) -> Proposer | None:
     if engine.config.speculative_algorithm != "draft":
         return None
     layers = draft_layers(engine)
+    graphs = None
+    if engine.graphs is not None:  # the draft's steps as CUDA graphs too, in the same pool
+        bs = min(engine.config.speculative_max_batch, engine.graphs.max_bs)
+        graphs = CudaGraphRunner(
+            engine, engine.graphs.captured, bs, num_layers=layers, pool=engine.graphs.pool
+        )
 
     def step(slots: list[int], positions: list[int]) -> torch.Tensor:
-        return draft_step(engine, slots, positions, layers)
+        return draft_step(engine, slots, positions, layers, graphs)
 
     return LayerSkipProposer(step)
 
 
 @torch.inference_mode()
-def draft_step(engine: Engine, slots: list[int], positions: list[int], layers: int) -> torch.Tensor:
+def draft_step(
+    engine: Engine,
+    slots: list[int],
+    positions: list[int],
+    layers: int,
+    graphs: CudaGraphRunner | None = None,
+) -> torch.Tensor:
     """One token per row through the first `layers` layers, the final norm and the LM head:
     the token at `positions[i]` of row `slots[i]` goes in (its K/V of those layers written to
     the pool, where the verify step overwrites it), the greedy draft comes out and is written
     to the token table after it. Returns the drafts, [B] int64 on the device."""
-    step = engine.step_inputs(slots, positions, [1] * len(slots))
-    hidden = engine.eager_forward(step, num_layers=layers)  # [B, hidden]
+    if graphs is not None and len(slots) <= graphs.max_bs:
+        rows = graphs.run_rows(slots, positions, [p + 1 for p in positions])
+        hidden, req_slots, next_pos = rows.hidden, rows.req_slots, rows.seq_lens
+    else:
+        step = engine.step_inputs(slots, positions, [1] * len(slots))
+        hidden = engine.eager_forward(step, num_layers=layers)  # [B, hidden]
+        req_slots, next_pos = step.token_slots, step.positions + 1
     tokens = engine.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
-    engine.table.token_table[step.token_slots, step.positions + 1] = tokens.int()
+    engine.table.token_table[req_slots, next_pos] = tokens.int()
     return tokens
 
 
@@ -111,19 +129,18 @@ def verify_step(
     """Run a plan with verify rows (table writes already applied); waits for its tokens."""
     if engine.drafter is not None:
         propose_on_device(engine, engine.drafter, batch)
-    hidden = engine.eager_forward(engine._step_inputs(batch))  # [T, hidden]
+    hidden = _verify_forward(engine, batch)  # [T, hidden]
     sc = _scored(batch)
-    dev = engine.device
-    idx = to_device(sc.rows, torch.int64, dev)
-    slots = to_device([s.slot for s in sc.seqs], torch.int64, dev)
-    pos = to_device(sc.positions, torch.int64, dev)
+    dev, n = engine.device, len(sc.rows)
+    host = sc.rows + [s.slot for s in sc.seqs] + sc.positions + [int(h) for h in sc.has_draft]
+    idx, slots, pos, has_int = to_device(host, torch.int64, dev).split(n)  # one copy
+    has = has_int.bool()
     scored = hidden[idx]  # [N, hidden]
     logits = engine.model.compute_logits(scored)  # type: ignore[operator]  # [N, V]
     sin = _sampling_inputs(engine, sc, StepRows(scored, slots, pos + 1), mask)
     adjusted = adjust_logits(logits, sin)
     width = engine.table.token_table.shape[1]
     draft = engine.table.token_table[slots, (pos + 1).clamp(max=width - 1)].long()  # [N]
-    has = to_device([int(h) for h in sc.has_draft], torch.int64, dev).bool()
     verdict = greedy_verify(adjusted, draft, has)
     if not sin.all_greedy:
         probs = sampling_probs(adjusted, sin)
@@ -136,6 +153,25 @@ def verify_step(
             torch.where(greedy, verdict.choice, drawn.choice),
         )
     return _outputs(engine, sc, logits, sin, draft, verdict.accept, verdict.choice)
+
+
+def _verify_forward(engine: Engine, batch: Batch) -> torch.Tensor:
+    """Final hidden states of every token of a verify plan [T, hidden]. A plan of decode and
+    verify rows only replays the decode CUDA graph of T rows: token j of a row is a decode row
+    of its own at position prefix + j that attends up to itself (causal within the drafts, the
+    same request-table row for all), so one graph serves every mix of draft lengths. A plan
+    with prefill chunks (or too many tokens) runs eagerly through the extend path."""
+    graphs = engine.graphs
+    drafts = batch.draft_lens or [0] * batch.size
+    decode_like = all(e == d + 1 for e, d in zip(batch.extend_lens, drafts))
+    if graphs is None or not decode_like or not 0 < batch.num_tokens <= graphs.max_bs:
+        return engine.eager_forward(engine._step_inputs(batch))
+    slots: list[int] = []
+    positions: list[int] = []
+    for slot, p, e in zip(batch.slots, batch.prefix_lens, batch.extend_lens):
+        slots += [slot] * e
+        positions += range(p, p + e)
+    return graphs.run_rows(slots, positions, [p + 1 for p in positions]).hidden
 
 
 def _sampling_inputs(
@@ -175,27 +211,35 @@ def _outputs(
     accept: torch.Tensor,
     choice: torch.Tensor,
 ) -> ForwardOutput:
-    """Accepted tokens per row (a host sync), written to the token table, with log-probs."""
-    acc, cho, dr = accept.tolist(), choice.tolist(), draft.tolist()
+    """Accepted tokens per row (the step's one host sync), written to the token table, with
+    log-probs when asked for."""
+    verdicts = torch.stack([accept.long(), choice, draft]).tolist()  # [3, N]
     emitted: list[int] = []  # scored positions whose token is kept
     tokens: list[int] = []
     counts: list[int] = []
+    last_slots: list[int] = []
+    last_pos: list[int] = []
     for a, b in _spans(sc):
-        row = accepted_tokens(dr[a : b - 1], acc[a:b], cho[a:b])
+        row = accepted_tokens(verdicts[2][a : b - 1], verdicts[0][a:b], verdicts[1][a:b])
         emitted.extend(range(a, a + len(row)))
         tokens.extend(row)
         counts.append(len(row))
-    dev = engine.device
-    tok = to_device(tokens, torch.int64, dev)  # [sum(counts)]
-    # Each row's last token is the input of its next step (accepted drafts are in place).
-    last = [a + c - 1 for (a, _), c in zip(_spans(sc), counts)]
-    slots = to_device([sc.seqs[i].slot for i in last], torch.int64, dev)
-    pos = to_device([sc.positions[i] + 1 for i in last], torch.int64, dev)
-    ends = to_device([c - 1 for c in itertools.accumulate(counts)], torch.int64, dev)
-    engine.table.token_table[slots, pos] = tok[ends].int()
-    out = with_logprobs(logits[to_device(emitted, torch.int64, dev)], tok, sin)
-    host = tok.cpu()
-    lp = None if out.logprobs is None else out.logprobs.cpu()
-    ti = None if out.top_ids is None else out.top_ids.cpu()
-    tl = None if out.top_logprobs is None else out.top_logprobs.cpu()
-    return ForwardOutput(sc.sample_rows, tok, host, lp, ti, tl, None, True, counts)
+        # Each row's last token is the input of its next step (accepted drafts are in place).
+        last = a + len(row) - 1
+        last_slots.append(sc.seqs[last].slot)
+        last_pos.append(sc.positions[last] + 1)
+    t, b = len(tokens), len(counts)
+    ends = [c - 1 for c in itertools.accumulate(counts)]
+    host = tokens + emitted + last_slots + last_pos + [tokens[e] for e in ends]
+    tok, kept, slots, pos, last_tok = to_device(host, torch.int64, engine.device).split(
+        [t, t, b, b, b]
+    )
+    engine.table.token_table[slots, pos] = last_tok.int()
+    lp = ti = tl = None
+    if sin.want_logprobs or sin.top_logprobs:
+        out = with_logprobs(logits[kept], tok, sin)
+        lp = None if out.logprobs is None else out.logprobs.cpu()
+        ti = None if out.top_ids is None else out.top_ids.cpu()
+        tl = None if out.top_logprobs is None else out.top_logprobs.cpu()
+    host_tokens = torch.tensor(tokens, dtype=torch.int64)
+    return ForwardOutput(sc.sample_rows, tok, host_tokens, lp, ti, tl, None, True, counts)

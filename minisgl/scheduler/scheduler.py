@@ -147,7 +147,7 @@ class Scheduler:
         if cfg.speculative_algorithm is not None:
             self.spec = SpecPolicy(cfg.speculative_num_draft_tokens, cfg.speculative_max_batch)
         if cfg.speculative_algorithm == "ngram":
-            self.proposer = NgramProposer(cfg.speculative_ngram_n)
+            self.proposer = NgramProposer(cfg.speculative_ngram_n, cfg.speculative_ngram_min_n)
         self._arrivals = 0
         self.stats = {
             "prompt_tokens": 0,
@@ -411,8 +411,8 @@ class Scheduler:
         ok = [r for r in ready if self.spec.allows(r.rid) and r.params.constraint is None]
         if self.proposer is None:  # a device draft always proposes
             return bool(ok)
-        n = self.config.speculative_ngram_n
-        return any(ngram_hit(r.all_ids(), n) for r in ok)
+        n, min_n = self.config.speculative_ngram_n, self.config.speculative_ngram_min_n
+        return any(ngram_hit(r.all_ids(), n, min_n) for r in ok)
 
     def _plan_drafts(self, decode: list[Req], room: int) -> tuple[list[int], int]:
         """Drafts per decoding request (0: a plain decode) within `room` free pages; host

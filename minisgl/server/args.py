@@ -384,7 +384,13 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--speculative-ngram-n",
         type=int,
         default=3,
-        help="ngram: the longest suffix looked up (shorter ones down to 1 when it is not found)",
+        help="ngram: the longest suffix looked up (shorter ones when it is not found)",
+    )
+    sp.add_argument(
+        "--speculative-ngram-min-n",
+        type=int,
+        default=2,
+        help="ngram: the shortest suffix looked up (one token matches in almost any text)",
     )
     sp.add_argument(
         "--speculative-draft-layers",
@@ -422,6 +428,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative_algorithm=args.speculative_algorithm,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         speculative_ngram_n=args.speculative_ngram_n,
+        speculative_ngram_min_n=args.speculative_ngram_min_n,
         speculative_draft_layers=args.speculative_draft_layers,
         speculative_max_batch=args.speculative_max_batch,
         max_context_len=args.max_context_len,

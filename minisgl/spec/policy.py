@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 # costs more than a decode step, so few accepted tokens would make it slower than decoding.
 MIN_MEAN_ACCEPTED = 0.7
 EMA_WEIGHT = 0.25
-BACKOFF_STEPS = 32  # plain decode steps before a request that stopped tries again
+BACKOFF_STEPS = 32  # plain decode steps before a request that stopped tries again,
+MAX_BACKOFF_DOUBLINGS = 3  # doubled after each failed try in a row (32, 64, 128, 256)
 PROBATION_STEPS = 2  # verify steps before its average is trusted
 
 
@@ -18,6 +19,7 @@ class _ReqSpec:
     mean_accepted: float = 0.0
     verify_steps: int = 0
     backoff: int = 0  # plain steps left before it speculates again
+    failures: int = 0  # back-offs in a row
 
 
 @dataclass
@@ -73,8 +75,13 @@ class SpecPolicy:
         r.mean_accepted += EMA_WEIGHT * (accepted - r.mean_accepted)
         if r.verify_steps == 1:
             r.mean_accepted = float(accepted)
-        if r.verify_steps >= PROBATION_STEPS and r.mean_accepted < MIN_MEAN_ACCEPTED:
-            r.backoff, r.verify_steps = BACKOFF_STEPS, 0
+        if r.verify_steps < PROBATION_STEPS:
+            return
+        if r.mean_accepted < MIN_MEAN_ACCEPTED:
+            r.backoff = BACKOFF_STEPS << min(r.failures, MAX_BACKOFF_DOUBLINGS)
+            r.verify_steps, r.failures = 0, r.failures + 1
+        else:
+            r.failures = 0
 
     def drop(self, rid: str) -> None:
         self._reqs.pop(rid, None)

@@ -113,6 +113,36 @@ def test_retraction_with_a_small_pool(tiny_model_dir, reference, algo) -> None:
     assert_same(reference("qwen3", 16), out)
 
 
+@pytest.mark.parametrize("algo", ["ngram", "draft"])
+def test_verify_and_draft_steps_through_the_decode_graph(tiny_model_dir, reference, algo) -> None:
+    """The CUDA-graph path of a GPU (run eagerly on the CPU, `capture=False`): verify plans
+    replay the decode graph with a row per token (drafts attending up to themselves) and the
+    layer-skip draft its own graph of the first layers; the outputs are the same."""
+    from minisgl.engine.cuda_graph import CudaGraphRunner
+    from minisgl.engine.speculative import make_device_proposer
+
+    llm = make_llm(tiny_model_dir("qwen3"), page_size=16, speculative_algorithm=algo)
+    engine = llm.engine
+    engine.graphs = CudaGraphRunner(engine, capture=False, max_bs=24)
+    engine.drafter = make_device_proposer(engine)
+    calls = {"verify": 0, "draft": 0}
+    run_rows = CudaGraphRunner.run_rows
+
+    def counted(self: CudaGraphRunner, slots: list[int], *rest: list[int]) -> Any:
+        if self.num_layers is not None:
+            calls["draft"] += 1
+        elif len(set(slots)) < len(slots):  # rows sharing a request: a verify plan
+            calls["verify"] += 1
+        return run_rows(self, slots, *rest)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CudaGraphRunner, "run_rows", counted)
+        out = generate(llm)
+    assert_same(reference("qwen3", 16), out)
+    assert calls["verify"] > 0 and spec_stats(llm).accepted > 0
+    assert (calls["draft"] > 0) == (algo == "draft")
+
+
 def test_overlap_forced_on(tiny_model_dir, reference) -> None:
     """Overlap scheduling: the step in flight is finished before a verify step."""
     llm = make_llm(tiny_model_dir("qwen3"), True, speculative_algorithm="ngram")
@@ -192,7 +222,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir) -
     """Speculative sampling draws from the request's own hashed numbers: the same seed gives the
     same tokens twice, and alone the same as in a batch."""
     path = tiny_model_dir("qwen3")
-    llm = make_llm(path, speculative_algorithm="ngram")
+    # One-token matches: sampled text of a random model rarely repeats two tokens in a row.
+    llm = make_llm(path, speculative_algorithm="ngram", speculative_ngram_min_n=1)
     params = SamplingParams(
         max_tokens=NUM_TOKENS, temperature=0.7, top_p=0.9, min_p=0.05, seed=5, ignore_eos=True
     )

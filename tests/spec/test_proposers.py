@@ -21,6 +21,11 @@ def test_ngram_lookup_takes_the_latest_longest_match() -> None:
     assert ngram_lookup([7], 3, 4) == []
     rows = [DraftRow([1, 2, 1], 0, 1, 3), DraftRow([3, 4], 1, 2, 2)]
     assert NgramProposer(1).propose(rows) == [[2], []]
+    # A minimum suffix of two: the lone "3" of [5, 3, 9, 3] no longer proposes its 9.
+    assert ngram_lookup([5, 3, 9, 3], 3, 2) == [9, 3]
+    assert ngram_lookup([5, 3, 9, 3], 3, 2, min_n=2) == []
+    assert ngram_lookup(ids, 3, 2, min_n=2) == [7, 8]
+    assert NgramProposer(3, min_n=2).propose(rows) == [[], []]
 
 
 def test_accepted_tokens() -> None:
@@ -54,8 +59,14 @@ def test_policy_backs_off_after_rejections_and_for_large_batches() -> None:
     for _ in range(BACKOFF_STEPS - 1):
         policy.select(["a"])
     assert policy.select(["a"]) == {"a"}  # tries again after its back-off
-    assert policy.stats.proposed == 16 and policy.stats.accepted == 8
-    assert policy.stats.mean_accepted_length == 3.0
+    for _ in range(PROBATION_STEPS):  # and fails again: twice as long a back-off
+        policy.record("a", 4, 0)
+    for _ in range(2 * BACKOFF_STEPS):
+        assert policy.select(["a"]) == set()
+    assert policy.select(["a"]) == {"a"}
+    policy.record("a", 4, 0)
+    assert policy.stats.proposed == 28 and policy.stats.accepted == 8
+    assert policy.stats.verify_rows == 7
 
 
 def test_config_checks() -> None:
@@ -63,6 +74,8 @@ def test_config_checks() -> None:
         EngineConfig(speculative_algorithm="eagle")
     with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
         EngineConfig(speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="speculative_ngram_min_n"):
+        EngineConfig(speculative_ngram_n=2, speculative_ngram_min_n=3)
     with pytest.raises(ValueError, match="speculative_max_batch"):
         EngineConfig(speculative_max_batch=0)
 
