@@ -47,6 +47,21 @@ PASSAGE = '''def merge_intervals(intervals):
 def total_covered(intervals):
     """The total length covered by the intervals, overlaps counted once."""
     return sum(end - start for start, end in merge_intervals(intervals))
+
+
+def gaps(intervals, low, high):
+    """The parts of [low, high) that no interval covers, in order."""
+    result = []
+    position = low
+    for start, end in merge_intervals(intervals):
+        if start > position:
+            result.append((position, min(start, high)))
+        position = max(position, end)
+        if position >= high:
+            break
+    if position < high:
+        result.append((position, high))
+    return result
 '''
 COPY_TASK = (
     "Rewrite the following Python code, renaming the function merge_intervals to "

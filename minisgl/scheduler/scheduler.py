@@ -29,7 +29,7 @@ from minisgl.scheduler.step_time import LinearStepTime, StepShape, StepTimeModel
 from minisgl.scheduler.sync import RequestSync
 from minisgl.scheduler.timing import Sample, StepTimer
 from minisgl.scheduler.warmup import run_warmup
-from minisgl.spec import DraftRow, NgramProposer, Proposer, SpecPolicy, ngram_hit
+from minisgl.spec import DraftRow, NgramProposer, Proposer, SpecPolicy
 from minisgl.weights import load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -144,10 +144,13 @@ class Scheduler:
         # the layer-skip draft runs in the engine).
         self.spec: SpecPolicy | None = None
         self.proposer: Proposer | None = None
+        self.ngram: NgramProposer | None = None
         if cfg.speculative_algorithm is not None:
             self.spec = SpecPolicy(cfg.speculative_num_draft_tokens, cfg.speculative_max_batch)
         if cfg.speculative_algorithm == "ngram":
-            self.proposer = NgramProposer(cfg.speculative_ngram_n, cfg.speculative_ngram_min_n)
+            self.proposer = self.ngram = NgramProposer(
+                cfg.speculative_ngram_n, cfg.speculative_ngram_min_n
+            )
         self._arrivals = 0
         self.stats = {
             "prompt_tokens": 0,
@@ -405,14 +408,16 @@ class Scheduler:
         overlap loop then finishes the step in flight first)."""
         if self.spec is None:
             return False
-        ready = [r for r in self.running if self._ready_to_decode(r)]
-        if not ready or len(ready) > self.spec.max_batch:
-            return False
+        ready = []
+        for r in self.running:
+            if self._ready_to_decode(r):
+                ready.append(r)
+                if len(ready) > self.spec.max_batch:
+                    return False
         ok = [r for r in ready if self.spec.allows(r.rid) and r.params.constraint is None]
-        if self.proposer is None:  # a device draft always proposes
+        if self.ngram is None:  # a device draft always proposes
             return bool(ok)
-        n, min_n = self.config.speculative_ngram_n, self.config.speculative_ngram_min_n
-        return any(ngram_hit(r.all_ids(), n, min_n) for r in ok)
+        return any(self.ngram.hit(r.rid, r.all_ids()) for r in ok)
 
     def _plan_drafts(self, decode: list[Req], room: int) -> tuple[list[int], int]:
         """Drafts per decoding request (0: a plain decode) within `room` free pages; host
@@ -429,7 +434,7 @@ class Scheduler:
             slots = [r.slot for _, r, _ in want]
             assert None not in slots  # running requests hold a slot
             rows = [
-                DraftRow(r.all_ids(), s, k, r.seq_len)  # type: ignore[arg-type]
+                DraftRow(r.all_ids(), s, k, r.seq_len, r.rid)  # type: ignore[arg-type]
                 for (_, r, k), s in zip(want, slots)
             ]
             proposed = self.proposer.propose(rows)
@@ -672,6 +677,8 @@ class Scheduler:
         self.grammars.drop(req.rid)
         if self.spec is not None:
             self.spec.drop(req.rid)
+        if self.proposer is not None:
+            self.proposer.drop(req.rid)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req, self._launched)

@@ -3,7 +3,7 @@
 
 from minisgl.spec.base import DraftRow, Proposer
 from minisgl.spec.layer_skip import LayerSkipProposer
-from minisgl.spec.ngram import NgramProposer, ngram_hit, ngram_lookup
+from minisgl.spec.ngram import NgramIndex, NgramProposer
 from minisgl.spec.policy import SpecPolicy, SpecStats
 
 __all__ = [
@@ -13,6 +13,5 @@ __all__ = [
     "Proposer",
     "SpecPolicy",
     "SpecStats",
-    "ngram_hit",
-    "ngram_lookup",
+    "NgramIndex",
 ]

@@ -22,6 +22,7 @@ class DraftRow(NamedTuple):
     slot: int  # its request-table row
     k: int  # propose at most this many tokens (>= 1)
     seq_len: int  # its tokens so far: the drafts go to positions seq_len .. seq_len + k - 1
+    rid: str = ""  # its request id (a host proposer may keep per-request state)
 
 
 class Proposer(ABC):
@@ -39,3 +40,6 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         """Per row, 0 to `row.k` draft tokens (a device proposer always gives `row.k`)."""
+
+    def drop(self, rid: str) -> None:  # noqa: B027 (optional: most proposers keep nothing)
+        """Forget what is kept for a finished request."""

@@ -3,29 +3,68 @@ cases, the per-request policy, the config's checks."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from minisgl.config import EngineConfig
-from minisgl.spec import DraftRow, NgramProposer, SpecPolicy, ngram_lookup
+from minisgl.spec import DraftRow, NgramIndex, NgramProposer, SpecPolicy
 from minisgl.spec.policy import BACKOFF_STEPS, PROBATION_STEPS
 from minisgl.spec.verify import accepted_tokens, greedy_verify, rejection_sample
 
 
+def ngram_lookup(ids: list[int], n: int, k: int, min_n: int = 1) -> list[int]:
+    """The rule, by brute force: up to `k` tokens after the latest earlier occurrence (with a
+    token after it) of the longest suffix of `min_n` to `n` tokens that has one."""
+    for m in range(min(n, len(ids) - 1), min_n - 1, -1):
+        key = ids[len(ids) - m :]
+        for start in range(len(ids) - m - 1, -1, -1):
+            if ids[start : start + m] == key:
+                return ids[start + m : start + m + k]
+    return []
+
+
+def index_lookup(ids: list[int], n: int, k: int, min_n: int = 1) -> list[int]:
+    index = NgramIndex(n, min_n)
+    index.sync(ids)
+    return index.lookup(k)
+
+
 def test_ngram_lookup_takes_the_latest_longest_match() -> None:
     ids = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert ngram_lookup(ids, 2, 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5
-    assert ngram_lookup(ids, 3, 2) == [7, 8]  # "5 2 3" unseen: falls back to "2 3"
-    assert ngram_lookup([4, 5, 6, 4], 3, 4) == [5, 6, 4]  # runs into the suffix itself
-    assert ngram_lookup([1, 2, 3], 3, 4) == []
-    assert ngram_lookup([7], 3, 4) == []
-    rows = [DraftRow([1, 2, 1], 0, 1, 3), DraftRow([3, 4], 1, 2, 2)]
+    assert index_lookup(ids, 2, 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5
+    assert index_lookup(ids, 3, 2) == [7, 8]  # "5 2 3" unseen: falls back to "2 3"
+    assert index_lookup([4, 5, 6, 4], 3, 4) == [5, 6, 4]  # runs into the suffix itself
+    assert index_lookup([1, 2, 3], 3, 4) == []
+    assert index_lookup([7], 3, 4) == []
+    rows = [DraftRow([1, 2, 1], 0, 1, 3, "a"), DraftRow([3, 4], 1, 2, 2, "b")]
     assert NgramProposer(1).propose(rows) == [[2], []]
     # A minimum suffix of two: the lone "3" of [5, 3, 9, 3] no longer proposes its 9.
-    assert ngram_lookup([5, 3, 9, 3], 3, 2) == [9, 3]
-    assert ngram_lookup([5, 3, 9, 3], 3, 2, min_n=2) == []
-    assert ngram_lookup(ids, 3, 2, min_n=2) == [7, 8]
+    assert index_lookup([5, 3, 9, 3], 3, 2) == [9, 3]
+    assert index_lookup([5, 3, 9, 3], 3, 2, min_n=2) == []
+    assert index_lookup(ids, 3, 2, min_n=2) == [7, 8]
     assert NgramProposer(3, min_n=2).propose(rows) == [[], []]
+
+
+def test_the_index_follows_a_growing_list_as_the_rule_says() -> None:
+    """Kept up to date token by token (and rebuilt for a list that is not its own continued),
+    the index proposes what the brute-force rule does, at every length."""
+    rng = random.Random(3)
+    for n, min_n in ((3, 1), (3, 2), (4, 4)):
+        proposer = NgramProposer(n, min_n)
+        ids = [rng.randrange(5) for _ in range(3)]
+        for _ in range(200):
+            ids.append(rng.randrange(5) if rng.random() < 0.5 else ids[rng.randrange(len(ids))])
+            got = proposer.propose([DraftRow(ids, 0, 3, len(ids), "r")])[0]
+            assert got == ngram_lookup(ids, n, 3, min_n)
+            assert proposer.hit("r", ids) == bool(got)
+        other = ids[:-5] + [9, 9, 9]  # a different list under the same id: rebuilt
+        assert proposer.propose([DraftRow(other, 0, 3, len(other), "r")])[0] == ngram_lookup(
+            other, n, 3, min_n
+        )
+        proposer.drop("r")
+        assert not proposer._index
 
 
 def test_accepted_tokens() -> None:
