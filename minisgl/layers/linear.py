@@ -372,20 +372,14 @@ class OneRowGemv(Protocol):
 
 ENV_DISABLE_ONE_ROW = "MINISGL_DISABLE_ONE_ROW_GEMV"
 _ONE_ROW = os.environ.get(ENV_DISABLE_ONE_ROW) != "1"
-# Dense layers of steps of up to this many tokens take the GEMV path too (its programs of the
-# rows of x read each weight tile once from DRAM, the others from L2); for A/B runs.
-ENV_GEMV_MAX_ROWS = "MINISGL_GEMV_MAX_ROWS"
-GEMV_MAX_ROWS = int(os.environ.get(ENV_GEMV_MAX_ROWS, "1"))
 
 
-def one_row_gemv(x: torch.Tensor, max_rows: int = 1) -> OneRowGemv | None:
-    """The fused one-row GEMV for `x` when a layer should use it: one token (up to `max_rows`)
-    where the fused kernels run (CUDA), and no tensor parallelism (the row-parallel projections
-    would need their all-reduce between the product and the residual add). None: use the layers
-    as they are (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B runs)."""
-    if not _ONE_ROW or x.dim() != 2 or not 1 <= x.shape[0] <= max_rows:
-        return None
-    if get_tp_info().size != 1:
+def one_row_gemv(x: torch.Tensor) -> OneRowGemv | None:
+    """The fused one-row GEMV for `x` when a layer should use it: one token where the fused
+    kernels run (CUDA), and no tensor parallelism (the row-parallel projections would need their
+    all-reduce between the product and the residual add). None: use the layers as they are
+    (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B runs)."""
+    if not _ONE_ROW or x.dim() != 2 or x.shape[0] != 1 or get_tp_info().size != 1:
         return None
     fused = fused_kernels(x)
     if fused is None:

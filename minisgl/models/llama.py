@@ -24,7 +24,7 @@ from minisgl.layers import (
     silu_and_mul,
 )
 from minisgl.layers.fused import fused_kernels
-from minisgl.layers.linear import GEMV_MAX_ROWS, OneRowGemv, one_row_gemv
+from minisgl.layers.linear import OneRowGemv, one_row_gemv
 from minisgl.layers.moe import SparseMoeBlock
 
 
@@ -98,8 +98,7 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, residual): the layer's result is their sum (no residual: the output)."""
-        dense = not isinstance(self.mlp, SparseMoeBlock)  # its one-row kernels take one row
-        gemv = one_row_gemv(x, GEMV_MAX_ROWS if dense else 1)
+        gemv = one_row_gemv(x)
         if gemv is not None:
             return self.forward_one_row(gemv, x, residual, positions, ctx)
         h, residual = self.input_layernorm(x, residual)
