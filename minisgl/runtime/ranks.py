@@ -161,8 +161,9 @@ def _setup_worker(rank: int, config: EngineConfig, parent_pid: int) -> None:
     # Rank 0 alone decides when to stop. SIGTERM keeps its default: a rank waiting inside a
     # collective would not run a Python handler until the collective returns.
     ignore_sigint()
-    if not config.device.startswith("cuda"):
-        # The node's cores are shared by its ranks; more threads than that only thrash.
+    if not config.device.startswith("cuda") and not os.environ.get("OMP_NUM_THREADS"):
+        # The node's cores are shared by its ranks; more threads than that only thrash. (An
+        # OMP_NUM_THREADS set by the user, e.g. for processes run side by side, wins.)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
     watch_parent(parent_pid)
 

@@ -124,7 +124,7 @@ def test_one_layer_draft_keeps_the_distribution(model_path, hf) -> None:
 
 @pytest.mark.slow
 def test_ngram_drafts_keep_the_distribution(model_path, hf) -> None:
-    llm = _llm(model_path, "ngram")
+    llm = _llm(model_path, "ngram", speculative_ngram_min_n=1)
     _check(llm, hf, _copy_prompts(llm, seed=3), 0.05)
 
 
