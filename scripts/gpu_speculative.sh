@@ -26,6 +26,8 @@ run gpu_test $PY -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_gpu
 run ngram $PY -m minisgl.benchmark.speculative --algorithm ngram --concurrency 64
 run ngram8 $PY -m minisgl.benchmark.speculative --algorithm ngram --concurrency 64 \
   --num-draft-tokens 8
+run ngram8m1 $PY -m minisgl.benchmark.speculative --algorithm ngram --workloads copy,chat \
+  --num-draft-tokens 8 --ngram-min-n 1
 # SmolLM2's layers 1-20 predict its next token 7% of the time, 1-25 48% (logit lens).
 run draft $PY -m minisgl.benchmark.speculative --algorithm draft --draft-layers 25 \
   --workloads copy,chat
