@@ -145,6 +145,7 @@ class Scheduler:
         self.spec: SpecPolicy | None = None
         self.proposer: Proposer | None = None
         self.ngram: NgramProposer | None = None
+        self._expected_drafts: set[str] = set()  # see `run_overlapped`
         if cfg.speculative_algorithm is not None:
             self.spec = SpecPolicy(cfg.speculative_num_draft_tokens, cfg.speculative_max_batch)
         if cfg.speculative_algorithm == "ngram":
@@ -294,10 +295,15 @@ class Scheduler:
         engine launches the model, then calls back, and the previous step is processed (and
         the mask filled) while the device runs the new step's forward.
         """
-        if self._in_flight is not None and self._speculates_next():
-            # Drafts need every token on the host: finish the step in flight, then verify.
-            last, self._in_flight = self._in_flight, None
-            return self.process(last) + self.run_normal()
+        if self._in_flight is not None:
+            expected = self._speculates_next()
+            if expected:
+                # Drafts need every token on the host: finish the step in flight, then verify.
+                # A request that then has no draft after all (the token that was in flight
+                # ended its match) cost that wait for nothing: its policy counts it as a miss.
+                last, self._in_flight = self._in_flight, None
+                self._expected_drafts = expected
+                return self.process(last) + self.run_normal()
         planned = self.schedule()
         prev, events = self._in_flight, None
 
@@ -403,21 +409,21 @@ class Scheduler:
         room = min(r.params.max_tokens - r.num_sampled, self.max_context - r.seq_len) - 1
         return max(0, min(self.spec.k, room))
 
-    def _speculates_next(self) -> bool:
-        """Whether the next step would verify drafts if all tokens were on the host (the
-        overlap loop then finishes the step in flight first)."""
+    def _speculates_next(self) -> set[str]:
+        """The requests that would verify drafts next if all tokens were on the host (the
+        overlap loop then finishes the step in flight first); empty: none."""
         if self.spec is None:
-            return False
+            return set()
         ready = []
         for r in self.running:
             if self._ready_to_decode(r):
                 ready.append(r)
                 if len(ready) > self.spec.max_batch:
-                    return False
+                    return set()
         ok = [r for r in ready if self.spec.allows(r.rid) and r.params.constraint is None]
-        if self.ngram is None:  # a device draft always proposes
-            return bool(ok)
-        return any(self.ngram.hit(r.rid, r.all_ids()) for r in ok)
+        if self.ngram is not None:  # a device draft always proposes
+            ok = [r for r in ok if self.ngram.hit(r.rid, r.all_ids())]
+        return {r.rid for r in ok}
 
     def _plan_drafts(self, decode: list[Req], room: int) -> tuple[list[int], int]:
         """Drafts per decoding request (0: a plain decode) within `room` free pages; host
@@ -440,6 +446,10 @@ class Scheduler:
             proposed = self.proposer.propose(rows)
         else:
             proposed = [[0] * k for _, _, k in want]  # lengths only: the engine drafts
+        expected, self._expected_drafts = self._expected_drafts, set()
+        for (_, r, _), ids in zip(want, proposed):
+            if not ids and r.rid in expected:
+                self.spec.missed(r.rid)
         for (i, r, _), ids in zip(want, proposed):
             need = pages_for(r.seq_len + len(ids), self.page_size)
             extra = need - max(len(r.pages), pages_for(r.seq_len, self.page_size))

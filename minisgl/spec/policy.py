@@ -29,6 +29,7 @@ class SpecStats:
     verify_rows: int = 0  # request-steps that verified at least one draft
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # draft tokens accepted
+    missed: int = 0  # waits for tokens in flight that found no draft (`SpecPolicy.missed`)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -70,6 +71,15 @@ class SpecPolicy:
         self.stats.verify_rows += 1
         self.stats.proposed += proposed
         self.stats.accepted += accepted
+        self._judge(rid, accepted)
+
+    def missed(self, rid: str) -> None:
+        """The loop waited for `rid`'s tokens in flight to speculate, and then it had no draft:
+        a wait for nothing, judged like a verify step that kept no draft."""
+        self.stats.missed += 1
+        self._judge(rid, 0)
+
+    def _judge(self, rid: str, accepted: int) -> None:
         r = self._reqs.setdefault(rid, _ReqSpec())
         r.verify_steps += 1
         r.mean_accepted += EMA_WEIGHT * (accepted - r.mean_accepted)

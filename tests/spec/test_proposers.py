@@ -106,6 +106,13 @@ def test_policy_backs_off_after_rejections_and_for_large_batches() -> None:
     policy.record("a", 4, 0)
     assert policy.stats.proposed == 28 and policy.stats.accepted == 8
     assert policy.stats.verify_rows == 7
+    # Waits for tokens in flight that found no draft count like verify steps that kept none:
+    # a new request backs off after them; one with a good record keeps speculating.
+    for _ in range(PROBATION_STEPS):
+        policy.missed("b")
+        policy.missed("c")
+    assert policy.select(["b", "c"]) == {"b"} and policy.stats.missed == 2 * PROBATION_STEPS
+    assert policy.stats.verify_rows == 7
 
 
 def test_config_checks() -> None:
