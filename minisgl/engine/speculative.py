@@ -1,6 +1,7 @@
 """The engine's side of speculative decoding: device drafts (a layer-skip draft of the
-target's own first layers) and the verify step, which scores every draft of every row of a
-plan in one forward through the extend attention path and samples all positions at once."""
+target's own first layers, or a separate draft model: `draft_model.py`) and the verify step,
+which scores every draft of every row of a plan in one forward (the decode CUDA graph with a row
+per token where it can, else the extend attention path) and samples all positions at once."""
 
 from __future__ import annotations
 
