@@ -54,9 +54,16 @@ def agree_to_first_near_tie(ref: dict[str, Any], got: dict[str, Any]) -> bool:
     return len(ref["token_ids"]) == len(got["token_ids"])
 
 
-@pytest.mark.parametrize("algo", ["ngram", "draft"])
+@pytest.mark.parametrize("algo", ["ngram", "draft", "draft_model"])
 def test_greedy_follows_plain_decoding(algo: str) -> None:
-    llm = LLM(speculative_algorithm=algo, speculative_draft_layers=10)
+    """(draft_model: SmolLM2 as its own draft model, its pool and graphs beside the target's:
+    nearly every draft is accepted.)"""
+    from minisgl.weights.source import default_model_path
+
+    options: dict[str, Any] = {"speculative_algorithm": "ngram" if algo == "ngram" else "draft"}
+    if algo == "draft_model":
+        options["speculative_draft_model"] = str(default_model_path())
+    llm = LLM(speculative_draft_layers=10, **options)
     assert llm.engine.graphs is not None and llm.scheduler.overlap
     sched = llm.scheduler
     policy = sched.spec
@@ -66,6 +73,10 @@ def test_greedy_follows_plain_decoding(algo: str) -> None:
     got = answers(llm)
     assert all(agree_to_first_near_tie(r, g) for r, g in zip(ref, got))
     assert policy is not None and policy.stats.verify_rows > 0
+    if algo == "draft_model":
+        draft = llm.engine.draft_model
+        assert draft is not None and draft.graphs is not None
+        assert policy.stats.accepted >= 0.8 * policy.stats.proposed, policy.stats
 
 
 def test_sampling_with_speculation() -> None:
