@@ -23,13 +23,17 @@ class FunctionSchema(NamedTuple):
 
 
 class CallLayout(NamedTuple):
-    """How calls are written (see `minisgl.tokenizer.parsers.CallFormat`)."""
+    """How calls are written (see `minisgl.tokenizer.parsers.CallFormat`). With `call_head`,
+    a call is its head (`{name}` replaced by the function's name), the bare arguments object
+    and `call_tail`, and `open` / `close` wrap the whole block of calls."""
 
     args_key: str
     open: str
     close: str
     separator: str
     array: bool
+    call_head: str = ""
+    call_tail: str = ""
 
 
 def call_object_schema(functions: list[FunctionSchema], args_key: str) -> dict[str, Any]:
@@ -61,6 +65,8 @@ def forced_calls_grammar(
             check_enforceable(f.parameters if f.parameters is not None else EMPTY_PARAMETERS)
         except UnenforceableSchema as e:
             raise GrammarError("tools", f"function {f.name!r}: {e}") from None
+    if layout.call_head:
+        return _named_calls_grammar(functions, layout, parallel)
     schema = call_object_schema(functions, layout.args_key)
     if layout.array:
         schema = {"type": "array", "items": schema, "minItems": 1}
@@ -76,13 +82,46 @@ def forced_calls_grammar(
     one = xgr.Grammar.concat(*[p for p in parts if p is not None])
     if layout.array or not parallel:
         return str(one)
-    # One or more calls: the single call's root becomes a rule of its own, repeated.
+    return _repeated(one, layout.separator)
+
+
+def _named_calls_grammar(
+    functions: list[FunctionSchema], layout: CallLayout, parallel: bool
+) -> str:
+    """Calls whose name is written outside the arguments object (DeepSeek's)."""
+    import xgrammar as xgr
+
+    options = []
+    for f in functions:
+        params = f.parameters if f.parameters is not None else EMPTY_PARAMETERS
+        try:
+            args = xgr.Grammar.from_json_schema(
+                json.dumps(params), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+            )
+        except (RuntimeError, ValueError) as e:
+            raise GrammarError("tools", f"function {f.name!r}: {e}") from None
+        head = _literal(layout.call_head.replace("{name}", f.name))
+        parts = [head, args, _literal(layout.call_tail)]
+        options.append(xgr.Grammar.concat(*[p for p in parts if p is not None]))
+    one = options[0] if len(options) == 1 else xgr.Grammar.union(*options)
+    calls = _repeated(one, layout.separator) if parallel else str(one)
+    # The block's tags around the calls: the calls' root becomes a rule of its own.
+    text = re.sub(r"^root ::= ", "calls ::= ", calls, count=1, flags=re.MULTILINE)
+    return f"root ::= {_quoted(layout.open)} calls {_quoted(layout.close)}\n{text}"
+
+
+def _repeated(one: Any, separator: str) -> str:
+    """One or more of the grammar `one`: its root becomes a rule of its own, repeated."""
     text = re.sub(r"^root ::= ", "one_call ::= ", str(one), count=1, flags=re.MULTILINE)
-    sep = json.dumps(layout.separator)
-    return f"root ::= one_call ({sep} one_call)*\n{text}"
+    return f"root ::= one_call ({_quoted(separator)} one_call)*\n{text}"
+
+
+def _quoted(text: str) -> str:
+    """An EBNF string literal (non-ASCII characters as they are: tags such as DeepSeek's)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _literal(text: str) -> Any:
     import xgrammar as xgr
 
-    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") if text else None
+    return xgr.Grammar.from_ebnf(f"root ::= {_quoted(text)}") if text else None

@@ -70,7 +70,9 @@ def tool_plan(
                 "tool_choice",
             )
     fmt = call_format(parser)
-    layout = CallLayout(fmt.args_key, fmt.open, fmt.close, fmt.separator, fmt.array)
+    layout = CallLayout(
+        fmt.args_key, fmt.open, fmt.close, fmt.separator, fmt.array, fmt.call_head, fmt.call_tail
+    )
     try:
         text = forced_calls_grammar(functions, layout, parallel)
     except GrammarError as e:

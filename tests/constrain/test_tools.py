@@ -10,6 +10,7 @@ import pytest
 from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar
 from minisgl.constrain.tools import CallLayout, FunctionSchema, forced_calls_grammar
 from minisgl.core import Constraint
+from minisgl.tokenizer.parsers import call_format, tool_call_parser
 
 CITY = {
     "type": "object",
@@ -20,6 +21,10 @@ CITY = {
 FUNCTIONS = [FunctionSchema("get_weather", CITY), FunctionSchema("now", None)]
 HERMES = CallLayout("arguments", "<tool_call>\n", "\n</tool_call>", "\n", array=False)
 ARRAY = CallLayout("arguments", "", "", "", array=True)
+_DS = call_format("deepseek")
+DEEPSEEK = CallLayout(
+    "arguments", _DS.open, _DS.close, _DS.separator, False, _DS.call_head, _DS.call_tail
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +41,12 @@ def accepts(compiler: GrammarCompiler, tokenizer: Any, grammar: str, text: str) 
 
 W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 N = '{"name": "now", "arguments": {}}'
+DS_W = (
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    '{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+)
+DS_N = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜>"
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 
 
 @pytest.mark.parametrize(
@@ -57,6 +68,12 @@ N = '{"name": "now", "arguments": {}}'
         (ARRAY, False, f"[{W}, {N}]", False),
         (ARRAY, True, f"[{W}, {N}]", True),
         (ARRAY, True, "[]", False),
+        (DEEPSEEK, False, f"{DS_BEGIN}{DS_W}{DS_END}", True),
+        (DEEPSEEK, False, f"{DS_BEGIN}{DS_N}{DS_END}", True),
+        (DEEPSEEK, False, f"{DS_BEGIN}{DS_W}\n{DS_N}{DS_END}", False),
+        (DEEPSEEK, True, f"{DS_BEGIN}{DS_W}\n{DS_N}{DS_END}", True),
+        (DEEPSEEK, False, f"{DS_BEGIN}{DS_W.replace('Paris', 'Paris, France')}{DS_END}", False),
+        (DEEPSEEK, False, DS_W, False),  # the block's tags are part of the format
     ],
 )
 def test_forced_calls(
@@ -75,3 +92,14 @@ def test_a_schema_that_cannot_be_enforced_is_refused() -> None:
     bad = FunctionSchema("f", {"type": "object", "not": {"required": ["x"]}})
     with pytest.raises(GrammarError, match="function 'f'"):
         forced_calls_grammar([bad], HERMES, parallel=False)
+
+
+def test_deepseek_forced_calls_parse_back() -> None:
+    """What the DeepSeek grammar writes is what its parser reads as calls."""
+    text = f"{DS_BEGIN}{DS_W}\n{DS_N}{DS_END}"
+    d = tool_call_parser("deepseek").parse(text)
+    assert [(c.name, c.arguments) for c in d.calls] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("now", "{}"),
+    ]
+    assert d.content == ""
