@@ -2,8 +2,9 @@
 allowed functions, each argument object following its function's parameter schema, written
 in the model's own call format (between its tags, or as items of one JSON array).
 
-The result is EBNF text (a `Constraint` of kind "ebnf"), so it travels and is compiled like
-any other grammar."""
+A request carries the calls to force as a `Constraint` of kind "tool_calls" (`ForcedCalls` as
+JSON); the grammar is built where grammars compile, on the compile threads, since building it
+costs about a millisecond per function."""
 
 from __future__ import annotations
 
@@ -36,6 +37,40 @@ class CallLayout(NamedTuple):
     call_tail: str = ""
 
 
+class ForcedCalls(NamedTuple):
+    """The calls a request forces: one of `functions` (or, with `parallel`, one or more), in
+    `layout`."""
+
+    functions: list[FunctionSchema]
+    layout: CallLayout
+    parallel: bool
+
+    def to_text(self) -> str:
+        functions = [list(f) for f in self.functions]
+        return json.dumps(
+            {"functions": functions, "layout": list(self.layout), "parallel": self.parallel}
+        )
+
+    @classmethod
+    def from_text(cls, text: str) -> ForcedCalls:
+        d = json.loads(text)
+        functions = [FunctionSchema(*f) for f in d["functions"]]
+        return cls(functions, CallLayout(*d["layout"]), d["parallel"])
+
+    def check(self) -> None:
+        """GrammarError (kind "tools") when a parameter schema cannot be enforced: a quick check
+        before the grammar is built."""
+        for f in self.functions:
+            try:
+                check_enforceable(f.parameters if f.parameters is not None else EMPTY_PARAMETERS)
+            except UnenforceableSchema as e:
+                raise GrammarError("tools", f"function {f.name!r}: {e}") from None
+
+    def grammar(self) -> str:
+        """The EBNF text of the calls (GrammarError as `check`)."""
+        return forced_calls_grammar(self.functions, self.layout, self.parallel)
+
+
 def call_object_schema(functions: list[FunctionSchema], args_key: str) -> dict[str, Any]:
     """The JSON schema of one call of any of `functions`."""
     options = [
@@ -60,11 +95,7 @@ def forced_calls_grammar(
     "tools") when a parameter schema cannot be enforced."""
     import xgrammar as xgr
 
-    for f in functions:
-        try:
-            check_enforceable(f.parameters if f.parameters is not None else EMPTY_PARAMETERS)
-        except UnenforceableSchema as e:
-            raise GrammarError("tools", f"function {f.name!r}: {e}") from None
+    ForcedCalls(functions, layout, parallel).check()
     if layout.call_head:
         return _named_calls_grammar(functions, layout, parallel)
     schema = call_object_schema(functions, layout.args_key)

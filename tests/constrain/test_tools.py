@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar
-from minisgl.constrain.tools import CallLayout, FunctionSchema, forced_calls_grammar
+from minisgl.constrain.tools import CallLayout, ForcedCalls, FunctionSchema, forced_calls_grammar
 from minisgl.core import Constraint
 from minisgl.tokenizer.parsers import call_format, tool_call_parser
 
@@ -103,3 +103,21 @@ def test_deepseek_forced_calls_parse_back() -> None:
         ("now", "{}"),
     ]
     assert d.content == ""
+
+
+def test_forced_calls_travel_as_a_constraint_and_compile_on_the_pool(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """A request carries the calls to force as a "tool_calls" constraint: the grammar is built
+    by the compiler (on its threads), not where the request is made."""
+    text = ForcedCalls(FUNCTIONS, HERMES, parallel=False).to_text()
+    assert ForcedCalls.from_text(text) == ForcedCalls(FUNCTIONS, HERMES, False)
+    compiled = compiler.submit(Constraint("tool_calls", text)).result()
+    g = RequestGrammar(compiled, [tokenizer.eos_token_id])
+    ids = tokenizer(f"<tool_call>\n{W}\n</tool_call>", add_special_tokens=False)["input_ids"]
+    assert all(g.accept(t) for t in ids) and g.accept(tokenizer.eos_token_id)
+    bad = FunctionSchema("f", {"type": "object", "not": {"required": ["x"]}})
+    job = compiler.submit(Constraint("tool_calls", ForcedCalls([bad], HERMES, False).to_text()))
+    with pytest.raises(GrammarError, match="function 'f'") as e:
+        job.result()
+    assert e.value.kind == "tools"
