@@ -274,6 +274,11 @@ def test_tool_choice_mistakes_are_400s(client: openai.OpenAI) -> None:
     assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):  # a role tool message needs its call's id
         chat(client, [*ASK, {"role": "tool", "content": "18 C"}])
+    unenforceable = {"type": "object", "not": {"required": ["x"]}}
+    bad = [{"type": "function", "function": {"name": "f", "parameters": unenforceable}}]
+    with pytest.raises(openai.BadRequestError, match="function 'f'") as e:
+        chat(client, ASK, tools=bad, tool_choice="required")
+    assert e.value.body["param"] == "tools"  # type: ignore[index]
 
 
 # ---- reasoning ---------------------------------------------------------------------------------
