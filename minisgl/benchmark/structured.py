@@ -50,9 +50,9 @@ class MaskTimer:
         self.seconds, self.calls = 0.0, 0
 
     def __enter__(self) -> MaskTimer:
-        def timed(reqs: Any) -> Any:
+        def timed(reqs: Any, drafts: Any = None) -> Any:
             start = time.perf_counter()
-            out = self.original(reqs)
+            out = self.original(reqs, drafts)
             self.seconds += time.perf_counter() - start
             self.calls += 1
             return out

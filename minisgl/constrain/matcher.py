@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+MAX_ROLLBACK = 64  # tokens `RequestGrammar.rollback` can take back (drafts of one step)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -21,6 +24,9 @@ class RequestGrammar:
 
     `start_after`: the grammar starts once this token has been accepted (a reasoning model's
     end of thinking); until then every token is allowed.
+
+    Speculative decoding advances it through a request's drafts to build each position's mask
+    and then takes them back (`rollback`): what each accepted token did is kept for that.
     """
 
     def __init__(self, compiled: Any, stop_ids: list[int], start_after: int | None = None) -> None:
@@ -28,6 +34,8 @@ class RequestGrammar:
 
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids or None)
         self._waiting_for = start_after
+        self._start = start_after
+        self._trail: list[bool] = []  # per accepted token: the matcher took it (not waiting)
 
     @property
     def active(self) -> bool:
@@ -39,9 +47,37 @@ class RequestGrammar:
         if self._waiting_for is not None:
             if token == self._waiting_for:
                 self._waiting_for = None
+            self._push(False)
             return True
         ok: bool = self._matcher.accept_token(token)
+        if ok:
+            self._push(True)
         return ok
+
+    def _push(self, matched: bool) -> None:
+        self._trail.append(matched)
+        if len(self._trail) > 2 * MAX_ROLLBACK:
+            del self._trail[:MAX_ROLLBACK]
+
+    def accept_prefix(self, tokens: Sequence[int]) -> int:
+        """Advance by the longest prefix of `tokens` the grammar allows; returns its length
+        (take it back with `rollback`)."""
+        for n, t in enumerate(tokens):
+            if not self.accept(t):
+                return n
+        return len(tokens)
+
+    def rollback(self, n: int) -> None:
+        """Take back the last `n` accepted tokens (at most `MAX_ROLLBACK`)."""
+        assert 0 <= n <= min(len(self._trail), MAX_ROLLBACK)
+        if n == 0:
+            return
+        taken, self._trail = self._trail[-n:], self._trail[:-n]
+        matched = sum(taken)
+        if matched:
+            self._matcher.rollback(matched)
+        if matched < n:  # the earliest taken back were consumed while waiting for the start
+            self._waiting_for = self._start
 
     @property
     def terminated(self) -> bool:
@@ -103,4 +139,26 @@ class MaskFiller:
             live[0].fill_next_token_bitmask(bits, rows[0])
         elif live:
             self._batch.batch_fill_next_token_bitmask(live, bits, rows)
+        return bits
+
+    def fill_drafts(self, rows: list[tuple[RequestGrammar | None, list[int]]]) -> torch.Tensor:
+        """A verify step's mask: for each (grammar, drafts) row, len(drafts) + 1 mask rows, the
+        allowed tokens at each position of the drafts (after the drafts before it; the grammar
+        is advanced through them and taken back); rows of None are not written."""
+        bits = self._buffer(sum(len(d) + 1 for _, d in rows))
+        at = 0
+        for g, drafts in rows:
+            if g is not None:
+                taken = 0
+                for j in range(len(drafts) + 1):
+                    if g.terminated or not g.active:
+                        bits[at + j].fill_(-1)
+                    else:
+                        g.matcher.fill_next_token_bitmask(bits, at + j)
+                    if j < len(drafts):
+                        accepted = g.accept(drafts[j])
+                        assert accepted, "drafts are cut to what the grammar allows"
+                        taken += 1
+                g.rollback(taken)
+            at += len(drafts) + 1
         return bits

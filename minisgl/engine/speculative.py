@@ -189,11 +189,10 @@ def _sampling_inputs(
         sin.stop_mask = StopMask.build(pending, stops, vocab, dev)
     if any(s.params.logit_bias for s in sc.seqs):
         sin.logit_bias = LogitBias.build([s.params.logit_bias for s in sc.seqs], vocab, dev)
-    if mask is not None:
-        m = mask()  # rows of the sampling rows; a constrained row never verifies drafts
-        owner = [r for r, (a, b) in enumerate(_spans(sc)) for _ in range(b - a)]
-        bits = m.bits[to_device(owner, torch.int64, m.bits.device)]
-        sin.token_mask = TokenMask(bits.to(dev, non_blocking=True), [sc.start[r] for r in m.rows])
+    if mask is not None:  # a row per scored position (the scheduler's grammars, through drafts)
+        m = mask()
+        assert m.bits.shape[0] == len(sc.rows)
+        sin.token_mask = TokenMask(m.bits.to(dev, non_blocking=True), m.rows)
     return sin
 
 

@@ -113,14 +113,33 @@ class Grammars:
     def constrained(self, reqs: list[Req]) -> bool:
         return bool(self._matchers) and any(r.rid in self._matchers for r in reqs)
 
-    def mask(self, reqs: list[Req]) -> TokenMask:
+    def valid_drafts(self, req: Req, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar allows (all of them without
+        one): a draft it refuses could never be accepted."""
+        m = self._matchers.get(req.rid)
+        if m is None:
+            return drafts
+        n = m.accept_prefix(drafts)
+        m.rollback(n)
+        return drafts[:n]
+
+    def mask(self, reqs: list[Req], drafts: list[list[int]] | None = None) -> TokenMask:
         """The allowed next tokens of the constrained ones among `reqs` (the rows of a step
-        that sample, in order), from their matchers' current state."""
+        that sample, in order), from their matchers' current state. A verify step (`drafts`
+        per request, each cut by `valid_drafts`) has len(drafts) + 1 mask rows per request:
+        one per scored position."""
         if self._filler is None:
             self._filler = MaskFiller(self.vocab_size, fill_threads())
         matchers = [self._matchers.get(r.rid) for r in reqs]
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        return TokenMask(self._filler.fill(matchers), rows)
+        if drafts is None:
+            rows = [i for i, m in enumerate(matchers) if m is not None]
+            return TokenMask(self._filler.fill(matchers), rows)
+        rows, at = [], 0
+        for m, d in zip(matchers, drafts, strict=True):
+            if m is not None:
+                rows.extend(range(at, at + len(d) + 1))
+            at += len(d) + 1
+        return TokenMask(self._filler.fill_drafts(list(zip(matchers, drafts))), rows)
 
     def close(self) -> None:
         if self._compiler is not None:

@@ -146,6 +146,7 @@ class Scheduler:
         self.proposer: Proposer | None = None
         self.ngram: NgramProposer | None = None
         self._expected_drafts: set[str] = set()  # see `run_overlapped`
+        self._draft_ids: dict[str, list[int]] = {}  # the last plan's host drafts, by request
         if cfg.speculative_algorithm is not None:
             self.spec = SpecPolicy(cfg.speculative_num_draft_tokens, cfg.speculative_max_batch)
         if cfg.speculative_algorithm == "ngram":
@@ -327,11 +328,18 @@ class Scheduler:
         mask = None
         if self.grammars.constrained(reqs):
             sampling = [r for r, s in zip(reqs, batch.sample) if s]
+            # A verify step's mask has a row per scored position (the grammar is advanced
+            # through the drafts); `batch.draft_lens` are the host drafts' lengths.
+            drafts = None
+            if batch.speculative:
+                lens = [d for d, s in zip(batch.draft_lens, batch.sample) if s]
+                # (a device draft's rows are unconstrained: their ids are never read)
+                drafts = [self._draft_ids.get(r.rid, [0] * d) for r, d in zip(sampling, lens)]
 
             def mask() -> TokenMask:
                 if before_mask is not None:
                     before_mask()
-                return self.grammars.mask(sampling)
+                return self.grammars.mask(sampling, drafts)
 
         return Step(self._launched, reqs, batch, self.engine.forward_batch(batch, mask), shape)
 
@@ -404,8 +412,8 @@ class Scheduler:
         """Drafts `r` may verify now: within max_tokens and the context (the step's own token
         comes on top), 0 when it should not speculate."""
         assert self.spec is not None
-        if r.params.constraint is not None or len(r.output_ids) != r.num_sampled:
-            return 0  # grammars are not advanced through drafts; tokens still in flight
+        if not self._may_draft(r) or len(r.output_ids) != r.num_sampled:
+            return 0  # tokens still in flight
         room = min(r.params.max_tokens - r.num_sampled, self.max_context - r.seq_len) - 1
         return max(0, min(self.spec.k, room))
 
@@ -420,15 +428,22 @@ class Scheduler:
                 ready.append(r)
                 if len(ready) > self.spec.max_batch:
                     return set()
-        ok = [r for r in ready if self.spec.allows(r.rid) and r.params.constraint is None]
+        ok = [r for r in ready if self.spec.allows(r.rid) and self._may_draft(r)]
         if self.ngram is not None:  # a device draft always proposes
             ok = [r for r in ok if self.ngram.hit(r.rid, r.all_ids())]
         return {r.rid for r in ok}
+
+    def _may_draft(self, r: Req) -> bool:
+        """Constrained requests speculate with host drafts only: the grammar is advanced
+        through them to build each position's mask (a device draft's tokens are not on the
+        host)."""
+        return r.params.constraint is None or self.ngram is not None
 
     def _plan_drafts(self, decode: list[Req], room: int) -> tuple[list[int], int]:
         """Drafts per decoding request (0: a plain decode) within `room` free pages; host
         drafts are queued as token writes. Returns them and the room left."""
         drafts = [0] * len(decode)
+        self._draft_ids = {}
         if self.spec is None:
             return drafts, room
         chosen = self.spec.select([r.rid for r in decode])
@@ -444,6 +459,8 @@ class Scheduler:
                 for (_, r, k), s in zip(want, slots)
             ]
             proposed = self.proposer.propose(rows)
+            # A draft the grammar refuses could never be accepted.
+            proposed = [self.grammars.valid_drafts(r, p) for (_, r, _), p in zip(want, proposed)]
         else:
             proposed = [[0] * k for _, _, k in want]  # lengths only: the engine drafts
         expected, self._expected_drafts = self._expected_drafts, set()
@@ -459,6 +476,7 @@ class Scheduler:
             drafts[i] = len(ids)
             if self.proposer is not None:
                 self.kv.write_tokens(r, r.seq_len, ids)
+                self._draft_ids[r.rid] = ids
         return drafts, room
 
     def _can_sample_more(self, r: Req) -> bool:

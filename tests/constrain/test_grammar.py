@@ -171,3 +171,29 @@ def test_random_regexes_and_grammars_compile_or_give_a_grammar_error(compiler, k
         return  # blank: refused before compiling
     with contextlib.suppress(GrammarError):
         compiler.compile(constraint)
+
+
+def test_drafts_are_cut_where_the_grammar_refuses_and_taken_back(compiler, tokenizer) -> None:
+    """Speculative decoding's use: the grammar advanced through drafts gives each position's
+    mask (each equal to the mask after accepting the drafts before it for real) and is then
+    rolled back to where it was, also across the start token of a reasoning model."""
+    ids = tokenizer.encode('{"name": "Ann", "age": 7}', add_special_tokens=False)
+    person = compiler.compile(Constraint("json_schema", json.dumps(PERSON)))
+    g = RequestGrammar(person, [EOS])
+    before = fill_bitmask([g])
+    assert g.accept_prefix([*ids[:3], ids[0], *ids[3:]]) == 3  # a second "{" is refused
+    g.rollback(3)
+    assert torch.equal(fill_bitmask([g]), before)
+    filler = MaskFiller(VOCAB, threads=2)
+    rows = filler.fill_drafts([(g, ids[:4]), (None, [5, 6])]).clone()
+    assert rows.shape[0] == 5 + 3 and torch.equal(fill_bitmask([g]), before)
+    for j in range(5):  # row j: the mask after the first j drafts, accepted for real
+        ref = RequestGrammar(person, [EOS])
+        assert ref.accept_prefix(ids[:j]) == j
+        assert torch.equal(rows[j], fill_bitmask([ref])[0])
+    # Before the start token everything is allowed; taking it back makes the grammar wait again.
+    think_end = ids[-1]
+    g = RequestGrammar(person, [EOS], start_after=think_end)
+    assert g.accept_prefix([7, think_end, *ids[:2]]) == 4 and g.active
+    g.rollback(3)
+    assert not g.active and g.accept(think_end) and g.accept_prefix(ids) == len(ids)

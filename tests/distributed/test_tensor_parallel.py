@@ -280,3 +280,24 @@ def test_priorities_and_the_latency_target_stay_in_step(models: dict[str, Path])
         out = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.scheduler.step_model.ready
     assert out == ref and all(len(t) == 12 for t in out)
+
+
+@pytest.mark.parametrize("algo", ["ngram", "draft"])
+def test_speculation_at_tp2_gives_the_tp1_answers(
+    algo: str, models: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    """Every rank proposes the same drafts (the n-gram proposer reads the same host tokens, the
+    layer-skip draft runs the same sharded layers) and accepts the same tokens."""
+    looping = [p * 3 for p in prompts]  # the prompts repeat themselves: n-gram matches
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=True)
+    with LLM(str(models["qwen3"]), **OPTS) as llm:
+        ref = llm.generate(looping, params, use_tqdm=False)
+    options = dict(tp_size=2, speculative_algorithm=algo, speculative_draft_layers=1)
+    with LLM(str(models["qwen3"]), **OPTS, **options) as llm:
+        out = llm.generate(looping, params, use_tqdm=False)
+        assert llm.scheduler.spec is not None
+        stats = llm.scheduler.spec.stats
+    for r, o in zip(ref, out, strict=True):
+        assert o["token_ids"] == r["token_ids"]
+        assert max(abs(a - b) for a, b in zip(r["logprobs"], o["logprobs"])) <= ATOL
+    assert stats.verify_rows > 0 and (algo == "draft" or stats.accepted > 0), stats
