@@ -44,6 +44,8 @@ CASES: list[tuple[str | None, str, str, list[tuple[str, dict[str, Any]]]]] = [
         [("a", {"x": 1})],
     ),
     ("hermes", '<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),
+    ("hermes", '<tool_call>{"arguments": {"x": 1}, "name": "a"}</tool_call>', "", [("a", {"x": 1})]),
+    ("hermes", '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("a", {"x": 1})]),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     (
         "llama3",
