@@ -31,6 +31,10 @@ run ngram8m1 $PY -m minisgl.benchmark.speculative --algorithm ngram --workloads 
 # SmolLM2's layers 1-20 predict its next token 7% of the time, 1-25 48% (logit lens).
 run draft $PY -m minisgl.benchmark.speculative --algorithm draft --draft-layers 25 \
   --workloads copy,chat
+# The target as its own draft model (no smaller SmolLM2-vocabulary model at hand): every draft
+# is accepted, so this times the draft model's machinery (its pool, catch-up and graphs).
+run draftmodel $PY -m minisgl.benchmark.speculative --algorithm draft --workloads copy,chat \
+  --draft-model "${SMOL:-}"
 run profile $PY scripts/gpu_spec_profile.py
 run verify_cost $PY -m minisgl.benchmark.speculative --workloads none --verify-cost \
   --model minisgl/benchmark/models/llama-3-8b --load-format dummy --context 128

@@ -195,6 +195,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ngram-n", type=int, default=3)
     p.add_argument("--ngram-min-n", type=int, default=2)
     p.add_argument("--draft-layers", type=int, default=0)
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="draft: a separate draft model of the same vocabulary")  # fmt: skip
     p.add_argument("--workloads", default="copy,chat,concurrent",
                    help="comma-separated: copy, chat, concurrent; none for --verify-cost alone")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=16)
@@ -220,6 +222,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         speculative_ngram_n=args.ngram_n,
         speculative_ngram_min_n=args.ngram_min_n,
         speculative_draft_layers=args.draft_layers,
+        speculative_draft_model=args.draft_model,
         speculative_max_batch=args.max_batch,
     )
     if args.load_format == "dummy":

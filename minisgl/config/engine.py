@@ -85,7 +85,8 @@ class EngineConfig:
     priority_aging_s: float = 10.0
     # Speculative decoding (`minisgl.spec`): None (off) | ngram (prompt lookup: the tokens that
     # followed the last occurrence of the request's last n tokens) | draft (the target's own
-    # first `speculative_draft_layers` layers with its final norm and LM head). Each verify step
+    # first `speculative_draft_layers` layers with its final norm and LM head; or, with
+    # `speculative_draft_model`, that smaller model of the same vocabulary). Each verify step
     # scores up to `speculative_num_draft_tokens` drafts per request; batches of more than
     # `speculative_max_batch` decoding requests, and requests whose drafts are mostly rejected,
     # decode plainly.
@@ -94,6 +95,7 @@ class EngineConfig:
     speculative_ngram_n: int = 3  # longest suffix looked up (shorter ones after it, down to:)
     speculative_ngram_min_n: int = 2
     speculative_draft_layers: int = 0  # 0: auto (a quarter of the layers, at least one)
+    speculative_draft_model: str | None = None  # an HF directory or .gguf (algorithm "draft")
     speculative_max_batch: int = 8
     show_progress: bool = True
     # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
@@ -163,6 +165,14 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_max_batch: must be >= 1, got {self.speculative_max_batch}"
             )
+        if self.speculative_draft_model is not None:
+            if self.speculative_algorithm != "draft":
+                raise ValueError(
+                    "speculative_draft_model: needs speculative_algorithm 'draft', got "
+                    f"{self.speculative_algorithm!r}"
+                )
+            if self.tp_size != 1:
+                raise ValueError("speculative_draft_model: only at tp_size 1 for now")
 
     def _check_scheduling(self) -> None:
         if self.itl_target_ms is not None and not self.itl_target_ms >= 0:

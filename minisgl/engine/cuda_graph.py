@@ -26,7 +26,7 @@ from minisgl.attention import AttentionBackend, AttentionInputs
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.core import Batch
 from minisgl.engine.sampler import host_tensor
-from minisgl.engine.step import StepRows
+from minisgl.engine.step import StepInputs, StepRows
 from minisgl.kvcache import ReqTable
 from minisgl.layers import ForwardContext
 
@@ -42,19 +42,34 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class GraphHost(Protocol):
-    """What the graphs capture and read of the engine (the `Engine`)."""
+    """What the graphs capture and read of the engine (the `Engine`, or a draft model: its
+    own weights and pool over the engine's request table)."""
 
     config: EngineConfig
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
-    max_context: int
     dummy_loc: int  # KV slot of the spare page that padding rows write to
     backend: AttentionBackend
     model: torch.nn.Module
-    table: ReqTable
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def table(self) -> ReqTable: ...
 
     def token_locations(self, req_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
+def eager_forward(host: GraphHost, step: StepInputs, num_layers: int | None = None) -> torch.Tensor:
+    """The host's model on a step's inputs, launched eagerly -> final hidden states [T, hidden]
+    (`num_layers`: the first layers only, then the final norm: a layer-skip draft)."""
+    inputs = step.attn
+    input_ids = host.table.token_table[step.token_slots, step.positions]  # [T]
+    inputs.out_loc = host.token_locations(step.token_slots, step.positions)
+    ctx = ForwardContext(host.backend, host.backend.prepare(inputs))
+    return host.model(input_ids, step.positions, ctx, num_layers=num_layers)  # type: ignore[no-any-return]
 
 
 class CudaGraphRunner:

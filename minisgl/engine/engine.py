@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -17,9 +16,11 @@ from minisgl.config import (
     resolve_model_quantization,
 )
 from minisgl.core import Batch, SeqInfo
-from minisgl.engine.cuda_graph import CudaGraphRunner
+from minisgl.engine.cuda_graph import CudaGraphRunner, eager_forward
+from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.kv_calibration import init_kv_scales
 from minisgl.engine.memory import graph_reserve_bytes, piecewise_reserve_bytes, plan_num_pages
+from minisgl.engine.model_loading import load_model
 from minisgl.engine.piecewise import PiecewiseGraphRunner
 from minisgl.engine.sampler import (
     LogitBias,
@@ -33,28 +34,14 @@ from minisgl.engine.sampler import (
 from minisgl.engine.speculative import make_device_proposer, verify_step
 from minisgl.engine.step import ForwardOutput, StepInputs, StepRows, TokenMask
 from minisgl.kvcache import KVPool, ReqTable
-from minisgl.layers import ForwardContext
-from minisgl.models import build_model
 from minisgl.weights import (
     ModelSource,
-    init_dummy_weights,
     load_model_config,
-    load_weights,
     resolve_source,
 )
 from minisgl.weights.fp8 import KVScales
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 class Engine:
@@ -87,6 +74,10 @@ class Engine:
         torch.manual_seed(cfg.seed)
         kv_scales = self._build_model(src)
         self.max_context = min(cfg.max_context_len or mcfg.max_position, mcfg.max_position)
+        # A draft model's weights count before the pool is planned; its pool comes later.
+        self.draft_model: DraftModel | None = None
+        if cfg.speculative_draft_model is not None:
+            self.draft_model = DraftModel(self, cfg.speculative_draft_model)
         self._build_kv(agree_num_pages, src, kv_scales)
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
@@ -96,15 +87,7 @@ class Engine:
 
     def _build_model(self, src: ModelSource) -> KVScales | None:
         """The model with its weights; returns the checkpoint's FP8 KV scales if it has any."""
-        cfg = self.config
-        with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = build_model(self.model_config)
-        kv_scales = None
-        if cfg.load_format == "dummy":
-            init_dummy_weights(self.model, cfg.seed)
-        else:
-            kv_scales = load_weights(self.model, src, self.model_config)
-        self.model.eval()
+        self.model, kv_scales = load_model(self.config, self.model_config, src, self.config.seed)
         return kv_scales
 
     def _build_kv(
@@ -122,7 +105,10 @@ class Engine:
         reserve = graph_reserve_bytes(cfg, mcfg, self.max_context) if self._wants_graphs() else 0
         if self._wants_pieces():
             reserve += piecewise_reserve_bytes(cfg, mcfg)
-        own = cfg.num_pages or plan_num_pages(cfg, mcfg, num_kv_heads, self.max_context, reserve)
+        draft = 0 if self.draft_model is None else self.draft_model.bytes_per_page()
+        own = cfg.num_pages or plan_num_pages(
+            cfg, mcfg, num_kv_heads, self.max_context, reserve, draft
+        )
         self.num_pages = agree_num_pages(own) if agree_num_pages else own
         self.config = cfg = replace(cfg, num_pages=self.num_pages)
         # One page more than the scheduler hands out: padding rows of a CUDA-graph batch write
@@ -191,6 +177,8 @@ class Engine:
         if self.config.debug_kv:
             self.pool.poison(batch.freed_pages)
         self.table.apply(batch.page_writes, batch.token_writes)
+        if self.draft_model is not None:
+            self.draft_model.begin_step(batch)
         if batch.speculative:  # eager, and its tokens are on the host when it returns
             return verify_step(self, batch, mask)
         rows: StepRows | None
@@ -209,13 +197,7 @@ class Engine:
     def eager_forward(self, step: StepInputs, num_layers: int | None = None) -> torch.Tensor:
         """The model on a step's inputs, launched eagerly -> final hidden states [T, hidden]
         (`num_layers`: the first layers only, then the final norm: a layer-skip draft)."""
-        inputs = step.attn
-        input_ids = self.table.token_table[step.token_slots, step.positions]  # [T]
-        inputs.out_loc = self.token_locations(step.token_slots, step.positions)
-        ctx = ForwardContext(self.backend, self.backend.prepare(inputs))
-        return self.model(  # type: ignore[no-any-return]
-            input_ids, step.positions, ctx, num_layers=num_layers
-        )
+        return eager_forward(self, step, num_layers)
 
     def sampled_rows(self, batch: Batch, step: StepInputs, hidden: torch.Tensor) -> StepRows | None:
         """The rows of the step's final hidden states [T, hidden] that sample (each such

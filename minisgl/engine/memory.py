@@ -53,8 +53,11 @@ def plan_num_pages(
     num_kv_heads: int,
     max_context: int,
     graph_reserve: int = 0,
+    extra_per_page: int = 0,
 ) -> int:
-    per_page = KVPool.bytes_per_page(
+    """Pages of the KV pool (`extra_per_page`: bytes another pool of the same pages takes, a
+    draft model's)."""
+    per_page = extra_per_page + KVPool.bytes_per_page(
         mcfg.num_layers, cfg.page_size, num_kv_heads, mcfg.head_dim, cfg.kv_torch_dtype
     )
     # No point in more pages than every running request at full context could use.

@@ -5,13 +5,13 @@ plan in one forward through the extend attention path and samples all positions 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from minisgl.core import Batch, SeqInfo
-from minisgl.engine.cuda_graph import CudaGraphRunner
+from minisgl.engine.cuda_graph import CudaGraphRunner, GraphHost, eager_forward
 from minisgl.engine.sampler import (
     LogitBias,
     SamplingInputs,
@@ -38,20 +38,35 @@ def draft_layers(engine: Engine) -> int:
 
 
 def make_device_proposer(engine: Engine) -> Proposer | None:
-    """The engine's device proposer for `speculative_algorithm` "draft"; None otherwise (host
-    proposers run in the scheduler)."""
+    """The engine's device proposer for `speculative_algorithm` "draft" (the layer-skip draft,
+    or the separate draft model); None otherwise (host proposers run in the scheduler)."""
     if engine.config.speculative_algorithm != "draft":
         return None
+    graphs = engine.graphs
+    bs = engine.config.speculative_max_batch
+    if graphs is not None:
+        bs = min(bs, graphs.max_bs)
+    draft = engine.draft_model
+    if draft is not None:
+        capture = graphs is None or graphs.captured
+        draft.attach_pool(engine.num_pages, bs if graphs is not None else None, capture)
+
+        def model_step(slots: list[int], positions: list[int]) -> torch.Tensor:
+            return draft_step(engine, draft, slots, positions, None, draft.graphs)
+
+        def prepare(rows: Sequence[DraftRow]) -> None:
+            draft.catch_up([r.slot for r in rows], [r.seq_len for r in rows])
+
+        return LayerSkipProposer(model_step, prepare)
     layers = draft_layers(engine)
-    graphs = None
-    if engine.graphs is not None:  # the draft's steps as CUDA graphs too, in the same pool
-        bs = min(engine.config.speculative_max_batch, engine.graphs.max_bs)
-        graphs = CudaGraphRunner(
-            engine, engine.graphs.captured, bs, num_layers=layers, pool=engine.graphs.pool
+    skip_graphs = None
+    if graphs is not None:  # the draft's steps as CUDA graphs too, in the same pool
+        skip_graphs = CudaGraphRunner(
+            engine, graphs.captured, bs, num_layers=layers, pool=graphs.pool
         )
 
     def step(slots: list[int], positions: list[int]) -> torch.Tensor:
-        return draft_step(engine, slots, positions, layers, graphs)
+        return draft_step(engine, engine, slots, positions, layers, skip_graphs)
 
     return LayerSkipProposer(step)
 
@@ -59,23 +74,25 @@ def make_device_proposer(engine: Engine) -> Proposer | None:
 @torch.inference_mode()
 def draft_step(
     engine: Engine,
+    host: GraphHost,
     slots: list[int],
     positions: list[int],
-    layers: int,
+    layers: int | None,
     graphs: CudaGraphRunner | None = None,
 ) -> torch.Tensor:
-    """One token per row through the first `layers` layers, the final norm and the LM head:
-    the token at `positions[i]` of row `slots[i]` goes in (its K/V of those layers written to
-    the pool, where the verify step overwrites it), the greedy draft comes out and is written
-    to the token table after it. Returns the drafts, [B] int64 on the device."""
+    """One token per row through `host`'s model (the target's first `layers` layers, or a
+    draft model whole), its final norm and LM head: the token at `positions[i]` of row
+    `slots[i]` goes in (its K/V written to the host's pool, where the verify step overwrites
+    the target's), the greedy draft comes out and is written to the token table after it.
+    Returns the drafts, [B] int64 on the device."""
     if graphs is not None and len(slots) <= graphs.max_bs:
         rows = graphs.run_rows(slots, positions, [p + 1 for p in positions])
         hidden, req_slots, next_pos = rows.hidden, rows.req_slots, rows.seq_lens
     else:
         step = engine.step_inputs(slots, positions, [1] * len(slots))
-        hidden = engine.eager_forward(step, num_layers=layers)  # [B, hidden]
+        hidden = eager_forward(host, step, num_layers=layers)  # [B, hidden]
         req_slots, next_pos = step.token_slots, step.positions + 1
-    tokens = engine.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
+    tokens = host.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
     engine.table.token_table[req_slots, next_pos] = tokens.int()
     return tokens
 
@@ -152,7 +169,13 @@ def verify_step(
             torch.where(greedy, verdict.accept, drawn.accept),
             torch.where(greedy, verdict.choice, drawn.choice),
         )
-    return _outputs(engine, sc, logits, sin, draft, verdict.accept, verdict.choice)
+    out = _outputs(engine, sc, logits, sin, draft, verdict.accept, verdict.choice)
+    if engine.draft_model is not None and batch.draft_lens:
+        assert out.counts is not None
+        for row, count in zip(sc.sample_rows, out.counts):
+            slot, last = batch.seqs[row].slot, batch.prefix_lens[row]
+            engine.draft_model.verified(slot, last, batch.draft_lens[row], count - 1)
+    return out
 
 
 def _verify_forward(engine: Engine, batch: Batch) -> torch.Tensor:

@@ -163,10 +163,11 @@ class SchedulerStats:
     time: float = 0.0
     retractions: int = 0
     # Speculative decoding since start: request-steps that verified drafts, drafts verified,
-    # drafts accepted.
+    # drafts accepted, waits for tokens in flight that then found no draft.
     spec_verify_rows: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    spec_missed_waits: int = 0
     retractions_by_priority: list[list[int]] = field(default_factory=list)  # [priority, count]
     # [priority, seconds from arrival at the scheduler to admission] of each request admitted
     # for the first time since the previous snapshot.

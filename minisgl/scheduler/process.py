@@ -151,6 +151,7 @@ class SchedulerProcess:
             spec_verify_rows=spec.verify_rows,
             spec_proposed=spec.proposed,
             spec_accepted=spec.accepted,
+            spec_missed_waits=spec.missed,
             retractions_by_priority=[[p, n] for p, n in s.retractions_by_priority.items()],
             queue_times=queue_times,
             steps_timed=timed.steps,

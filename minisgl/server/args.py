@@ -394,6 +394,13 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="ngram: the shortest suffix looked up (one token matches in almost any text)",
     )
     sp.add_argument(
+        "--speculative-draft-model",
+        default=None,
+        metavar="PATH",
+        help="draft: a smaller model of the same vocabulary (HF directory or .gguf) instead of "
+        "the layer-skip draft; its own weights and KV pool",
+    )
+    sp.add_argument(
         "--speculative-draft-layers",
         type=int,
         default=0,
@@ -431,6 +438,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative_ngram_n=args.speculative_ngram_n,
         speculative_ngram_min_n=args.speculative_ngram_min_n,
         speculative_draft_layers=args.speculative_draft_layers,
+        speculative_draft_model=args.speculative_draft_model,
         speculative_max_batch=args.speculative_max_batch,
         max_context_len=args.max_context_len,
         mem_fraction=args.mem_fraction,

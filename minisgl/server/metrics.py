@@ -160,6 +160,12 @@ class Metrics:
             "(accepted drafts plus the target's own token; 0 before any)",
             registry=r,
         )
+        self.spec_missed_waits = Gauge(
+            "minisgl_spec_missed_waits",
+            "Speculative decoding since start: times the overlapped loop waited for a step's "
+            "tokens to speculate and the request then had no draft",
+            registry=r,
+        )
         self.retractions_by_priority = Gauge(
             "minisgl_retractions_by_priority",
             "Retractions since start, by the retracted request's priority",
@@ -226,6 +232,7 @@ class Metrics:
         self.spec_tokens.labels("accepted").set(s.spec_accepted)
         rows = s.spec_verify_rows
         self.spec_accept_length.set((s.spec_accepted + rows) / rows if rows else 0.0)
+        self.spec_missed_waits.set(s.spec_missed_waits)
         for priority, count in s.retractions_by_priority:
             self.retractions_by_priority.labels(self.priority_label(priority)).set(count)
         self.steps_timed.set(s.steps_timed)

@@ -25,14 +25,21 @@ DraftStep = Callable[[list[int], list[int]], torch.Tensor]
 
 
 class LayerSkipProposer(Proposer):
-    """Device proposer over an engine-lent `step` (`minisgl.engine.speculative.draft_step`)."""
+    """Device proposer over an engine-lent `step` (`minisgl.engine.speculative.draft_step`),
+    run autoregressively; also the driver of a separate draft model's steps, whose `prepare`
+    first brings its own KV up to each row's last token."""
 
     on_device = True
 
-    def __init__(self, step: DraftStep) -> None:
+    def __init__(
+        self, step: DraftStep, prepare: Callable[[Sequence[DraftRow]], None] | None = None
+    ) -> None:
         self.step = step
+        self.prepare = prepare
 
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+        if self.prepare is not None:
+            self.prepare(rows)
         drafts: list[list[int]] = [[] for _ in rows]
         steps: list[tuple[list[int], torch.Tensor]] = []
         for j in range(max((r.k for r in rows), default=0)):

@@ -113,15 +113,20 @@ def test_retraction_with_a_small_pool(tiny_model_dir, reference, algo) -> None:
     assert_same(reference("qwen3", 16), out)
 
 
-@pytest.mark.parametrize("algo", ["ngram", "draft"])
+@pytest.mark.parametrize("algo", ["ngram", "draft", "draft_model"])
 def test_verify_and_draft_steps_through_the_decode_graph(tiny_model_dir, reference, algo) -> None:
     """The CUDA-graph path of a GPU (run eagerly on the CPU, `capture=False`): verify plans
-    replay the decode graph with a row per token (drafts attending up to themselves) and the
-    layer-skip draft its own graph of the first layers; the outputs are the same."""
+    replay the decode graph with a row per token (drafts attending up to themselves), and the
+    layer-skip draft its own graph of the first layers (a draft model: of its own model); the
+    outputs are the same."""
     from minisgl.engine.cuda_graph import CudaGraphRunner
     from minisgl.engine.speculative import make_device_proposer
 
-    llm = make_llm(tiny_model_dir("qwen3"), page_size=16, speculative_algorithm=algo)
+    path = tiny_model_dir("qwen3")
+    options: dict[str, Any] = {"speculative_algorithm": "ngram" if algo == "ngram" else "draft"}
+    if algo == "draft_model":  # the target as its own draft: its drafts are accepted
+        options["speculative_draft_model"] = str(path)
+    llm = make_llm(path, page_size=16, **options)
     engine = llm.engine
     engine.graphs = CudaGraphRunner(engine, capture=False, max_bs=24)
     engine.drafter = make_device_proposer(engine)
@@ -129,7 +134,7 @@ def test_verify_and_draft_steps_through_the_decode_graph(tiny_model_dir, referen
     run_rows = CudaGraphRunner.run_rows
 
     def counted(self: CudaGraphRunner, slots: list[int], *rest: list[int]) -> Any:
-        if self.num_layers is not None:
+        if self.num_layers is not None or self.engine is engine.draft_model:
             calls["draft"] += 1
         elif len(set(slots)) < len(slots):  # rows sharing a request: a verify plan
             calls["verify"] += 1
@@ -140,7 +145,7 @@ def test_verify_and_draft_steps_through_the_decode_graph(tiny_model_dir, referen
         out = generate(llm)
     assert_same(reference("qwen3", 16), out)
     assert calls["verify"] > 0 and spec_stats(llm).accepted > 0
-    assert (calls["draft"] > 0) == (algo == "draft")
+    assert (calls["draft"] > 0) == (algo != "ngram")
 
 
 def test_overlap_forced_on(tiny_model_dir, reference) -> None:
@@ -233,3 +238,62 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir) -
     alone = llm.generate([prompts()[4]], params, use_tqdm=False)[0]
     assert alone["token_ids"] == first[4]["token_ids"]
     assert spec_stats(llm).verify_rows > 0
+
+
+# ---- a separate draft model -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("draft", "page_size"), [("qwen3", 16), ("llama3", 1)])
+def test_a_draft_model_gives_the_same_answers(tiny_model_dir, reference, draft, page_size) -> None:
+    """A draft model of the same vocabulary, its own pool over the target's pages: the target
+    itself as its own draft has (nearly) every draft accepted, which only K/V of every earlier
+    position in the draft pool gives (caught up over the prompt and the plain decode steps,
+    kept over accepted drafts); another model's drafts change nothing either."""
+    llm = make_llm(
+        tiny_model_dir("qwen3"),
+        page_size=page_size,
+        speculative_algorithm="draft",
+        speculative_draft_model=str(tiny_model_dir(draft)),
+    )
+    assert llm.engine.draft_model is not None
+    assert_same(reference("qwen3", page_size), generate(llm))
+    stats = spec_stats(llm)
+    assert stats.verify_rows > 0
+    if draft == "qwen3":
+        assert stats.accepted >= 0.95 * stats.proposed, stats
+
+
+def test_a_draft_model_with_retraction_and_an_abort(tiny_model_dir, reference) -> None:
+    """Requests retracted (their pages freed, their draft K/V forgotten with their admission)
+    and one aborted in flight: the others' answers are unchanged and both pools whole."""
+    path = tiny_model_dir("qwen3")
+    llm = make_llm(
+        path,
+        page_size=16,
+        num_pages=12,
+        reserve_ratio=0.05,
+        min_reserve_ratio=0.05,
+        speculative_algorithm="draft",
+        speculative_draft_model=str(path),
+    )
+    out = generate(llm)
+    assert llm.scheduler.stats["retractions"] > 0
+    assert_same(reference("qwen3", 16), out)
+    stats = spec_stats(llm)
+    assert stats.accepted >= 0.95 * stats.proposed, stats
+
+
+def test_draft_model_options_are_checked(tiny_model_dir, tmp_path) -> None:
+    from helpers import randomize, tiny_hf_config
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_model_dir("qwen3"))
+    with pytest.raises(ValueError, match="needs speculative_algorithm 'draft'"):
+        LLM(path, device="cpu", speculative_algorithm="ngram", speculative_draft_model=path)
+    other = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3", vocab=VOCAB + 1))
+    randomize(other, 0)
+    other.save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ValueError, match="share the vocabulary"):
+        LLM(
+            path, device="cpu", speculative_algorithm="draft", speculative_draft_model=str(tmp_path)
+        )

@@ -139,6 +139,7 @@ def test_stats_reach_the_metrics(tiny_model_dir) -> None:
     llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     spec = llm.scheduler.spec
     assert spec is not None and spec.stats.verify_rows > 0
+    spec.missed("a request")  # (the overlapped loop's waits that found no draft)
     stats = SchedulerProcess(llm.scheduler, None, None).stats()  # type: ignore[arg-type]
     assert (stats.spec_verify_rows, stats.spec_proposed, stats.spec_accepted) == (
         spec.stats.verify_rows,
@@ -150,6 +151,7 @@ def test_stats_reach_the_metrics(tiny_model_dir) -> None:
     text = metrics.render().decode()
     assert f'minisgl_spec_tokens{{kind="proposed"}} {float(spec.stats.proposed)}' in text
     assert f'minisgl_spec_tokens{{kind="accepted"}} {float(spec.stats.accepted)}' in text
+    assert f"minisgl_spec_missed_waits {float(spec.stats.missed)}" in text and spec.stats.missed
     mean = spec.stats.mean_accepted_length
     assert any(
         line.startswith("minisgl_spec_mean_accepted_length ")
