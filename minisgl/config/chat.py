@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen3", "llama3", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 

@@ -79,6 +79,8 @@ class GrammarCompiler:
         start = time.perf_counter()
         try:
             compiled = _compile(compiler, constraint)
+        except GrammarError:
+            raise
         except (RuntimeError, ValueError) as e:
             raise GrammarError(constraint.kind, _reason(e)) from None
         with self._lock:
@@ -129,6 +131,10 @@ def _compile(compiler: Any, c: Constraint) -> Any:
         return compiler.compile_regex(c.text)
     if c.kind == "ebnf":
         return compiler.compile_grammar(c.text)
+    if c.kind == "tool_calls":
+        from minisgl.constrain.tools import ForcedCalls
+
+        return compiler.compile_grammar(ForcedCalls.from_text(c.text).grammar())
     raise AssertionError(c.kind)
 
 

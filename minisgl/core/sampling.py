@@ -43,10 +43,11 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     # At most one grammar the output must follow (`minisgl.constrain`): a JSON schema (as JSON
-    # text), a regular expression, or an EBNF grammar.
+    # text), a regular expression, an EBNF grammar, or forced tool calls (`Constraint`).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    tool_calls: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     priority: int = 0
     # The grammar applies only once this token has been sampled (a reasoning model's end of

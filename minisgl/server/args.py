@@ -277,7 +277,8 @@ def _add_chat_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=TOOL_CALL_PARSERS,
         help="the format of the model's tool calls (hermes = qwen25 = qwen3: <tool_call>{...}"
-        "</tool_call>; llama3: JSON after <|python_tag|>; mistral: [TOOL_CALLS][...]); "
+        "</tool_call>; llama3: JSON after <|python_tag|>; mistral: [TOOL_CALLS][...]; "
+        "deepseek: DeepSeek-R1/V3's <｜tool▁calls▁begin｜>...); "
         "default: detected from the chat template",
     )
     c.add_argument(

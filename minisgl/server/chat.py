@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from minisgl.constrain import GrammarError
-from minisgl.constrain.tools import CallLayout, FunctionSchema, forced_calls_grammar
+from minisgl.constrain.tools import CallLayout, ForcedCalls, FunctionSchema
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import NamedToolChoice, Tool
 from minisgl.server.sampling import GrammarField
@@ -70,12 +70,15 @@ def tool_plan(
                 "tool_choice",
             )
     fmt = call_format(parser)
-    layout = CallLayout(fmt.args_key, fmt.open, fmt.close, fmt.separator, fmt.array)
+    layout = CallLayout(
+        fmt.args_key, fmt.open, fmt.close, fmt.separator, fmt.array, fmt.call_head, fmt.call_tail
+    )
+    calls = ForcedCalls(functions, layout, parallel)
     try:
-        text = forced_calls_grammar(functions, layout, parallel)
+        calls.check()  # the grammar itself is built with the other grammars, off this loop
     except GrammarError as e:
         raise ApiError(400, f"tools: {e.reason}", "tools") from e
-    return ToolPlan(dumped, True, GrammarField("ebnf", text, "tools"))
+    return ToolPlan(dumped, True, GrammarField("tool_calls", calls.to_text(), "tools"))
 
 
 def parser_factory(

@@ -288,16 +288,25 @@ def calls_finish(reason: str | None, called: bool) -> str | None:
 
 def chat_deltas(d: ChatDelta) -> list[dict[str, Any]]:
     """The deltas of a parsed piece, as OpenAI streams them: the reasoning, the content, and
-    per call first its id and name, then its arguments."""
+    per call first its index, id and name, then its arguments as they are written (one delta
+    per call and piece)."""
     out: list[dict[str, Any]] = []
     if d.reasoning:
         out.append({"reasoning_content": d.reasoning})
     if d.content:
         out.append({"content": d.content})
-    for c in d.calls:
-        head = {"index": c.index, "id": c.id, "type": "function"}
-        out.append({"tool_calls": [{**head, "function": {"name": c.name, "arguments": ""}}]})
-        out.append({"tool_calls": [{"index": c.index, "function": {"arguments": c.arguments}}]})
+    for f in d.fragments:
+        if f.id is not None:
+            function = {"name": f.name, "arguments": ""}
+            call = {"index": f.index, "id": f.id, "type": "function", "function": function}
+            out.append({"tool_calls": [call]})
+            continue
+        last = out[-1]["tool_calls"][0] if out and "tool_calls" in out[-1] else None
+        if last is not None and last["index"] == f.index and "id" not in last:
+            last["function"]["arguments"] += f.arguments
+        else:
+            call = {"index": f.index, "function": {"arguments": f.arguments}}
+            out.append({"tool_calls": [call]})
     return out
 
 

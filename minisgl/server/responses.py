@@ -225,6 +225,13 @@ class _Open:
     text: str = ""
 
 
+@dataclass
+class _OpenCall:
+    id: str
+    index: int  # in the output
+    call: ParsedCall
+
+
 class ResponseEvents:
     """The typed events of one streamed response, numbered in order."""
 
@@ -233,6 +240,7 @@ class ResponseEvents:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: _Open | None = None
+        self.calls: dict[int, _OpenCall] = {}  # by the call's index: those being written
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -249,27 +257,42 @@ class ResponseEvents:
         out: list[bytes] = []
         if d.reasoning:
             out += self._text("reasoning", d.reasoning)
+        calls_first = bool(self.calls)  # the content came after the open call's end
+        if calls_first:
+            out += self._calls(d)
         if d.content:
             out += self._text("message", d.content)
-        for c in d.calls:
-            out += self._close()
-            item_id, index = new_id("fc"), len(self.output)
-            self.output.append(call_item(item_id, c, "completed"))
-            ids = {"item_id": item_id, "output_index": index}
-            out.append(
-                self.event(
-                    "output_item.added",
-                    output_index=index,
-                    item=call_item(item_id, c, "in_progress"),
+        if not calls_first:
+            out += self._calls(d)
+        return out
+
+    def _calls(self, d: ChatDelta) -> list[bytes]:
+        """A call's item opens with its first fragment, its arguments stream as delta events,
+        and it closes when the call is complete."""
+        out: list[bytes] = []
+        for f in d.fragments:
+            if f.id is not None:
+                out += self._close()
+                call = ParsedCall(f.index, f.id, f.name or "", "")
+                o = self.calls[f.index] = _OpenCall(new_id("fc"), len(self.output), call)
+                self.output.append(call_item(o.id, call, "in_progress"))
+                out.append(
+                    self.event("output_item.added", output_index=o.index, item=self.output[-1])
                 )
-            )
-            out.append(self.event("function_call_arguments.delta", **ids, delta=c.arguments))
+                continue
+            o = self.calls[f.index]
+            ids = {"item_id": o.id, "output_index": o.index}
+            out.append(self.event("function_call_arguments.delta", **ids, delta=f.arguments))
+        for c in d.calls:
+            o = self.calls.pop(c.index)
+            ids = {"item_id": o.id, "output_index": o.index}
+            item = self.output[o.index] = call_item(o.id, c, "completed")
             out.append(
                 self.event(
                     "function_call_arguments.done", **ids, arguments=c.arguments, name=c.name
                 )
             )
-            out.append(self.event("output_item.done", output_index=index, item=self.output[-1]))
+            out.append(self.event("output_item.done", output_index=o.index, item=item))
         return out
 
     def _text(self, kind: str, text: str) -> list[bytes]:

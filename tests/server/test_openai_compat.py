@@ -199,22 +199,51 @@ def test_parallel_required_calls_all_validate(client: openai.OpenAI) -> None:
     assert len({c.id for c in calls}) == len(calls)
 
 
+def streamed_calls(stream: Any) -> tuple[list[Any], dict[int, list[str]], list[str]]:
+    """A streamed answer's call heads (first deltas), argument fragments by call index, and
+    finish reasons."""
+    heads: list[Any] = []
+    fragments: dict[int, list[str]] = {}
+    reasons = []
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or ():
+                if tc.id is not None:  # a call's first delta: no arguments yet
+                    assert tc.type == "function" and tc.function.arguments == ""
+                    assert tc.index not in fragments
+                    heads.append(tc)
+                    fragments[tc.index] = []
+                else:
+                    assert tc.function.name is None and tc.function.arguments
+                    fragments[tc.index].append(tc.function.arguments)
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return heads, fragments, reasons
+
+
 def test_named_call_streams_as_openai_does(client: openai.OpenAI) -> None:
     choice = {"type": "function", "function": {"name": "get_time"}}
     stream = chat(client, ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
                   max_tokens=80, stream=True)  # fmt: skip
-    heads, arguments, reasons = [], "", []
-    for chunk in stream:
-        for c in chunk.choices:
-            for tc in c.delta.tool_calls or ():
-                assert tc.index == 0
-                if tc.id is not None:
-                    heads.append((tc.id, tc.function.name))  # the call's first delta
-                arguments += tc.function.arguments or ""
-            reasons.append(c.finish_reason)
-    assert len(heads) == 1 and heads[0][1] == "get_time"
-    valid_call("get_time", arguments)
-    assert [r for r in reasons if r] == ["tool_calls"]
+    heads, fragments, reasons = streamed_calls(stream)
+    assert [(h.index, h.function.name) for h in heads] == [(0, "get_time")]
+    valid_call("get_time", "".join(fragments[0]))
+    assert reasons == ["tool_calls"]
+
+
+def test_streamed_arguments_arrive_in_pieces_that_join_to_the_answer(
+    client: openai.OpenAI, forced: Any
+) -> None:
+    """The same request as `forced`, streamed: the arguments come in fragments as the model
+    writes them, and joined they are the non-streamed answer's arguments."""
+    stream = chat(client, ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=80, stream=True)  # fmt: skip
+    heads, fragments, reasons = streamed_calls(stream)
+    [call] = forced.choices[0].message.tool_calls
+    assert [(h.index, h.function.name) for h in heads] == [(0, call.function.name)]
+    assert len(fragments[0]) > 1, fragments
+    assert "".join(fragments[0]) == call.function.arguments
+    assert reasons == ["tool_calls"]
 
 
 def test_none_answers_in_words_and_a_second_turn_is_answered(
@@ -245,6 +274,11 @@ def test_tool_choice_mistakes_are_400s(client: openai.OpenAI) -> None:
     assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):  # a role tool message needs its call's id
         chat(client, [*ASK, {"role": "tool", "content": "18 C"}])
+    unenforceable = {"type": "object", "not": {"required": ["x"]}}
+    bad = [{"type": "function", "function": {"name": "f", "parameters": unenforceable}}]
+    with pytest.raises(openai.BadRequestError, match="function 'f'") as e:
+        chat(client, ASK, tools=bad, tool_choice="required")
+    assert e.value.body["param"] == "tools"  # type: ignore[index]
 
 
 # ---- reasoning ---------------------------------------------------------------------------------
@@ -347,8 +381,11 @@ def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> No
             parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True,
         )
     )  # fmt: skip
-    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    assert args == call.arguments and events[-1].type == "response.completed"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments and done.name == "get_weather"
+    assert events[-1].type == "response.completed"
     # The second turn: the call and its output sent back as items.
     items = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump()]
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": "18 C"})

@@ -131,11 +131,26 @@ def test_mistral(templates: Path, tokenizer: Any) -> None:
     )
 
 
+def test_deepseek_v3_1(templates: Path, tokenizer: Any) -> None:
+    template = (templates / "deepseek-ai-DeepSeek-V3.1.jinja").read_text()
+    assert detect_tool_call_parser(template) == "deepseek"
+    text = render(tokenizer, template)
+    start = text.index("<｜tool▁calls▁begin｜>")
+    turn = text[start : text.index("<｜tool▁calls▁end｜>") + len("<｜tool▁calls▁end｜>")]
+    assert only_call(tool_call_parser("deepseek").parse(turn)) == (
+        "get_weather",
+        '{"city": "Paris"}',
+    )
+
+
 def test_deepseek_r1(templates: Path, tokenizer: Any) -> None:
     template = (templates / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
-    assert detect_tool_call_parser(template) is None  # its own call format: no parser here
+    assert detect_tool_call_parser(template) == "deepseek"
     text = render(tokenizer, template)
-    assert "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather" in text
     assert "<｜tool▁output▁begin｜>18 C<｜tool▁output▁end｜>" in text
+    start = text.index("<｜tool▁calls▁begin｜>")
+    turn = text[start : text.index("<｜tool▁calls▁end｜>") + len("<｜tool▁calls▁end｜>")]
+    d = tool_call_parser("deepseek").parse(turn)
+    assert only_call(d) == ("get_weather", '{"city": "Paris"}') and d.content == ""
     split = ReasoningSplitter("deepseek-r1").split("First, Paris.\n</think>\n\nIt is 18 C.")
     assert split == ("First, Paris.\n", "It is 18 C.")

@@ -17,6 +17,8 @@ from minisgl.tokenizer.parsers import (
 )
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 # (parser, output, expected content, expected calls as (name, arguments))
 CASES: list[tuple[str | None, str, str, list[tuple[str, dict[str, Any]]]]] = [
     (
@@ -42,6 +44,8 @@ CASES: list[tuple[str | None, str, str, list[tuple[str, dict[str, Any]]]]] = [
         [("a", {"x": 1})],
     ),
     ("hermes", '<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),
+    ("hermes", '<tool_call>{"arguments": {"x": 1}, "name": "a"}</tool_call>', "", [("a", {"x": 1})]),
+    ("hermes", '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("a", {"x": 1})]),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     (
         "llama3",
@@ -56,7 +60,6 @@ CASES: list[tuple[str | None, str, str, list[tuple[str, dict[str, Any]]]]] = [
         [("a", {"x": 1}), ("b", {})],
     ),
     ("llama3", "The weather is fine {really}.", "The weather is fine {really}.", []),
-    ("llama3", '{"name": "a", "parameters": {"x": 1', '{"name": "a", "parameters": {"x": 1', []),
     (
         "mistral",
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},'
@@ -70,6 +73,40 @@ CASES: list[tuple[str | None, str, str, list[tuple[str, dict[str, Any]]]]] = [
     (None, '{"name": "a", "arguments": {"x": [1, 2]}}', "", [("a", {"x": [1, 2]})]),
     (None, '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]', "", [("a", {}), ("b", {})]),
     (None, "plain words", "plain words", []),
+    (None, '{"answer": 42}', '{"answer": 42}', []),
+    (
+        "deepseek",
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Paris", "unit": "celsius"}}\n```{DS_CALL_END}{DS_END}',
+        "",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "deepseek",
+        f'Checking both.\n{DS_BEGIN}{DS_CALL}function{DS_SEP}a\n```json\n{{"x": "```"}}\n```{DS_CALL_END}\n'
+        f'{DS_CALL}function{DS_SEP}b\n```json\n{{}}\n```{DS_CALL_END}{DS_END} Done.',
+        "Checking both.\n Done.",
+        [("a", {"x": "```"}), ("b", {})],
+    ),
+    (  # V3.1 writes the name before the separator and no fence
+        "deepseek",
+        f'{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{"city": "Paris", "unit": "celsius"}}{DS_CALL_END}{DS_END}',
+        "",
+        [("get_weather", WEATHER)],
+    ),
+    (  # arguments written as a JSON string, as the templates' `tojson` renders them
+        "deepseek",
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}a\n```json\n"{{\\"x\\": 1}}"\n```{DS_CALL_END}{DS_END}',
+        "",
+        [("a", {"x": 1})],
+    ),
+    (
+        "deepseek",
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}a\n```python\nprint(1)\n```{DS_CALL_END}{DS_END}',
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}a\n```python\nprint(1)\n```{DS_CALL_END}{DS_END}',
+        [],
+    ),
+    ("deepseek", "no <｜tool here", "no <｜tool here", []),
+    ("deepseek", f"{DS_BEGIN}{DS_END}", f"{DS_BEGIN}{DS_END}", []),
 ]  # fmt: skip
 
 
@@ -77,13 +114,22 @@ def calls_of(delta: Any) -> list[tuple[str, dict[str, Any]]]:
     return [(c.name, json.loads(c.arguments)) for c in delta.calls]
 
 
-def streamed(parser: Any, pieces: list[str]) -> tuple[str, list[Any]]:
-    content, calls = "", []
-    for piece in pieces:
-        d = parser.feed(piece)
-        content, calls = content + d.content, calls + d.calls
-    d = parser.finish()
-    return content + d.content, calls + d.calls
+def streamed(parser: Any, pieces: list[str]) -> tuple[str, list[Any], list[Any]]:
+    """The content, calls and call fragments of `pieces` fed one by one."""
+    parts = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    content = "".join(d.content for d in parts)
+    return content, [c for d in parts for c in d.calls], [f for d in parts for f in d.fragments]
+
+
+def check_fragments(fragments: list[Any], calls: list[Any]) -> None:
+    """Each call's first fragment carries its id and name and no arguments; the rest, joined,
+    are exactly its arguments."""
+    assert sorted({f.index for f in fragments}) == [c.index for c in calls]
+    for c in calls:
+        mine = [f for f in fragments if f.index == c.index]
+        assert (mine[0].id, mine[0].name, mine[0].arguments) == (c.id, c.name, "")
+        assert all(f.id is None and f.name is None and f.arguments for f in mine[1:])
+        assert "".join(f.arguments for f in mine[1:]) == c.arguments
 
 
 @pytest.mark.parametrize(("name", "output", "content", "calls"), CASES)
@@ -95,17 +141,61 @@ def test_whole_output(
     assert calls_of(d) == calls
     assert [c.index for c in d.calls] == list(range(len(calls)))
     assert len({c.id for c in d.calls}) == len(calls)
+    check_fragments(d.fragments, d.calls)
 
 
 @pytest.mark.parametrize(("name", "output", "content", "calls"), CASES)
 def test_streamed_split_anywhere(
     name: str | None, output: str, content: str, calls: list[tuple[str, Any]]
 ) -> None:
+    whole = tool_call_parser(name).parse(output)
     splits = [[output[:i], output[i:]] for i in range(len(output) + 1)]
     for pieces in [*splits, list(output)]:
-        got_content, got_calls = streamed(tool_call_parser(name), pieces)
+        got_content, got_calls, fragments = streamed(tool_call_parser(name), pieces)
         assert got_content == content, pieces
         assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls, pieces
+        assert [c.arguments for c in got_calls] == [c.arguments for c in whole.calls], pieces
+        check_fragments(fragments, got_calls)
+
+
+def test_arguments_stream_as_written() -> None:
+    """A call's head goes out as soon as its name and the start of its arguments are written;
+    then each piece of the arguments goes out with the piece that wrote it."""
+    head = '<tool_call>\n{"name": "get_weather", "arguments": {'
+    p = tool_call_parser("hermes")
+    assert p.feed('<tool_call>\n{"name": "get_weather", "argu').fragments == []
+    first, brace = p.feed('ments": {').fragments
+    assert (first.index, first.name, first.arguments, brace.arguments) == (
+        0,
+        "get_weather",
+        "",
+        "{",
+    )
+    assert [f.arguments for f in p.feed('"city": "Pa').fragments] == ['"city": "Pa']
+    assert [f.arguments for f in p.feed('ris"}} \n</tool_call>').fragments] == ['ris"}']
+    assert [c.arguments for c in p.finish().calls] == []
+    assert tool_call_parser("hermes").parse(head + '"city": "Paris"}}</tool_call>').calls
+
+
+def test_streamed_call_cut_off_stays_a_call() -> None:
+    """Once a call's head went out it cannot be taken back: an output cut off in its arguments
+    (a length limit) ends it with what was written. Known whole, the same output is content."""
+    output = '{"name": "a", "parameters": {"x": 1'
+    assert tool_call_parser("llama3").parse(output).content == output
+    content, calls, fragments = streamed(tool_call_parser("llama3"), [output[:29], output[29:]])
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1')]
+    check_fragments(fragments, calls)
+    content, calls, _ = streamed(tool_call_parser("llama3"), [output[:28]])
+    assert content == output[:28] and calls == []  # cut before the arguments: held, given back
+
+
+def test_text_after_a_streamed_call_is_content() -> None:
+    p = tool_call_parser("hermes")
+    d = p.feed('<tool_call>{"name": "a", "arguments": {"x"')
+    d += p.feed(": 1}} and more</tool_call>")
+    d += p.finish()
+    assert [(c.name, c.arguments) for c in d.calls] == [("a", '{"x": 1}')]
+    assert d.content == " and more</tool_call>"
 
 
 def test_mistral_ids_fit_its_templates() -> None:
@@ -122,6 +212,7 @@ def test_detection_from_templates() -> None:
     assert detect_tool_call_parser("{{ '<tool_call>' }}") == "hermes"
     assert detect_tool_call_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_tool_call_parser("{{ '<|python_tag|>' }}") == "llama3"
+    assert detect_tool_call_parser("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek"
     assert detect_tool_call_parser("{{ messages }}") is None
     assert detect_tool_call_parser(None) is None
 

@@ -1,7 +1,7 @@
 """Output parsers: a model's text split into content, reasoning and tool calls, whole or as a
 stream of deltas. Pure string processing, one object per choice."""
 
-from minisgl.tokenizer.parsers.base import ParsedCall, ParsedDelta, ToolCallParser
+from minisgl.tokenizer.parsers.base import CallFragment, ParsedCall, ParsedDelta, ToolCallParser
 from minisgl.tokenizer.parsers.chat import ChatDelta, ChatOutputParser
 from minisgl.tokenizer.parsers.reasoning import (
     REASONING_PARSERS,
@@ -21,6 +21,7 @@ __all__ = [
     "THINK_END",
     "TOOL_CALL_PARSERS",
     "CallFormat",
+    "CallFragment",
     "ChatDelta",
     "ChatOutputParser",
     "ParsedCall",

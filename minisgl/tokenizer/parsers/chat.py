@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minisgl.tokenizer.parsers.base import ParsedCall, ToolCallParser
+from minisgl.tokenizer.parsers.base import CallFragment, ParsedCall, ParsedDelta, ToolCallParser
 from minisgl.tokenizer.parsers.reasoning import ReasoningSplitter
 
 
@@ -12,16 +12,18 @@ from minisgl.tokenizer.parsers.reasoning import ReasoningSplitter
 class ChatDelta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    calls: list[ParsedCall] = field(default_factory=list)  # completed by this piece
+    fragments: list[CallFragment] = field(default_factory=list)  # of calls being written
 
     def __iadd__(self, other: ChatDelta) -> ChatDelta:
         self.reasoning += other.reasoning
         self.content += other.content
         self.calls += other.calls
+        self.fragments += other.fragments
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
+        return bool(self.reasoning or self.content or self.calls or self.fragments)
 
 
 class ChatOutputParser:
@@ -50,17 +52,21 @@ class ChatOutputParser:
     def _answer(self, reasoning: str, content: str, final: bool) -> ChatDelta:
         if self.tools is None:
             return ChatDelta(reasoning, content)
-        d = self.tools.feed(content) if content else None
-        calls = list(d.calls) if d is not None else []
-        text = d.content if d is not None else ""
+        d = self.tools.feed(content) if content else ParsedDelta()
         if final:
-            end = self.tools.finish()
-            text, calls = text + end.content, calls + end.calls
-        self.num_calls += len(calls)
-        return ChatDelta(reasoning, text, calls)
+            d += self.tools.finish()
+        return self._with_calls(reasoning, d)
+
+    def _with_calls(self, reasoning: str, d: ParsedDelta) -> ChatDelta:
+        self.num_calls += len(d.calls)
+        return ChatDelta(reasoning, d.content, d.calls, d.fragments)
 
     def parse(self, text: str) -> ChatDelta:
         """A whole output at once."""
-        out = self.feed(text)
-        out += self.finish()
-        return out
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+        else:
+            reasoning = ""
+        if self.tools is None:
+            return ChatDelta(reasoning, text)
+        return self._with_calls(reasoning, self.tools.parse(text))

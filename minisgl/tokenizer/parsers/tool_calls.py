@@ -7,18 +7,21 @@ written (for the grammar that forces a call).
   `<|python_tag|>`; several calls separated by `;`.
 - Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; the marker is a special
   token, so without it (skip_special_tokens) an output that is such an array counts too.
+- DeepSeek-R1 / V3 (`deepseek`): `<｜tool▁calls▁begin｜>`, then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json fence.
 - JSON (no parser known): an output that is one call object or an array of them.
+
+Every parser streams a call's arguments as the model writes them (see `ToolCallParser`).
 """
 
 from __future__ import annotations
 
-import json
 import re
+from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 from minisgl.config import TOOL_CALL_PARSERS
-from minisgl.tokenizer.parsers.base import ParsedCall, ParsedDelta, ToolCallParser, held_prefix
+from minisgl.tokenizer.parsers.base import CallText, ParsedDelta, ToolCallParser, held_prefix
 
 _ALIASES = {"qwen25": "hermes", "qwen3": "hermes"}
 
@@ -34,6 +37,8 @@ class CallFormat:
     close: str = ""
     separator: str = ""
     array: bool = False
+    call_head: str = ""  # with `{name}`: a call written as head, arguments object, tail
+    call_tail: str = ""
 
 
 FORMATS = {
@@ -41,6 +46,14 @@ FORMATS = {
     "llama3": CallFormat("llama3", args_key="parameters", separator="; "),
     "mistral": CallFormat("mistral", array=True),
     "json": CallFormat("json", array=True),
+    "deepseek": CallFormat(
+        "deepseek",
+        open="<｜tool▁calls▁begin｜>",
+        close="<｜tool▁calls▁end｜>",
+        separator="\n",
+        call_head="<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
+        call_tail="\n```<｜tool▁call▁end｜>",
+    ),
 }
 
 
@@ -60,6 +73,8 @@ def tool_call_parser(name: str | None) -> ToolCallParser:
         return MistralParser()
     if kind == "json":
         return JsonCallsParser(markers=(), starts=("{", "["))
+    if kind == "deepseek":
+        return DeepSeekParser()
     raise ValueError(f"unknown tool-call parser {name!r}; one of {', '.join(TOOL_CALL_PARSERS)}")
 
 
@@ -68,6 +83,8 @@ def detect_tool_call_parser(template: str | None) -> str | None:
     none this module knows."""
     if not template:
         return None
+    if DeepSeekParser.CALLS_BEGIN in template:
+        return "deepseek"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -77,146 +94,232 @@ def detect_tool_call_parser(template: str | None) -> str | None:
     return None
 
 
-def _call_fields(item: Any, args_keys: tuple[str, ...]) -> tuple[str, Any] | None:
-    """(name, arguments) of a call object, or None when `item` is not one."""
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
-        return None
-    args: Any = {}
-    for key in args_keys:
-        if key in item:
-            args = item[key]
-            break
-    if isinstance(args, str):  # some models write the arguments as JSON text
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return (item["name"], args) if isinstance(args, dict) else None
+_BLANKS = " \t\r\n"
 
 
 class HermesParser(ToolCallParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    ARGS_KEYS = ("arguments", "parameters")
 
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""
-        self._inside = False  # after an OPEN whose CLOSE has not come yet
+        self._buf = ""  # text outside the tags not given out yet
+        self._call: CallText | None = None  # after an OPEN whose CLOSE has not come yet
+        self._tail = ""  # after the call object, before CLOSE
 
-    def feed(self, text: str) -> ParsedDelta:
-        self._buf += text
+    def _read(self, text: str, final: bool) -> ParsedDelta:
         out = ParsedDelta()
         while True:
-            if not self._inside:
-                i = self._buf.find(self.OPEN)
-                if i < 0:
-                    keep = held_prefix(self._buf, self.OPEN)
-                    out.content += self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep :]
+            if self._call is None:
+                text = self._outside(out, text, final)
+                if self._call is None:
                     return out
-                out.content += self._buf[:i]
-                self._buf = self._buf[i + len(self.OPEN) :]
-                self._inside = True
-            else:
-                j = self._buf.find(self.CLOSE)
-                if j < 0:
-                    return out
-                body, self._buf = self._buf[:j], self._buf[j + len(self.CLOSE) :]
-                self._inside = False
-                self._add(out, body, self.OPEN + body + self.CLOSE)
+            text = self._inside(out, text, final)
+            if self._call is not None:
+                return out
 
-    def finish(self) -> ParsedDelta:
-        out = ParsedDelta()
-        if self._inside:  # a call the output ended in (a stop before its closing tag)
-            self._add(out, self._buf, self.OPEN + self._buf)
+    def _outside(self, out: ParsedDelta, text: str, final: bool) -> str:
+        self._buf += text
+        i = self._buf.find(self.OPEN)
+        if i < 0:
+            keep = 0 if final else held_prefix(self._buf, self.OPEN)
+            out.content += self._buf[: len(self._buf) - keep]
+            self._buf = self._buf[len(self._buf) - keep :]
+            return ""
+        out.content += self._buf[:i]
+        rest, self._buf = self._buf[i + len(self.OPEN) :], ""
+        self._call, self._tail = CallText(self.ARGS_KEYS), ""
+        return rest
+
+    def _inside(self, out: ParsedDelta, text: str, final: bool) -> str:
+        """The text after the call, once it has ended ("" while it goes on)."""
+        call = self._call
+        assert call is not None
+        if not call.done:
+            n = call.feed(text)
+            text = text[n:]
+            self.stream(out, call)
+            if call.broken or final and not call.done:
+                return self._drop(out, call, text)
+            if not call.done:
+                return ""
+        self._tail += text
+        rest = self._tail.lstrip(_BLANKS)
+        if not final and self.CLOSE.startswith(rest) and rest != self.CLOSE:
+            return ""  # the closing tag may be coming
+        # (without the closing tag when a stop string took it)
+        if (rest.startswith(self.CLOSE) or not rest) and self.end_call(out, call):
+            self._call, self._mark = None, None
+            return rest[len(self.CLOSE) :]
+        return self._drop(out, call, self._tail)
+
+    def _drop(self, out: ParsedDelta, call: CallText, following: str) -> str:
+        """Ends a call that broke off; what follows it is read as text outside the tags."""
+        self._call = None
+        if call.committed:
+            self.end_call(out, call)
         else:
-            out.content = self._buf
-        self._buf, self._inside = "", False
-        return out
-
-    def _add(self, out: ParsedDelta, body: str, original: str) -> None:
-        call = self._parse(body)
-        if call is None:
-            out.content += original
-        else:
-            out.calls.append(call)
-
-    def _parse(self, body: str) -> ParsedCall | None:
-        try:
-            item = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        fields = _call_fields(item, ("arguments", "parameters"))
-        return self.new_call(*fields) if fields is not None else None
+            self.take_back(out, self.OPEN + call.text)
+        return following
 
 
-class JsonCallsParser(ToolCallParser):
-    """Calls that make up the rest of the output: after a marker, or when the output starts
-    with one of `starts`. Such an output is held to its end, then parsed as a whole: all of it
-    calls, or all of it content."""
+class BlockParser(ToolCallParser):
+    """Calls written as one block: the text before it is content; the block holds calls and
+    what separates them (blanks, tags, brackets), read by `_between`. A block that breaks
+    before any of its calls went out is given back whole as content; after one went out, the
+    rest of the block is content."""
 
     ARGS_KEYS = ("parameters", "arguments")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""  # text outside a block not given out yet
+        self._in_block = False
+        self._raw = ""  # the block's text read so far
+        self._gap = ""  # text after the last call not read yet
+        self._call: CallText | None = None
+        self._calls: list[CallText] = []  # the block's
+
+    @abstractmethod
+    def _find_block(self, final: bool) -> tuple[str, str | None]:
+        """(content before a block, the block's opening tag taken from `_buf` or None when no
+        block starts; the rest of `_buf` is then the block's)."""
+
+    @abstractmethod
+    def _between(self, final: bool) -> str:
+        """Reads `_gap` (with `_consume`): "call" (a call starts: `_start` was called), "wait"
+        (more text is needed), "end" (the block is over) or "fail"."""
+
+    def _read(self, text: str, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        while True:
+            if not self._in_block:
+                self._buf += text
+                content, opening = self._find_block(final)
+                out.content += content
+                if opening is None:
+                    if final:
+                        out.content, self._buf = out.content + self._buf, ""
+                    return out
+                text, self._buf = self._buf, ""
+                self._in_block, self._raw, self._calls = True, opening, []
+            text = self._block(out, text, final)
+            if self._in_block:
+                return out
+
+    def _block(self, out: ParsedDelta, text: str, final: bool) -> str:
+        """The text after the block, once it has ended ("" while it goes on)."""
+        while True:
+            call = self._call
+            if call is not None:
+                n = call.feed(text)
+                self._raw, text = self._raw + text[:n], text[n:]
+                self.stream(out, call)
+                if call.broken or final and not call.done:
+                    return self._fail(out, text)
+                if not call.done:
+                    return ""
+                if not self.end_call(out, call):
+                    return self._fail(out, text)
+                self._call = None
+            self._gap += text
+            step = self._between(final)
+            if step == "call":
+                text, self._gap = self._gap, ""
+            elif step == "wait":
+                return ""
+            elif step == "end":
+                self._in_block = False
+                text, self._gap = self._gap, ""
+                return text
+            else:
+                return self._fail(out, "")
+
+    def _start(self, name: str | None = None) -> None:
+        self._call = CallText(self.ARGS_KEYS, name)
+        self._calls.append(self._call)
+
+    def _consume(self, n: int) -> None:
+        self._raw, self._gap = self._raw + self._gap[:n], self._gap[n:]
+
+    def _fail(self, out: ParsedDelta, following: str) -> str:
+        following, self._gap = self._gap + following, ""
+        call, self._call = self._call, None
+        self._in_block = False
+        self._after_fail()
+        if not any(c.committed for c in self._calls):
+            self.take_back(out, self._raw)
+        elif call is not None and call.index is not None:
+            self.end_call(out, call)
+        elif call is not None:
+            out.content += call.text
+        return following
+
+    def _after_fail(self) -> None:
+        """What a format does once a block broke (the rest of the output is content)."""
+
+
+class JsonCallsParser(BlockParser):
+    """Calls that make up the rest of the output: after a marker, or when the output starts
+    with one of `starts`: call objects separated by blanks, `;` or `,`, or items of arrays."""
 
     def __init__(self, markers: tuple[str, ...], starts: tuple[str, ...]) -> None:
         super().__init__()
         self.markers = markers
         self.starts = starts
-        self._buf = ""
-        self._state = "undecided"  # | "content" | "calls"
+        self._state = "undecided"  # | "content"
+        self._brackets = 0
 
-    def feed(self, text: str) -> ParsedDelta:
-        self._buf += text
+    def _find_block(self, final: bool) -> tuple[str, str | None]:
         if self._state == "undecided":
-            self._decide()
+            head = self._buf.lstrip()
+            if any(head.startswith(p) for p in (*self.markers, *self.starts)):
+                self._state = "content"  # after the block (which ends with the output)
+                return "", ""
+            if head and not any(p.startswith(head) for p in (*self.markers, *self.starts)):
+                self._state = "content"
         if self._state != "content":
-            return ParsedDelta()
-        return ParsedDelta(content=self._content())
-
-    def _decide(self) -> None:
-        head = self._buf.lstrip()
-        if any(head.startswith(p) for p in (*self.markers, *self.starts)):
-            self._state = "calls"
-        elif head and not any(p.startswith(head) for p in (*self.markers, *self.starts)):
-            self._state = "content"
-
-    def _content(self) -> str:
-        """The content up to a marker (the rest is held as calls) or up to what may start one."""
+            return "", None
         hits = [i for i in (self._buf.find(m) for m in self.markers) if i >= 0]
         if hits:
-            i = min(hits)
-            text, self._buf, self._state = self._buf[:i], self._buf[i:], "calls"
-            return text
-        keep = max((held_prefix(self._buf, m) for m in self.markers), default=0)
+            text, self._buf = self._buf[: min(hits)], self._buf[min(hits) :]
+            return text, ""
+        keep = 0 if final else max((held_prefix(self._buf, m) for m in self.markers), default=0)
         text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
-        return text
+        return text, None
 
-    def finish(self) -> ParsedDelta:
-        text, self._buf = self._buf, ""
-        if self._state != "calls":
-            return ParsedDelta(content=text)
-        items = self._items(self._strip_markers(text))
-        fields = [_call_fields(x, self.ARGS_KEYS) for x in items] if items else None
-        if not fields or any(f is None for f in fields):
-            return ParsedDelta(content=text)
-        return ParsedDelta(calls=[self.new_call(*f) for f in fields if f is not None])
+    def _after_fail(self) -> None:
+        self._state = "content"
 
-    def _strip_markers(self, text: str) -> str:
-        for m in self.markers:
-            text = text.replace(m, "")
-        return text.strip()
+    def _between(self, final: bool) -> str:
+        while True:
+            g = self._gap
+            self._consume(len(g) - len(g.lstrip(_BLANKS + ";,")))
+            g = self._gap
+            if not g:
+                if not final:
+                    return "wait"
+                return "end" if self._brackets == 0 and self._calls else "fail"
+            marker = next((m for m in self.markers if g.startswith(m)), None)
+            if marker is not None:
+                self._consume(len(marker))
+                continue
+            if not final and any(m.startswith(g) for m in self.markers):
+                return "wait"
+            if g[0] in "[]":
+                self._brackets += 1 if g[0] == "[" else -1
+                if self._brackets < 0:
+                    return "fail"
+                self._consume(1)
+                continue
+            if g[0] == "{":
+                self._start()
+                return "call"
+            return self._other(g, final)
 
-    def _items(self, text: str) -> list[Any] | None:
-        """The JSON values of `text`, one after another (separated by blanks, `;` or `,`),
-        arrays flattened; None unless all of it parses."""
-        decoder, items, i = json.JSONDecoder(), [], 0
-        while i < len(text):
-            try:
-                value, i = decoder.raw_decode(text, i)
-            except json.JSONDecodeError:
-                return None
-            items += value if isinstance(value, list) else [value]
-            while i < len(text) and text[i] in " \t\r\n;,":
-                i += 1
-        return items
+    def _other(self, gap: str, final: bool) -> str:
+        """A block's text that is neither a call object nor a separator."""
+        return "fail"
 
 
 class MistralParser(JsonCallsParser):
@@ -225,7 +328,8 @@ class MistralParser(JsonCallsParser):
 
     ID_LENGTH = 9
     ARGS_KEYS = ("arguments", "parameters")
-    _NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
+    ARGS_TAG = "[ARGS]"
+    _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
     def __init__(self) -> None:
         super().__init__(markers=("[TOOL_CALLS]",), starts=("[",))
@@ -233,18 +337,78 @@ class MistralParser(JsonCallsParser):
     def new_id(self) -> str:
         return super().new_id().removeprefix("call_")
 
-    def _items(self, text: str) -> list[Any] | None:
-        if not self._NAMED.match(text):
-            return super()._items(text)
-        items, decoder, i = [], json.JSONDecoder(), 0
-        while i < len(text):
-            m = self._NAMED.match(text, i)
-            if m is None:
-                return None
-            try:
-                args, i = decoder.raw_decode(text, m.end())
-            except json.JSONDecodeError:
-                return None
-            items.append({"name": m.group(1), "arguments": args})
-            i += len(text[i:]) - len(text[i:].lstrip())
-        return items
+    def _other(self, gap: str, final: bool) -> str:
+        m = self._NAME.match(gap)
+        if m is None:
+            return "fail"
+        after = gap[m.end() :]
+        if after.startswith(self.ARGS_TAG):
+            self._consume(m.end() + len(self.ARGS_TAG))
+            self._start(m.group())
+            return "call"
+        return "wait" if not final and self.ARGS_TAG.startswith(after) else "fail"
+
+
+class DeepSeekParser(BlockParser):
+    """DeepSeek-R1 / V3: `<｜tool▁calls▁begin｜>` then per call
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`,
+    then `<｜tool▁calls▁end｜>`. V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}` is read too.
+    The arguments may be written as a JSON string (the templates render them with `tojson`)."""
+
+    CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL_BEGIN, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    SEP = "<｜tool▁sep｜>"
+    FENCE, JSON_FENCE = "```", "\n```json\n"
+    _NAME = re.compile(r"[\w.\-]+")
+
+    def _find_block(self, final: bool) -> tuple[str, str | None]:
+        i = self._buf.find(self.CALLS_BEGIN)
+        if i >= 0:
+            text, self._buf = self._buf[:i], self._buf[i + len(self.CALLS_BEGIN) :]
+            return text, self.CALLS_BEGIN
+        keep = 0 if final else held_prefix(self._buf, self.CALLS_BEGIN)
+        text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+        return text, None
+
+    def _between(self, final: bool) -> str:
+        while True:
+            g = self._gap
+            self._consume(len(g) - len(g.lstrip(_BLANKS)))
+            g = self._gap
+            if not g:
+                return ("end" if self._calls else "fail") if final else "wait"
+            tag = next((t for t in (self.FENCE, self.CALL_END) if g.startswith(t)), None)
+            if tag is not None:
+                self._consume(len(tag))
+                continue
+            if g.startswith(self.CALLS_END):
+                self._consume(len(self.CALLS_END))
+                return "end" if self._calls else "fail"
+            if g.startswith(self.CALL_BEGIN):
+                return self._head(g[len(self.CALL_BEGIN) :], final)
+            tags = (self.FENCE, self.CALL_END, self.CALLS_END, self.CALL_BEGIN)
+            return "wait" if not final and any(t.startswith(g) for t in tags) else "fail"
+
+    def _head(self, text: str, final: bool) -> str:
+        """A call's head (`text` follows its begin tag): "call" once its arguments begin."""
+        i = text.find(self.SEP)
+        word = text[:i] if i >= 0 else text[: len(text) - held_prefix(text, self.SEP)]
+        if word and not self._NAME.fullmatch(word):
+            return "fail"
+        if i < 0:
+            return "fail" if final else "wait"
+        after = text[i + len(self.SEP) :]
+        n = len(self.CALL_BEGIN) + i + len(self.SEP)
+        if after.lstrip(_BLANKS)[:1] in ("{", '"'):  # V3.1: the name came before the separator
+            return self._begin(word, n)
+        m = self._NAME.match(after)
+        if word == "function" and m is not None and after[m.end() :].startswith(self.JSON_FENCE):
+            return self._begin(m.group(), n + m.end() + len(self.JSON_FENCE))
+        rest = after[m.end() :] if m is not None else after
+        possible = word == "function" and self.JSON_FENCE.startswith(rest)
+        return "wait" if not final and (possible or not after.strip(_BLANKS)) else "fail"
+
+    def _begin(self, name: str, n: int) -> str:
+        self._consume(n)
+        self._start(name)
+        return "call"
