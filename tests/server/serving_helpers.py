@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -154,10 +155,10 @@ def start_server(
 
 
 @contextlib.contextmanager
-def running_server(log_dir: Path, *args: str) -> Iterator[Server]:
-    """A started and ready server for a test module; stopped by SIGTERM at the end, which must
-    leave no process behind."""
-    server = start_server(log_dir, *args)
+def running_server(log_dir: Path, *args: str, **options: Any) -> Iterator[Server]:
+    """A started and ready server for a test module (`options`: `start_server`'s); stopped by
+    SIGTERM at the end, which must leave no process behind."""
+    server = start_server(log_dir, *args, **options)
     try:
         server.wait_ready()
         yield server

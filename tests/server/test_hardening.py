@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serving_helpers import Server, start_server
+from serving_helpers import Server, running_server
 from test_api import assert_pool_clean, metrics, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -67,13 +67,9 @@ class PeakRss:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("logs"), *FLAGS, api_key=API_KEY, key_from="env")
-    try:
-        s.wait_ready()
+    logs = tmp_path_factory.mktemp("logs")
+    with running_server(logs, *FLAGS, api_key=API_KEY, key_from="env") as s:
         yield s
-    finally:
-        left = s.terminate()
-    assert not left, f"SIGTERM left processes behind: {left}"
 
 
 @pytest.fixture(scope="module")
