@@ -24,7 +24,7 @@ from minisgl.engine.sampler import (
     with_logprobs,
 )
 from minisgl.engine.step import ForwardOutput, StepRows, TokenMask
-from minisgl.spec import DraftRow, LayerSkipProposer, Proposer
+from minisgl.spec import DeviceDraftProposer, DraftRow
 from minisgl.spec.verify import Verdict, accepted_tokens, greedy_verify, rejection_sample
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def draft_layers(engine: Engine) -> int:
     return min(want, n)
 
 
-def make_device_proposer(engine: Engine) -> Proposer | None:
+def make_device_proposer(engine: Engine) -> DeviceDraftProposer | None:
     """The engine's device proposer for `speculative_algorithm` "draft" (the layer-skip draft,
     or the separate draft model); None otherwise (host proposers run in the scheduler)."""
     if engine.config.speculative_algorithm != "draft":
@@ -58,7 +58,7 @@ def make_device_proposer(engine: Engine) -> Proposer | None:
         def prepare(rows: Sequence[DraftRow]) -> None:
             draft.catch_up([r.slot for r in rows], [r.seq_len for r in rows])
 
-        return LayerSkipProposer(model_step, prepare)
+        return DeviceDraftProposer(model_step, prepare)
     layers = draft_layers(engine)
     skip_graphs = None
     if graphs is not None:  # the draft's steps as CUDA graphs too, in the same pool
@@ -69,7 +69,7 @@ def make_device_proposer(engine: Engine) -> Proposer | None:
     def step(slots: list[int], positions: list[int]) -> torch.Tensor:
         return draft_step(engine, engine, slots, positions, layers, skip_graphs)
 
-    return LayerSkipProposer(step)
+    return DeviceDraftProposer(step)
 
 
 @torch.inference_mode()
@@ -129,15 +129,15 @@ def _scored(batch: Batch) -> _Scored:
     return sc
 
 
-def propose_on_device(engine: Engine, proposer: Proposer, batch: Batch) -> None:
-    """Fill the drafts of the plan's verify rows into the token table."""
+def propose_on_device(engine: Engine, proposer: DeviceDraftProposer, batch: Batch) -> None:
+    """Launch the drafts of the plan's verify rows into the token table (the verify step reads
+    them there: no wait for the device in between)."""
     rows = [
-        DraftRow((), seq.slot, d, p + 1)
+        DraftRow((), (), seq.slot, d, p + 1)
         for seq, p, d in zip(batch.seqs, batch.prefix_lens, batch.draft_lens)
         if d
     ]
-    drafts = proposer.propose(rows)
-    assert all(len(t) == r.k for t, r in zip(drafts, rows)), "a device proposer fills each row"
+    proposer.draft(rows)
 
 
 @torch.inference_mode()

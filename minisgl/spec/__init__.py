@@ -2,13 +2,13 @@
 (`verify`) and when to speculate (`policy`)."""
 
 from minisgl.spec.base import DraftRow, Proposer
-from minisgl.spec.layer_skip import LayerSkipProposer
+from minisgl.spec.device_draft import DeviceDraftProposer
 from minisgl.spec.ngram import NgramIndex, NgramProposer
 from minisgl.spec.policy import SpecPolicy, SpecStats
 
 __all__ = [
     "DraftRow",
-    "LayerSkipProposer",
+    "DeviceDraftProposer",
     "NgramProposer",
     "Proposer",
     "SpecPolicy",
