@@ -29,7 +29,7 @@ from minisgl.scheduler.step_time import LinearStepTime, StepShape, StepTimeModel
 from minisgl.scheduler.sync import RequestSync
 from minisgl.scheduler.timing import Sample, StepTimer
 from minisgl.scheduler.warmup import run_warmup
-from minisgl.spec import DraftRow, NgramProposer, Proposer, SpecPolicy
+from minisgl.spec import DraftRow, NgramProposer, SpecPolicy
 from minisgl.weights import load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -141,18 +141,15 @@ class Scheduler:
         self.grammars = Grammars(tokenizer_loader or self._model_tokenizer, vocab)
         self._refused: list[StepEvent] = []  # finished before running (a grammar that failed)
         # Speculative decoding: who speculates (None: off) and the host proposer (n-gram;
-        # the layer-skip draft runs in the engine).
+        # device drafts are made in the engine).
         self.spec: SpecPolicy | None = None
-        self.proposer: Proposer | None = None
         self.ngram: NgramProposer | None = None
         self._expected_drafts: set[str] = set()  # see `run_overlapped`
         self._draft_ids: dict[str, list[int]] = {}  # the last plan's host drafts, by request
         if cfg.speculative_algorithm is not None:
             self.spec = SpecPolicy(cfg.speculative_num_draft_tokens, cfg.speculative_max_batch)
         if cfg.speculative_algorithm == "ngram":
-            self.proposer = self.ngram = NgramProposer(
-                cfg.speculative_ngram_n, cfg.speculative_ngram_min_n
-            )
+            self.ngram = NgramProposer(cfg.speculative_ngram_n, cfg.speculative_ngram_min_n)
         self._arrivals = 0
         self.stats = {
             "prompt_tokens": 0,
@@ -430,7 +427,7 @@ class Scheduler:
                     return set()
         ok = [r for r in ready if self.spec.allows(r.rid) and self._may_draft(r)]
         if self.ngram is not None:  # a device draft always proposes
-            ok = [r for r in ok if self.ngram.hit(r.rid, r.all_ids())]
+            ok = [r for r in ok if self.ngram.hit(r.rid, r.prompt_ids, r.output_ids)]
         return {r.rid for r in ok}
 
     def _may_draft(self, r: Req) -> bool:
@@ -451,14 +448,14 @@ class Scheduler:
             return drafts, room
         want = [(i, r, self._draft_limit(r)) for i, r in enumerate(decode) if r.rid in chosen]
         want = [(i, r, k) for i, r, k in want if k]
-        if self.proposer is not None:
+        if self.ngram is not None:
             slots = [r.slot for _, r, _ in want]
             assert None not in slots  # running requests hold a slot
             rows = [
-                DraftRow(r.all_ids(), s, k, r.seq_len, r.rid)  # type: ignore[arg-type]
+                DraftRow(r.prompt_ids, r.output_ids, s, k, r.seq_len, r.rid)  # type: ignore[arg-type]
                 for (_, r, k), s in zip(want, slots)
             ]
-            proposed = self.proposer.propose(rows)
+            proposed = self.ngram.propose(rows)
             # A draft the grammar refuses could never be accepted.
             proposed = [self.grammars.valid_drafts(r, p) for (_, r, _), p in zip(want, proposed)]
         else:
@@ -474,7 +471,7 @@ class Scheduler:
                 continue
             room -= max(0, extra)
             drafts[i] = len(ids)
-            if self.proposer is not None:
+            if self.ngram is not None:
                 self.kv.write_tokens(r, r.seq_len, ids)
                 self._draft_ids[r.rid] = ids
         return drafts, room
@@ -705,8 +702,8 @@ class Scheduler:
         self.grammars.drop(req.rid)
         if self.spec is not None:
             self.spec.drop(req.rid)
-        if self.proposer is not None:
-            self.proposer.drop(req.rid)
+        if self.ngram is not None:
+            self.ngram.drop(req.rid)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req, self._launched)

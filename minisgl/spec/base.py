@@ -18,7 +18,10 @@ from typing import NamedTuple
 class DraftRow(NamedTuple):
     """One request to propose for."""
 
-    ids: Sequence[int]  # its tokens (prompt + output) for host proposers; () for device ones
+    # Its tokens, prompt then output, for host proposers (two lists: no copy of the context per
+    # step); () for device ones.
+    prompt: Sequence[int]
+    output: Sequence[int]
     slot: int  # its request-table row
     k: int  # propose at most this many tokens (>= 1)
     seq_len: int  # its tokens so far: the drafts go to positions seq_len .. seq_len + k - 1
@@ -40,6 +43,3 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         """Per row, 0 to `row.k` draft tokens (a device proposer always gives `row.k`)."""
-
-    def drop(self, rid: str) -> None:  # noqa: B027 (optional: most proposers keep nothing)
-        """Forget what is kept for a finished request."""

@@ -31,12 +31,18 @@ class NgramIndex:
                 latest[tuple(ids[end - m : end])] = end - m
             ids.append(t)
 
-    def sync(self, ids: Sequence[int]) -> None:
-        """Catch up with `ids`, the indexed list plus tokens appended since (rebuilt when it is
-        shorter or differs at the indexed list's last token: a cheap check, not a full one)."""
-        if len(ids) < len(self.ids) or ids[len(self.ids) - 1 : len(self.ids)] != self.ids[-1:]:
+    def sync(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Catch up with `prompt + output` (not built: a copy of the context per step), the
+        indexed list plus tokens appended since. Rebuilt when the index does not cover the
+        prompt, is longer than both, or differs at its last token (a cheap check, not a full
+        one)."""
+        known, plen = len(self.ids), len(prompt)
+        ends_alike = known == plen or output[known - plen - 1 : known - plen] == self.ids[-1:]
+        if not plen <= known <= plen + len(output) or not ends_alike or not known:
             self.ids, self.latest = [], {}
-        self.extend(ids[len(self.ids) :])
+            self.extend(prompt)
+            known = plen
+        self.extend(output[known - plen :])
 
     def lookup(self, k: int) -> list[int]:
         """Up to `k` tokens following the latest earlier occurrence of the last `m` tokens,
@@ -58,19 +64,19 @@ class NgramProposer(Proposer):
         self.n, self.min_n = n, min_n
         self._index: dict[str, NgramIndex] = {}
 
-    def _synced(self, rid: str, ids: Sequence[int]) -> NgramIndex:
+    def _synced(self, rid: str, prompt: Sequence[int], output: Sequence[int]) -> NgramIndex:
         index = self._index.get(rid)
         if index is None:
             index = self._index[rid] = NgramIndex(self.n, self.min_n)
-        index.sync(ids)
+        index.sync(prompt, output)
         return index
 
-    def hit(self, rid: str, ids: Sequence[int]) -> bool:
-        """Whether `propose` would give request `rid`, of tokens `ids`, any draft."""
-        return bool(self._synced(rid, ids).lookup(1))
+    def hit(self, rid: str, prompt: Sequence[int], output: Sequence[int]) -> bool:
+        """Whether `propose` would give request `rid`, of tokens `prompt + output`, a draft."""
+        return bool(self._synced(rid, prompt, output).lookup(1))
 
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
-        return [self._synced(r.rid, r.ids).lookup(r.k) for r in rows]
+        return [self._synced(r.rid, r.prompt, r.output).lookup(r.k) for r in rows]
 
     def drop(self, rid: str) -> None:
         self._index.pop(rid, None)

@@ -27,7 +27,7 @@ def ngram_lookup(ids: list[int], n: int, k: int, min_n: int = 1) -> list[int]:
 
 def index_lookup(ids: list[int], n: int, k: int, min_n: int = 1) -> list[int]:
     index = NgramIndex(n, min_n)
-    index.sync(ids)
+    index.sync(ids, [])
     return index.lookup(k)
 
 
@@ -38,7 +38,7 @@ def test_ngram_lookup_takes_the_latest_longest_match() -> None:
     assert index_lookup([4, 5, 6, 4], 3, 4) == [5, 6, 4]  # runs into the suffix itself
     assert index_lookup([1, 2, 3], 3, 4) == []
     assert index_lookup([7], 3, 4) == []
-    rows = [DraftRow([1, 2, 1], 0, 1, 3, "a"), DraftRow([3, 4], 1, 2, 2, "b")]
+    rows = [DraftRow([1, 2], [1], 0, 1, 3, "a"), DraftRow([3, 4], [], 1, 2, 2, "b")]
     assert NgramProposer(1).propose(rows) == [[2], []]
     # A minimum suffix of two: the lone "3" of [5, 3, 9, 3] no longer proposes its 9.
     assert index_lookup([5, 3, 9, 3], 3, 2) == [9, 3]
@@ -56,11 +56,12 @@ def test_the_index_follows_a_growing_list_as_the_rule_says() -> None:
         ids = [rng.randrange(5) for _ in range(3)]
         for _ in range(200):
             ids.append(rng.randrange(5) if rng.random() < 0.5 else ids[rng.randrange(len(ids))])
-            got = proposer.propose([DraftRow(ids, 0, 3, len(ids), "r")])[0]
+            cut = 3  # the prompt; the output grows
+            got = proposer.propose([DraftRow(ids[:cut], ids[cut:], 0, 3, len(ids), "r")])[0]
             assert got == ngram_lookup(ids, n, 3, min_n)
-            assert proposer.hit("r", ids) == bool(got)
+            assert proposer.hit("r", ids[:cut], ids[cut:]) == bool(got)
         other = ids[:-5] + [9, 9, 9]  # a different list under the same id: rebuilt
-        assert proposer.propose([DraftRow(other, 0, 3, len(other), "r")])[0] == ngram_lookup(
+        assert proposer.propose([DraftRow(other, [], 0, 3, len(other), "r")])[0] == ngram_lookup(
             other, n, 3, min_n
         )
         proposer.drop("r")
