@@ -110,7 +110,8 @@ class MaskFiller:
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
 
-    def _buffer(self, rows: int) -> torch.Tensor:
+    def buffer(self, rows: int) -> torch.Tensor:
+        """The next of the two host buffers, [rows, W] (for `fill_into`, maybe on a thread)."""
         self._turn ^= 1
         if len(self._buffers) < 2 or self._buffers[self._turn].shape[0] < rows:
             cap = max(rows, 2 * self._buffers[0].shape[0] if self._buffers else 64)
@@ -125,7 +126,12 @@ class MaskFiller:
         """[len(grammars), W] int32: row i the next tokens grammars[i] allows (all of them
         before it starts, and once it has terminated: its stop token came, anything will do);
         rows of None are not written."""
-        bits = self._buffer(len(grammars))
+        bits = self.buffer(len(grammars))
+        self.fill_into(bits, grammars)
+        return bits
+
+    def fill_into(self, bits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
+        """`fill` into `bits` [len(grammars), W] from `buffer`."""
         live, rows = [], []
         for i, g in enumerate(grammars):
             if g is None:
@@ -139,13 +145,12 @@ class MaskFiller:
             live[0].fill_next_token_bitmask(bits, rows[0])
         elif live:
             self._batch.batch_fill_next_token_bitmask(live, bits, rows)
-        return bits
 
     def fill_drafts(self, rows: list[tuple[RequestGrammar | None, list[int]]]) -> torch.Tensor:
         """A verify step's mask: for each (grammar, drafts) row, len(drafts) + 1 mask rows, the
         allowed tokens at each position of the drafts (after the drafts before it; the grammar
         is advanced through them and taken back); rows of None are not written."""
-        bits = self._buffer(sum(len(d) + 1 for _, d in rows))
+        bits = self.buffer(sum(len(d) + 1 for _, d in rows))
         at = 0
         for g, drafts in rows:
             if g is not None:

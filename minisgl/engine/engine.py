@@ -290,8 +290,7 @@ class Engine:
             biases = [s.params.logit_bias for s in seqs]
             sin.logit_bias = LogitBias.build(biases, logits.shape[1], self.device)
         if mask is not None:
-            m = mask()
-            sin.token_mask = TokenMask(m.bits.to(self.device, non_blocking=True), m.rows)
+            sin.token_mask = mask().to(self.device)
         out = sample(logits, sin)
         # The sampled token becomes the input of the request's next step.
         self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()

@@ -216,7 +216,7 @@ def _sampling_inputs(
     if mask is not None:  # a row per scored position (the scheduler's grammars, through drafts)
         m = mask()
         assert m.bits.shape[0] == len(sc.rows)
-        sin.token_mask = TokenMask(m.bits.to(dev, non_blocking=True), m.rows)
+        sin.token_mask = m.to(dev)
     return sin
 
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from minisgl.attention import AttentionInputs
+from minisgl.engine.host_flag import HostFlag
 
 
 @dataclass
@@ -55,6 +56,18 @@ class TokenMask(NamedTuple):
     # are never read and may hold anything): bit j of word w allows token 32 * w + j
     bits: torch.Tensor
     rows: list[int]  # the sampling rows that have a constraint (the others are not touched)
+    # Set while `bits` is still being filled on another thread: it is complete once the flag
+    # reaches the value (the device waits for that before it copies the mask).
+    ready: tuple[HostFlag, int] | None = None
+
+    def to(self, device: torch.device) -> TokenMask:
+        """The mask on `device`, copied once it is complete: the stream waits for the flag
+        (CUDA), else the host does."""
+        if self.ready is not None:
+            flag, value = self.ready
+            if not flag.device_wait(value, device):
+                flag.host_wait(value)
+        return TokenMask(self.bits.to(device, non_blocking=True), self.rows)
 
 
 class StepInputs(NamedTuple):

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
+
+import torch
 
 from minisgl.constrain import (
     CompileStats,
@@ -24,16 +27,17 @@ from minisgl.constrain import (
     RequestGrammar,
 )
 from minisgl.core import Req
+from minisgl.engine.host_flag import HostFlag
 from minisgl.engine.step import TokenMask
 
 logger = logging.getLogger(__name__)
 
 
 def fill_threads() -> int:
-    """Threads filling a step's masks: half the cores this process may run on, at most 8 (a
-    row takes ~0.1 ms on a 151k vocabulary; the scheduler thread and the device's launches
-    keep the rest)."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    """Threads filling a step's masks: all but two of the cores this process may run on (the
+    loop runs beside the fill, and the device's launches), at most 16; a row takes ~0.1 ms
+    on a 151k vocabulary."""
+    return max(1, min(16, len(os.sched_getaffinity(0)) - 2))
 
 
 class Grammars:
@@ -48,6 +52,12 @@ class Grammars:
         self._failed: dict[str, str] = {}  # the compile's error, for the request's answer
         self._matchers: dict[str, RequestGrammar] = {}  # admitted (kept through retraction)
         self._filler: MaskFiller | None = None  # made with the first mask
+        # A step's mask is filled on this thread (its fill's C++ threads release the GIL)
+        self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
+        self._pending: Future[None] | None = None
+        self._flag = HostFlag()  # raised to the number of each fill when it is complete
+        self._fills = 0
+        self.fill_seconds = 0.0  # on the worker, all fills so far (read once they settled)
         self.num_constrained = 0  # constrained requests added so far
 
     @property
@@ -96,6 +106,7 @@ class Grammars:
         return self._failed.pop(req.rid, None)
 
     def admit(self, req: Req) -> None:
+        self._settle()
         compiled = self._compiled.pop(req.rid, None)
         if compiled is not None:  # a retracted request keeps the matcher it has
             start = req.params.grammar_after_token
@@ -103,10 +114,12 @@ class Grammars:
 
     def accept(self, req: Req, token: int) -> bool:
         """Advance the request's matcher (True for an unconstrained request)."""
+        self._settle()
         m = self._matchers.get(req.rid)
         return m is None or m.accept(token)
 
     def drop(self, rid: str) -> None:
+        self._settle()
         for table in (self._jobs, self._compiled, self._failed, self._matchers):
             table.pop(rid, None)  # type: ignore[attr-defined]
 
@@ -116,6 +129,7 @@ class Grammars:
     def valid_drafts(self, req: Req, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the request's grammar allows (all of them without
         one): a draft it refuses could never be accepted."""
+        self._settle()
         m = self._matchers.get(req.rid)
         if m is None:
             return drafts
@@ -123,17 +137,45 @@ class Grammars:
         m.rollback(n)
         return drafts[:n]
 
+    def _fill_async(self, matchers: list[RequestGrammar | None], rows: list[int]) -> TokenMask:
+        """A mask filled on the worker thread while the loop goes on: the sampler waits for
+        its flag (on the device stream under CUDA), and every use of a matcher on the loop
+        waits for the fill first (`_settle`)."""
+        assert self._filler is not None
+        filler, bits = self._filler, self._filler.buffer(len(matchers))
+        self._fills += 1
+        value = self._fills
+
+        def fill() -> None:
+            start = time.perf_counter()
+            try:
+                with torch.inference_mode():  # the buffers were made in the step's (a thread's)
+                    filler.fill_into(bits, matchers)
+            finally:  # the stream waits for the flag: raise it whatever happened
+                self._flag.raise_to(value)
+                self.fill_seconds += time.perf_counter() - start
+
+        self._pending = self._worker.submit(fill)
+        return TokenMask(bits, rows, (self._flag, value))
+
+    def _settle(self) -> None:
+        """Wait for the fill in progress (it reads the matchers; a failure surfaces here)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
     def mask(self, reqs: list[Req], drafts: list[list[int]] | None = None) -> TokenMask:
         """The allowed next tokens of the constrained ones among `reqs` (the rows of a step
         that sample, in order), from their matchers' current state. A verify step (`drafts`
         per request, each cut by `valid_drafts`) has len(drafts) + 1 mask rows per request:
         one per scored position."""
+        self._settle()
         if self._filler is None:
             self._filler = MaskFiller(self.vocab_size, fill_threads())
         matchers = [self._matchers.get(r.rid) for r in reqs]
         if drafts is None:
             rows = [i for i, m in enumerate(matchers) if m is not None]
-            return TokenMask(self._filler.fill(matchers), rows)
+            return self._fill_async(matchers, rows)
         rows, at = [], 0
         for m, d in zip(matchers, drafts, strict=True):
             if m is not None:
@@ -142,5 +184,7 @@ class Grammars:
         return TokenMask(self._filler.fill_drafts(list(zip(matchers, drafts))), rows)
 
     def close(self) -> None:
+        self._settle()
+        self._worker.shutdown()
         if self._compiler is not None:
             self._compiler.close()
