@@ -15,12 +15,13 @@ included) and bf16 `F.linear`, at Llama-3-8B projection shapes, rows 1..256.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,6 +75,44 @@ def _errors(out: torch.Tensor, expected: torch.Tensor) -> Row:
     return {"max_abs_err": max_abs, "rel_err": max_abs / expected.abs().max().item()}
 
 
+class DecodeCase(NamedTuple):
+    """Inputs of one decode shape: `n_sets` batches over one pool (cycled so L2 does not hold
+    them) and the bytes one call must move."""
+
+    kv: Any  # PagedKV
+    tables: torch.Tensor  # [n_sets, batch, P] int32
+    lens: torch.Tensor  # [n_sets, batch] int32
+    q: torch.Tensor  # [n_sets, batch, Hq, D]
+    max_len: int  # the largest context of every set: the splits' host bound
+    nbytes: int  # K/V of set 0 at one element size each, their scales, q and the output
+
+
+@functools.lru_cache(maxsize=1)  # a sweep times many configs on one shape: build it once
+def decode_case(
+    batch: int, context: int, page_size: int, spread: float, kv_dtype: torch.dtype
+) -> DecodeCase:
+    """Every request at `context` tokens on randomly scattered pages; with `spread` s, contexts
+    drawn uniformly from [context * (1 - s), context * (1 + s)] (ragged, like a continuous
+    batch)."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()  # 1 for e4m3
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
+    n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
+    lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
+    gen = torch.Generator().manual_seed(batch * 7 + context)
+    contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
+    contexts[:, 0] = hi
+    kv = random_paged_kv(
+        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
+        poison=False,
+    )  # fmt: skip
+    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
+    scale_bytes = 2 * NUM_KV_HEADS * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
+    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
+    q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    tables, lens = kv.block_table.view(n_sets, batch, -1), kv.seq_lens.view(n_sets, batch)
+    return DecodeCase(kv, tables, lens, q, hi, kv_bytes + scale_bytes + qo_bytes)
+
+
 def run_decode(
     batch: int,
     context: int,
@@ -86,32 +125,17 @@ def run_decode(
     spread: float = 0.0,
     kv_dtype: torch.dtype = DTYPE,
 ) -> Row:
-    """Decode attention with every request at `context` tokens on randomly scattered pages;
-    with `spread` s, contexts drawn uniformly from [context * (1 - s), context * (1 + s)]
-    (ragged, like a continuous batch)."""
+    """Decode attention over `decode_case(...)`: achieved bytes/s against the copy bandwidth."""
     from minisgl.kernels.common import num_sms
     from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
 
-    fp8 = kv_dtype == torch.float8_e4m3fn
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
-    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
-    n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
-    lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
-    gen = torch.Generator().manual_seed(batch * 7 + context)
-    contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
-    contexts[:, 0] = hi  # the largest context of every set is the same: the splits' host bound
-    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
-    kv = random_paged_kv(
-        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
-        poison=False,
-    )  # fmt: skip
-    tables = kv.block_table.view(n_sets, batch, -1)
-    lens = kv.seq_lens.view(n_sets, batch)
-    q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    case = decode_case(batch, context, page_size, spread, kv_dtype)
+    kv, tables, lens, q = case.kv, case.tables, case.lens, case.q
     out = torch.empty_like(q)
-    cfg = config or default_decode_config(HEAD_DIM, fp8)
-    splits = num_splits or choose_num_splits(batch, NUM_KV_HEADS, hi, num_sms(q.device), cfg)
+    cfg = config or default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
+    splits = num_splits or choose_num_splits(
+        batch, NUM_KV_HEADS, case.max_len, num_sms(q.device), cfg
+    )
 
     def call(i: int) -> None:
         decode_attention(
@@ -128,14 +152,14 @@ def run_decode(
             kv_scales=kv.kv_scales,
         )
 
-    seconds = timer(call, n_sets)
+    seconds = timer(call, q.shape[0])
     call(0)
     rows = min(batch, REF_REQUESTS)
     expected = decode_attention_ref(
         q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size,
         SM_SCALE, kv.kv_scales,
     )  # fmt: skip
-    bytes_per_s = (kv_bytes + qo_bytes) / seconds
+    bytes_per_s = case.nbytes / seconds
     return {
         "batch": batch,
         "context": context,
@@ -146,6 +170,8 @@ def run_decode(
         "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
+        "maxnreg": cfg.maxnreg,
+        "fp8_qk": cfg.fp8_qk,
         "time_us": seconds * 1e6,
         "bytes_per_s": bytes_per_s,
         "fraction_of_copy": bytes_per_s / copy_bw,
@@ -246,6 +272,98 @@ def tune_decode(
     return rows
 
 
+# FP8 (e4m3) decode sweep: every config of the grid at W3's shape, then the best few at the other
+# shapes (W3's target is batch 256 at contexts >= 1024).
+FP8_TUNE_SHAPE = (256, 4096)
+FP8_CHECK_SHAPES = ((256, 1024), (32, 4096), (1, 4096), (1, 32768))
+FP8_FINALISTS = 6
+
+
+def fp8_decode_grid() -> list[Any]:
+    """Tiles, warps, pipeline depth (5 stages double-buffer K/V behind the page-table loads;
+    3 prefetch only the page ids), register caps (more programs per SM, some spills) and the
+    e4m3 scores (`fp8_qk`); the default first."""
+    from minisgl.kernels.decode import DecodeConfig, default_decode_config
+
+    grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
+    for bn, w, st, reg in itertools.product((64, 128, 256), (4, 8), (3, 5), (None, 96, 128)):
+        grid.append(
+            DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st, maxnreg=reg)
+        )
+    for bn, w, st in itertools.product((64, 128), (4, 8), (3, 5)):
+        grid.append(
+            DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st, fp8_qk=True)
+        )
+    return list(dict.fromkeys(grid))
+
+
+def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
+    """The grid at FP8_TUNE_SHAPE, then the default, the fastest FP8_FINALISTS with widened
+    K/V and the two fastest with e4m3 scores at FP8_CHECK_SHAPES; prints the config to paste
+    into `default_decode_config`."""
+    fp8 = torch.float8_e4m3fn
+    grid = fp8_decode_grid()
+    b, ctx = FP8_TUNE_SHAPE
+    rows = [_decode_attempt(b, ctx, page_size, timer, copy_bw, cfg, fp8) for cfg in grid]
+    # A broken variant is off by O(1); e4m3 rounding (and q's with fp8_qk) stays far below 0.2.
+    timed = [grid[i] for _, i in sorted(
+        (r["time_us"], i) for i, r in enumerate(rows) if "time_us" in r and r["rel_err"] < 0.2
+    )]  # fmt: skip
+    finalists = [grid[0]] + [c for c in timed if not c.fp8_qk][:FP8_FINALISTS]
+    finalists += [c for c in timed if c.fp8_qk][:2]  # e4m3 scores: a family of their own
+    finalists = list(dict.fromkeys(finalists))
+    for (b, ctx), cfg in itertools.product(FP8_CHECK_SHAPES, finalists):
+        rows.append(_decode_attempt(b, ctx, page_size, timer, copy_bw, cfg, fp8))
+    print_table("tune: FP8 decode (fraction_of_copy counts one byte per K/V value)", rows,
+                DECODE_COLUMNS)  # fmt: skip
+    _print_best_fp8(rows, finalists)
+    return [{**r, "config": dataclasses.asdict(r["config"])} for r in rows]
+
+
+def _decode_attempt(
+    b: int, ctx: int, page_size: int, timer: Timer, copy_bw: float, cfg: Any, kv: torch.dtype
+) -> Row:
+    label = {"batch": b, "context": ctx, **_config_label(cfg)}
+    row = _attempt(label, run_decode, b, ctx, page_size, timer, copy_bw, config=cfg, kv_dtype=kv)
+    return {**row, "config": cfg}
+
+
+def _config_label(cfg: Any) -> Row:
+    return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "maxnreg": cfg.maxnreg, "fp8_qk": cfg.fp8_qk}  # fmt: skip
+
+
+def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> None:
+    """Each finalist's fraction per shape, and the one with the best worst case at batch 256
+    (W3's target)."""
+    target = [s for s in (FP8_TUNE_SHAPE, *FP8_CHECK_SHAPES) if s[0] == FP8_TUNE_SHAPE[0]]
+
+    def fraction(cfg: Any, shape: tuple[int, int]) -> float:
+        found = [r.get("fraction_of_copy", 0.0) for r in rows
+                 if r["config"] == cfg and (r["batch"], r["context"]) == shape]  # fmt: skip
+        return max(found, default=0.0)
+
+    def worst(cfg: Any) -> float:
+        return min(fraction(cfg, s) for s in target)
+
+    print("\nFP8 decode, fraction of the copy bandwidth per shape (finalists):")
+    for cfg in finalists:
+        cells = "  ".join(f"{b}x{c} {fraction(cfg, (b, c)):.3f}"
+                          for b, c in (FP8_TUNE_SHAPE, *FP8_CHECK_SHAPES))  # fmt: skip
+        print(f"  {cfg}: {cells}")
+    # e4m3 scores quantize q too: they may become the default only after the accuracy program
+    # (perplexity and KL against bf16) has measured them.
+    widened = [cfg for cfg in finalists if not cfg.fp8_qk]
+    print(f"\nbest at batch {target[0][0]}, K/V widened (paste into default_decode_config's "
+          f"kv_fp8 branch, worst fraction {worst(max(widened, key=worst)):.3f}):\n"
+          f"  {max(widened, key=worst)!r}")  # fmt: skip
+    quantized = [cfg for cfg in finalists if cfg.fp8_qk]
+    if quantized:
+        best_q = max(quantized, key=worst)
+        print(f"best with e4m3 scores (fp8_qk; needs the accuracy run first), worst fraction "
+              f"{worst(best_q):.3f}:\n  {best_q!r}")  # fmt: skip
+
+
 # W1's decode steps: (batch, mean context, spread) of the 129-256 steps (late prompts done, contexts
 # 560-1080) and of the 33-128 tail (the long-output requests, contexts ~500-2000).
 W1_DECODE_SHAPES = [(200, 820, 0.32), (80, 1250, 0.6), (48, 1400, 0.5)]
@@ -305,7 +423,8 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
-                  "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
+                  "num_stages", "maxnreg", "fp8_qk", "time_us", "bytes_per_s",
+                  "fraction_of_copy", "rel_err"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",
                   "num_stages", "time_us", "flop_per_s", "fraction_of_matmul", "rel_err"]
 # fmt: on
@@ -337,6 +456,12 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
                 DECODE_COLUMNS)  # fmt: skip
     result: Row = {"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": matmul_rate, "decode": decode}
+    if args.tune:  # the decode sweep first: with --decode-only it is all that runs
+        if kv_dtype == torch.float8_e4m3fn:
+            result["tune_decode"] = tune_decode_fp8(timer, copy_bw, ps)
+        else:
+            result["tune_decode"] = tune_decode(timer, copy_bw, ps, kv_dtype)
+            print_table("tune: decode", result["tune_decode"], DECODE_COLUMNS)
     if args.decode_only:
         return result
     b, c = PAGE_SWEEP_SHAPE
@@ -349,8 +474,6 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
     result |= {"decode_page_size_sweep": sweep, "extend": extend}
     if args.tune:
-        result["tune_decode"] = tune_decode(timer, copy_bw, ps, kv_dtype)
-        print_table("tune: decode", result["tune_decode"], DECODE_COLUMNS)
         result["tune_extend"] = tune_extend(timer, matmul_rate, ps, kv_dtype)
         print_table("tune: extend", result["tune_extend"], EXTEND_COLUMNS)
     return result
