@@ -5,8 +5,10 @@ attention (achieved bytes/s against the copy bandwidth) and paged extend attenti
 against the matmul rate), each checked against the torch reference. Every figure is the median
 over replays of a CUDA graph of back-to-back calls; small cases cycle through enough distinct
 inputs that they do not sit in L2. Prints tables, then one JSON object as the last line.
-`--tune` adds tile-size and split-count sweeps for choosing the kernels' defaults.
-`--kv-cache-dtype fp8_e4m3` runs the attention on an e4m3 pool (bytes counted at one per value).
+`--tune` adds tile-size and split-count sweeps for choosing the kernels' defaults (with
+`--decode-only`, only the decode sweep). `--kv-cache-dtype fp8_e4m3` runs the attention on an e4m3
+pool (bytes counted at one per value, plus the per-head scales); with `--tune` its decode sweep
+(`tune_decode_fp8`, a few minutes) prints the config to paste into `default_decode_config`.
 `--fp8-gemm` runs only the sweep that sets `FP8_GEMV_MAX_ROWS` (minisgl/config/quant.py): the
 FP8 weight-only GEMV against the FP8 tensor-core GEMM (per-token activation quantization
 included) and bf16 `F.linear`, at Llama-3-8B projection shapes, rows 1..256.
@@ -172,6 +174,7 @@ def run_decode(
         "num_stages": cfg.num_stages,
         "maxnreg": cfg.maxnreg,
         "fp8_qk": cfg.fp8_qk,
+        "pv_as_vt": cfg.pv_as_vt,
         "time_us": seconds * 1e6,
         "bytes_per_s": bytes_per_s,
         "fraction_of_copy": bytes_per_s / copy_bw,
@@ -274,37 +277,40 @@ def tune_decode(
 
 # FP8 (e4m3) decode sweep: every config of the grid at W3's shape, then the best few at the other
 # shapes (W3's target is batch 256 at contexts >= 1024).
-FP8_TUNE_SHAPE = (256, 4096)
-FP8_CHECK_SHAPES = ((256, 1024), (32, 4096), (1, 4096), (1, 32768))
+# (batch, context, spread); the last is W1's main decode step (a ragged batch, see below).
+FP8_TUNE_SHAPE = (256, 4096, 0.0)
+FP8_CHECK_SHAPES = ((256, 1024, 0.0), (32, 4096, 0.0), (1, 4096, 0.0), (1, 32768, 0.0),
+                    (200, 820, 0.32))  # fmt: skip
 FP8_FINALISTS = 6
+# Split heuristic knobs tried with the best config where requests are split (batch 1 and 32).
+FP8_SPLIT_KNOBS = tuple(itertools.product((2, 4, 8), (64, 128, 256)))
 
 
 def fp8_decode_grid() -> list[Any]:
-    """Tiles, warps, pipeline depth (5 stages double-buffer K/V behind the page-table loads;
-    3 prefetch only the page ids), register caps (more programs per SM, some spills) and the
-    e4m3 scores (`fp8_qk`); the default first."""
+    """Tiles, warps, pipeline depth (5 stages double-buffer K/V behind the page-table loads,
+    3 prefetch only the page ids), register caps (more programs per SM, some spills), P V as
+    (V^T P^T)^T and e4m3 scores (`fp8_qk`); the default first."""
     from minisgl.kernels.decode import DecodeConfig, default_decode_config
 
     grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
-    for bn, w, st, reg in itertools.product((64, 128, 256), (4, 8), (3, 5), (None, 96, 128)):
-        grid.append(
-            DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st, maxnreg=reg)
-        )
-    for bn, w, st in itertools.product((64, 128), (4, 8), (3, 5)):
-        grid.append(
-            DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st, fp8_qk=True)
-        )
+    # 65,536 registers per SM: 4 warps at <= 128 (96) fit 4 (5) programs, 8 warps at <= 128 two
+    for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 5)):
+        if bn < 256 or w == 8:  # 256 keys on 4 warps spill even uncapped
+            for reg in (None, 96, 128) if w == 4 else (None, 128):
+                grid.append(DecodeConfig(bn, bn, w, st, maxnreg=reg))
+    for bn, w, st, reg in itertools.product((64, 128), (4, 8), (3, 5), (None, 128)):
+        grid.append(DecodeConfig(bn, bn, w, st, maxnreg=reg, pv_as_vt=True))
+    for bn, w, st, vt in itertools.product((64, 128), (4, 8), (3, 5), (False, True)):
+        grid.append(DecodeConfig(bn, bn, w, st, fp8_qk=True, pv_as_vt=vt))
     return list(dict.fromkeys(grid))
 
 
 def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
     """The grid at FP8_TUNE_SHAPE, then the default, the fastest FP8_FINALISTS with widened
-    K/V and the two fastest with e4m3 scores at FP8_CHECK_SHAPES; prints the config to paste
-    into `default_decode_config`."""
-    fp8 = torch.float8_e4m3fn
+    K/V and the two fastest with e4m3 scores at FP8_CHECK_SHAPES, then the split heuristic's
+    knobs; prints the config to paste into `default_decode_config`."""
     grid = fp8_decode_grid()
-    b, ctx = FP8_TUNE_SHAPE
-    rows = [_decode_attempt(b, ctx, page_size, timer, copy_bw, cfg, fp8) for cfg in grid]
+    rows = [_decode_attempt(FP8_TUNE_SHAPE, page_size, timer, copy_bw, cfg) for cfg in grid]
     # A broken variant is off by O(1); e4m3 rounding (and q's with fp8_qk) stays far below 0.2.
     timed = [grid[i] for _, i in sorted(
         (r["time_us"], i) for i, r in enumerate(rows) if "time_us" in r and r["rel_err"] < 0.2
@@ -312,56 +318,76 @@ def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
     finalists = [grid[0]] + [c for c in timed if not c.fp8_qk][:FP8_FINALISTS]
     finalists += [c for c in timed if c.fp8_qk][:2]  # e4m3 scores: a family of their own
     finalists = list(dict.fromkeys(finalists))
-    for (b, ctx), cfg in itertools.product(FP8_CHECK_SHAPES, finalists):
-        rows.append(_decode_attempt(b, ctx, page_size, timer, copy_bw, cfg, fp8))
+    for shape, cfg in itertools.product(FP8_CHECK_SHAPES, finalists):
+        rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
     print_table("tune: FP8 decode (fraction_of_copy counts one byte per K/V value)", rows,
                 DECODE_COLUMNS)  # fmt: skip
-    _print_best_fp8(rows, finalists)
-    return [{**r, "config": dataclasses.asdict(r["config"])} for r in rows]
+    best = _print_best_fp8(rows, finalists)
+    split_rows = []
+    for shape, (per_sm, min_tokens) in itertools.product(FP8_CHECK_SHAPES, FP8_SPLIT_KNOBS):
+        if shape[0] <= 32:
+            cfg = dataclasses.replace(best, programs_per_sm=per_sm, min_split_tokens=min_tokens)
+            split_rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
+    print_table("tune: FP8 decode split heuristic (best config)", split_rows,
+                DECODE_COLUMNS + ["programs_per_sm", "min_split_tokens"])  # fmt: skip
+    for shape in FP8_CHECK_SHAPES:
+        done = [r for r in split_rows if _shape(r) == shape and "time_us" in r]
+        if done:
+            r = min(done, key=lambda r: r["time_us"])
+            print(f"  best split knobs at {shape}: programs_per_sm={r['programs_per_sm']}, "
+                  f"min_split_tokens={r['min_split_tokens']} ({r['num_splits']} splits, "
+                  f"{r['fraction_of_copy']:.3f})")  # fmt: skip
+    return [{**r, "config": dataclasses.asdict(r["config"])} for r in rows + split_rows]
+
+
+def _shape(row: Row) -> tuple[int, int, float]:
+    return row["batch"], row["context"], row.get("spread", 0.0)
 
 
 def _decode_attempt(
-    b: int, ctx: int, page_size: int, timer: Timer, copy_bw: float, cfg: Any, kv: torch.dtype
+    shape: tuple[int, int, float], page_size: int, timer: Timer, copy_bw: float, cfg: Any
 ) -> Row:
-    label = {"batch": b, "context": ctx, **_config_label(cfg)}
-    row = _attempt(label, run_decode, b, ctx, page_size, timer, copy_bw, config=cfg, kv_dtype=kv)
-    return {**row, "config": cfg}
+    b, ctx, spread = shape
+    label = {"batch": b, "context": ctx, "spread": spread, **_config_label(cfg)}
+    row = _attempt(label, run_decode, b, ctx, page_size, timer, copy_bw, config=cfg,
+                   spread=spread, kv_dtype=torch.float8_e4m3fn)  # fmt: skip
+    return {**row, **label, "config": cfg}
 
 
 def _config_label(cfg: Any) -> Row:
-    return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            "maxnreg": cfg.maxnreg, "fp8_qk": cfg.fp8_qk}  # fmt: skip
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg,
+            "fp8_qk": cfg.fp8_qk, "pv_as_vt": cfg.pv_as_vt, "programs_per_sm": cfg.programs_per_sm,
+            "min_split_tokens": cfg.min_split_tokens}  # fmt: skip
 
 
-def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> None:
-    """Each finalist's fraction per shape, and the one with the best worst case at batch 256
-    (W3's target)."""
-    target = [s for s in (FP8_TUNE_SHAPE, *FP8_CHECK_SHAPES) if s[0] == FP8_TUNE_SHAPE[0]]
+def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> Any:
+    """Prints each finalist's fraction per shape; returns (and prints) the widened-K/V one with
+    the best worst case at batch 256 (W3's target)."""
+    shapes = (FP8_TUNE_SHAPE, *FP8_CHECK_SHAPES)
+    target = [s for s in shapes if s[0] == FP8_TUNE_SHAPE[0]]
 
-    def fraction(cfg: Any, shape: tuple[int, int]) -> float:
+    def fraction(cfg: Any, shape: tuple[int, int, float]) -> float:
         found = [r.get("fraction_of_copy", 0.0) for r in rows
-                 if r["config"] == cfg and (r["batch"], r["context"]) == shape]  # fmt: skip
+                 if r["config"] == cfg and _shape(r) == shape]  # fmt: skip
         return max(found, default=0.0)
 
     def worst(cfg: Any) -> float:
         return min(fraction(cfg, s) for s in target)
 
-    print("\nFP8 decode, fraction of the copy bandwidth per shape (finalists):")
+    print("\nFP8 decode, fraction of the copy bandwidth per (batch, context, spread):")
     for cfg in finalists:
-        cells = "  ".join(f"{b}x{c} {fraction(cfg, (b, c)):.3f}"
-                          for b, c in (FP8_TUNE_SHAPE, *FP8_CHECK_SHAPES))  # fmt: skip
-        print(f"  {cfg}: {cells}")
+        print(f"  {cfg}:\n    " + "  ".join(f"{s} {fraction(cfg, s):.3f}" for s in shapes))
     # e4m3 scores quantize q too: they may become the default only after the accuracy program
     # (perplexity and KL against bf16) has measured them.
-    widened = [cfg for cfg in finalists if not cfg.fp8_qk]
-    print(f"\nbest at batch {target[0][0]}, K/V widened (paste into default_decode_config's "
-          f"kv_fp8 branch, worst fraction {worst(max(widened, key=worst)):.3f}):\n"
-          f"  {max(widened, key=worst)!r}")  # fmt: skip
+    best = max((cfg for cfg in finalists if not cfg.fp8_qk), key=worst)
+    print(f"\nbest at batch {target[0][0]}, K/V widened (worst fraction {worst(best):.3f}); "
+          f"paste into default_decode_config's kv_fp8 branch:\n  {best!r}")  # fmt: skip
     quantized = [cfg for cfg in finalists if cfg.fp8_qk]
     if quantized:
         best_q = max(quantized, key=worst)
         print(f"best with e4m3 scores (fp8_qk; needs the accuracy run first), worst fraction "
               f"{worst(best_q):.3f}:\n  {best_q!r}")  # fmt: skip
+    return best
 
 
 # W1's decode steps: (batch, mean context, spread) of the 129-256 steps (late prompts done, contexts
@@ -423,7 +449,7 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
-                  "num_stages", "maxnreg", "fp8_qk", "time_us", "bytes_per_s",
+                  "num_stages", "maxnreg", "fp8_qk", "pv_as_vt", "time_us", "bytes_per_s",
                   "fraction_of_copy", "rel_err"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",
                   "num_stages", "time_us", "flop_per_s", "fraction_of_matmul", "rel_err"]

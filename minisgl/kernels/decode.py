@@ -55,9 +55,13 @@ class DecodeConfig:
     # `maxnreg` caps the registers (spilling the rest) so that more programs fit;
     # `fp8_qk` quantizes q to e4m3 (one scale per request and head, 2^-4 relative error per
     # element) and computes the scores as K q^T, keys on the MMA's M side, so on Hopper they
-    # are one e4m3 wgmma that reads K straight from shared memory.
+    # are one e4m3 wgmma that reads K straight from shared memory; `pv_as_vt` computes P V as
+    # (V^T P^T)^T, head_dim on the M side, so on Hopper it is a wgmma reading the widened V
+    # transposed from shared memory (the plain dot gathers each thread's e4m3 V one byte per
+    # load: V's keys are its reduction axis, and they are not contiguous).
     maxnreg: int | None = None
     fp8_qk: bool = False
+    pv_as_vt: bool = False
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
@@ -133,6 +137,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr,
     QK_FP8: tl.constexpr,  # KV_FP8 only: q quantized to e4m3, scores as K q^T on e4m3
+    PV_AS_VT: tl.constexpr,  # KV_FP8 only: P V as (V^T P^T)^T
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
@@ -192,7 +197,7 @@ def _decode_split_kernel(
         v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
         if KV_FP8:
             v = fp8_operand(v, q)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16, PV_AS_VT)
 
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -345,6 +350,7 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size,
         SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, QK_FP8=fp8 and cfg.fp8_qk,
+        PV_AS_VT=fp8 and cfg.pv_as_vt,
         IEEE=ieee, EMULATE_BF16=emulate_bf16,
         EMULATE_FP8=emulate_fp8(_decode_split_kernel), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch,

@@ -27,7 +27,8 @@ DECODE = [
     # ... the tuning sweep's knobs: K/V double-buffered, registers capped, e4m3 scores (wgmma)
     ("decode bf16 fp8kv d128 g2 ps32 5 stages maxnreg 128", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5, 128),
     ("decode bf16 fp8kv fp8qk d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True, QK_FP8=True), 8, 5),
-    ("decode fp16 fp8kv fp8qk d64 g4 ps16 split", "fp16", dict(GROUP=4, HEAD_DIM=64, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False, KV_FP8=True, QK_FP8=True), 4, 3),
+    ("decode fp16 fp8kv fp8qk vt d64 g4 ps16 split", "fp16", dict(GROUP=4, HEAD_DIM=64, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False, KV_FP8=True, QK_FP8=True, PV_AS_VT=True), 4, 3),
+    ("decode bf16 fp8kv vt d128 g2 ps32 maxnreg 128", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True, PV_AS_VT=True), 4, 3, 128),
 ]  # fmt: skip
 EXTEND = [
     ("extend bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16), 8, 2),
@@ -55,7 +56,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        c = {"KV_FP8": False, "QK_FP8": False} | c
+        c = {"KV_FP8": False, "QK_FP8": False, "PV_AS_VT": False} | c
         c |= dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False, EMULATE_FP8=False)
         compiled = _compile(_decode_split_kernel, types, c, warps, stages, *maxnreg)
         results.append({"name": name, **compiled})
