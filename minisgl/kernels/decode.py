@@ -73,8 +73,11 @@ def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
     if kv_fp8:
         # e4m3 tiles widened to fp16 in registers: 128 keys (16 KiB of K and V at head_dim 128)
         # with 8 warps build with 116 registers and 41 KiB shared on sm_90 (4 warps: 205
-        # registers). A starting point until `benchmark.kernels --kv-cache-dtype fp8_e4m3
-        # --tune` has run on the GPU.
+        # registers). 0.52-0.60 of the copy bandwidth on the H200 at batch 256 (tenth session):
+        # two programs per SM, each with one 32 KiB K+V block in flight and none while it
+        # computes (K/V are loaded one block ahead into a single buffer; with 2 stages the
+        # page ids are not prefetched at all: 3 prefetch them, 5 double-buffer K/V). Replace
+        # with what `benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune` prints.
         block = max(16, min(256, 16384 // head_dim))
         return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=8, num_stages=2)
     # ~16 KiB per K (or V) tile in bf16: Triton keeps one K and one V tile in flight per program
