@@ -5,8 +5,10 @@ attention (achieved bytes/s against the copy bandwidth) and paged extend attenti
 against the matmul rate), each checked against the torch reference. Every figure is the median
 over replays of a CUDA graph of back-to-back calls; small cases cycle through enough distinct
 inputs that they do not sit in L2. Prints tables, then one JSON object as the last line.
-`--tune` adds tile-size and split-count sweeps for choosing the kernels' defaults.
-`--kv-cache-dtype fp8_e4m3` runs the attention on an e4m3 pool (bytes counted at one per value).
+`--tune` adds tile-size and split-count sweeps for choosing the kernels' defaults (with
+`--decode-only`, only the decode sweep). `--kv-cache-dtype fp8_e4m3` runs the attention on an e4m3
+pool (bytes counted at one per value, plus the per-head scales); with `--tune` its decode sweep
+(`tune_decode_fp8`, a few minutes) prints the config to paste into `default_decode_config`.
 `--fp8-gemm` runs only the sweep that sets `FP8_GEMV_MAX_ROWS` (minisgl/config/quant.py): the
 FP8 weight-only GEMV against the FP8 tensor-core GEMM (per-token activation quantization
 included) and bf16 `F.linear`, at Llama-3-8B projection shapes, rows 1..256.
@@ -15,12 +17,13 @@ included) and bf16 `F.linear`, at Llama-3-8B projection shapes, rows 1..256.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,6 +77,44 @@ def _errors(out: torch.Tensor, expected: torch.Tensor) -> Row:
     return {"max_abs_err": max_abs, "rel_err": max_abs / expected.abs().max().item()}
 
 
+class DecodeCase(NamedTuple):
+    """Inputs of one decode shape: `n_sets` batches over one pool (cycled so L2 does not hold
+    them) and the bytes one call must move."""
+
+    kv: Any  # PagedKV
+    tables: torch.Tensor  # [n_sets, batch, P] int32
+    lens: torch.Tensor  # [n_sets, batch] int32
+    q: torch.Tensor  # [n_sets, batch, Hq, D]
+    max_len: int  # the largest context of every set: the splits' host bound
+    nbytes: int  # K/V of set 0 at one element size each, their scales, q and the output
+
+
+@functools.lru_cache(maxsize=1)  # a sweep times many configs on one shape: build it once
+def decode_case(
+    batch: int, context: int, page_size: int, spread: float, kv_dtype: torch.dtype
+) -> DecodeCase:
+    """Every request at `context` tokens on randomly scattered pages; with `spread` s, contexts
+    drawn uniformly from [context * (1 - s), context * (1 + s)] (ragged, like a continuous
+    batch)."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()  # 1 for e4m3
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
+    n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
+    lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
+    gen = torch.Generator().manual_seed(batch * 7 + context)
+    contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
+    contexts[:, 0] = hi
+    kv = random_paged_kv(
+        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
+        poison=False,
+    )  # fmt: skip
+    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
+    scale_bytes = 2 * NUM_KV_HEADS * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
+    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
+    q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    tables, lens = kv.block_table.view(n_sets, batch, -1), kv.seq_lens.view(n_sets, batch)
+    return DecodeCase(kv, tables, lens, q, hi, kv_bytes + scale_bytes + qo_bytes)
+
+
 def run_decode(
     batch: int,
     context: int,
@@ -86,32 +127,17 @@ def run_decode(
     spread: float = 0.0,
     kv_dtype: torch.dtype = DTYPE,
 ) -> Row:
-    """Decode attention with every request at `context` tokens on randomly scattered pages;
-    with `spread` s, contexts drawn uniformly from [context * (1 - s), context * (1 + s)]
-    (ragged, like a continuous batch)."""
+    """Decode attention over `decode_case(...)`: achieved bytes/s against the copy bandwidth."""
     from minisgl.kernels.common import num_sms
     from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
 
-    fp8 = kv_dtype == torch.float8_e4m3fn
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
-    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
-    n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
-    lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
-    gen = torch.Generator().manual_seed(batch * 7 + context)
-    contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
-    contexts[:, 0] = hi  # the largest context of every set is the same: the splits' host bound
-    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
-    kv = random_paged_kv(
-        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
-        poison=False,
-    )  # fmt: skip
-    tables = kv.block_table.view(n_sets, batch, -1)
-    lens = kv.seq_lens.view(n_sets, batch)
-    q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    case = decode_case(batch, context, page_size, spread, kv_dtype)
+    kv, tables, lens, q = case.kv, case.tables, case.lens, case.q
     out = torch.empty_like(q)
-    cfg = config or default_decode_config(HEAD_DIM, fp8)
-    splits = num_splits or choose_num_splits(batch, NUM_KV_HEADS, hi, num_sms(q.device), cfg)
+    cfg = config or default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
+    splits = num_splits or choose_num_splits(
+        batch, NUM_KV_HEADS, case.max_len, num_sms(q.device), cfg
+    )
 
     def call(i: int) -> None:
         decode_attention(
@@ -128,14 +154,14 @@ def run_decode(
             kv_scales=kv.kv_scales,
         )
 
-    seconds = timer(call, n_sets)
+    seconds = timer(call, q.shape[0])
     call(0)
     rows = min(batch, REF_REQUESTS)
     expected = decode_attention_ref(
         q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size,
         SM_SCALE, kv.kv_scales,
     )  # fmt: skip
-    bytes_per_s = (kv_bytes + qo_bytes) / seconds
+    bytes_per_s = case.nbytes / seconds
     return {
         "batch": batch,
         "context": context,
@@ -146,6 +172,9 @@ def run_decode(
         "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
+        "maxnreg": cfg.maxnreg,
+        "fp8_qk": cfg.fp8_qk,
+        "pv_as_vt": cfg.pv_as_vt,
         "time_us": seconds * 1e6,
         "bytes_per_s": bytes_per_s,
         "fraction_of_copy": bytes_per_s / copy_bw,
@@ -246,6 +275,121 @@ def tune_decode(
     return rows
 
 
+# FP8 (e4m3) decode sweep: every config of the grid at W3's shape, then the best few at the other
+# shapes (W3's target is batch 256 at contexts >= 1024).
+# (batch, context, spread); the last is W1's main decode step (a ragged batch, see below).
+FP8_TUNE_SHAPE = (256, 4096, 0.0)
+FP8_CHECK_SHAPES = ((256, 1024, 0.0), (32, 4096, 0.0), (1, 4096, 0.0), (1, 32768, 0.0),
+                    (200, 820, 0.32))  # fmt: skip
+FP8_FINALISTS = 6
+# Split heuristic knobs tried with the best config where requests are split (batch 1 and 32).
+FP8_SPLIT_KNOBS = tuple(itertools.product((2, 4, 8), (64, 128, 256)))
+
+
+def fp8_decode_grid() -> list[Any]:
+    """Tiles, warps, pipeline depth (5 stages double-buffer K/V behind the page-table loads,
+    3 prefetch only the page ids), register caps (more programs per SM, some spills), P V as
+    (V^T P^T)^T and e4m3 scores (`fp8_qk`); the default first."""
+    from minisgl.kernels.decode import DecodeConfig, default_decode_config
+
+    grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
+    # 65,536 registers per SM: 4 warps at <= 128 (96) fit 4 (5) programs, 8 warps at <= 128 two
+    for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 5)):
+        if bn < 256 or w == 8:  # 256 keys on 4 warps spill even uncapped
+            for reg in (None, 96, 128) if w == 4 else (None, 128):
+                grid.append(DecodeConfig(bn, bn, w, st, maxnreg=reg))
+    for bn, w, st, reg in itertools.product((64, 128), (4, 8), (3, 5), (None, 128)):
+        grid.append(DecodeConfig(bn, bn, w, st, maxnreg=reg, pv_as_vt=True))
+    for bn, w, st, vt in itertools.product((64, 128), (4, 8), (3, 5), (False, True)):
+        grid.append(DecodeConfig(bn, bn, w, st, fp8_qk=True, pv_as_vt=vt))
+    return list(dict.fromkeys(grid))
+
+
+def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
+    """The grid at FP8_TUNE_SHAPE, then the default, the fastest FP8_FINALISTS with widened
+    K/V and the two fastest with e4m3 scores at FP8_CHECK_SHAPES, then the split heuristic's
+    knobs; prints the config to paste into `default_decode_config`."""
+    grid = fp8_decode_grid()
+    rows = [_decode_attempt(FP8_TUNE_SHAPE, page_size, timer, copy_bw, cfg) for cfg in grid]
+    # A broken variant is off by O(1); e4m3 rounding (and q's with fp8_qk) stays far below 0.2.
+    timed = [grid[i] for _, i in sorted(
+        (r["time_us"], i) for i, r in enumerate(rows) if "time_us" in r and r["rel_err"] < 0.2
+    )]  # fmt: skip
+    finalists = [grid[0]] + [c for c in timed if not c.fp8_qk][:FP8_FINALISTS]
+    finalists += [c for c in timed if c.fp8_qk][:2]  # e4m3 scores: a family of their own
+    finalists = list(dict.fromkeys(finalists))
+    for shape, cfg in itertools.product(FP8_CHECK_SHAPES, finalists):
+        rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
+    print_table("tune: FP8 decode (fraction_of_copy counts one byte per K/V value)", rows,
+                DECODE_COLUMNS)  # fmt: skip
+    best = _print_best_fp8(rows, finalists)
+    split_rows = []
+    for shape, (per_sm, min_tokens) in itertools.product(FP8_CHECK_SHAPES, FP8_SPLIT_KNOBS):
+        if shape[0] <= 32:
+            cfg = dataclasses.replace(best, programs_per_sm=per_sm, min_split_tokens=min_tokens)
+            split_rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
+    print_table("tune: FP8 decode split heuristic (best config)", split_rows,
+                DECODE_COLUMNS + ["programs_per_sm", "min_split_tokens"])  # fmt: skip
+    for shape in FP8_CHECK_SHAPES:
+        done = [r for r in split_rows if _shape(r) == shape and "time_us" in r]
+        if done:
+            r = min(done, key=lambda r: r["time_us"])
+            print(f"  best split knobs at {shape}: programs_per_sm={r['programs_per_sm']}, "
+                  f"min_split_tokens={r['min_split_tokens']} ({r['num_splits']} splits, "
+                  f"{r['fraction_of_copy']:.3f})")  # fmt: skip
+    return [{**r, "config": dataclasses.asdict(r["config"])} for r in rows + split_rows]
+
+
+def _shape(row: Row) -> tuple[int, int, float]:
+    return row["batch"], row["context"], row.get("spread", 0.0)
+
+
+def _decode_attempt(
+    shape: tuple[int, int, float], page_size: int, timer: Timer, copy_bw: float, cfg: Any
+) -> Row:
+    b, ctx, spread = shape
+    label = {"batch": b, "context": ctx, "spread": spread, **_config_label(cfg)}
+    row = _attempt(label, run_decode, b, ctx, page_size, timer, copy_bw, config=cfg,
+                   spread=spread, kv_dtype=torch.float8_e4m3fn)  # fmt: skip
+    return {**row, **label, "config": cfg}
+
+
+def _config_label(cfg: Any) -> Row:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg,
+            "fp8_qk": cfg.fp8_qk, "pv_as_vt": cfg.pv_as_vt, "programs_per_sm": cfg.programs_per_sm,
+            "min_split_tokens": cfg.min_split_tokens}  # fmt: skip
+
+
+def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> Any:
+    """Prints each finalist's fraction per shape; returns (and prints) the widened-K/V one with
+    the best worst case at batch 256 (W3's target)."""
+    shapes = (FP8_TUNE_SHAPE, *FP8_CHECK_SHAPES)
+    target = [s for s in shapes if s[0] == FP8_TUNE_SHAPE[0]]
+
+    def fraction(cfg: Any, shape: tuple[int, int, float]) -> float:
+        found = [r.get("fraction_of_copy", 0.0) for r in rows
+                 if r["config"] == cfg and _shape(r) == shape]  # fmt: skip
+        return max(found, default=0.0)
+
+    def worst(cfg: Any) -> float:
+        return min(fraction(cfg, s) for s in target)
+
+    print("\nFP8 decode, fraction of the copy bandwidth per (batch, context, spread):")
+    for cfg in finalists:
+        print(f"  {cfg}:\n    " + "  ".join(f"{s} {fraction(cfg, s):.3f}" for s in shapes))
+    # e4m3 scores quantize q too: they may become the default only after the accuracy program
+    # (perplexity and KL against bf16) has measured them.
+    best = max((cfg for cfg in finalists if not cfg.fp8_qk), key=worst)
+    print(f"\nbest at batch {target[0][0]}, K/V widened (worst fraction {worst(best):.3f}); "
+          f"paste into default_decode_config's kv_fp8 branch:\n  {best!r}")  # fmt: skip
+    quantized = [cfg for cfg in finalists if cfg.fp8_qk]
+    if quantized:
+        best_q = max(quantized, key=worst)
+        print(f"best with e4m3 scores (fp8_qk; needs the accuracy run first), worst fraction "
+              f"{worst(best_q):.3f}:\n  {best_q!r}")  # fmt: skip
+    return best
+
+
 # W1's decode steps: (batch, mean context, spread) of the 129-256 steps (late prompts done, contexts
 # 560-1080) and of the 33-128 tail (the long-output requests, contexts ~500-2000).
 W1_DECODE_SHAPES = [(200, 820, 0.32), (80, 1250, 0.6), (48, 1400, 0.5)]
@@ -305,7 +449,8 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
-                  "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
+                  "num_stages", "maxnreg", "fp8_qk", "pv_as_vt", "time_us", "bytes_per_s",
+                  "fraction_of_copy", "rel_err"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",
                   "num_stages", "time_us", "flop_per_s", "fraction_of_matmul", "rel_err"]
 # fmt: on
@@ -337,6 +482,12 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
                 DECODE_COLUMNS)  # fmt: skip
     result: Row = {"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": matmul_rate, "decode": decode}
+    if args.tune:  # the decode sweep first: with --decode-only it is all that runs
+        if kv_dtype == torch.float8_e4m3fn:
+            result["tune_decode"] = tune_decode_fp8(timer, copy_bw, ps)
+        else:
+            result["tune_decode"] = tune_decode(timer, copy_bw, ps, kv_dtype)
+            print_table("tune: decode", result["tune_decode"], DECODE_COLUMNS)
     if args.decode_only:
         return result
     b, c = PAGE_SWEEP_SHAPE
@@ -349,8 +500,6 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
     result |= {"decode_page_size_sweep": sweep, "extend": extend}
     if args.tune:
-        result["tune_decode"] = tune_decode(timer, copy_bw, ps, kv_dtype)
-        print_table("tune: decode", result["tune_decode"], DECODE_COLUMNS)
         result["tune_extend"] = tune_extend(timer, matmul_rate, ps, kv_dtype)
         print_table("tune: extend", result["tune_extend"], EXTEND_COLUMNS)
     return result
