@@ -113,7 +113,6 @@ def _tile_dot(
     w,  # [BLOCK_N, BLOCK_K] weight tile as loaded (x's dtype or e4m3)
     x,  # [BLOCK_K, BLOCK_M] fp32
     x_ptr,  # x's pointer: its dtype is the operands'
-
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
@@ -324,4 +323,3 @@ def skinny(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return y
-
