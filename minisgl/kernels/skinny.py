@@ -60,18 +60,21 @@ class SkinnyConfig:
     preload: bool = True  # first weight tile loaded before the PDL wait
 
 
-# (N, K, act, fp8) -> config measured best on an H200 (`python -m minisgl.benchmark.gemv
-# --skinny`). EMPTY: the configs below are guesses until that sweep has run; paste its table here.
-TUNED: dict[tuple[int, int, bool, bool], SkinnyConfig] = {}
+# Weight formats: 16-bit, e4m3 with a scale per row, e4m3 with 128 x 128 block scales.
+FORMATS = ("bf16", "row", "block")
+# (N, K, act, format) -> config measured best on an H200 (`python -m minisgl.benchmark.gemv
+# --skinny --quick [--fp8 | --fp8-block]`). EMPTY: every config below is a guess until that
+# sweep has run; paste its tables here.
+TUNED: dict[tuple[int, int, bool, str], SkinnyConfig] = {}
 
 
 def default_config(
-    n: int, k: int, act: bool = False, fp8: bool = False, sms: int = 132
+    n: int, k: int, act: bool = False, fmt: str = "bf16", sms: int = 132
 ) -> SkinnyConfig:
     """The measured config for this shape, else a guess (not measured): 64-row tiles (32 when
-    that leaves under two tiles per SM; `sms`: an H200 has 132), split-K up to two programs per SM (at
-    least 4 K steps a split), 128 columns per K step, four stages in flight."""
-    tuned = TUNED.get((n, k, act, fp8))
+    that leaves under two tiles per SM; `sms`: an H200 has 132), split-K up to two programs per
+    SM (at least 4 K steps a split), 128 columns per K step, four stages in flight."""
+    tuned = TUNED.get((n, k, act, fmt))
     if tuned is not None:
         return tuned
     block_n = 64 if n >= 64 * 2 * sms else 32
@@ -127,7 +130,8 @@ def _tile_dot(
     return dot(wo, xo, IEEE, EMULATE_BF16)
 
 
-@triton.jit
+# M only enters the masks: one compiled variant for every row count.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr,  # [M, K], rows `stride_xm` apart, unit column stride ([M, 2K] if ACT)
     w_ptr,  # [N, K] (any strides), x's dtype or e4m3
@@ -299,7 +303,7 @@ def skinny(
     assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
     assert norm_weight is None or norm_weight.shape == (k,)
     w_scale = _check_weight_scale(weight, weight_scale)
-    cfg = config or default_config(n, k, act, w_scale != 0, num_sms(x.device))
+    cfg = config or default_config(n, k, act, FORMATS[w_scale], num_sms(x.device))
     if w_scale == 2:
         assert cfg.block_k == SCALE_BLOCK, "block-scaled weights take 128 columns per K step"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

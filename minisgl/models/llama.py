@@ -100,8 +100,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, residual): the layer's result is their sum (no residual: the output)."""
         gemv = one_row_gemv(x, self.quant, self.skinny_max_rows)
-        # (A mixture of experts' fused path takes one token.)
-        if gemv is not None and (x.shape[0] == 1 or isinstance(self.mlp, LlamaMLP)):
+        # (A mixture of experts' fused path takes one token; a piecewise graph's attention
+        # runs between its pieces.)
+        few = x.shape[0] == 1 or isinstance(self.mlp, LlamaMLP)
+        if gemv is not None and few and ctx.pieces is None:
             return self.forward_one_row(gemv, x, residual, positions, ctx)
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, ctx)

@@ -172,7 +172,7 @@ def test_skinny_supported_rejects_what_it_cannot_run():
 def test_default_configs_fit_the_kernel():
     """The guessed defaults: tiles tl.dot takes, K steps of 128 (block-scaled FP8 needs them),
     splits only where the tiles alone leave SMs idle."""
-    from minisgl.kernels.skinny import default_config
+    from minisgl.kernels.skinny import FORMATS, TUNED, default_config
 
     for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (1024, 3072)]:
         cfg = default_config(n, k)
@@ -180,6 +180,9 @@ def test_default_configs_fit_the_kernel():
         tiles = -(-n // cfg.block_n)
         assert cfg.split_k == 1 or tiles < 2 * 132
     assert default_config(128256, 4096).split_k == 1
+    for (n, k, _, fmt), cfg in TUNED.items():  # pasted from the H200 sweep
+        assert fmt in FORMATS and cfg.block_n >= 16 and cfg.block_k >= 16 and cfg.split_k >= 1
+        assert fmt != "block" or cfg.block_k == 128, f"{(n, k)}: block scales take 128 columns"
 
 
 @pytest.mark.slow
