@@ -8,8 +8,8 @@ in 1, 2, 4, 5, 8, 9, 16, timed as CUDA graphs of back-to-back calls over weight 
 >= 600 MB (L2 never holds them): cuBLAS `F.linear` (bf16, the plain product), the GEMV (bf16:
 at one row, as the model runs it; FP8: at every M, the weight-only path up to
 `fp8_gemv_max_rows`), the FP8 tensor-core GEMM (`fp8_linear`, FP8 only), and the skinny
-kernel: a sweep of configs at M = 5 (a verify step of 4 drafts), then the best and the default
-config at every M. Prints microseconds and TB/s of weight bytes per shape and M, a `TUNED`
+kernel: a sweep of configs at M = 5 (a verify step of 4 drafts; the best again with its first
+weight tile loaded after the PDL wait), then the best and the default config at every M. Prints microseconds and TB/s of weight bytes per shape and M, a `TUNED`
 table to paste into `minisgl/kernels/skinny.py`, and the switches: the largest M up to which
 the skinny kernel beats cuBLAS for a whole decoder layer at every M from 2 (`SKINNY_MAX_ROWS`
 in `minisgl/config/quant.py`); FP8: whether it beats the GEMV (`fp8_skinny`) and up to which M
@@ -26,6 +26,7 @@ Run on the H200 (about two minutes each, compiles included):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -189,6 +190,8 @@ def probe_shape(name: str, n: int, k: int, kind: str, fmt: str, quick: bool) -> 
     x, r = p.inputs(SWEEP_ROWS)
     swept = sorted((p.skinny_us(x, r, c), _label(c), c) for c in sweep_configs(n, k, fmt, quick))
     best = swept[0][2]
+    late = dataclasses.replace(best, preload=False)
+    no_preload_us = p.skinny_us(x, r, late)
     default = default_config(n, k, kind == "act_residual", fmt)
     weight_mb = n * k * (2 if fmt == "bf16" else 1) / 1e6
     rows = []
@@ -206,6 +209,7 @@ def probe_shape(name: str, n: int, k: int, kind: str, fmt: str, quick: bool) -> 
         row["cublas_TBps"] = n * k * 2 / 1e6 / row["cublas_us"]
         row["rel_err"] = p.rel_err(x, r, best)
         row["best"] = _label(best)
+        row["no_preload_us_at_5"] = no_preload_us
         row["config"] = best
         rows.append(row)
     print(f"{name}: sweep at M={SWEEP_ROWS}: " + ", ".join(f"{lab} {us:.1f}" for us, lab, _ in swept[:4]), flush=True)  # fmt: skip
@@ -246,7 +250,8 @@ def summarize(rows: list[Row], fmt: str) -> Row:
     for key, value in out.items():
         print(f"  {key}: {value}")
     if fmt == "bf16":
-        print(f"SKINNY_MAX_ROWS = {out['8b_skinny_beats_cublas_up_to']}  # minisgl/config/quant.py (Llama-3-8B; 1 = never)")  # fmt: skip
+        rows_8b = out["8b_skinny_beats_cublas_up_to"]
+        print(f"SKINNY_MAX_ROWS = {rows_8b if rows_8b >= 2 else 0}  # minisgl/config/quant.py (Llama-3-8B)")  # fmt: skip
     return out
 
 
@@ -273,7 +278,7 @@ def run(fmt: str, quick: bool, only: Sequence[str] = ()) -> Row:
             continue  # (an FP8 model keeps its LM head in 16 bits)
         rows += probe_shape(name, n, k, kind, fmt, quick)
     columns = ["gemm", "M", "MB", "cublas_us", "gemv_us", "fp8_gemm_us", "skinny_us",
-               "default_us", "skinny_TBps", "cublas_TBps", "rel_err", "best"]  # fmt: skip
+               "default_us", "no_preload_us_at_5", "skinny_TBps", "cublas_TBps", "rel_err", "best"]  # fmt: skip
     print_table(f"skinny GEMM, {fmt} weights (us per call; TB/s of weight bytes)", rows, columns)
     switches = summarize(rows, fmt)
     print_tuned(rows, fmt)

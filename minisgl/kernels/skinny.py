@@ -104,7 +104,7 @@ def _x_tile(
     if ACT:
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
         x = x / (1.0 + tl.exp(-x)) * up
-    ss = tl.sum(x * x, 0)
+    ss = tl.sum(x * x, 0) if NORM else tl.zeros_like(offs_m).to(tl.float32)
     if NORM:
         g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         x = x * g[:, None]
@@ -185,7 +185,10 @@ def _skinny_kernel(
     k0 = k_lo * BLOCK_K + offs_k
     k_end = tl.minimum(K, k_hi * BLOCK_K)  # a split past the last step gets an empty tile
     first_mask = mask_n[:, None] & (k0 < k_end)[None, :]
-    w0 = tl.load(w_rows + k0[None, :] * stride_wk, mask=first_mask, other=0.0)
+    # (Weights are read once: evict_first keeps x and the next layer's inputs in L2.)
+    w0 = tl.load(
+        w_rows + k0[None, :] * stride_wk, mask=first_mask, other=0.0, eviction_policy="evict_first"
+    )
     if PRELOAD:
         pdl_prologue(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -193,7 +196,9 @@ def _skinny_kernel(
     for step in range(k_lo + 1, k_hi):
         kk = step * BLOCK_K + offs_k
         mask = mask_n[:, None] & (kk < K)[None, :]
-        w = tl.load(w_rows + kk[None, :] * stride_wk, mask=mask, other=0.0)
+        w = tl.load(
+            w_rows + kk[None, :] * stride_wk, mask=mask, other=0.0, eviction_policy="evict_first"
+        )
         x, sq = _x_tile(x_ptr, g_ptr, kk, offs_m, M, K, K, stride_xm, NORM, ACT)
         part = _tile_dot(w, x, x_ptr, IEEE, EMULATE_BF16)
         if W_SCALE == 2:  # each 128-column step's fp32 dot times its block's scale
