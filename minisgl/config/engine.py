@@ -46,7 +46,7 @@ class EngineConfig:
     fp8_gemv_max_rows: int = FP8_GEMV_MAX_ROWS
     # FP8 weight-only rows take the skinny tensor-core GEMM instead of the GEMV.
     fp8_skinny: bool = False
-    # 16-bit linear layers with 2..this many rows (at most 16) take the skinny tensor-core GEMM
+    # Unquantized linear layers with 2..this many rows (at most 16) take the skinny tensor-core GEMM
     # on CUDA instead of cuBLAS (a speculative verify step, small decode batches); 0: off.
     skinny_max_rows: int = SKINNY_MAX_ROWS
     page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)

@@ -21,7 +21,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: e4m3 conversions and tensor cores
 # on the H200 (docs/benchmarks.md, W7); `python -m minisgl.benchmark.kernels --fp8-gemm` put the
 # crossover at one row on the H200 (the GEMV reads its weights once per row of x).
 FP8_GEMV_MAX_ROWS = 1
-# Rows up to which an unquantized (16-bit) linear layer on CUDA runs the skinny tensor-core GEMM
+# Rows up to which an unquantized (model-dtype) linear layer on CUDA runs the skinny tensor-core GEMM
 # (`minisgl.kernels.skinny`, from 2 rows; one row takes the GEMV) instead of cuBLAS, and a dense
 # decoder layer its fused few-row path. 0: off, until `python -m minisgl.benchmark.gemv
 # --skinny` has measured the crossover on the H200.
@@ -140,7 +140,7 @@ def fp8_capability_error(gpu: str, capability: tuple[int, int], what: str) -> st
 
 def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
     """The model config with the weight format the engine builds it in and the rows up to which
-    its 16-bit linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA
+    its unquantized linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA
     checks the device), checking the device for an FP8 KV cache too."""
     quant = resolve_quantization(
         cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny
