@@ -392,7 +392,7 @@ def one_row_gemv(
     where the fused kernels run (CUDA) and without tensor parallelism (the row-parallel
     projections would need their all-reduce between the product and the residual add):
     one row: the GEMV (or, for FP8 with `quant.skinny`, the skinny GEMM); 2..`skinny_max_rows`
-    rows of 16-bit weights, or FP8 weight-only rows with `quant.skinny`: the skinny GEMM.
+    rows of unquantized weights, or FP8 weight-only rows with `quant.skinny`: the skinny GEMM.
     None: use the layers as they are (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B
     runs)."""
     if not _ONE_ROW or x.dim() != 2 or get_tp_info().size != 1:
