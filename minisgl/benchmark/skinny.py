@@ -8,8 +8,9 @@ in 1, 2, 4, 5, 8, 9, 16, timed as CUDA graphs of back-to-back calls over weight 
 >= 600 MB (L2 never holds them): cuBLAS `F.linear` (bf16, the plain product), the GEMV (bf16:
 at one row, as the model runs it; FP8: at every M, the weight-only path up to
 `fp8_gemv_max_rows`), the FP8 tensor-core GEMM (`fp8_linear`, FP8 only), and the skinny
-kernel: a sweep of configs at M = 5 (a verify step of 4 drafts; the best again with its first
-weight tile loaded after the PDL wait), then the best and the default config at every M. Prints microseconds and TB/s of weight bytes per shape and M, a `TUNED`
+kernel: a sweep of configs (the default among them) at M = 5 (a verify step of 4 drafts; the
+best again with its first weight tile loaded after the PDL wait), then the best and the default
+config at every M. Prints microseconds and TB/s of weight bytes per shape and M, a `TUNED`
 table to paste into `minisgl/kernels/skinny.py`, and the switches: the largest M up to which
 the skinny kernel beats cuBLAS for a whole decoder layer at every M from 2 (`SKINNY_MAX_ROWS`
 in `minisgl/config/quant.py`); FP8: whether it beats the GEMV (`fp8_skinny`) and up to which M
@@ -188,11 +189,13 @@ def probe_shape(name: str, n: int, k: int, kind: str, fmt: str, quick: bool) -> 
 
     p = Probe(n, k, kind, fmt)
     x, r = p.inputs(SWEEP_ROWS)
-    swept = sorted((p.skinny_us(x, r, c), _label(c), c) for c in sweep_configs(n, k, fmt, quick))
+    default = default_config(n, k, kind == "act_residual", fmt)
+    configs = sweep_configs(n, k, fmt, quick)
+    configs += [default] if default not in configs else []
+    swept = sorted((p.skinny_us(x, r, c), _label(c), c) for c in configs)
     best = swept[0][2]
     late = dataclasses.replace(best, preload=False)
     no_preload_us = p.skinny_us(x, r, late)
-    default = default_config(n, k, kind == "act_residual", fmt)
     weight_mb = n * k * (2 if fmt == "bf16" else 1) / 1e6
     rows = []
     for m in ROWS:
@@ -235,6 +238,8 @@ def summarize(rows: list[Row], fmt: str) -> Row:
     """Print the switches this sweep suggests and return them."""
     out: Row = {}
     for prefix in ("8b", "0.6b"):
+        if not any(r["gemm"].startswith(prefix) for r in rows):
+            continue
         if fmt == "bf16":
             out[f"{prefix}_skinny_beats_cublas_up_to"] = crossover(rows, prefix, "skinny_us", "cublas_us")  # fmt: skip
             continue
@@ -250,7 +255,7 @@ def summarize(rows: list[Row], fmt: str) -> Row:
     for key, value in out.items():
         print(f"  {key}: {value}")
     if fmt == "bf16":
-        rows_8b = out["8b_skinny_beats_cublas_up_to"]
+        rows_8b = out.get("8b_skinny_beats_cublas_up_to", 0)
         print(f"SKINNY_MAX_ROWS = {rows_8b if rows_8b >= 2 else 0}  # minisgl/config/quant.py (Llama-3-8B)")  # fmt: skip
     return out
 

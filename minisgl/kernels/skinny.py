@@ -73,14 +73,16 @@ def default_config(
 ) -> SkinnyConfig:
     """The measured config for this shape, else a guess (not measured): 64-row tiles (32 when
     that leaves under two tiles per SM; `sms`: an H200 has 132), split-K up to two programs per
-    SM (at least 4 K steps a split), 128 columns per K step, four stages in flight."""
+    SM (at least 4 K steps a split), 128 columns per K step (256 for e4m3 with a scale per row:
+    the same bytes), four stages in flight."""
     tuned = TUNED.get((n, k, act, fmt))
     if tuned is not None:
         return tuned
     block_n = 64 if n >= 64 * 2 * sms else 32
     tiles = triton.cdiv(n, block_n)
-    split_k = max(1, min(8, triton.cdiv(2 * sms, tiles), k // (4 * 128)))
-    return SkinnyConfig(block_n, 128, 4, 4, split_k)
+    block_k = 256 if fmt == "row" else 128
+    split_k = max(1, min(8, triton.cdiv(2 * sms, tiles), k // (4 * block_k)))
+    return SkinnyConfig(block_n, block_k, 4, 4, split_k)
 
 
 @triton.jit

@@ -177,6 +177,7 @@ def test_default_configs_fit_the_kernel():
     for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (1024, 3072)]:
         cfg = default_config(n, k)
         assert cfg.block_n >= 16 and cfg.block_k == 128 and cfg.split_k >= 1
+        assert default_config(n, k, fmt="block").block_k == 128
         tiles = -(-n // cfg.block_n)
         assert cfg.split_k == 1 or tiles < 2 * 132
     assert default_config(128256, 4096).split_k == 1
