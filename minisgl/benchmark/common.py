@@ -236,7 +236,9 @@ def decode_floor(
 
 
 def add_fp8_args(p: Any) -> None:
-    """`--kv-cache-dtype`, `--kv-cache-calibrate`, `--quantization` of the engine benchmarks."""
+    """`--kv-cache-dtype`, `--kv-cache-calibrate`, `--quantization` of the engine benchmarks, and
+    the linear layers' kernel switches (`--fp8-gemv-max-rows`, `--fp8-skinny`,
+    `--skinny-max-rows`)."""
     from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
@@ -245,6 +247,10 @@ def add_fp8_args(p: Any) -> None:
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--fp8-gemv-max-rows", type=int, default=None,
                    help="FP8 linear layers: rows up to which the weight-only GEMV runs")  # fmt: skip
+    p.add_argument("--fp8-skinny", action="store_true",
+                   help="FP8 weight-only rows take the skinny tensor-core GEMM, not the GEMV")  # fmt: skip
+    p.add_argument("--skinny-max-rows", type=int, default=None, metavar="N",
+                   help="unquantized linear layers with 2..N rows take the skinny GEMM (0: off)")  # fmt: skip
 
 
 def fp8_options(args: Any) -> Row:
@@ -256,6 +262,10 @@ def fp8_options(args: Any) -> Row:
     )
     if args.fp8_gemv_max_rows is not None:
         options["fp8_gemv_max_rows"] = args.fp8_gemv_max_rows
+    if args.fp8_skinny:
+        options["fp8_skinny"] = True
+    if args.skinny_max_rows is not None:
+        options["skinny_max_rows"] = args.skinny_max_rows
     return options
 
 

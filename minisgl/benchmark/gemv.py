@@ -17,6 +17,11 @@ Run on a GPU host: `python -m minisgl.benchmark.gemv [--quick]`; it prints a `TU
 paste into `minisgl/kernels/gemv.py`. `--fp8`: the same sweep (part 1) with e4m3 weights and a
 scale per row, the FP8 linear layers' weight-only path (bytes at one per weight; cuBLAS stays
 the bf16 reference), printing `TUNED_FP8`.
+
+`--skinny`: the skinny tensor-core GEMM's sweep for 1..16 rows of x instead
+(`minisgl.benchmark.skinny`, whose docstring says what it measures), with `--fp8` (a scale per
+row) or `--fp8-block` (128 x 128 blocks) for e4m3 weights:
+`python -m minisgl.benchmark.gemv --skinny --quick [--fp8 | --fp8-block]`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minisgl.benchmark.common import time_graph
+from minisgl.benchmark.common import emit_json, time_graph
 from minisgl.kernels.fused import rms_norm, silu_and_mul
 from minisgl.kernels.gemv import TUNED, TUNED_FP8, GemvConfig, default_config, gemv
 
@@ -197,7 +202,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 configs per shape")
     parser.add_argument("--fp8", action="store_true", help="e4m3 weights, a scale per row")
+    parser.add_argument(
+        "--skinny",
+        action="store_true",
+        help="the skinny GEMM's sweep at 1..16 rows (minisgl.benchmark.skinny)",
+    )
+    parser.add_argument(
+        "--fp8-block",
+        action="store_true",
+        help="--skinny: e4m3 weights with 128 x 128 block scales",
+    )
+    parser.add_argument(
+        "--only", default="", help="--skinny: comma-separated shape name prefixes (8b, 0.6b)"
+    )
     args = parser.parse_args(argv)
+    if args.skinny:
+        from minisgl.benchmark import skinny
+
+        only = [o for o in args.only.split(",") if o]
+        emit_json(skinny.run(skinny.fmt_of(args), args.quick, only))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("minisgl.benchmark.gemv needs a CUDA GPU; none is visible here.")
     torch.manual_seed(0)

@@ -14,6 +14,10 @@ are identical. These need a model with a tokenizer (the default: the embedded Sm
 `--model minisgl/benchmark/models/llama-3-8b --load-format dummy`) times, for one request of
 `--context` tokens, a plain decode step (CUDA graphs where the engine has them) against a verify
 step of K drafts, the step a fully accepted draft would replace K + 1 decode steps with.
+`--skinny-max-rows 16` runs the verify step's linear layers (and LM head) through the skinny
+tensor-core GEMM (`minisgl.kernels.skinny`) instead of cuBLAS: run the command with and without
+it for an A/B (`scripts/gpu_speculative.sh` part `verify_cost_skinny`). The FP8 options
+(`--quantization`, `--kv-cache-dtype`, `--fp8-skinny`, ...) are the engine benchmarks' own.
 Prints a table, then one JSON object as the last line.
 """
 
@@ -25,7 +29,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from minisgl.benchmark.common import Row, device_info, emit_json, print_table, synchronize
+from minisgl.benchmark.common import (
+    Row,
+    add_fp8_args,
+    device_info,
+    emit_json,
+    fp8_options,
+    print_table,
+    synchronize,
+)
 from minisgl.core import Batch, Req, SamplingParams, TableWrite
 from minisgl.llm import LLM
 
@@ -208,6 +220,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--verify-cost", action="store_true", help="time a verify step (see above)")
     p.add_argument("--context", type=int, default=128, help="--verify-cost's context")
     p.add_argument("--iters", type=int, default=20, help="--verify-cost's timed steps")
+    add_fp8_args(p)  # and --skinny-max-rows: a verify step of K drafts is K + 1 rows (padded
+    # to the next CUDA-graph size: 8 for K = 4)
     return p.parse_args(argv)
 
 
@@ -224,6 +238,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         speculative_draft_layers=args.draft_layers,
         speculative_draft_model=args.draft_model,
         speculative_max_batch=args.max_batch,
+        **fp8_options(args),
     )
     if args.load_format == "dummy":
         options["max_context_len"] = 4096

@@ -5,7 +5,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from minisgl.config.quant import FP8_GEMV_MAX_ROWS, KV_CACHE_DTYPES, QUANTIZATIONS
+from minisgl.config.quant import (
+    FP8_GEMV_MAX_ROWS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SKINNY_MAX_ROWS,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -39,6 +44,11 @@ class EngineConfig:
     quantization: str | None = None
     # FP8 linear layers with at most this many rows take the weight-only GEMV (see config.quant).
     fp8_gemv_max_rows: int = FP8_GEMV_MAX_ROWS
+    # FP8 weight-only rows take the skinny tensor-core GEMM instead of the GEMV.
+    fp8_skinny: bool = False
+    # Unquantized linear layers with 2..this many rows (at most 16) take the skinny tensor-core GEMM
+    # on CUDA instead of cuBLAS (a speculative verify step, small decode batches); 0: off.
+    skinny_max_rows: int = SKINNY_MAX_ROWS
     page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)
     num_pages: int = 0  # 0: auto, sized from memory
     max_running_requests: int = 256
@@ -206,6 +216,10 @@ class EngineConfig:
             raise ValueError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.fp8_gemv_max_rows < 0:
             raise ValueError(f"fp8_gemv_max_rows: must be >= 0, got {self.fp8_gemv_max_rows}")
+        if not 0 <= self.skinny_max_rows <= 16:
+            raise ValueError(
+                f"skinny_max_rows: must be between 0 (off) and 16, got {self.skinny_max_rows}"
+            )
 
     def _check_distributed(self) -> None:
         if self.nnodes < 1 or self.tp_size % self.nnodes:

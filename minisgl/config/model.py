@@ -55,6 +55,9 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # FP8 weights: the checkpoint's own format, then what the engine resolved (`config.quant`).
     quant: QuantConfig | None = None
+    # Rows (2..16) up to which unquantized linear layers on CUDA take the skinny GEMM; 0: never
+    # (resolved from the engine's `skinny_max_rows` with `quant`).
+    skinny_max_rows: int = 0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -21,6 +21,11 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: e4m3 conversions and tensor cores
 # on the H200 (docs/benchmarks.md, W7); `python -m minisgl.benchmark.kernels --fp8-gemm` put the
 # crossover at one row on the H200 (the GEMV reads its weights once per row of x).
 FP8_GEMV_MAX_ROWS = 1
+# Rows up to which an unquantized (model-dtype) linear layer on CUDA runs the skinny tensor-core GEMM
+# (`minisgl.kernels.skinny`, from 2 rows; one row takes the GEMV) instead of cuBLAS, and a dense
+# decoder layer its fused few-row path. 0: off, until `python -m minisgl.benchmark.gemv
+# --skinny` has measured the crossover on the H200.
+SKINNY_MAX_ROWS = 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class QuantConfig:
     source: str = "online"
     weight_block: int | None = None  # 128: one scale per 128 x 128 block; None: per channel
     gemv_max_rows: int = FP8_GEMV_MAX_ROWS
+    # The weight-only rows (up to gemv_max_rows, at most 16) take the skinny tensor-core GEMM
+    # (`minisgl.kernels.skinny`) instead of the GEMV; off until measured.
+    skinny: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in ("online", "fp8", "compressed-tensors"):
@@ -93,14 +101,19 @@ def _ct_block(qc: dict[str, Any]) -> int | None:
 
 
 def resolve_quantization(
-    requested: str | None, checkpoint: QuantConfig | None, gemv_max_rows: int
+    requested: str | None,
+    checkpoint: QuantConfig | None,
+    gemv_max_rows: int,
+    skinny: bool = False,
 ) -> QuantConfig | None:
     """`--quantization` and the checkpoint's own format -> the format the model is built with.
     An FP8 checkpoint loads as FP8 whether or not `fp8` was asked for."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"quantization: {requested!r} is not one of {QUANTIZATIONS}")
     base = checkpoint or (QuantConfig() if requested == "fp8" else None)
-    return None if base is None else replace(base, gemv_max_rows=gemv_max_rows)
+    if base is None:
+        return None
+    return replace(base, gemv_max_rows=gemv_max_rows, skinny=skinny)
 
 
 def check_fp8_device(device: torch.device, what: str) -> None:
@@ -126,11 +139,14 @@ def fp8_capability_error(gpu: str, capability: tuple[int, int], what: str) -> st
 
 
 def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
-    """The model config with the weight format the engine builds it in (pure, except that an FP8
-    choice on CUDA checks the device), checking the device for an FP8 KV cache too."""
-    quant = resolve_quantization(cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows)
+    """The model config with the weight format the engine builds it in and the rows up to which
+    its unquantized linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA
+    checks the device), checking the device for an FP8 KV cache too."""
+    quant = resolve_quantization(
+        cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny
+    )
     if quant is not None:
         check_fp8_device(cfg.torch_device, "FP8 weights")
     if cfg.kv_cache_dtype == "fp8_e4m3":
         check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
-    return replace(mcfg, quant=quant)
+    return replace(mcfg, quant=quant, skinny_max_rows=cfg.skinny_max_rows)

@@ -23,6 +23,7 @@ from minisgl.kernels.common import (
 from minisgl.kernels.fp8_gemm import fp8_linear
 from minisgl.kernels.gemv import gemv
 from minisgl.kernels.moe import one_row_moe
+from minisgl.kernels.skinny import skinny
 
 __all__ = [
     "fp8_linear",
@@ -32,6 +33,7 @@ __all__ = [
     "rms_norm",
     "rotary_supported",
     "silu_and_mul",
+    "skinny",
 ]
 
 

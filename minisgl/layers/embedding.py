@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.layers.fused import fused_kernels
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,15 +39,30 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for every vocab shard, gathered across ranks, padding rows trimmed."""
+    """Logits for every vocab shard, gathered across ranks, padding rows trimmed. On CUDA,
+    2..`skinny_max_rows` rows (a speculative verify step) take the skinny GEMM
+    (`minisgl.kernels.skinny`) instead of cuBLAS."""
 
-    def __init__(self, vocab_size: int, hidden: int, tie_to: VocabParallelEmbedding | None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        tie_to: VocabParallelEmbedding | None,
+        skinny_max_rows: int = 0,
+    ) -> None:
         super().__init__(vocab_size, hidden)
         if tie_to is not None:
             self.weight = tie_to.weight
+        self.skinny_max_rows = skinny_max_rows
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, vocab_local]
+        fused = fused_kernels(hidden)
+        rows = hidden.shape[0] if hidden.dim() == 2 and hidden.stride(-1) == 1 else 0
+        few = 2 <= rows <= min(self.skinny_max_rows, 16)
+        if fused is not None and few:
+            logits = fused.skinny(hidden, self.weight)  # [N, vocab_local]
+        else:
+            logits = F.linear(hidden, self.weight)  # [N, vocab_local]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

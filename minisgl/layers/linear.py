@@ -6,7 +6,8 @@ part of a full checkpoint tensor into it, so the loader never needs to know the 
 says where each checkpoint part goes (`_place`); the weight format says how it is stored.
 
 FP8 layers multiply on the GPU by weight-only GEMV (the weights widened in registers, 16-bit
-activations) up to `QuantConfig.gemv_max_rows` rows, and on FP8 tensor cores with activations
+activations; or the skinny tensor-core GEMM with `QuantConfig.skinny`, up to 16 rows) up to
+`QuantConfig.gemv_max_rows` rows, and on FP8 tensor cores with activations
 quantized per token above that; elsewhere with the weights dequantized on use and the same
 rounding of the activations, so the CPU path is the reference of the GPU's numerics. (At tensor-parallel
 sizes above 1 a row-parallel layer's activations are quantized per rank's shard of each token:
@@ -195,7 +196,8 @@ class LinearBase(nn.Module):
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
             if weight_only:
-                y = fused.gemv(x2, self.weight, bias, weight_scale=self.weight_scale)
+                kernel = fused.skinny if _skinny_rows(x2, self.quant) else fused.gemv
+                y = kernel(x2, self.weight, bias, weight_scale=self.weight_scale)
             else:
                 y = fused.fp8_linear(x2, self.weight, self.weight_scale, bias)
             return y.reshape(*shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
@@ -355,7 +357,8 @@ class RowParallelLinear(LinearBase):
 
 
 class OneRowGemv(Protocol):
-    """`minisgl.kernels.gemv.gemv`: y = epilogue(W prologue(x)) for a one-row x."""
+    """`minisgl.kernels.gemv.gemv` (one row of x) or `minisgl.kernels.skinny.skinny` (1..16
+    rows): y = epilogue(W prologue(x)), the same call."""
 
     def __call__(
         self,
@@ -372,16 +375,33 @@ class OneRowGemv(Protocol):
 
 ENV_DISABLE_ONE_ROW = "MINISGL_DISABLE_ONE_ROW_GEMV"
 _ONE_ROW = os.environ.get(ENV_DISABLE_ONE_ROW) != "1"
+SKINNY_MAX_ROWS = 16  # what the skinny GEMM takes (`minisgl.kernels.skinny.MAX_ROWS`)
 
 
-def one_row_gemv(x: torch.Tensor) -> OneRowGemv | None:
-    """The fused one-row GEMV for `x` when a layer should use it: one token where the fused
-    kernels run (CUDA), and no tensor parallelism (the row-parallel projections would need their
-    all-reduce between the product and the residual add). None: use the layers as they are
-    (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B runs)."""
-    if not _ONE_ROW or x.dim() != 2 or x.shape[0] != 1 or get_tp_info().size != 1:
+def _skinny_rows(x: torch.Tensor, quant: QuantConfig | None) -> bool:
+    """FP8 weight-only rows (1..gemv_max_rows) that the skinny GEMM takes instead of the GEMV."""
+    rows = x.shape[0]
+    limit = min(quant.gemv_max_rows, SKINNY_MAX_ROWS) if quant is not None and quant.skinny else 0
+    return 1 <= rows <= limit
+
+
+def one_row_gemv(
+    x: torch.Tensor, quant: QuantConfig | None = None, skinny_max_rows: int = 0
+) -> OneRowGemv | None:
+    """The fused few-row kernel for `x` ([M, K]) when a layer of this format should use it,
+    where the fused kernels run (CUDA) and without tensor parallelism (the row-parallel
+    projections would need their all-reduce between the product and the residual add):
+    one row: the GEMV (or, for FP8 with `quant.skinny`, the skinny GEMM); 2..`skinny_max_rows`
+    rows of unquantized weights, or FP8 weight-only rows with `quant.skinny`: the skinny GEMM.
+    None: use the layers as they are (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B
+    runs)."""
+    if not _ONE_ROW or x.dim() != 2 or get_tp_info().size != 1:
         return None
     fused = fused_kernels(x)
     if fused is None:
         return None
-    return fused.gemv  # type: ignore[no-any-return]
+    rows = x.shape[0]
+    few = 2 <= rows <= min(skinny_max_rows, SKINNY_MAX_ROWS)
+    if _skinny_rows(x, quant) or (quant is None and few):
+        return fused.skinny  # type: ignore[no-any-return]
+    return fused.gemv if rows == 1 else None  # type: ignore[no-any-return]

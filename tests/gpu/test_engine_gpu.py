@@ -229,6 +229,34 @@ def test_batch_one_steps_match_reference() -> None:
     assert_kv_clean(llm)
 
 
+def test_few_row_steps_on_the_skinny_gemm_match_reference() -> None:
+    """`skinny_max_rows=16`, four requests at a time: decode steps of 2..16 rows run the dense
+    layers' fused few-row path on the skinny tensor-core GEMM (`minisgl.kernels.skinny`,
+    captured in the CUDA graphs of 2, 4, 8 and 16 rows), and the LM head on it too."""
+    from minisgl.models.llama import DecoderLayer
+
+    n = 16
+    reference(0)
+    rows = []
+    one_row = DecoderLayer.forward_one_row
+
+    def counting(self: Any, gemv: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        rows.append((x.shape[0], gemv.__name__))
+        return one_row(self, gemv, x, *args, **kwargs)
+
+    DecoderLayer.forward_one_row = counting  # type: ignore[method-assign]
+    try:
+        llm = make_llm(fast=True, skinny_max_rows=16)
+        ps = prompts(seed=0)[:n]
+        got = [o for i in range(0, n, 4) for o in llm.generate(ps[i : i + 4], PARAMS, use_tqdm=False)]  # fmt: skip
+    finally:
+        DecoderLayer.forward_one_row = one_row  # type: ignore[method-assign]
+    assert (4, "skinny") in rows, f"no four-row graph took the skinny GEMM: {set(rows)}"
+    worst, compared = compare(_REF_OUTS[0][:n], got)
+    assert compared >= n and worst <= TOL, (worst, compared)
+    assert_kv_clean(llm)
+
+
 def test_page_sizes_and_prefixes_ending_mid_page() -> None:
     for page_size in (1, 16, 32):
         # Chunks of 37 tokens end mid-page; the radix cache shares prefixes among the prompts.

@@ -54,13 +54,17 @@ def agree_to_first_near_tie(ref: dict[str, Any], got: dict[str, Any]) -> bool:
     return len(ref["token_ids"]) == len(got["token_ids"])
 
 
-@pytest.mark.parametrize("algo", ["ngram", "draft", "draft_model"])
+@pytest.mark.parametrize("algo", ["ngram", "draft", "draft_model", "ngram_skinny"])
 def test_greedy_follows_plain_decoding(algo: str) -> None:
     """(draft_model: SmolLM2 as its own draft model, its pool and graphs beside the target's:
-    nearly every draft is accepted.)"""
+    nearly every draft is accepted. ngram_skinny: the verify steps' (and small decode batches')
+    linear layers and LM head on the skinny GEMM, `skinny_max_rows`.)"""
     from minisgl.weights.source import default_model_path
 
-    options: dict[str, Any] = {"speculative_algorithm": "ngram" if algo == "ngram" else "draft"}
+    ngram = algo.startswith("ngram")
+    options: dict[str, Any] = {"speculative_algorithm": "ngram" if ngram else "draft"}
+    if algo == "ngram_skinny":
+        options["skinny_max_rows"] = 16
     if algo == "draft_model":
         options["speculative_draft_model"] = str(default_model_path())
     llm = LLM(speculative_draft_layers=10, **options)

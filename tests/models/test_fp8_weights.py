@@ -257,3 +257,21 @@ def test_tiny_arch_shapes_that_are_not_blocks_quantize_per_channel(tiny_model_di
     fp8 = make(path, quantization="fp8")
     assert torch.isfinite(prefill_logits(fp8, ids[:20])).all()
     assert tiny_hf_config("qwen3").hidden_size == 64
+
+
+def test_linear_kernel_switches_reach_the_model_config():
+    """`skinny_max_rows` and `fp8_skinny` travel from the engine's config to the model's (the
+    layers choose their kernels from it); a row count the skinny GEMM cannot take is refused by
+    name."""
+    from minisgl.config import EngineConfig, ModelConfig, RopeConfig, resolve_model_quantization
+
+    shape = dict(vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
+    mcfg = ModelConfig("LlamaForCausalLM", head_dim=8, intermediate_size=8, rms_norm_eps=1e-6,
+                       rope=RopeConfig(), max_position=16, **shape)  # fmt: skip
+    cfg = EngineConfig(device="cpu", quantization="fp8", fp8_skinny=True, skinny_max_rows=8)
+    got = resolve_model_quantization(mcfg, cfg)
+    assert got.skinny_max_rows == 8 and got.quant is not None and got.quant.skinny
+    plain = resolve_model_quantization(mcfg, EngineConfig(device="cpu"))
+    assert plain.skinny_max_rows == 0 and plain.quant is None
+    with pytest.raises(ValueError, match="skinny_max_rows"):
+        EngineConfig(skinny_max_rows=17)
