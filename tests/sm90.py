@@ -28,11 +28,10 @@ def compile_sm90(
     warps: int,
     stages: int | None = None,
     aligned: Iterable[str] = (),
-    maxnreg: int | None = None,
 ) -> dict[str, int]:
     """Compile `kernel` (arguments not in `types` are i32) for sm_90; `aligned` arguments are
-    taken as multiples of 16, as the launcher would specialise them; `maxnreg` caps registers
-    per thread. Returns shared memory bytes, registers and local (spilled) bytes per thread."""
+    taken as multiples of 16, as the launcher would specialise them. Returns shared memory
+    bytes, registers and local (spilled) bytes per thread."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,8 +46,6 @@ def compile_sm90(
     opts: dict[str, Any] = {"num_warps": warps}
     if stages is not None:
         opts["num_stages"] = stages
-    if maxnreg is not None:
-        opts["maxnreg"] = maxnreg
     options = triton.compiler.make_backend(target).parse_options(opts)
     compiled = triton.compile(src, target=target, options=options.__dict__)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

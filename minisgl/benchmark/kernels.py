@@ -172,9 +172,6 @@ def run_decode(
         "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
-        "maxnreg": cfg.maxnreg,
-        "fp8_qk": cfg.fp8_qk,
-        "pv_as_vt": cfg.pv_as_vt,
         "time_us": seconds * 1e6,
         "bytes_per_s": bytes_per_s,
         "fraction_of_copy": bytes_per_s / copy_bw,
@@ -287,37 +284,28 @@ FP8_SPLIT_KNOBS = tuple(itertools.product((2, 4, 8), (64, 128, 256)))
 
 
 def fp8_decode_grid() -> list[Any]:
-    """Tiles, warps, pipeline depth (5 stages double-buffer K/V behind the page-table loads,
-    3 prefetch only the page ids), register caps (more programs per SM, some spills), P V as
-    (V^T P^T)^T and e4m3 scores (`fp8_qk`); the default first."""
+    """Keys per step, warps and pipeline depth (how many blocks of page ids and K/V are loaded
+    ahead), the default first. What the session-13 sweep on the H200 showed cannot win is left
+    out: register caps, P V as (V^T P^T)^T, e4m3 scores, 2 stages."""
     from minisgl.kernels.decode import DecodeConfig, default_decode_config
 
     grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
-    # 65,536 registers per SM: 4 warps at <= 128 (96) fit 4 (5) programs, 8 warps at <= 128 two
-    for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 5)):
-        if bn < 256 or w == 8:  # 256 keys on 4 warps spill even uncapped
-            for reg in (None, 96, 128) if w == 4 else (None, 128):
-                grid.append(DecodeConfig(bn, bn, w, st, maxnreg=reg))
-    for bn, w, st, reg in itertools.product((64, 128), (4, 8), (3, 5), (None, 128)):
-        grid.append(DecodeConfig(bn, bn, w, st, maxnreg=reg, pv_as_vt=True))
-    for bn, w, st, vt in itertools.product((64, 128), (4, 8), (3, 5), (False, True)):
-        grid.append(DecodeConfig(bn, bn, w, st, fp8_qk=True, pv_as_vt=vt))
+    for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 4, 5)):
+        grid.append(DecodeConfig(bn, bn, w, st))
     return list(dict.fromkeys(grid))
 
 
 def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
-    """The grid at FP8_TUNE_SHAPE, then the default, the fastest FP8_FINALISTS with widened
-    K/V and the two fastest with e4m3 scores at FP8_CHECK_SHAPES, then the split heuristic's
-    knobs; prints the config to paste into `default_decode_config`."""
+    """The grid at FP8_TUNE_SHAPE, then the default and the fastest FP8_FINALISTS at
+    FP8_CHECK_SHAPES, then the split heuristic's knobs; prints the config to paste into
+    `default_decode_config`."""
     grid = fp8_decode_grid()
     rows = [_decode_attempt(FP8_TUNE_SHAPE, page_size, timer, copy_bw, cfg) for cfg in grid]
-    # A broken variant is off by O(1); e4m3 rounding (and q's with fp8_qk) stays far below 0.2.
+    # A broken variant is off by O(1); e4m3 rounding stays far below 0.2.
     timed = [grid[i] for _, i in sorted(
         (r["time_us"], i) for i, r in enumerate(rows) if "time_us" in r and r["rel_err"] < 0.2
     )]  # fmt: skip
-    finalists = [grid[0]] + [c for c in timed if not c.fp8_qk][:FP8_FINALISTS]
-    finalists += [c for c in timed if c.fp8_qk][:2]  # e4m3 scores: a family of their own
-    finalists = list(dict.fromkeys(finalists))
+    finalists = list(dict.fromkeys([grid[0], *timed[:FP8_FINALISTS]]))
     for shape, cfg in itertools.product(FP8_CHECK_SHAPES, finalists):
         rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
     print_table("tune: FP8 decode (fraction_of_copy counts one byte per K/V value)", rows,
@@ -355,14 +343,13 @@ def _decode_attempt(
 
 
 def _config_label(cfg: Any) -> Row:
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg,
-            "fp8_qk": cfg.fp8_qk, "pv_as_vt": cfg.pv_as_vt, "programs_per_sm": cfg.programs_per_sm,
-            "min_split_tokens": cfg.min_split_tokens}  # fmt: skip
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "programs_per_sm": cfg.programs_per_sm, "min_split_tokens": cfg.min_split_tokens}  # fmt: skip
 
 
 def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> Any:
-    """Prints each finalist's fraction per shape; returns (and prints) the widened-K/V one with
-    the best worst case at batch 256 (W3's target)."""
+    """Prints each finalist's fraction per shape; returns (and prints) the one with the best
+    worst case at batch 256 (W3's target)."""
     shapes = (FP8_TUNE_SHAPE, *FP8_CHECK_SHAPES)
     target = [s for s in shapes if s[0] == FP8_TUNE_SHAPE[0]]
 
@@ -377,16 +364,9 @@ def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> Any:
     print("\nFP8 decode, fraction of the copy bandwidth per (batch, context, spread):")
     for cfg in finalists:
         print(f"  {cfg}:\n    " + "  ".join(f"{s} {fraction(cfg, s):.3f}" for s in shapes))
-    # e4m3 scores quantize q too: they may become the default only after the accuracy program
-    # (perplexity and KL against bf16) has measured them.
-    best = max((cfg for cfg in finalists if not cfg.fp8_qk), key=worst)
-    print(f"\nbest at batch {target[0][0]}, K/V widened (worst fraction {worst(best):.3f}); "
-          f"paste into default_decode_config's kv_fp8 branch:\n  {best!r}")  # fmt: skip
-    quantized = [cfg for cfg in finalists if cfg.fp8_qk]
-    if quantized:
-        best_q = max(quantized, key=worst)
-        print(f"best with e4m3 scores (fp8_qk; needs the accuracy run first), worst fraction "
-              f"{worst(best_q):.3f}:\n  {best_q!r}")  # fmt: skip
+    best = max(finalists, key=worst)
+    print(f"\nbest at batch {target[0][0]} (worst fraction {worst(best):.3f}); paste into "
+          f"default_decode_config's kv_fp8 branch:\n  {best!r}")  # fmt: skip
     return best
 
 
@@ -449,8 +429,7 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
-                  "num_stages", "maxnreg", "fp8_qk", "pv_as_vt", "time_us", "bytes_per_s",
-                  "fraction_of_copy", "rel_err"]
+                  "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",
                   "num_stages", "time_us", "flop_per_s", "fraction_of_matmul", "rel_err"]
 # fmt: on

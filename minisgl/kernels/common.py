@@ -207,27 +207,19 @@ def dot(a, b, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(
-    qk, v, m_i, l_i, acc, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, PV_AS_VT: tl.constexpr = False
-):  # fmt: skip
+def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """Fold one key block into the running softmax (base-2 domain).
 
     qk [M, N] fp32 scores already multiplied by sm_scale * log2(e), masked keys at -inf (every
     row must have seen a finite score by its first block); v [N, D]; m_i, l_i [M]; acc [M, D].
-    PV_AS_VT computes P V as (V^T P^T)^T: with few rows M (decode) that puts D on the MMA's M
-    side (a Hopper wgmma when D >= 64, which reads V from shared memory transposed).
     """
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if EMULATE_BF16:
-        p = round_bf16(p)
+        pv = dot(round_bf16(p), v, IEEE, EMULATE_BF16)
     else:
-        p = p.to(v.dtype)
-    if PV_AS_VT:
-        pv = tl.trans(dot(tl.trans(v), tl.trans(p), IEEE, EMULATE_BF16))
-    else:
-        pv = dot(p, v, IEEE, EMULATE_BF16)
+        pv = dot(p.to(v.dtype), v, IEEE, EMULATE_BF16)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc

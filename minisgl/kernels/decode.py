@@ -23,13 +23,11 @@ from minisgl.kernels.common import (
     check_paged_args,
     dot,
     dot_flags,
-    emulate_fp8,
     fp8_operand,
     num_sms,
     online_softmax_step,
     pdl_args,
     pdl_prologue,
-    quantize_fp8,
     round_bf16,
     token_slots,
 )
@@ -49,19 +47,6 @@ class DecodeConfig:
     programs_per_sm: int = 4
     min_split_tokens: int = 64  # 256 left batch-1 W2 steps with 2 splits of a 300-token context
     max_splits: int = 64
-    # FP8 (e4m3) cache only. A K/V tile widened to fp16 lives whole in registers (16-bit tiles
-    # are streamed from shared memory into the MMA): ~200 registers per thread at 128 keys and
-    # 4 warps on sm_90, so only two programs fit on an SM and too few bytes are in flight.
-    # `maxnreg` caps the registers (spilling the rest) so that more programs fit;
-    # `fp8_qk` quantizes q to e4m3 (one scale per request and head, 2^-4 relative error per
-    # element) and computes the scores as K q^T, keys on the MMA's M side, so on Hopper they
-    # are one e4m3 wgmma that reads K straight from shared memory; `pv_as_vt` computes P V as
-    # (V^T P^T)^T, head_dim on the M side, so on Hopper it is a wgmma reading the widened V
-    # transposed from shared memory (the plain dot gathers each thread's e4m3 V one byte per
-    # load: V's keys are its reduction axis, and they are not contiguous).
-    maxnreg: int | None = None
-    fp8_qk: bool = False
-    pv_as_vt: bool = False
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
@@ -71,15 +56,15 @@ class DecodeConfig:
 
 def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
     if kv_fp8:
-        # e4m3 tiles widened to fp16 in registers: 128 keys (16 KiB of K and V at head_dim 128)
-        # with 8 warps build with 116 registers and 41 KiB shared on sm_90 (4 warps: 205
-        # registers). 0.52-0.60 of the copy bandwidth on the H200 at batch 256 (tenth session):
-        # two programs per SM, each with one 32 KiB K+V block in flight and none while it
-        # computes (K/V are loaded one block ahead into a single buffer; with 2 stages the
-        # page ids are not prefetched at all: 3 prefetch them, 5 double-buffer K/V). Replace
-        # with what `benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune` prints.
+        # The best of `benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune` on an
+        # NVIDIA H200 (torch 2.11, triton 3.6, session 13), head_dim 128: 128 keys, 4 warps,
+        # 5 stages reach 0.706 of the copy bandwidth at batch 256 x 4096 tokens, 0.640 at
+        # 256 x 1024 and 0.636 at 32 x 4096 (8 warps, 2 stages: 0.586, 0.556, 0.53). What
+        # still limits it: the e4m3 tiles widened to fp16 live whole in registers (200 per
+        # thread on sm_90, 73 KiB shared), so only two programs fit on an SM; W3's target
+        # is 0.85.
         block = max(16, min(256, 16384 // head_dim))
-        return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=8, num_stages=2)
+        return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=4, num_stages=5)
     # ~16 KiB per K (or V) tile in bf16: Triton keeps one K and one V tile in flight per program
     # (sm_90 build: 80 registers, 38 KiB shared, so ~5 programs per SM).
     return DecodeConfig(
@@ -139,11 +124,8 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr,
-    QK_FP8: tl.constexpr,  # KV_FP8 only: q quantized to e4m3, scores as K q^T on e4m3
-    PV_AS_VT: tl.constexpr,  # KV_FP8 only: P V as (V^T P^T)^T
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    EMULATE_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -169,14 +151,9 @@ def _decode_split_kernel(
         other=0.0,
     )  # [BLOCK_H, D]
     qk_scale = scale_log2
-    q_op = q  # the scores' operand
-    if KV_FP8:  # the K scale (and q's with QK_FP8) act on the scores, not on the elements
+    if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
+        q = fp8_operand(q, q)
         qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
-        if QK_FP8:
-            q_op, q_scale = quantize_query_e4m3(q, EMULATE_FP8)
-            qk_scale = qk_scale * q_scale[:, None]  # [BLOCK_H, 1]
-        else:  # K tiles are widened in registers
-            q_op = fp8_operand(q, q)
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
@@ -189,18 +166,14 @@ def _decode_split_kernel(
         mask_n = pos < end
         slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        if QK_FP8:  # [BLOCK_N, BLOCK_H] e4m3 x e4m3 (M = BLOCK_N: a wgmma on Hopper)
-            qk = tl.trans(tl.dot(k, tl.trans(q_op)))
-        else:
-            if KV_FP8:
-                k = fp8_operand(k, q)
-            qk = dot(q_op, tl.trans(k), IEEE, EMULATE_BF16)
-        qk = qk * qk_scale  # [BLOCK_H, BLOCK_N]
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
         if KV_FP8:
             v = fp8_operand(v, q)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16, PV_AS_VT)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -232,16 +205,6 @@ def _decode_split_kernel(
                 part_o_ptr, part_lse_ptr, o_dst, rows, num_valid, mask_h, HEAD_DIM, BLOCK_H,
                 EMULATE_BF16,
             )  # fmt: skip
-
-
-@triton.jit
-def quantize_query_e4m3(q, EMULATE_FP8: tl.constexpr):
-    """q [BLOCK_H, D] -> (q / s in e4m3, s [BLOCK_H] fp32), s = max |row| / 448 (1 for a zero
-    row): the rounding of `minisgl.kernels.fp8.quantize_query`."""
-    amax = tl.max(tl.abs(q.to(tl.float32)), 1)
-    # IEEE division (Triton's `/` may be approximate): the same scale as the torch reference
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-    return quantize_fp8(q, scale, 0.0, EMULATE_FP8).to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -344,19 +307,15 @@ def decode_attention(
         counters = seq_lens
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel, fp8)
     k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
-    launch = pdl_args(q.device) | ({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})
+    pdl = pdl_args(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters, k_scale,
         v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size,
-        SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, QK_FP8=fp8 and cfg.fp8_qk,
-        PV_AS_VT=fp8 and cfg.pv_as_vt,
-        IEEE=ieee, EMULATE_BF16=emulate_bf16,
-        EMULATE_FP8=emulate_fp8(_decode_split_kernel), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch,
+        BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee,
+        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out
 

@@ -51,16 +51,6 @@ def dequantize_kv(
     return (x.float() * scale[:, None]).to(dtype)
 
 
-def quantize_query(
-    q: torch.Tensor,  # [..., D]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [..., D], fp32 scales [...])
-    """One scale per query row (a request's head), max |row| / 448 (1 for a zero row): what the
-    decode kernel's e4m3 scores (`DecodeConfig.fp8_qk`) do to q."""
-    amax = q.float().abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return to_fp8(q.float() / scale[..., None]), scale
-
-
 def kv_scale_from_amax(amax: torch.Tensor, headroom: float = 2.0) -> torch.Tensor:
     """Scales that map `headroom` x the observed max |value| to 448. e4m3 spans ~15 binades of
     normal numbers with the same relative precision in each, so one binade of headroom for

@@ -32,7 +32,7 @@ from helpers import assert_kv_clean, random_prompts  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.kernels import fp8 as R  # noqa: E402
 from minisgl.kernels import reference as ref  # noqa: E402
-from minisgl.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
+from minisgl.kernels.decode import DecodeConfig, decode_attention, default_decode_config  # noqa: E402
 from minisgl.kernels.extend import extend_attention  # noqa: E402
 from minisgl.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from minisgl.kernels.gemv import gemv  # noqa: E402
@@ -70,37 +70,33 @@ def test_fp8_decode_matches_reference(page_size: int, lens: list[int], num_split
     assert rel_err(out, want) <= 1e-2
 
 
-# The FP8 tuning sweep's knobs (minisgl.benchmark.kernels --kv-cache-dtype fp8_e4m3 --tune), each
-# at serving tiles, before one of them becomes the default: double-buffered K/V with registers
-# capped (spills), P V as (V^T P^T)^T (a wgmma), e4m3 scores (q rounded by `quantize_query`, so
-# the reference gets that q).
-FP8_VARIANTS = {
-    "stages5_maxnreg128": DecodeConfig(128, 128, 4, 5, maxnreg=128),
-    "pv_as_vt_8warps": DecodeConfig(128, 128, 8, 3, pv_as_vt=True),
-    "pv_as_vt_maxnreg96": DecodeConfig(64, 64, 4, 5, maxnreg=96, pv_as_vt=True),
-    "fp8_qk": DecodeConfig(128, 128, 4, 3, fp8_qk=True),
-    "fp8_qk_pv_as_vt": DecodeConfig(64, 64, 8, 5, fp8_qk=True, pv_as_vt=True),
+# The test above runs the FP8 default (128 keys, 4 warps, 5 stages at head_dim 128). These are
+# the default at head_dim 64 (256 keys) and configs of the FP8 sweep's grid that may replace it
+# (`benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune`): its smallest and largest
+# tiles, 8 warps, fewer stages.
+FP8_DECODE_VARIANTS = {
+    "d64_default": (64, default_decode_config(64, kv_fp8=True)),
+    "d128_64keys_4warps_5stages": (128, DecodeConfig(64, 64, 4, 5)),
+    "d128_128keys_8warps_4stages": (128, DecodeConfig(128, 128, 8, 4)),
+    "d128_256keys_8warps_3stages": (128, DecodeConfig(256, 256, 8, 3)),
 }
 
 
-@pytest.mark.parametrize("variant", list(FP8_VARIANTS))
+@pytest.mark.parametrize("variant", list(FP8_DECODE_VARIANTS))
 @pytest.mark.parametrize("lens,num_splits", [([1024] * 64, None), ([3000, 17, 900, 64], 8)])
 def test_fp8_decode_variants_match_reference(
     variant: str, lens: list[int], num_splits: Any
 ) -> None:
-    cfg = FP8_VARIANTS[variant]
+    head_dim, cfg = FP8_DECODE_VARIANTS[variant]
     torch.manual_seed(0)
-    kv = random_paged_kv(lens, 32, 8, 128, torch.float8_e4m3fn, DEVICE)
-    q = torch.randn(len(lens), 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    kv = random_paged_kv(lens, 32, 8, head_dim, torch.float8_e4m3fn, DEVICE)
+    q = torch.randn(len(lens), 16, head_dim, dtype=torch.bfloat16, device=DEVICE)
     out = decode_attention(
-        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 32, 128**-0.5,
+        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 32, head_dim**-0.5,
         num_splits=num_splits, max_seq_len=kv.max_seq_len, config=cfg, kv_scales=kv.kv_scales,
     )  # fmt: skip
-    if cfg.fp8_qk:
-        q8, q_scale = R.quantize_query(q)
-        q = q8.float() * q_scale[..., None]
     want = ref.decode_attention_ref(
-        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 32, 128**-0.5, kv.kv_scales
+        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, 32, head_dim**-0.5, kv.kv_scales
     )
     assert rel_err(out, want) <= 1e-2
 

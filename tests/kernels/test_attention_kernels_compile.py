@@ -21,14 +21,12 @@ DECODE = [
     ("decode bf16 d64 g3 ps1 split", "bf16", dict(GROUP=3, HEAD_DIM=64, BLOCK_N=128, PAGE_SIZE=1, SINGLE_SPLIT=False), 4, 3),
     ("decode fp32 d128 g1 ps16 split", "fp32", dict(GROUP=1, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False), 4, 2),
     ("decode fp16 d256 g8 ps64", "fp16", dict(GROUP=8, HEAD_DIM=256, BLOCK_N=32, PAGE_SIZE=64, SINGLE_SPLIT=True), 4, 2),
-    # FP8 (e4m3) KV: the production tiles of W1's shape, one program per request and split
-    ("decode bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 3),
-    ("decode bf16 fp8kv d128 g4 ps32 split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=32, SINGLE_SPLIT=False, KV_FP8=True), 4, 3),
-    # ... the tuning sweep's knobs: K/V double-buffered, registers capped, e4m3 scores (wgmma)
-    ("decode bf16 fp8kv d128 g2 ps32 5 stages maxnreg 128", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5, 128),
-    ("decode bf16 fp8kv fp8qk d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True, QK_FP8=True), 8, 5),
-    ("decode fp16 fp8kv fp8qk vt d64 g4 ps16 split", "fp16", dict(GROUP=4, HEAD_DIM=64, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False, KV_FP8=True, QK_FP8=True, PV_AS_VT=True), 4, 3),
-    ("decode bf16 fp8kv vt d128 g2 ps32 maxnreg 128", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True, PV_AS_VT=True), 4, 3, 128),
+    # FP8 (e4m3) KV: the default config (`default_decode_config(head_dim, kv_fp8=True)`: 4 warps,
+    # 5 stages, 128 keys at head_dim 128) at W1's shape, one program per request and split;
+    # at head_dim 64 (256 keys) it builds with 254 registers, at the edge of spilling
+    ("decode bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
+    ("decode bf16 fp8kv d128 g4 ps32 split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=False, KV_FP8=True), 4, 5),
+    ("decode bf16 fp8kv d64 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=64, BLOCK_N=256, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
 ]  # fmt: skip
 EXTEND = [
     ("extend bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16), 8, 2),
@@ -38,11 +36,11 @@ EXTEND = [
 ]  # fmt: skip
 
 
-def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int, maxnreg: int | None = None) -> dict[str, Any]:  # fmt: skip
+def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
     # What the launcher would specialise: 16-byte aligned pointers and strides divisible by 16.
     names = kernel.arg_names
     aligned = [n for n in names if n.startswith("stride") or types.get(n, "").startswith("*")]
-    return compile_sm90(kernel, types, constexprs, warps, stages, aligned, maxnreg)
+    return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
 
 
 def _compile_all() -> list[dict[str, Any]]:
@@ -51,15 +49,13 @@ def _compile_all() -> list[dict[str, Any]]:
     from minisgl.kernels.store import _store_kv_kernel
 
     results = []
-    for name, dtype, c, warps, stages, *maxnreg in DECODE:
+    for name, dtype, c, warps, stages in DECODE:
         types = _kv_types(dtype, c)
         types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        c = {"KV_FP8": False, "QK_FP8": False, "PV_AS_VT": False} | c
-        c |= dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False, EMULATE_FP8=False)
-        compiled = _compile(_decode_split_kernel, types, c, warps, stages, *maxnreg)
-        results.append({"name": name, **compiled})
+        c = {"KV_FP8": False} | c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
+        results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
         types = _kv_types(dtype, c)
         types |= {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "extend_lens_ptr")}
