@@ -72,8 +72,13 @@ def load_llm(args: argparse.Namespace) -> LLM:
         show_progress=False,
     )
     if args.model is None:  # the embedded SmolLM2, with its tokenizer
-        return LLM(**options)
-    llm = TokenIdLLM(str(args.model), load_format=args.load_format, **options)
+        llm = LLM(**options)
+    else:
+        llm = TokenIdLLM(str(args.model), load_format=args.load_format, **options)
+    if args.threads is not None:
+        llm.scheduler.grammars.threads = args.threads
+    if args.model is None:
+        return llm
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     if tokenizer is not None:
         llm.scheduler.grammars.load_tokenizer = lambda: tokenizer
@@ -201,6 +206,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256] if on_gpu else [16])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256 if on_gpu else 32)
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="mask fill threads of the runs (default: the scheduler's, all cores but two)",
+    )  # fmt: skip
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
