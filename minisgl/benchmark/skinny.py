@@ -49,6 +49,12 @@ SHAPES = {
     "0.6b gate_up": (6144, 1024, "norm"),
     "0.6b down act": (1024, 3072, "act_residual"),
     "0.6b lm_head": (151936, 1024, "plain"),
+    # SmolLM2-135M: its speculative verify steps (5-9 rows) are this kernel's main use
+    "135m qkv": (960, 576, "norm"),
+    "135m o_proj": (576, 576, "residual"),
+    "135m gate_up": (3072, 576, "norm"),
+    "135m down act": (576, 1536, "act_residual"),
+    "135m lm_head": (49152, 576, "plain"),
 }
 ROWS = (1, 2, 4, 5, 8, 9, 16)
 SWEEP_ROWS = 5  # a verify step of 4 drafts, batch 1
@@ -237,7 +243,7 @@ def crossover(rows: list[Row], prefix: str, key: str, against: str) -> int:
 def summarize(rows: list[Row], fmt: str) -> Row:
     """Print the switches this sweep suggests and return them."""
     out: Row = {}
-    for prefix in ("8b", "0.6b"):
+    for prefix in ("8b", "0.6b", "135m"):
         if not any(r["gemm"].startswith(prefix) for r in rows):
             continue
         if fmt == "bf16":
@@ -296,7 +302,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true", help="e4m3 weights, a scale per row")
     p.add_argument("--fp8-block", action="store_true", help="e4m3 weights, 128 x 128 blocks")
     p.add_argument("--quick", action="store_true", help="fewer configs (about two minutes)")
-    p.add_argument("--only", default="", help="comma-separated shape name prefixes (8b, 0.6b)")
+    p.add_argument(
+        "--only", default="", help="comma-separated shape name prefixes (8b, 0.6b, 135m)"
+    )
 
 
 def fmt_of(args: argparse.Namespace) -> str:

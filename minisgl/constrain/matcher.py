@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -102,15 +101,12 @@ class MaskFiller:
     whatever they held (the sampler never reads them: `TokenMask.rows`).
     """
 
-    def __init__(self, vocab_size: int, threads: int, pool: bool = False) -> None:
+    def __init__(self, vocab_size: int, threads: int) -> None:
         import xgrammar as xgr
 
         self.width = bitmask_width(vocab_size)
         self.threads = threads
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        # pool: rows shared among `threads` persistent Python threads (one matcher call at a
-        # time each, the GIL released inside) instead of the batch matcher's threads
-        self._pool = ThreadPoolExecutor(threads - 1) if pool and threads > 1 else None
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
 
@@ -147,17 +143,6 @@ class MaskFiller:
                 rows.append(i)
         if len(live) == 1:  # no thread hand-off for a single row
             live[0].fill_next_token_bitmask(bits, rows[0])
-        elif live and self._pool is not None:
-            k = min(self.threads, len(live))
-
-            def share(j: int) -> None:
-                for m, r in zip(live[j::k], rows[j::k]):
-                    m.fill_next_token_bitmask(bits, r)
-
-            jobs = [self._pool.submit(share, j) for j in range(1, k)]
-            share(0)
-            for job in jobs:
-                job.result()
         elif live:
             self._batch.batch_fill_next_token_bitmask(live, bits, rows)
 

@@ -63,9 +63,21 @@ class SkinnyConfig:
 # Weight formats: 16-bit, e4m3 with a scale per row, e4m3 with 128 x 128 block scales.
 FORMATS = ("bf16", "row", "block")
 # (N, K, act, format) -> config measured best on an H200 (`python -m minisgl.benchmark.gemv
-# --skinny --quick [--fp8 | --fp8-block]`). EMPTY: every config below is a guess until that
-# sweep has run; paste its tables here.
-TUNED: dict[tuple[int, int, bool, str], SkinnyConfig] = {}
+# --skinny --quick`, session 13; us at M = 5, cuBLAS beside it). Slower than cuBLAS on the
+# Llama-3-8B shapes (gate_up 68.8 vs 63.1, down 50.8 vs 32.7), faster on small ones (0.6B
+# o_proj 4.2 vs 8.3); e4m3 weights ran at 1.1-1.6 TB/s, behind the FP8 GEMV: not tabled.
+TUNED: dict[tuple[int, int, bool, str], SkinnyConfig] = {
+    (6144, 4096, False, "bf16"): SkinnyConfig(64, 256, 4, 3, 1),  # 8b qkv: 16.1 (15.8)
+    (4096, 4096, False, "bf16"): SkinnyConfig(64, 256, 4, 3, 1),  # 8b o_proj: 12.6 (13.5)
+    (28672, 4096, False, "bf16"): SkinnyConfig(64, 256, 4, 3, 1),  # 8b gate_up
+    (4096, 14336, True, "bf16"): SkinnyConfig(64, 128, 4, 4, 5),  # 8b down after SiLU
+    (128256, 4096, False, "bf16"): SkinnyConfig(64, 128, 4, 4, 1),  # 8b lm_head: 240 (254)
+    (4096, 1024, False, "bf16"): SkinnyConfig(64, 256, 4, 3, 1),  # 0.6b qkv: 5.1 (5.2)
+    (1024, 2048, False, "bf16"): SkinnyConfig(32, 128, 4, 4, 4),  # 0.6b o_proj
+    (6144, 1024, False, "bf16"): SkinnyConfig(64, 256, 4, 3, 1),  # 0.6b gate_up: 5.9 (6.1)
+    (1024, 3072, True, "bf16"): SkinnyConfig(64, 128, 4, 4, 6),  # 0.6b down: 6.9 (7.5)
+    (151936, 1024, False, "bf16"): SkinnyConfig(32, 128, 4, 4, 1),  # 0.6b lm_head: 77 (79)
+}
 
 
 def default_config(

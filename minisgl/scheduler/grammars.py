@@ -52,7 +52,7 @@ class Grammars:
         self._failed: dict[str, str] = {}  # the compile's error, for the request's answer
         self._matchers: dict[str, RequestGrammar] = {}  # admitted (kept through retraction)
         self._filler: MaskFiller | None = None  # made with the first mask
-        self.fill_pool = False  # `MaskFiller`'s pool mode (set before the first mask)
+        self.threads = fill_threads()  # of the filler (set before the first mask)
         # A step's mask is filled on this thread (its fill's C++ threads release the GIL)
         self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._pending: Future[None] | None = None
@@ -172,7 +172,7 @@ class Grammars:
         one per scored position."""
         self._settle()
         if self._filler is None:
-            self._filler = MaskFiller(self.vocab_size, fill_threads(), self.fill_pool)
+            self._filler = MaskFiller(self.vocab_size, self.threads)
         matchers = [self._matchers.get(r.rid) for r in reqs]
         if drafts is None:
             rows = [i for i, m in enumerate(matchers) if m is not None]

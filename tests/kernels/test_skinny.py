@@ -174,13 +174,14 @@ def test_default_configs_fit_the_kernel():
     splits only where the tiles alone leave SMs idle."""
     from minisgl.kernels.skinny import FORMATS, TUNED, default_config
 
-    for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (1024, 3072)]:
+    for n, k in [(5120, 2048), (2048, 12288), (24576, 2048), (100352, 2048), (960, 576)]:
+        assert (n, k, False, "bf16") not in TUNED
         cfg = default_config(n, k)
         assert cfg.block_n >= 16 and cfg.block_k == 128 and cfg.split_k >= 1
         assert default_config(n, k, fmt="block").block_k == 128
         tiles = -(-n // cfg.block_n)
         assert cfg.split_k == 1 or tiles < 2 * 132
-    assert default_config(128256, 4096).split_k == 1
+    assert default_config(100352, 2048).split_k == 1
     for (n, k, _, fmt), cfg in TUNED.items():  # pasted from the H200 sweep
         assert fmt in FORMATS and cfg.block_n >= 16 and cfg.block_k >= 16 and cfg.split_k >= 1
         assert fmt != "block" or cfg.block_k == 128, f"{(n, k)}: block scales take 128 columns"
