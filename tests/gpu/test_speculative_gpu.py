@@ -5,6 +5,7 @@ both proposers, with the KV pool whole at the end; sampling runs and stays withi
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,14 @@ QUESTIONS = [
     "What is the capital of France?",
 ]
 GREEDY = SamplingParams(max_tokens=64, temperature=0, top_logprobs=2)
+
+
+@pytest.fixture(autouse=True)
+def _free_earlier_engines() -> None:
+    """Each test's LLM sizes its KV pool from the free memory: the engines of the tests
+    before it (their graphs hold reference cycles) must be gone first."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def answers(llm: LLM) -> list[dict[str, Any]]:
