@@ -250,7 +250,8 @@ def add_fp8_args(p: Any) -> None:
     p.add_argument("--fp8-skinny", action="store_true",
                    help="FP8 weight-only rows take the skinny tensor-core GEMM, not the GEMV")  # fmt: skip
     p.add_argument("--skinny-max-rows", type=int, default=None, metavar="N",
-                   help="unquantized linear layers with 2..N rows take the skinny GEMM (0: off)")  # fmt: skip
+                   help="unquantized linear layers with 2..N rows take the skinny GEMM (0: off; "
+                   "default: 16 for models with hidden size <= 1024)")  # fmt: skip
 
 
 def fp8_options(args: Any) -> Row:

@@ -12,8 +12,8 @@ kernel: a sweep of configs (the default among them) at M = 5 (a verify step of 4
 best again with its first weight tile loaded after the PDL wait), then the best and the default
 config at every M. Prints microseconds and TB/s of weight bytes per shape and M, a `TUNED`
 table to paste into `minisgl/kernels/skinny.py`, and the switches: the largest M up to which
-the skinny kernel beats cuBLAS for a whole decoder layer at every M from 2 (`SKINNY_MAX_ROWS`
-in `minisgl/config/quant.py`); FP8: whether it beats the GEMV (`fp8_skinny`) and up to which M
+the skinny kernel beats cuBLAS for a whole decoder layer at every M from 2 (for
+`SKINNY_MAX_HIDDEN` in `minisgl/config/quant.py`); FP8: whether it beats the GEMV (`fp8_skinny`) and up to which M
 the weight-only kernels beat the FP8 GEMM (`FP8_GEMV_MAX_ROWS`). The last line is one JSON
 object.
 
@@ -260,9 +260,6 @@ def summarize(rows: list[Row], fmt: str) -> Row:
     print("\nswitches (decoder-layer shapes summed; LM heads left out):")
     for key, value in out.items():
         print(f"  {key}: {value}")
-    if fmt == "bf16":
-        rows_8b = out.get("8b_skinny_beats_cublas_up_to", 0)
-        print(f"SKINNY_MAX_ROWS = {rows_8b if rows_8b >= 2 else 0}  # minisgl/config/quant.py (Llama-3-8B)")  # fmt: skip
     return out
 
 

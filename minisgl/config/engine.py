@@ -9,7 +9,6 @@ from minisgl.config.quant import (
     FP8_GEMV_MAX_ROWS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
-    SKINNY_MAX_ROWS,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,8 +46,9 @@ class EngineConfig:
     # FP8 weight-only rows take the skinny tensor-core GEMM instead of the GEMV.
     fp8_skinny: bool = False
     # Unquantized linear layers with 2..this many rows (at most 16) take the skinny tensor-core GEMM
-    # on CUDA instead of cuBLAS (a speculative verify step, small decode batches); 0: off.
-    skinny_max_rows: int = SKINNY_MAX_ROWS
+    # on CUDA instead of cuBLAS (a speculative verify step, small decode batches); 0: off;
+    # None: 16 for models up to `SKINNY_MAX_HIDDEN`, else off.
+    skinny_max_rows: int | None = None
     page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)
     num_pages: int = 0  # 0: auto, sized from memory
     max_running_requests: int = 256
@@ -216,7 +216,7 @@ class EngineConfig:
             raise ValueError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.fp8_gemv_max_rows < 0:
             raise ValueError(f"fp8_gemv_max_rows: must be >= 0, got {self.fp8_gemv_max_rows}")
-        if not 0 <= self.skinny_max_rows <= 16:
+        if self.skinny_max_rows is not None and not 0 <= self.skinny_max_rows <= 16:
             raise ValueError(
                 f"skinny_max_rows: must be between 0 (off) and 16, got {self.skinny_max_rows}"
             )

@@ -21,11 +21,23 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: e4m3 conversions and tensor cores
 # on the H200 (docs/benchmarks.md, W7); `python -m minisgl.benchmark.kernels --fp8-gemm` put the
 # crossover at one row on the H200 (the GEMV reads its weights once per row of x).
 FP8_GEMV_MAX_ROWS = 1
-# Rows up to which an unquantized (model-dtype) linear layer on CUDA runs the skinny tensor-core GEMM
-# (`minisgl.kernels.skinny`, from 2 rows; one row takes the GEMV) instead of cuBLAS, and a dense
-# decoder layer its fused few-row path. 0: off, until `python -m minisgl.benchmark.gemv
-# --skinny` has measured the crossover on the H200.
-SKINNY_MAX_ROWS = 0
+# Models up to this hidden size run unquantized linear layers of 2-16 rows (a speculative
+# verify step, a small decode batch) on CUDA through the skinny tensor-core GEMM
+# (`minisgl.kernels.skinny`) and their dense decoder layers on its fused few-row path, unless
+# `skinny_max_rows` says otherwise. H200 (`python -m minisgl.benchmark.gemv --skinny`, session
+# 13): it beats cuBLAS on SmolLM2-135M's and Qwen3-0.6B's layers (0.6B o_proj 4.2 against
+# 8.3 us at 5 rows) and loses on Llama-3-8B's (down 50.8 against 32.7 us; a K = 4 verify step
+# 1.83x a decode step against 1.29x with cuBLAS); SmolLM2's copy workload with K = 8 drafts went
+# from 1.60x to 2.14x the tokens/s of plain decoding.
+SKINNY_MAX_HIDDEN = 1024
+
+
+def resolve_skinny_max_rows(requested: int | None, hidden_size: int) -> int:
+    """Rows up to which unquantized linear layers take the skinny GEMM (0: never); None: by the
+    model's size."""
+    if requested is not None:
+        return requested
+    return 16 if hidden_size <= SKINNY_MAX_HIDDEN else 0
 
 
 @dataclass(frozen=True)
@@ -149,4 +161,5 @@ def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelCon
         check_fp8_device(cfg.torch_device, "FP8 weights")
     if cfg.kv_cache_dtype == "fp8_e4m3":
         check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
-    return replace(mcfg, quant=quant, skinny_max_rows=cfg.skinny_max_rows)
+    rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
+    return replace(mcfg, quant=quant, skinny_max_rows=rows)

@@ -63,17 +63,17 @@ def agree_to_first_near_tie(ref: dict[str, Any], got: dict[str, Any]) -> bool:
     return len(ref["token_ids"]) == len(got["token_ids"])
 
 
-@pytest.mark.parametrize("algo", ["ngram", "draft", "draft_model", "ngram_skinny"])
+@pytest.mark.parametrize("algo", ["ngram", "draft", "draft_model", "ngram_cublas"])
 def test_greedy_follows_plain_decoding(algo: str) -> None:
     """(draft_model: SmolLM2 as its own draft model, its pool and graphs beside the target's:
-    nearly every draft is accepted. ngram_skinny: the verify steps' (and small decode batches')
-    linear layers and LM head on the skinny GEMM, `skinny_max_rows`.)"""
+    nearly every draft is accepted. SmolLM2's verify steps run the skinny GEMM by its size;
+    ngram_cublas: on cuBLAS, `skinny_max_rows=0`.)"""
     from minisgl.weights.source import default_model_path
 
     ngram = algo.startswith("ngram")
     options: dict[str, Any] = {"speculative_algorithm": "ngram" if ngram else "draft"}
-    if algo == "ngram_skinny":
-        options["skinny_max_rows"] = 16
+    if algo == "ngram_cublas":
+        options["skinny_max_rows"] = 0
     if algo == "draft_model":
         options["speculative_draft_model"] = str(default_model_path())
     llm = LLM(speculative_draft_layers=10, **options)

@@ -13,6 +13,7 @@ run of the original weights must differ from both (the quantization is real).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +262,8 @@ def test_tiny_arch_shapes_that_are_not_blocks_quantize_per_channel(tiny_model_di
 
 def test_linear_kernel_switches_reach_the_model_config():
     """`skinny_max_rows` and `fp8_skinny` travel from the engine's config to the model's (the
-    layers choose their kernels from it); a row count the skinny GEMM cannot take is refused by
+    layers choose their kernels from it; left unset, models up to hidden size 1024 take the
+    skinny GEMM up to 16 rows); a row count the skinny GEMM cannot take is refused by
     name."""
     from minisgl.config import EngineConfig, ModelConfig, RopeConfig, resolve_model_quantization
 
@@ -272,6 +274,10 @@ def test_linear_kernel_switches_reach_the_model_config():
     got = resolve_model_quantization(mcfg, cfg)
     assert got.skinny_max_rows == 8 and got.quant is not None and got.quant.skinny
     plain = resolve_model_quantization(mcfg, EngineConfig(device="cpu"))
-    assert plain.skinny_max_rows == 0 and plain.quant is None
+    assert plain.skinny_max_rows == 16 and plain.quant is None  # a small model: on by its size
+    large = resolve_model_quantization(replace(mcfg, hidden_size=4096), EngineConfig(device="cpu"))
+    assert large.skinny_max_rows == 0
+    off = resolve_model_quantization(mcfg, EngineConfig(device="cpu", skinny_max_rows=0))
+    assert off.skinny_max_rows == 0
     with pytest.raises(ValueError, match="skinny_max_rows"):
         EngineConfig(skinny_max_rows=17)
