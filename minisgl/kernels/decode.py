@@ -245,10 +245,6 @@ def _combine_splits(
     tl.store(o_dst, out.to(o_dst.dtype.element_ty), mask=mask_h[:, None])
 
 
-# Split counters by device; grow-only: a CUDA graph keeps the address it captured, so a buffer
-# is never freed once handed out.
-
-
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
