@@ -17,7 +17,9 @@ the order the scheduler builds batches (one-token decode rows first, then prefil
 4. decode of short contexts (the single-split decode kernel), eager without CUDA graphs, two of
    its rows under a grammar's token mask (the mask kernel, with the Gumbel and sort samplers), then
    a decode of one request alone (the batch-1 GEMV path of the layers);
-5. with CUDA graphs, an eager decode batch one request above the largest captured size;
+5. with CUDA graphs, an eager decode batch one request above the largest captured size; and
+   for a model whose layers take the skinny GEMM up to N rows (`skinny_max_rows`, so every
+   step above has run that way), a prefill of N + 1 tokens through its plain layers;
 6. a model with MoE layers on CUDA: one prefill per power of two up to the prefill budget. The
    fused MoE kernels pick their tiles by tokens per expert (T * top_k / num_experts) in buckets
    bounded by powers of two, so these reach every bucket when num_experts / top_k is a power
@@ -45,6 +47,7 @@ from minisgl.constrain import bitmask_width
 from minisgl.core import Batch, Req, SamplingParams, SeqInfo, TableWrite
 from minisgl.engine import Engine, ForwardOutput, TokenMask
 from minisgl.kvcache import PageAllocator, SlotAllocator
+from minisgl.layers.fused import fused_kernels
 from minisgl.scheduler.kv_manager import pages_for
 
 logger = logging.getLogger(__name__)
@@ -212,6 +215,8 @@ def run_warmup(engine: Engine, allocator: PageAllocator | None = None) -> int:
         mixed_steps(run, sizes)
     with run.released():
         eager_decode_step(run)
+    with run.released():
+        plain_layers_step(run)
     if engine.model_config.moe is not None and engine.device.type == "cuda":
         moe_sweep(run, engine.config.max_prefill_tokens)
     return run.steps
@@ -253,6 +258,18 @@ def eager_decode_step(run: WarmupRun) -> None:
     n = e.graphs.max_bs + 1
     if n <= run.allocator.num_free:
         run.step([(run.add(1, GREEDY), 1) for _ in range(n)])
+
+
+def plain_layers_step(run: WarmupRun) -> None:
+    """Step 5's prefill of one row above the skinny GEMM's `skinny_max_rows` (when the prefill
+    budget, the context and the pool allow it)."""
+    e = run.engine
+    if fused_kernels(torch.empty(0, device=e.device)) is None:  # no skinny GEMM here
+        return
+    n = e.model_config.skinny_max_rows + 1
+    fits = n <= min(e.config.max_prefill_tokens, e.max_context - 1)
+    if n > 1 and fits and pages_for(n + 1, e.page_size) <= run.allocator.num_free:
+        run.step([(run.add(n, GREEDY), n)])
 
 
 def moe_token_counts(max_prefill_tokens: int) -> list[int]:
