@@ -103,6 +103,8 @@ CASES = [
     (torch.float32, 16, 32, 16, 1, 2, [5, 31], [1, 17], 20, 2),  # GQA 16: one token per tile
     # only decodes; only one prompt
     (torch.float32, 16, 64, 4, 2, 3, [100, 7, 50], [1, 1, 1], 8, 4),
+    # a 2-token row at 31, 32 whose second split (key 32) the first token must not see
+    (torch.float32, 16, 64, 4, 2, 2, [31, 50], [2, 1], 8, 3),
     (torch.bfloat16, 16, 64, 4, 2, 1, [0], [33], 40, 2),
 ]
 
