@@ -12,6 +12,11 @@ pool (bytes counted at one per value, plus the per-head scales); with `--tune` i
 `--fp8-gemm` runs only the sweep that sets `FP8_GEMV_MAX_ROWS` (minisgl/config/quant.py): the
 FP8 weight-only GEMV against the FP8 tensor-core GEMM (per-token activation quantization
 included) and bf16 `F.linear`, at Llama-3-8B projection shapes, rows 1..256.
+`--mixed` runs only mixed steps (issue 23: decode rows beside one prompt, W4-like): the one-launch
+`mixed_attention` at the step's token bucket against today's decode-split + extend pair, device
+us of each (CUDA graph), their fraction of the copy bandwidth (every context's K/V read once)
+and host us of an eager call; with `--tune`, the mixed kernel's tile sweep (128 configs x 2
+shapes, several minutes).
 """
 
 from __future__ import annotations
@@ -340,7 +345,7 @@ def run_mixed(
         "decode_rows": nd, "context": ctx, "prompt": prompt, "tokens": t, "bucket": q.shape[0],
         "max_requests": max_requests, "num_splits": num_splits, "rows_wide": cfg.rows_wide,
         "block_n": cfg.block_n, "block_n_narrow": cfg.block_n_narrow,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "persistent": cfg.persistent,
         "mixed_us": mixed_s * 1e6, "pair_us": pair_s * 1e6, "pair_decode_splits": dsplits,
         "mixed_fraction_of_copy": case.nbytes / mixed_s / copy_bw,
         "pair_fraction_of_copy": case.nbytes / pair_s / copy_bw,
@@ -364,26 +369,28 @@ def _eager_host_us(fn: Callable[[int], object], calls: int = 50) -> float:
 
 
 def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row:
-    from minisgl.kernels.mixed import MixedConfig
+    from minisgl.kernels.mixed import MixedConfig, default_mixed_config
 
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     ps = args.page_size
     run = functools.partial(run_mixed, max_requests=args.mixed_max_requests, kv_dtype=kv_dtype)
     rows = []
-    for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS):
+    for shape, splits, persistent in itertools.product(MIXED_SHAPES, MIXED_SPLITS, (False, True)):
+        cfg = dataclasses.replace(default_mixed_config(HEAD_DIM), persistent=persistent)
         label = {"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
-                 "num_splits": splits}  # fmt: skip
-        rows.append(_attempt(label, run, shape, ps, timer, copy_bw, num_splits=splits))
+                 "num_splits": splits, "persistent": persistent}  # fmt: skip
+        rows.append(_attempt(label, run, shape, ps, timer, copy_bw, num_splits=splits,
+                             config=cfg))  # fmt: skip
     print_table(f"mixed steps: one launch vs decode-split + extend (page_size {ps}, "
                 f"{args.kv_cache_dtype} KV; us of one layer)", rows, MIXED_COLUMNS)  # fmt: skip
     result: Row = {"mixed": rows}
     if args.tune:
         tune = []
-        for shape, rw, bn, bnn, w, st in itertools.product(
-            MIXED_SHAPES[1:4:2], (32, 64, 128), (32, 64), (64, 128), (4, 8), (2, 3)
+        for shape, rw, bn, bnn, w, st, pers in itertools.product(
+            MIXED_SHAPES[1:4:2], (64, 128), (32, 64), (64, 128), (4, 8), (2, 3), (False, True)
         ):
             cfg = MixedConfig(rows_wide=rw, block_n=bn, block_n_narrow=bnn, num_warps=w,
-                              num_stages=st)  # fmt: skip
+                              num_stages=st, persistent=pers)  # fmt: skip
             label = {"decode_rows": shape[0], "prompt": shape[2], **dataclasses.asdict(cfg)}
             tune.append(_attempt(label, run, shape, ps, timer, copy_bw, config=cfg))
         tune.sort(key=lambda r: (r["decode_rows"], r.get("mixed_us", math.inf)))
@@ -582,8 +589,9 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
                   "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
-MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
-                 "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
+MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "persistent",
+                 "rows_wide", "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us",
+                 "pair_us",
                  "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",
                  "pair_host_us", "rel_err", "padding_zero"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",

@@ -20,8 +20,12 @@ sum over the Bmax requests, no host list, no planning launch):
   key range split `num_splits` ways (a host int fixed per capture) so that a few decodes at
   long contexts still fill the GPU; the last split to finish combines the partials, counted
   with an atomic, exactly as `decode.py` does;
-- the remaining (idle) programs write zeros to the padding rows, so a replay leaves no stale or
-  NaN rows there; no program writes a row of another request.
+- padding rows (past `cu_extend[Bmax]`) get zeros, so a replay leaves no stale or NaN rows
+  there; no program writes a row of another request.
+Two launch modes (`MixedConfig.persistent`): one program per item the capacity can need
+(those past the step's items zero the padding rows and exit), or a persistent grid of about
+`programs_per_sm` programs per SM, each planning once and taking every G-th item, heaviest
+first, padding rows included, so that a large capacity costs no wave of idle programs.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from minisgl.kernels.common import (
     dot,
     dot_flags,
     fp8_operand,
+    num_sms,
     online_softmax_step,
     pdl_args,
     pdl_prologue,
@@ -60,6 +65,12 @@ class MixedConfig:
     # SM); 4 warps need 196 registers. Not yet swept on the H200.
     num_warps: int = 8
     num_stages: int = 2
+    # Persistent: a grid of `programs_per_sm` per SM whose programs loop over the items (each
+    # plans once; sm_90: 177-224 registers at 8 warps, so one program per SM). Else one
+    # program per item the capacity can need (128-136 registers; the programs a step does
+    # not need still plan). Which wins is the H200's call (`benchmark.kernels --mixed`).
+    persistent: bool = False
+    programs_per_sm: int = 4
 
     def __post_init__(self) -> None:
         for name in ("rows_wide", "block_n", "block_n_narrow"):
@@ -87,10 +98,10 @@ def narrow_rows(gpad: int) -> int:
 def max_work_items(
     max_tokens: int, max_requests: int, gpad: int, rows_wide: int, num_splits: int
 ) -> int:
-    """Work items enough for any step of at most `max_tokens` rows and `max_requests` requests:
-    a wide request of e tokens has cdiv(e, TOK_W) <= e / TOK_W + 1 blocks and more than TOK_N
-    tokens; a narrow one has `num_splits` items. One more, so that some program is always idle
-    to zero the padding rows."""
+    """Attention items of any step of at most `max_tokens` rows and `max_requests` requests (a
+    wide request of e tokens has cdiv(e, TOK_W) <= e / TOK_W + 1 blocks and more than TOK_N
+    tokens; a narrow one has `num_splits` items), plus one: the grid of the non-persistent
+    launch, which always leaves a program idle to zero the padding rows."""
     tok_w = max(1, rows_wide // gpad)
     tok_n = narrow_rows(gpad) // gpad
     wide = max_tokens // tok_w + min(max_requests, max_tokens // (tok_n + 1))
@@ -205,11 +216,11 @@ def _mixed_kernel(
     KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # a grid of any size loops over the items; else one per program
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
-    item = tl.program_id(1)
     TOK_W: tl.constexpr = ROWS_W // GPAD
     TOK_N: tl.constexpr = ROWS_N // GPAD
 
@@ -232,6 +243,68 @@ def _mixed_kernel(
     if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
         qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
+    total = tl.load(cu_extend_ptr + num_requests)
+    if PERSISTENT:
+        # Work items, heaviest first, dealt round-robin to this KV head's programs: each plans
+        # once, and padding rows are items too.
+        num_items = num_busy + tl.cdiv(num_rows - total, TOK_N)
+        for item in range(tl.program_id(1), num_items, tl.num_programs(1)):
+            _work_item(
+                item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total,
+                num_rows, num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
+                part_lse_ptr, counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh,
+                stride_kt, stride_vt, stride_bt, stride_ot, stride_oh, qk_scale, GROUP, GPAD,
+                HEAD_DIM, ROWS_W, BLOCK_N, ROWS_N, BLOCK_N_NARROW, PAGE_SIZE, SPLIT, KV_FP8, IEEE,
+                EMULATE_BF16,
+            )  # fmt: skip
+    else:
+        item = tl.program_id(1)
+        if item < num_busy:
+            _work_item(
+                item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total,
+                num_rows, num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
+                part_lse_ptr, counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh,
+                stride_kt, stride_vt, stride_bt, stride_ot, stride_oh, qk_scale, GROUP, GPAD,
+                HEAD_DIM, ROWS_W, BLOCK_N, ROWS_N, BLOCK_N_NARROW, PAGE_SIZE, SPLIT, KV_FP8, IEEE,
+                EMULATE_BF16,
+            )  # fmt: skip
+        else:
+            # Idle (the grid has at least one program more than the step's items): the padding
+            # rows' zeros, spread over the idle programs.
+            idle = item - num_busy
+            num_idle = tl.num_programs(1) - num_busy
+            for t0 in range(total + idle * TOK_N, num_rows, num_idle * TOK_N):
+                _zero_rows(o_ptr, kv_head, t0, num_rows, stride_ot, stride_oh, GROUP, GPAD,
+                           HEAD_DIM, ROWS_N)  # fmt: skip
+
+
+@triton.jit
+def _zero_rows(
+    o_ptr, kv_head, t0, num_rows, stride_ot, stride_oh, GROUP: tl.constexpr, GPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROWS_N: tl.constexpr,
+):  # fmt: skip
+    """Zeros in one KV head's columns of rows t0 .. t0 + ROWS_N / GPAD - 1 (< num_rows)."""
+    tok, heads, valid = _row_layout(kv_head, t0, num_rows, GROUP, GPAD, ROWS_N)
+    dst = o_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh
+    dst = dst + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(dst, tl.zeros([ROWS_N, HEAD_DIM], o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _work_item(
+    item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total, num_rows,
+    num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh, stride_kt, stride_vt,
+    stride_bt, stride_ot, stride_oh, qk_scale, GROUP: tl.constexpr, GPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROWS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_N: tl.constexpr,
+    BLOCK_N_NARROW: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    """One work item of one KV head: a wide q-block, a narrow tile's key split, or (items past
+    `num_busy`) TOK_N padding rows to zero."""
+    TOK_W: tl.constexpr = ROWS_W // GPAD
+    TOK_N: tl.constexpr = ROWS_N // GPAD
+    offs_d = tl.arange(0, HEAD_DIM)
     if item < num_wide:
         b = tl.sum((cu_wide <= item).to(tl.int32), 0)
         t0 = (_pick(cu_wide, offs_b, b) - 1 - item) * TOK_W  # the request's last block first
@@ -320,15 +393,9 @@ def _mixed_kernel(
                 out = round_bf16(out)
             tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
     else:
-        # Idle: zero this KV head's columns of the padding rows, spread over the idle programs.
-        total = tl.load(cu_extend_ptr + num_requests)
-        idle = item - num_busy
-        num_idle = tl.num_programs(1) - num_busy
-        zeros = tl.zeros([ROWS_N, HEAD_DIM], o_ptr.dtype.element_ty)
-        for t0 in range(total + idle * TOK_N, num_rows, num_idle * TOK_N):
-            tok, heads, valid = _row_layout(kv_head, t0, num_rows, GROUP, GPAD, ROWS_N)
-            o_dst = o_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh
-            tl.store(o_dst + offs_d[None, :], zeros, mask=valid[:, None])
+        # Padding rows past the step's: zeros in this KV head's columns, TOK_N rows an item.
+        _zero_rows(o_ptr, kv_head, total + (item - num_busy) * TOK_N, num_rows, stride_ot,
+                   stride_oh, GROUP, GPAD, HEAD_DIM, ROWS_N)  # fmt: skip
 
 
 def mixed_attention(
@@ -342,6 +409,7 @@ def mixed_attention(
     sm_scale: float,
     *,
     num_splits: int = 1,  # narrow items' key splits: fixed per capture, any value is correct
+    num_programs: int | None = None,  # per KV head, persistent (any count is correct); None: config
     config: MixedConfig | None = None,
     out: torch.Tensor | None = None,  # [Tp, Hq, D], written in place if given
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
@@ -367,6 +435,10 @@ def mixed_attention(
     rows_n = narrow_rows(gpad)
     rows_w = max(cfg.rows_wide, gpad)  # at least one token per wide block
     items = max_work_items(num_rows, num_requests, gpad, rows_w, num_splits)
+    persistent = cfg.persistent or num_programs is not None
+    if num_programs is None:
+        by_sm = cfg.programs_per_sm * num_sms(q.device) // num_kv_heads
+        num_programs = max(1, min(items, by_sm)) if persistent else items
     if num_splits > 1:
         part_o = q.new_empty(num_requests * num_kv_heads * rows_n * num_splits * head_dim,
                              dtype=torch.float32)  # fmt: skip
@@ -378,7 +450,7 @@ def mixed_attention(
         counters = seq_lens
     ieee, emulate_bf16 = dot_flags(q.dtype, _mixed_kernel, fp8)
     k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
-    _mixed_kernel[(num_kv_heads, items)](
+    _mixed_kernel[(num_kv_heads, num_programs)](
         q, k_cache, v_cache, block_table, seq_lens, cu_extend, out, part_o, part_lse, counters,
         k_scale, v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0), out.stride(0),
@@ -386,7 +458,7 @@ def mixed_attention(
         GROUP=num_q_heads // num_kv_heads, GPAD=gpad, HEAD_DIM=head_dim,
         BLOCK_B=max(16, triton.next_power_of_2(num_requests)), ROWS_W=rows_w,
         BLOCK_N=cfg.block_n, ROWS_N=rows_n, BLOCK_N_NARROW=cfg.block_n_narrow,
-        PAGE_SIZE=page_size, SPLIT=num_splits > 1, KV_FP8=fp8, IEEE=ieee,
+        PAGE_SIZE=page_size, SPLIT=num_splits > 1, KV_FP8=fp8, IEEE=ieee, PERSISTENT=persistent,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(q.device),
     )  # fmt: skip

@@ -81,13 +81,18 @@ def check(step: Step, q: torch.Tensor, out: torch.Tensor, scale: float, tol: flo
 
 
 def run(
-    step: Step, q: torch.Tensor, num_splits: int, config: MixedConfig | None = SMALL
+    step: Step,
+    q: torch.Tensor,
+    num_splits: int,
+    config: MixedConfig | None = SMALL,
+    num_programs: int | None = None,
 ) -> torch.Tensor:
     kv = step.kv
     out = torch.full_like(q, float("nan"))
     return mixed_attention(
         q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, step.cu_extend, kv.page_size,
-        q.shape[-1] ** -0.5, num_splits=num_splits, config=config, out=out,
+        q.shape[-1] ** -0.5, num_splits=num_splits, num_programs=num_programs, config=config,
+        out=out,
         kv_scales=kv.kv_scales,
     )  # fmt: skip
 
@@ -120,6 +125,18 @@ def test_mixed_matches_reference(
     out = run(step, q, splits)
     check(step, q, out, d**-0.5, TOL[dtype])
     assert not split_counters(q.device, bmax * hkv).any(), "split counters back at zero"
+
+
+@pytest.mark.parametrize("num_programs", [1, 3, None])
+def test_persistent_programs_take_every_item(num_programs: int | None) -> None:
+    """The persistent launch: each program loops over every G-th item (wide blocks, split
+    narrow rows, padding zeros), G = 1, 3, or by SMs (more than the work)."""
+    torch.manual_seed(9)
+    step = padded_step([40, 3, 0, 21], [1, 1, 30, 2], 6, 16, 2, 64, torch.float32)
+    q = torch.randn(48, 4, 64, device=DEVICE)
+    persistent = MixedConfig(rows_wide=16, block_n=16, block_n_narrow=16, persistent=True)
+    out = run(step, q, 2, persistent, num_programs)
+    check(step, q, out, 64**-0.5, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype,splits", [(torch.float32, 2), (torch.bfloat16, 1)])
@@ -172,8 +189,8 @@ def test_one_launch_serves_every_composition() -> None:
 
 
 def test_work_items_cover_any_step() -> None:
-    """The grid bound holds for the step that needs the most items (every request wide with one
-    token more than a block, or every request narrow), with one program left idle."""
+    """The bound holds for the step that needs the most attention items (every request wide
+    with one token more than a block, or every request narrow)."""
     gpad, rows_w, splits = 2, 16, 3  # 8 tokens per block, 8 per narrow tile
     for tp, bmax in ((48, 6), (2048, 256), (32, 64), (100, 3)):
         bound = max_work_items(tp, bmax, gpad, rows_w, splits)

@@ -22,6 +22,8 @@ MIXED = [
     ("mixed bf16 d128 g4 ps16 split", "bf16", dict(GROUP=4, GPAD=4, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True), 8, 2),
     ("mixed bf16 d128 g3 ps32 rows128", "bf16", dict(GROUP=3, GPAD=4, HEAD_DIM=128, PAGE_SIZE=32, ROWS_W=128), 8, 2),
     ("mixed bf16 fp8kv d128 g2 ps32 split", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=32, SPLIT=True, KV_FP8=True), 8, 2),
+    ("mixed bf16 d128 g2 ps16 split persistent", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True, PERSISTENT=True), 8, 2),
+    ("mixed bf16 fp8kv d128 g2 ps32 persistent", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=32, KV_FP8=True, PERSISTENT=True), 8, 2),
     ("mixed bf16 d128 g16 ps16 split", "bf16", dict(GROUP=16, GPAD=16, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True), 8, 2),
     ("mixed fp32 d128 g2 ps16 split", "fp32", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True, **SMALL_TILES), 4, 2),
     ("mixed fp32 d64 g2 ps16 split", "fp32", dict(GROUP=2, GPAD=2, HEAD_DIM=64, PAGE_SIZE=16, SPLIT=True, **SMALL_TILES), 4, 2),
@@ -41,7 +43,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         types |= {"scale_log2": "fp32"}
         base = dict(BLOCK_B=256, ROWS_W=64, BLOCK_N=64, BLOCK_N_NARROW=64, SPLIT=False)
-        base |= dict(KV_FP8=False, IEEE=dtype == "fp32", EMULATE_BF16=False)
+        base |= dict(KV_FP8=False, IEEE=dtype == "fp32", EMULATE_BF16=False, PERSISTENT=False)
         c = base | c | {"ROWS_N": max(16, c["GPAD"])}
         names = _mixed_kernel.arg_names
         aligned = [n for n in names if n.startswith("stride") or types.get(n, "").startswith("*")]
