@@ -166,7 +166,9 @@ class PiecewiseGraphRunner:
             for _ in range(2):  # compiles the kernels, allocates the split counters
                 self._forward_whole(tp)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 hidden = self._forward_whole(tp)
         torch.cuda.current_stream().wait_stream(stream)
         self.pool = graph.pool()
