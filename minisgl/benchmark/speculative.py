@@ -205,7 +205,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--algorithm", default="ngram", choices=["ngram", "draft"])
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K")
     p.add_argument("--ngram-n", type=int, default=3)
-    p.add_argument("--ngram-min-n", type=int, default=2)
+    p.add_argument("--ngram-min-n", type=int, default=3)
     p.add_argument("--draft-layers", type=int, default=0)
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="draft: a separate draft model of the same vocabulary")  # fmt: skip

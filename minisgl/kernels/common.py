@@ -237,3 +237,23 @@ def online_softmax_step(
         pv = dot(p.to(v.dtype), v, IEEE, EMULATE_BF16)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
+
+
+# Per device: the split counters (`split_counters`); a grown buffer keeps the old ones alive
+# for the CUDA graphs that captured them.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least `n` int32 counters that are zero whenever no kernel runs: kernels that split
+    their work (decode attention's KV splits, the skinny GEMM's K splits) count finished
+    splits in them, and the last split of each output zeroes its counter before the kernel
+    finishes. Shared by those kernels (one stream runs them one after another)."""
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A zero-fill inside a capture runs only at replay: eager calls would see garbage.
+            raise RuntimeError("run the kernel once before capturing it in a CUDA graph")
+        size = max(n, 2 * held[-1].numel() if held else 1024)
+        held.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return held[-1]

@@ -29,6 +29,7 @@ from minisgl.kernels.common import (
     pdl_args,
     pdl_prologue,
     round_bf16,
+    split_counters,
     token_slots,
 )
 
@@ -246,20 +247,6 @@ def _combine_splits(
 
 # Split counters by device; grow-only: a CUDA graph keeps the address it captured, so a buffer
 # is never freed once handed out.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least `n` int32 counters that are zero whenever no decode kernel runs (the last
-    split of each (request, KV head) zeroes its counter before the kernel finishes)."""
-    held = _COUNTERS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # A zero-fill inside a capture runs only at replay: eager calls would see garbage.
-            raise RuntimeError("run decode_attention once before capturing it in a CUDA graph")
-        size = max(n, 2 * held[-1].numel() if held else 1024)
-        held.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def decode_attention(

@@ -41,8 +41,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import dot, dot_flags, num_sms, pdl_args, pdl_prologue, round_bf16
-from minisgl.kernels.decode import split_counters
+from minisgl.kernels.common import (
+    dot,
+    dot_flags,
+    num_sms,
+    pdl_args,
+    pdl_prologue,
+    round_bf16,
+    split_counters,
+)
 from minisgl.kernels.gemv import _check_weight_scale
 
 BLOCK_M = 16  # rows of x per program: tl.dot's smallest side

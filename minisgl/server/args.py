@@ -390,8 +390,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--speculative-ngram-min-n",
         type=int,
-        default=2,
-        help="ngram: the shortest suffix looked up (one token matches in almost any text)",
+        default=3,
+        help="ngram: the shortest suffix looked up (shorter ones match by chance in any text)",
     )
     sp.add_argument(
         "--speculative-draft-model",

@@ -293,6 +293,7 @@ def test_speculation_at_tp2_gives_the_tp1_answers(
     with LLM(str(models["qwen3"]), **OPTS) as llm:
         ref = llm.generate(looping, params, use_tqdm=False)
     options = dict(tp_size=2, speculative_algorithm=algo, speculative_draft_layers=1)
+    options["speculative_ngram_min_n"] = 2  # the random model's outputs repeat pairs soonest
     with LLM(str(models["qwen3"]), **OPTS, **options) as llm:
         out = llm.generate(looping, params, use_tqdm=False)
         assert llm.scheduler.spec is not None

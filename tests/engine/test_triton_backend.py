@@ -20,7 +20,7 @@ from helpers import assert_kv_clean, random_prompts  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.engine.cuda_graph import CudaGraphRunner, graph_batch_sizes  # noqa: E402
-from minisgl.kernels.decode import split_counters  # noqa: E402
+from minisgl.kernels.common import split_counters  # noqa: E402
 from minisgl.scheduler import Scheduler  # noqa: E402
 
 NUM_TOKENS = 12

@@ -16,14 +16,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
 from minisgl.kernels import reference as ref  # noqa: E402
-from minisgl.kernels.common import is_interpreted  # noqa: E402
+from minisgl.kernels.common import is_interpreted, split_counters  # noqa: E402
 from minisgl.kernels.decode import (  # noqa: E402
     DecodeConfig,
     _decode_split_kernel,
     choose_num_splits,
     decode_attention,
     default_decode_config,
-    split_counters,
 )
 from minisgl.kernels.extend import ExtendConfig, extend_attention  # noqa: E402
 from minisgl.kernels.store import store_kv  # noqa: E402

@@ -130,7 +130,7 @@ def test_skinny_fp8_weights_match_their_dequantized_values(layout, m, fusion):
 def test_skinny_rows_are_independent_and_splits_leave_no_trace():
     """Each row of a 16-row call equals that row alone (fp32), and a split call leaves its
     counters at zero (as a CUDA-graph replay needs them) and repeats exactly."""
-    from minisgl.kernels.decode import split_counters
+    from minisgl.kernels.common import split_counters
 
     sk = _skinny_module()
     gen = torch.Generator().manual_seed(4)

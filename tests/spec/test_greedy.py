@@ -32,6 +32,9 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, l
 
 def make_llm(path: Any, overlap: bool = False, **options: Any) -> LLM:
     options.setdefault("max_prefill_tokens", 32)  # chunked prefill
+    # Two-token matches: the tiny models' short outputs repeat pairs sooner than triples, so
+    # more steps verify drafts (what these tests check).
+    options.setdefault("speculative_ngram_min_n", 2)
     return checked_llm(path, overlap, skip_warmup=True, **options)  # type: ignore[no-any-return]
 
 
