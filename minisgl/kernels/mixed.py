@@ -48,9 +48,10 @@ from minisgl.kernels.common import (
     pdl_args,
     pdl_prologue,
     round_bf16,
+    split_counters,
     token_slots,
 )
-from minisgl.kernels.decode import _combine_splits, _split_len, split_counters
+from minisgl.kernels.decode import _combine_splits, _split_len
 
 
 @dataclass(frozen=True)

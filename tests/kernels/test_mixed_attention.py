@@ -18,8 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
 from minisgl.kernels import reference as ref  # noqa: E402
-from minisgl.kernels.common import is_interpreted  # noqa: E402
-from minisgl.kernels.decode import split_counters  # noqa: E402
+from minisgl.kernels.common import is_interpreted, split_counters  # noqa: E402
 from minisgl.kernels.mixed import (  # noqa: E402
     MixedConfig,
     _mixed_kernel,
