@@ -146,9 +146,22 @@ def test_mixed_fp8_kv_matches_reference(dtype: torch.dtype, splits: int) -> None
     check(step, q, run(step, q, splits), 64**-0.5, TOL[torch.bfloat16])
 
 
-def test_one_launch_serves_every_composition() -> None:
-    """What a CUDA-graph replay does: the same buffers, the same launch parameters, new
-    contents. The pool is rewritten in place, the block table, lengths and rows too."""
+GPU_ONLY = pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph needs a GPU")
+
+
+@pytest.mark.parametrize(
+    "graph,persistent",
+    [
+        (False, False),
+        pytest.param(False, True, marks=pytest.mark.slow),
+        pytest.param(True, False, marks=GPU_ONLY),
+        pytest.param(True, True, marks=GPU_ONLY),
+    ],
+)
+def test_one_launch_serves_every_composition(graph: bool, persistent: bool) -> None:
+    """One launch, captured in a CUDA graph on a GPU (else the same call again, which is what
+    a replay does): the same buffers and launch parameters, new contents. The pool is
+    rewritten in place, the block table, lengths and rows too."""
     torch.manual_seed(5)
     tp, bmax, ps, hq, hkv, d = 40, 5, 16, 4, 2, 64
     compositions = [
@@ -168,6 +181,21 @@ def test_one_launch_serves_every_composition() -> None:
     cu = torch.empty(bmax + 1, dtype=torch.int32, device=DEVICE)
     q = torch.empty(tp, hq, d, device=DEVICE)
     out = torch.empty_like(q)
+    cfg = MixedConfig(rows_wide=16, block_n=16, block_n_narrow=16, persistent=persistent)
+
+    def launch() -> None:
+        mixed_attention(
+            q, k_cache, v_cache, table, seq_lens, cu, ps, d**-0.5, num_splits=2, config=cfg,
+            out=out,
+        )  # fmt: skip
+
+    if graph:  # compiled and the split counters allocated first: a capture cannot do either
+        cu.zero_()
+        launch()
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            launch()
     for step in steps:
         n = step.kv.k_cache.shape[0]
         for dst, src in ((k_cache, step.kv.k_cache), (v_cache, step.kv.v_cache)):
@@ -179,10 +207,7 @@ def test_one_launch_serves_every_composition() -> None:
         cu.copy_(step.cu_extend)
         q.normal_()
         out.fill_(float("nan"))
-        mixed_attention(
-            q, k_cache, v_cache, table, seq_lens, cu, ps, d**-0.5, num_splits=2, config=SMALL,
-            out=out,
-        )  # fmt: skip
+        captured.replay() if graph else launch()
         kv = PagedKV(k_cache, v_cache, table, seq_lens, step.kv.seq_lens_host, ps)
         check(Step(kv, cu, step.ext), q, out, d**-0.5, TOL[torch.float32])
 
