@@ -21,6 +21,7 @@ from minisgl.kernels.decode import (
     default_decode_config,
 )
 from minisgl.kernels.extend import ExtendConfig, default_extend_config, extend_attention
+from minisgl.kernels.mixed import MixedConfig, default_mixed_config, mixed_attention
 from minisgl.kernels.store import store_kv
 from minisgl.kvcache import KVPool, ReqTable
 
@@ -46,6 +47,20 @@ class TritonMeta:
     extend: ExtendPart | None  # the remaining rows: the extend kernel takes them
 
 
+@dataclass
+class MixedMeta:
+    """A whole prefilling step at a capacity, for `mixed_attention` (one kernel per layer,
+    whatever the mix of decode and prefill rows): static buffers that a CUDA graph captured
+    once per token bucket reads, refilled before each replay (`PiecewiseGraphRunner` with
+    `whole_step`). Padding rows store their K/V at the spare slot and get zeros."""
+
+    out_loc: torch.Tensor  # [Tp] int64, the spare slot past the step's rows
+    block_table: torch.Tensor  # [Bmax, P] int32, P = the request table's width
+    seq_lens: torch.Tensor  # [Bmax] int32
+    cu_extend: torch.Tensor  # [Bmax+1] int32, constant past the step's requests
+    num_splits: int  # key splits of the one-token rows (fixed per capture)
+
+
 class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
 
@@ -53,6 +68,9 @@ class TritonBackend(AttentionBackend):
         super().__init__(pool, table, num_q_heads, sm_scale)
         self.decode_config: DecodeConfig = default_decode_config(pool.head_dim, pool.quantized)
         self.extend_config: ExtendConfig = default_extend_config(
+            pool.head_dim, torch.empty((), dtype=pool.dtype).element_size()
+        )
+        self.mixed_config: MixedConfig = default_mixed_config(
             pool.head_dim, torch.empty((), dtype=pool.dtype).element_size()
         )
         self.num_sms = num_sms(pool.device)
@@ -85,9 +103,9 @@ class TritonBackend(AttentionBackend):
         return TritonMeta(inputs, block_table[:nd], inputs.seq_lens[:nd], nd, num_splits, extend)
 
     def kv_store(self, layer: int, meta: object) -> KVStore:
-        assert isinstance(meta, TritonMeta)
+        assert isinstance(meta, TritonMeta | MixedMeta)
         pool = self.pool
-        loc = meta.inputs.out_loc
+        loc = meta.inputs.out_loc if isinstance(meta, TritonMeta) else meta.out_loc
         return KVStore(pool.k(layer), pool.v(layer), loc, pool.scales(layer), pool.k_shift(layer))
 
     def forward(
@@ -98,13 +116,21 @@ class TritonBackend(AttentionBackend):
         layer: int,
         meta: object,
     ) -> torch.Tensor:
-        assert isinstance(meta, TritonMeta)
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
         scales = self.pool.scales(layer)
         if k is not None:  # else the layer's rotary kernel stored them (`kv_store`)
             assert v is not None
-            store_kv(k_cache, v_cache, meta.inputs.out_loc, k, v, scales, self.pool.k_shift(layer))
-        ps, nd, ext = self.pool.page_size, meta.num_decode, meta.extend
+            store = self.kv_store(layer, meta)
+            store_kv(k_cache, v_cache, store.loc, k, v, scales, self.pool.k_shift(layer))
+        ps = self.pool.page_size
+        if isinstance(meta, MixedMeta):
+            return mixed_attention(
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_extend, ps,
+                self.sm_scale, num_splits=meta.num_splits, config=self.mixed_config,
+                kv_scales=scales,
+            )  # fmt: skip
+        assert isinstance(meta, TritonMeta)
+        nd, ext = meta.num_decode, meta.extend
         out = torch.empty_like(q)
         if nd:
             decode_attention(

@@ -12,6 +12,11 @@ pool (bytes counted at one per value, plus the per-head scales); with `--tune` i
 `--fp8-gemm` runs only the sweep that sets `FP8_GEMV_MAX_ROWS` (minisgl/config/quant.py): the
 FP8 weight-only GEMV against the FP8 tensor-core GEMM (per-token activation quantization
 included) and bf16 `F.linear`, at Llama-3-8B projection shapes, rows 1..256.
+`--mixed` runs only mixed steps (issue 23: decode rows beside one prompt, W4-like): the one-launch
+`mixed_attention` at the step's token bucket against today's decode-split + extend pair, device
+us of each (CUDA graph), their fraction of the copy bandwidth (every context's K/V read once)
+and host us of an eager call; with `--tune`, the mixed kernel's tile sweep (128 configs x 2
+shapes, several minutes).
 """
 
 from __future__ import annotations
@@ -240,6 +245,160 @@ def run_extend(
     }
 
 
+# ---- mixed steps (issue 23): the one-launch kernel against today's decode-split + extend ---------
+
+# (decode rows, their mean context, prompt tokens): W4-like mixed steps at 16 req/s, contexts
+# drawn from [0.5, 1.5] x the mean; the prompt has no cached prefix.
+MIXED_SHAPES = ((20, 1000, 100), (20, 1000, 1000), (32, 1000, 500), (64, 1000, 100),
+                (64, 1000, 1000), (8, 4000, 200))  # fmt: skip
+MIXED_SPLITS = (1, 2, 4)
+MIXED_MAX_REQUESTS = 256  # the request capacity captured with each token bucket
+
+
+class MixedCase(NamedTuple):
+    kv: Any  # PagedKV of Bmax requests: the step's decodes, its prompt, spare requests
+    q: torch.Tensor  # [Tp, Hq, D]
+    cu: torch.Tensor  # [Bmax+1] int32
+    num_decode: int
+    prompt: int
+    nbytes: int  # K/V of every context once, q and output of the real rows
+
+
+def mixed_case(
+    num_decode: int, context: int, prompt: int, page_size: int, max_requests: int,
+    kv_dtype: torch.dtype,
+) -> MixedCase:  # fmt: skip
+    from minisgl.engine.piecewise import token_buckets
+
+    gen = torch.Generator().manual_seed(num_decode * 7 + prompt)
+    lens = torch.randint(context // 2, context * 3 // 2 + 1, (num_decode,), generator=gen)
+    spare = max_requests - num_decode - 1
+    seq = [*lens.tolist(), prompt] + [1] * spare
+    kv = random_paged_kv(seq, page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE, poison=False)
+    t = num_decode + prompt
+    tp = min(b for b in token_buckets(max(2048, t)) if b >= t)
+    q = torch.randn(tp, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    cu = cu_seqlens([1] * num_decode + [prompt] + [0] * spare, DEVICE)
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    kv_bytes = 2 * (int(lens.sum()) + prompt) * NUM_KV_HEADS * HEAD_DIM * elem
+    qo_bytes = 2 * t * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
+    return MixedCase(kv, q, cu, num_decode, prompt, kv_bytes + qo_bytes)
+
+
+def run_mixed(
+    shape: tuple[int, int, int],
+    page_size: int,
+    timer: Timer,
+    copy_bw: float,
+    *,
+    num_splits: int = 1,
+    config: Any = None,
+    max_requests: int = MIXED_MAX_REQUESTS,
+    kv_dtype: torch.dtype = DTYPE,
+) -> Row:
+    """One mixed step's attention (one layer): `mixed_attention` at the step's token bucket
+    against today's pair (`decode_attention` on the decode rows, `extend_attention` on the
+    prompt, as `TritonBackend` launches them), device time in a CUDA graph and host time of an
+    eager call each, and the mixed kernel's error against the torch reference."""
+    from minisgl.kernels.common import num_sms
+    from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
+    from minisgl.kernels.extend import default_extend_config, extend_attention
+    from minisgl.kernels.mixed import default_mixed_config, mixed_attention
+
+    nd, ctx, prompt = shape
+    case = mixed_case(nd, ctx, prompt, page_size, max_requests, kv_dtype)
+    kv, q, cu = case.kv, case.q, case.cu
+    t = nd + prompt
+    cfg = config or default_mixed_config(HEAD_DIM)
+    out = torch.empty_like(q)
+    caches = (kv.k_cache, kv.v_cache)
+
+    def mixed(_: int) -> None:
+        mixed_attention(q, *caches, kv.block_table, kv.seq_lens, cu, page_size, SM_SCALE,
+                        num_splits=num_splits, config=cfg, out=out, kv_scales=kv.kv_scales)  # fmt: skip
+
+    dcfg = default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
+    dsplits = choose_num_splits(nd, NUM_KV_HEADS, max(kv.seq_lens_host[:nd]), num_sms(q.device),
+                                dcfg)  # fmt: skip
+    d_table, d_lens = kv.block_table[:nd], kv.seq_lens[:nd]
+    e_table, e_lens = kv.block_table[nd : nd + 1].clone(), kv.seq_lens[nd : nd + 1].clone()
+    e_ext = torch.tensor([prompt], dtype=torch.int32, device=DEVICE)
+    e_cu = cu_seqlens([prompt], DEVICE)
+    pair_out = torch.empty_like(q)
+
+    def pair(_: int) -> None:
+        decode_attention(q[:nd], *caches, d_table, d_lens, page_size, SM_SCALE,
+                         num_splits=dsplits, config=dcfg, out=pair_out[:nd],
+                         kv_scales=kv.kv_scales)  # fmt: skip
+        extend_attention(q[nd:t], *caches, e_table, e_lens, e_ext, e_cu, page_size, SM_SCALE,
+                         prompt, config=default_extend_config(HEAD_DIM), out=pair_out[nd:t],
+                         kv_scales=kv.kv_scales)  # fmt: skip
+
+    mixed_s, pair_s = timer(mixed, 1), timer(pair, 1)
+    mixed(0)
+    b = nd + 1
+    ext = cu[1 : b + 1] - cu[:b]
+    expected = extend_attention_ref(q[:t], *caches, kv.block_table[:b], kv.seq_lens[:b], ext,
+                                    cu[: b + 1], page_size, SM_SCALE, kv.kv_scales)  # fmt: skip
+    padding_zero = bool((out[t:] == 0).all())
+    return {
+        "decode_rows": nd, "context": ctx, "prompt": prompt, "tokens": t, "bucket": q.shape[0],
+        "max_requests": max_requests, "num_splits": num_splits, "rows_wide": cfg.rows_wide,
+        "block_n": cfg.block_n, "block_n_narrow": cfg.block_n_narrow,
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "persistent": cfg.persistent,
+        "mixed_us": mixed_s * 1e6, "pair_us": pair_s * 1e6, "pair_decode_splits": dsplits,
+        "mixed_fraction_of_copy": case.nbytes / mixed_s / copy_bw,
+        "pair_fraction_of_copy": case.nbytes / pair_s / copy_bw,
+        "mixed_host_us": _eager_host_us(mixed), "pair_host_us": _eager_host_us(pair),
+        "padding_zero": padding_zero, **_errors(out[:t], expected),
+    }  # fmt: skip
+
+
+def _eager_host_us(fn: Callable[[int], object], calls: int = 50) -> float:
+    """Host us per eager call (the launch path a step pays outside a CUDA graph)."""
+    import time
+
+    fn(0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row:
+    from minisgl.kernels.mixed import MixedConfig, default_mixed_config
+
+    kv_dtype = KV_DTYPES[args.kv_cache_dtype]
+    ps = args.page_size
+    run = functools.partial(run_mixed, max_requests=args.mixed_max_requests, kv_dtype=kv_dtype)
+    rows = []
+    for shape, splits, persistent in itertools.product(MIXED_SHAPES, MIXED_SPLITS, (False, True)):
+        cfg = dataclasses.replace(default_mixed_config(HEAD_DIM), persistent=persistent)
+        label = {"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
+                 "num_splits": splits, "persistent": persistent}  # fmt: skip
+        rows.append(_attempt(label, run, shape, ps, timer, copy_bw, num_splits=splits,
+                             config=cfg))  # fmt: skip
+    print_table(f"mixed steps: one launch vs decode-split + extend (page_size {ps}, "
+                f"{args.kv_cache_dtype} KV; us of one layer)", rows, MIXED_COLUMNS)  # fmt: skip
+    result: Row = {"mixed": rows}
+    if args.tune:
+        tune = []
+        for shape, rw, bn, bnn, w, st, pers in itertools.product(
+            MIXED_SHAPES[1:4:2], (64, 128), (32, 64), (64, 128), (4, 8), (2, 3), (False, True)
+        ):
+            cfg = MixedConfig(rows_wide=rw, block_n=bn, block_n_narrow=bnn, num_warps=w,
+                              num_stages=st, persistent=pers)  # fmt: skip
+            label = {"decode_rows": shape[0], "prompt": shape[2], **dataclasses.asdict(cfg)}
+            tune.append(_attempt(label, run, shape, ps, timer, copy_bw, config=cfg))
+        tune.sort(key=lambda r: (r["decode_rows"], r.get("mixed_us", math.inf)))
+        print_table("tune: mixed kernel tiles (num_splits 1)", tune, MIXED_COLUMNS)
+        result["tune_mixed"] = tune
+    return result
+
+
 def _attempt(label: Row, fn: Callable[..., Row], *args: Any, **kwargs: Any) -> Row:
     """Run one case; one that fails (a tile that does not fit, out of memory) becomes an error
     row labelled `label` instead of ending the run."""
@@ -430,6 +589,11 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
                   "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
+MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "persistent",
+                 "rows_wide", "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us",
+                 "pair_us",
+                 "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",
+                 "pair_host_us", "rel_err", "padding_zero"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",
                   "num_stages", "time_us", "flop_per_s", "fraction_of_matmul", "rel_err"]
 # fmt: on
@@ -442,6 +606,9 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     if args.fp8_gemm:
         print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
         return {"copy_bytes_per_s": copy_bw, **fp8_gemm_sweep(timer)}
+    if args.mixed:  # only the mixed-step comparison (and its tile sweep with --tune)
+        print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+        return {"copy_bytes_per_s": copy_bw, **run_mixed_all(args, timer, copy_bw)}
     if args.w1:  # only the W1-shape sweep
         rows = sorted(
             tune_w1_decode(timer, copy_bw, ps, kv_dtype),
@@ -560,6 +727,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--fp8-gemm",
         action="store_true",
         help="only the FP8 GEMV-vs-GEMM sweep that sets FP8_GEMV_MAX_ROWS",
+    )
+    parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help="only mixed steps (decode rows beside a prompt, issue 23): the one-launch mixed "
+        "kernel against decode-split + extend; with --tune, its tile sweep",
+    )
+    parser.add_argument(
+        "--mixed-max-requests",
+        type=int,
+        default=MIXED_MAX_REQUESTS,
+        help="request capacity of the mixed kernel's launch (its grid and tables)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

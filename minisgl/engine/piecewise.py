@@ -17,6 +17,11 @@ results are dropped.
 Dense models at tp = 1 on CUDA (a mixture of experts routes on host-side numbers; the
 all-reduce buffers are sized for decode batches). With `capture=False` (tests on the CPU) `run`
 executes the same padded, split step eagerly.
+
+With `whole_step` (off by default; the Triton backend only) a bucket is ONE graph of the whole
+forward: every layer's attention is `mixed_attention`, whose launch depends only on the bucket
+and the request capacity, reading static buffers (`MixedMeta`) that `run` refills before the
+replay; padding rows store their K/V at the spare slot.
 """
 
 from __future__ import annotations
@@ -26,13 +31,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minisgl.core import Batch
 from minisgl.engine.step import StepRows
 from minisgl.layers import ForwardContext
+
+if TYPE_CHECKING:
+    from minisgl.attention.triton_backend import MixedMeta
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +112,9 @@ class PiecewiseGraphRunner:
     `Engine`: its device, dtype, configs, model, backend, token table, `token_locations`,
     `_step_inputs` and `sampled_rows`."""
 
-    def __init__(self, engine: Any, max_tokens: int, capture: bool = True) -> None:
+    def __init__(
+        self, engine: Any, max_tokens: int, capture: bool = True, whole_step: bool = False
+    ) -> None:
         self.engine = engine
         self.sizes = token_buckets(max_tokens)
         self.max_tokens = self.sizes[-1]
@@ -116,10 +126,15 @@ class PiecewiseGraphRunner:
         self.attn_out = torch.zeros(self.max_tokens, q_size, dtype=engine.dtype, device=dev)
         self.pool: Any = None
         self.pieces: dict[int, Pieces] = {}
+        self.mixed: WholeStep | None = WholeStep(engine, self.max_tokens) if whole_step else None
+        self.whole: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             start = time.perf_counter()
             for tp in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
-                self.pieces[tp] = self._capture(tp)
+                if self.mixed is None:
+                    self.pieces[tp] = self._capture(tp)
+                else:
+                    self.whole[tp] = self._capture_whole(tp)
             logger.info(
                 "piecewise CUDA graphs: %d token counts (%d..%d) captured in %.1f s",
                 len(self.sizes),
@@ -143,6 +158,28 @@ class PiecewiseGraphRunner:
         self.pool = recorder.pool
         return Pieces(recorder.graphs, recorder.splits, hidden)
 
+    @torch.inference_mode()
+    def _capture_whole(self, tp: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream(self.engine.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the kernels, allocates the split counters
+                self._forward_whole(tp)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                hidden = self._forward_whole(tp)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.pool = graph.pool()
+        return graph, hidden
+
+    def _forward_whole(self, tp: int) -> torch.Tensor:
+        assert self.mixed is not None
+        e = self.engine
+        ctx = ForwardContext(e.backend, self.mixed.meta(tp))
+        return e.model(self.ids[:tp], self.positions[:tp], ctx)  # type: ignore[no-any-return]
+
     def _forward(self, tp: int, pieces: Recorder | Live) -> torch.Tensor:
         e = self.engine
         ctx = ForwardContext(e.backend, None, pieces=pieces)
@@ -152,8 +189,28 @@ class PiecewiseGraphRunner:
         """A step that prefills (the decode graphs take the others) of at most `max_tokens`."""
         return batch.num_tokens != batch.size and batch.num_tokens <= self.max_tokens
 
+    def _run_whole(self, batch: Batch) -> StepRows | None:
+        """The bucket's one graph (or, uncaptured, the same padded forward eagerly)."""
+        assert self.mixed is not None
+        e = self.engine
+        step = e._step_inputs(batch)
+        t = batch.num_tokens
+        tp = self.sizes[bisect.bisect_left(self.sizes, t)]
+        self.ids[:t].copy_(e.table.token_table[step.token_slots, step.positions])
+        self.positions[:t].copy_(step.positions)
+        self.mixed.fill(step.attn, e.token_locations(step.token_slots, step.positions), t)
+        captured = self.whole.get(tp)
+        if captured is None:
+            hidden = self._forward_whole(tp)
+        else:
+            captured[0].replay()
+            hidden = captured[1]
+        return e.sampled_rows(batch, step, hidden[:t])  # type: ignore[no-any-return]
+
     def run(self, batch: Batch) -> StepRows | None:
         """The bucket's graphs with the layers' attention between them; no host sync."""
+        if self.mixed is not None:
+            return self._run_whole(batch)
         e = self.engine
         step = e._step_inputs(batch)
         t = batch.num_tokens
@@ -172,3 +229,44 @@ class PiecewiseGraphRunner:
             pieces.graphs[-1].replay()
             hidden = pieces.hidden
         return e.sampled_rows(batch, step, hidden[:t])  # type: ignore[no-any-return]
+
+
+class WholeStep:
+    """The static attention inputs of whole-step graphs (`MixedMeta`), sized by the largest
+    bucket and the request table's capacity, shared by every bucket."""
+
+    def __init__(self, engine: Any, max_tokens: int) -> None:
+        from minisgl.attention.triton_backend import TritonBackend  # imports Triton
+
+        if not isinstance(engine.backend, TritonBackend):
+            raise ValueError("whole-step piecewise graphs need attention_backend='triton'")
+        dev, table = engine.device, engine.table
+        max_reqs, width = table.page_table.shape
+        self.dummy_loc = int(engine.dummy_loc)
+        self.out_loc = torch.full((max_tokens,), self.dummy_loc, dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros(max_reqs, width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=dev)
+        self.cu_extend = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
+        self.page_table = table.page_table
+        # Splits of the one-token rows' keys: one split per request is what a W4-like mixed
+        # step wants (tens of decodes x 8 KV heads fill the GPU); the benchmark's --mixed
+        # table says whether a fixed 2 or 4 pays at a few decodes with long contexts.
+        self.num_splits = 1
+
+    def meta(self, tp: int) -> MixedMeta:
+        from minisgl.attention.triton_backend import MixedMeta
+
+        return MixedMeta(
+            self.out_loc[:tp], self.block_table, self.seq_lens, self.cu_extend, self.num_splits
+        )
+
+    def fill(self, attn: Any, out_loc: torch.Tensor, t: int) -> None:
+        """Copy one step (AttentionInputs of B requests, [T] KV slots) into the buffers; past
+        the step: the spare slot, no rows."""
+        b = attn.seq_lens.shape[0]
+        self.out_loc[:t].copy_(out_loc)
+        self.out_loc[t:].fill_(self.dummy_loc)
+        self.block_table[:b].copy_(self.page_table[attn.req_slots])
+        self.seq_lens[:b].copy_(attn.seq_lens)
+        self.cu_extend[: b + 1].copy_(attn.cu_extend)
+        self.cu_extend[b + 1 :].fill_(t)

@@ -207,15 +207,29 @@ def dot(a, b, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def online_softmax_step(
+    qk,
+    v,
+    m_i,
+    l_i,
+    acc,
+    IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    MAY_BE_EMPTY: tl.constexpr = False,
+):
     """Fold one key block into the running softmax (base-2 domain).
 
-    qk [M, N] fp32 scores already multiplied by sm_scale * log2(e), masked keys at -inf (every
-    row must have seen a finite score by its first block); v [N, D]; m_i, l_i [M]; acc [M, D].
+    qk [M, N] fp32 scores already multiplied by sm_scale * log2(e), masked keys at -inf; v [N, D];
+    m_i, l_i [M]; acc [M, D]. Without MAY_BE_EMPTY every row must have seen a finite score by
+    its first block; with it a row may see only masked keys for a while (it keeps m_i = -inf,
+    l_i = 0, acc = 0 until a visible key comes, and for good when none comes).
     """
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if MAY_BE_EMPTY:  # -inf - -inf would be NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if EMULATE_BF16:
         pv = dot(round_bf16(p), v, IEEE, EMULATE_BF16)

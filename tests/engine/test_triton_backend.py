@@ -100,3 +100,36 @@ def test_padded_decode_steps_with_overlap(setup):
     assert llm.engine.dummy_loc == llm.engine.num_pages * llm.engine.page_size
     assert llm.engine.pool.num_pages == llm.engine.num_pages + 1
     assert_kv_clean(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_whole_step_mixed_graphs(setup, num_splits):
+    """Prefilling steps as one padded forward per token bucket (`whole_step`), every layer's
+    attention one `mixed_attention` over static buffers: chunked prompts beside decodes, a
+    cached prefix, padding rows at the spare slot. The torch backend's tokens."""
+    from minisgl.engine.piecewise import PiecewiseGraphRunner
+
+    path, prompts, params, want = setup
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", attention_backend="triton", page_size=4,
+        max_prefill_tokens=9, max_running_requests=8, cache="radix",
+    )  # fmt: skip
+    runner = PiecewiseGraphRunner(llm.engine, 16, capture=False, whole_step=True)
+    assert runner.mixed is not None
+    runner.mixed.num_splits = num_splits
+    steps: list[tuple[int, int]] = []
+    original = runner.run
+
+    def spy(batch):
+        steps.append((batch.size, batch.num_tokens))
+        return original(batch)
+
+    runner.run = spy  # type: ignore[method-assign]
+    llm.engine.pieces = runner
+    got = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    # Steps that mixed decodes with a prompt chunk went through it, padded to the bucket.
+    assert any(1 < b < t < 16 for b, t in steps), steps
+    assert not split_counters(torch.device("cpu"), 8 * llm.engine.pool.num_kv_heads).any()
+    assert_kv_clean(llm)

@@ -1,0 +1,481 @@
+"""Paged attention of a mixed step in one launch whose grid depends only on a capacity, so a
+CUDA graph captured once per token bucket replays it for any mix of decode and prefill rows.
+
+A step's rows are requests' new tokens, any mix of one-token (decode) and many-token (prefill
+or extend) requests: request b's rows are `cu_extend[b] : cu_extend[b+1]` of q, at positions
+`seq_lens[b] - ext_b .. seq_lens[b] - 1`, attending causally to each other and fully to the
+request's prefix in the paged pool (the new tokens' K/V are already stored). All tensors are
+sized by the capacity: Tp query rows and Bmax requests; requests past the step's end have
+`cu_extend[b + 1] == cu_extend[b]` (no rows) and rows past `cu_extend[Bmax]` are padding.
+
+Grid: (KV heads, work items). A program reads its KV head once for the whole GQA group: its
+tile's rows are (token, query head of the group) pairs, GPAD = the group padded to a power of
+two heads per token. Each program derives its work from `cu_extend` on the device (a cumulative
+sum over the Bmax requests, no host list, no planning launch):
+- wide items (requests with more than TOK_N new tokens): q-blocks of TOK_W = ROWS_W / GPAD
+  tokens, last block of each request first (it sees the most keys); keys before the block's
+  first query unmasked, the diagonal blocks causal, as in `extend.py`;
+- narrow items (decode rows, short extends of up to TOK_N = ROWS_N / GPAD tokens): one tile of
+  ROWS_N rows (16 at GQA group 2: 8 tokens x 2 heads), the tile shape of `decode.py`, with the
+  key range split `num_splits` ways (a host int fixed per capture) so that a few decodes at
+  long contexts still fill the GPU; the last split to finish combines the partials, counted
+  with an atomic, exactly as `decode.py` does;
+- padding rows (past `cu_extend[Bmax]`) get zeros, so a replay leaves no stale or NaN rows
+  there; no program writes a row of another request.
+Two launch modes (`MixedConfig.persistent`): one program per item the capacity can need
+(those past the step's items zero the padding rows and exit), or a persistent grid of about
+`programs_per_sm` programs per SM, each planning once and taking every G-th item, heaviest
+first, padding rows included, so that a large capacity costs no wave of idle programs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.common import (
+    check_kv_scales,
+    check_paged_args,
+    dot,
+    dot_flags,
+    fp8_operand,
+    num_sms,
+    online_softmax_step,
+    pdl_args,
+    pdl_prologue,
+    round_bf16,
+    split_counters,
+    token_slots,
+)
+from minisgl.kernels.decode import _combine_splits, _split_len
+
+
+@dataclass(frozen=True)
+class MixedConfig:
+    """Tuning knobs of `mixed_attention` (sweep them on the target GPU: `benchmark.kernels
+    --mixed --tune`). One kernel holds both tile shapes, so warps and stages are shared."""
+
+    rows_wide: int = 64  # (token, head) rows of a prefill q-block: 32 tokens at GQA group 2
+    block_n: int = 64  # keys per step of a wide item
+    block_n_narrow: int = 64  # keys per step of a narrow item
+    # sm_90 build at head_dim 128, GQA 2 (bf16): 128 registers, 80 KiB shared (2 programs per
+    # SM); 4 warps need 196 registers. Not yet swept on the H200.
+    num_warps: int = 8
+    num_stages: int = 2
+    # Persistent: a grid of `programs_per_sm` per SM whose programs loop over the items (each
+    # plans once; sm_90: 177-224 registers at 8 warps, so one program per SM). Else one
+    # program per item the capacity can need (128-136 registers; the programs a step does
+    # not need still plan). Which wins is the H200's call (`benchmark.kernels --mixed`).
+    persistent: bool = False
+    programs_per_sm: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("rows_wide", "block_n", "block_n_narrow"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+
+
+def default_mixed_config(head_dim: int, elem_size: int = 2) -> MixedConfig:
+    if head_dim > 128 or head_dim * elem_size > 256:  # wide heads, fp32: smaller tiles
+        return MixedConfig(rows_wide=32, block_n=32, block_n_narrow=32, num_warps=4)
+    return MixedConfig()
+
+
+def group_pad(num_q_heads: int, num_kv_heads: int) -> int:
+    """Query heads per KV head, padded to a power of two: a tile's rows per token."""
+    return triton.next_power_of_2(num_q_heads // num_kv_heads)
+
+
+def narrow_rows(gpad: int) -> int:
+    """Rows of a narrow tile: 16 (the least `tl.dot` takes) or one token's heads."""
+    return max(16, gpad)
+
+
+def max_work_items(
+    max_tokens: int, max_requests: int, gpad: int, rows_wide: int, num_splits: int
+) -> int:
+    """Attention items of any step of at most `max_tokens` rows and `max_requests` requests (a
+    wide request of e tokens has cdiv(e, TOK_W) <= e / TOK_W + 1 blocks and more than TOK_N
+    tokens; a narrow one has `num_splits` items), plus one: the grid of the non-persistent
+    launch, which always leaves a program idle to zero the padding rows."""
+    tok_w = max(1, rows_wide // gpad)
+    tok_n = narrow_rows(gpad) // gpad
+    wide = max_tokens // tok_w + min(max_requests, max_tokens // (tok_n + 1))
+    narrow = min(max_requests, max_tokens) * num_splits
+    return wide + narrow + 1
+
+
+@triton.jit
+def _pick(values, offs, index):
+    """values[index] of a [BLOCK_B] vector, as a scalar."""
+    return tl.sum(tl.where(offs == index, values, 0), 0)
+
+
+@triton.jit
+def _row_layout(kv_head, t0, ext, GROUP: tl.constexpr, GPAD: tl.constexpr, ROWS: tl.constexpr):
+    """(token index among the request's new ones, query head, real row) of a tile's ROWS rows
+    starting at new token t0: rows are (token, head of the group) pairs, heads fastest."""
+    r = tl.arange(0, ROWS)
+    tok = t0 + r // GPAD
+    hg = r % GPAD
+    return tok, kv_head * GROUP + hg, (tok < ext) & (hg < GROUP)
+
+
+@triton.jit
+def _load_q(q_ptr, rows, heads, valid, stride_qt, stride_qh, HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    return tl.load(ptrs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _attend_keys(
+    q,  # [ROWS, D], widened for FP8 K/V
+    q_pos,  # [ROWS] positions of the rows' tokens
+    table_row,  # pointer to the request's page ids
+    k_base,  # [1, D] pointers of the KV head at slot 0
+    v_base,
+    stride_kt,
+    stride_vt,
+    m_i,
+    l_i,
+    acc,
+    start,  # first key
+    end,  # keys are < end
+    qk_scale,
+    CAUSAL: tl.constexpr,  # mask key k of row r unless k <= q_pos[r] (else: only k < end)
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    MAY_BE_EMPTY: tl.constexpr,
+):
+    """Fold keys start .. end - 1 of one request into a tile's running softmax."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n in range(start, end, BLOCK_N):
+        k_pos = n + offs_n
+        mask_n = k_pos < end
+        slots = token_slots(table_row, tl.minimum(k_pos, end - 1), PAGE_SIZE)
+        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
+        visible = mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            v = fp8_operand(v, q)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16, MAY_BE_EMPTY)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_requests", "num_rows", "num_splits"])
+def _mixed_kernel(
+    q_ptr,  # [Tp, Hq, D]
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    block_table_ptr,  # [Bmax, P] int32
+    seq_lens_ptr,  # [Bmax] int32
+    cu_extend_ptr,  # [Bmax+1] int32
+    o_ptr,  # [Tp, Hq, D]
+    part_o_ptr,  # [Bmax, Hkv, ROWS_N, num_splits, D] fp32 (SPLIT)
+    part_lse_ptr,  # [Bmax, Hkv, ROWS_N, num_splits] fp32 (SPLIT)
+    counter_ptr,  # [Bmax, Hkv] int32, zero between launches (SPLIT)
+    k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    num_requests,  # Bmax
+    num_rows,  # Tp
+    num_splits,
+    scale_log2,
+    GROUP: tl.constexpr,
+    GPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # next power of two >= Bmax
+    ROWS_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS_N: tl.constexpr,
+    BLOCK_N_NARROW: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1
+    KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # a grid of any size loops over the items; else one per program
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    TOK_W: tl.constexpr = ROWS_W // GPAD
+    TOK_N: tl.constexpr = ROWS_N // GPAD
+
+    # The step's work, from cu_extend alone: a few hundred integers, read from L2.
+    offs_b = tl.arange(0, BLOCK_B)
+    in_batch = offs_b < num_requests
+    lo = tl.load(cu_extend_ptr + offs_b, mask=in_batch, other=0)
+    ext = tl.load(cu_extend_ptr + offs_b + 1, mask=in_batch, other=0) - lo
+    wide = tl.where(ext > TOK_N, (ext + TOK_W - 1) // TOK_W, 0)
+    narrow = ((ext > 0) & (ext <= TOK_N)).to(tl.int32)
+    cu_wide = tl.cumsum(wide, 0)
+    cu_narrow = tl.cumsum(narrow, 0)
+    num_wide = tl.sum(wide, 0)
+    num_busy = num_wide + tl.sum(narrow, 0) * num_splits
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    qk_scale = scale_log2
+    if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
+
+    total = tl.load(cu_extend_ptr + num_requests)
+    if PERSISTENT:
+        # Work items, heaviest first, dealt round-robin to this KV head's programs: each plans
+        # once, and padding rows are items too.
+        num_items = num_busy + tl.cdiv(num_rows - total, TOK_N)
+        for item in range(tl.program_id(1), num_items, tl.num_programs(1)):
+            _work_item(
+                item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total,
+                num_rows, num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
+                part_lse_ptr, counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh,
+                stride_kt, stride_vt, stride_bt, stride_ot, stride_oh, qk_scale, GROUP, GPAD,
+                HEAD_DIM, ROWS_W, BLOCK_N, ROWS_N, BLOCK_N_NARROW, PAGE_SIZE, SPLIT, KV_FP8, IEEE,
+                EMULATE_BF16,
+            )  # fmt: skip
+    else:
+        item = tl.program_id(1)
+        if item < num_busy:
+            _work_item(
+                item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total,
+                num_rows, num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
+                part_lse_ptr, counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh,
+                stride_kt, stride_vt, stride_bt, stride_ot, stride_oh, qk_scale, GROUP, GPAD,
+                HEAD_DIM, ROWS_W, BLOCK_N, ROWS_N, BLOCK_N_NARROW, PAGE_SIZE, SPLIT, KV_FP8, IEEE,
+                EMULATE_BF16,
+            )  # fmt: skip
+        else:
+            # Idle (the grid has at least one program more than the step's items): the padding
+            # rows' zeros, spread over the idle programs.
+            idle = item - num_busy
+            num_idle = tl.num_programs(1) - num_busy
+            for t0 in range(total + idle * TOK_N, num_rows, num_idle * TOK_N):
+                _zero_rows(o_ptr, kv_head, t0, num_rows, stride_ot, stride_oh, GROUP, GPAD,
+                           HEAD_DIM, ROWS_N)  # fmt: skip
+
+
+@triton.jit
+def _zero_rows(
+    o_ptr, kv_head, t0, num_rows, stride_ot, stride_oh, GROUP: tl.constexpr, GPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROWS_N: tl.constexpr,
+):  # fmt: skip
+    """Zeros in one KV head's columns of rows t0 .. t0 + ROWS_N / GPAD - 1 (< num_rows)."""
+    tok, heads, valid = _row_layout(kv_head, t0, num_rows, GROUP, GPAD, ROWS_N)
+    dst = o_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh
+    dst = dst + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(dst, tl.zeros([ROWS_N, HEAD_DIM], o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _work_item(
+    item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total, num_rows,
+    num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh, stride_kt, stride_vt,
+    stride_bt, stride_ot, stride_oh, qk_scale, GROUP: tl.constexpr, GPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROWS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_N: tl.constexpr,
+    BLOCK_N_NARROW: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    """One work item of one KV head: a wide q-block, a narrow tile's key split, or (items past
+    `num_busy`) TOK_N padding rows to zero."""
+    TOK_W: tl.constexpr = ROWS_W // GPAD
+    TOK_N: tl.constexpr = ROWS_N // GPAD
+    offs_d = tl.arange(0, HEAD_DIM)
+    if item < num_wide:
+        b = tl.sum((cu_wide <= item).to(tl.int32), 0)
+        t0 = (_pick(cu_wide, offs_b, b) - 1 - item) * TOK_W  # the request's last block first
+        e = _pick(ext, offs_b, b)
+        first_row = _pick(lo, offs_b, b).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + b)
+        prefix_len = seq_len - e
+        tok, heads, valid = _row_layout(kv_head, t0, e, GROUP, GPAD, ROWS_W)
+        q = _load_q(q_ptr, first_row + tok, heads, valid, stride_qt, stride_qh, HEAD_DIM)
+        if KV_FP8:
+            q = fp8_operand(q, q)
+        q_pos = prefix_len + tok
+        table_row = block_table_ptr + b * stride_bt
+        m_i = tl.full([ROWS_W], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS_W], tl.float32)
+        acc = tl.zeros([ROWS_W, HEAD_DIM], tl.float32)
+        # Keys before the block's first query: visible to every row, no mask but the length.
+        full_end = (prefix_len + t0) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _attend_keys(
+            q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, 0,
+            full_end, qk_scale, False, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
+        )  # fmt: skip
+        causal_end = tl.minimum(seq_len, prefix_len + t0 + TOK_W)
+        m_i, l_i, acc = _attend_keys(
+            q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, full_end,
+            causal_end, qk_scale, True, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
+        )  # fmt: skip
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        if EMULATE_BF16:
+            out = round_bf16(out)
+        rows = first_row + tok
+        o_dst = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    elif item < num_busy:
+        idx = item - num_wide
+        split = idx % num_splits
+        b = tl.sum((cu_narrow <= idx // num_splits).to(tl.int32), 0)
+        e = _pick(ext, offs_b, b)
+        first_row = _pick(lo, offs_b, b).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + b)
+        tok, heads, valid = _row_layout(kv_head, 0, e, GROUP, GPAD, ROWS_N)
+        q = _load_q(q_ptr, first_row + tok, heads, valid, stride_qt, stride_qh, HEAD_DIM)
+        if KV_FP8:
+            q = fp8_operand(q, q)
+        split_len = _split_len(seq_len, num_splits, BLOCK_N_NARROW)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        m_i = tl.full([ROWS_N], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS_N], tl.float32)
+        acc = tl.zeros([ROWS_N, HEAD_DIM], tl.float32)
+        # A split may lie wholly after an earlier token's position: MAY_BE_EMPTY.
+        m_i, l_i, acc = _attend_keys(
+            q, seq_len - e + tok, block_table_ptr + b * stride_bt, k_base, v_base, stride_kt,
+            stride_vt, m_i, l_i, acc, start, end, qk_scale, True, BLOCK_N_NARROW, PAGE_SIZE,
+            KV_FP8, IEEE, EMULATE_BF16, SPLIT,
+        )  # fmt: skip
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        if KV_FP8:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        rows = first_row + tok
+        o_dst = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        if SPLIT:
+            # Partials of (request, KV head, tile row, split); split 0 of each row first.
+            part = ((b * tl.num_programs(0) + kv_head) * ROWS_N + tl.arange(0, ROWS_N)) * num_splits
+            mask = valid & (tok * 0 + start < end)  # a vector: the interpreter wants one
+            tl.store(
+                part_o_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], out,
+                mask=mask[:, None],
+            )  # fmt: skip
+            tl.store(part_lse_ptr + part + split, m_i + tl.log2(l_safe), mask=mask)
+            # As in decode.py: the last split of this (request, KV head) to finish combines.
+            tl.debug_barrier()
+            counter = counter_ptr + b * tl.num_programs(0) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+                num_valid = tl.cdiv(seq_len, split_len)
+                _combine_splits(
+                    part_o_ptr, part_lse_ptr, o_dst, part, num_valid, valid, HEAD_DIM, ROWS_N,
+                    EMULATE_BF16,
+                )  # fmt: skip
+        else:
+            if EMULATE_BF16:
+                out = round_bf16(out)
+            tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        # Padding rows past the step's: zeros in this KV head's columns, TOK_N rows an item.
+        _zero_rows(o_ptr, kv_head, total + (item - num_busy) * TOK_N, num_rows, stride_ot,
+                   stride_oh, GROUP, GPAD, HEAD_DIM, ROWS_N)  # fmt: skip
+
+
+def mixed_attention(
+    q: torch.Tensor,  # [Tp, Hq, D]: rows past cu_extend[Bmax] are padding
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D], already holding the new tokens' K
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_table: torch.Tensor,  # [Bmax, P] int32 page ids
+    seq_lens: torch.Tensor,  # [Bmax] int32, context length after this step (any past the step)
+    cu_extend: torch.Tensor,  # [Bmax+1] int32, request b's rows; constant past the step
+    page_size: int,
+    sm_scale: float,
+    *,
+    num_splits: int = 1,  # narrow items' key splits: fixed per capture, any value is correct
+    num_programs: int | None = None,  # per KV head, persistent (any count is correct); None: config
+    config: MixedConfig | None = None,
+    out: torch.Tensor | None = None,  # [Tp, Hq, D], written in place if given
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
+) -> torch.Tensor:  # [Tp, Hq, D], dtype of q; padding rows are zeros
+    """Attention of every row of a mixed step (`minisgl.kernels.mixed`), one launch whose grid
+    and buffers depend only on the shapes (Tp, Bmax, P) and `num_splits`: no host sync, no
+    allocation that depends on the step, so a CUDA graph captured with these buffers replays it
+    for any composition. Run it once outside a capture first (its split counters)."""
+    num_rows, num_q_heads, head_dim = q.shape
+    num_requests = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[1]
+    _check_mixed_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend)
+    fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
+    cfg = config or default_mixed_config(head_dim, q.element_size())
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if num_rows == 0 or num_requests == 0:
+        return out
+    gpad = group_pad(num_q_heads, num_kv_heads)
+    rows_n = narrow_rows(gpad)
+    rows_w = max(cfg.rows_wide, gpad)  # at least one token per wide block
+    items = max_work_items(num_rows, num_requests, gpad, rows_w, num_splits)
+    persistent = cfg.persistent or num_programs is not None
+    if num_programs is None:
+        by_sm = cfg.programs_per_sm * num_sms(q.device) // num_kv_heads
+        num_programs = max(1, min(items, by_sm)) if persistent else items
+    if num_splits > 1:
+        part_o = q.new_empty(num_requests * num_kv_heads * rows_n * num_splits * head_dim,
+                             dtype=torch.float32)  # fmt: skip
+        part_lse = q.new_empty(num_requests * num_kv_heads * rows_n * num_splits,
+                               dtype=torch.float32)  # fmt: skip
+        counters = split_counters(q.device, num_requests * num_kv_heads)
+    else:
+        part_o = part_lse = out  # unread
+        counters = seq_lens
+    ieee, emulate_bf16 = dot_flags(q.dtype, _mixed_kernel, fp8)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
+    _mixed_kernel[(num_kv_heads, num_programs)](
+        q, k_cache, v_cache, block_table, seq_lens, cu_extend, out, part_o, part_lse, counters,
+        k_scale, v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_table.stride(0), out.stride(0),
+        out.stride(1), num_requests, num_rows, num_splits, sm_scale * math.log2(math.e),
+        GROUP=num_q_heads // num_kv_heads, GPAD=gpad, HEAD_DIM=head_dim,
+        BLOCK_B=max(16, triton.next_power_of_2(num_requests)), ROWS_W=rows_w,
+        BLOCK_N=cfg.block_n, ROWS_N=rows_n, BLOCK_N_NARROW=cfg.block_n_narrow,
+        PAGE_SIZE=page_size, SPLIT=num_splits > 1, KV_FP8=fp8, IEEE=ieee, PERSISTENT=persistent,
+        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(q.device),
+    )  # fmt: skip
+    return out
+
+
+def _check_mixed_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_extend: torch.Tensor,
+) -> None:
+    batch = seq_lens.shape[0]
+    check_paged_args(q, k_cache, v_cache, block_table, batch)
+    for t in (seq_lens, cu_extend):
+        assert t.dtype == torch.int32 and t.is_contiguous()
+    assert cu_extend.shape == (batch + 1,)
