@@ -71,6 +71,9 @@ class EngineConfig:
     # Steps that prefill up to this many tokens run as piecewise CUDA graphs (dense models at
     # tp = 1; `minisgl.engine.piecewise`); 0: eagerly. Off with CUDA graphs.
     piecewise_graph_max_tokens: int = 2048
+    # ... each as ONE graph of the whole forward, attention included (`kernels.mixed`; the
+    # Triton backend only). Not yet measured on a GPU: off.
+    piecewise_whole_step: bool = False
     overlap: bool = True  # overlap scheduling (CUDA only)
     # The engine runs a few synthetic steps at start-up so serving never waits on a JIT
     # compile of a kernel variant (`minisgl.scheduler.warmup`); tests and tools may skip them.

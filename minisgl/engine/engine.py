@@ -155,7 +155,10 @@ class Engine:
     def _capture_pieces(self) -> PiecewiseGraphRunner | None:
         if not (self._wants_pieces() and self.backend.supports_cuda_graph):
             return None
-        return PiecewiseGraphRunner(self, self.config.piecewise_graph_max_tokens)
+        cfg = self.config
+        return PiecewiseGraphRunner(
+            self, cfg.piecewise_graph_max_tokens, whole_step=cfg.piecewise_whole_step
+        )
 
     @property
     def page_size(self) -> int:

@@ -196,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         "models at tp 1; attention runs between the pieces); 0 runs them eagerly",
     )
     s.add_argument(
+        "--piecewise-whole-step",
+        action="store_true",
+        help="capture each prefilling step's token bucket as one graph, attention included "
+        "(one mixed-attention kernel per layer; Triton backend; experimental)",
+    )
+    s.add_argument(
         "--disable-overlap",
         action="store_true",
         help="schedule each step after the previous step's tokens are back (by default on "
@@ -444,6 +450,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         mem_fraction=args.mem_fraction,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
+        piecewise_whole_step=args.piecewise_whole_step,
         overlap=not args.disable_overlap,
         cache=args.cache,
         tp_size=args.tp_size,
