@@ -215,14 +215,8 @@ def gemv(
     config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
 ) -> torch.Tensor:  # [M, N], dtype of x
-    m = x.shape[0]
-    n, k = weight.shape
-    assert gemv_supported(x, weight, max_rows=m) and x.shape[1] == (2 * k if act else k)
-    assert not (act and norm_weight is not None)
-    assert bias is None or bias.shape == (n,)
-    assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
-    assert norm_weight is None or norm_weight.shape == (k,)
-    w_scale = _check_weight_scale(weight, weight_scale)
+    assert gemv_supported(x, weight, max_rows=x.shape[0])
+    m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     cfg = config or default_config(n, k, act, fp8=w_scale != 0)
     if w_scale == 2:
         assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
@@ -239,6 +233,27 @@ def gemv(
         **pdl_args(x.device),
     )  # fmt: skip
     return y
+
+
+def check_fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    act: bool,
+    weight_scale: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
+    """The shapes of a fused few-row linear call (`gemv`, `minisgl.kernels.skinny.skinny`):
+    (M, N, K, the W_SCALE variant)."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert x.shape[1] == (2 * k if act else k)
+    assert not (act and norm_weight is not None)
+    assert bias is None or bias.shape == (n,)
+    assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
+    assert norm_weight is None or norm_weight.shape == (k,)
+    return m, n, k, _check_weight_scale(weight, weight_scale)
 
 
 def _check_weight_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> int:

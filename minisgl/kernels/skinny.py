@@ -50,7 +50,7 @@ from minisgl.kernels.common import (
     round_bf16,
     split_counters,
 )
-from minisgl.kernels.gemv import _check_weight_scale
+from minisgl.kernels.gemv import check_fused_linear
 
 BLOCK_M = 16  # rows of x per program: tl.dot's smallest side
 MAX_ROWS = BLOCK_M
@@ -321,14 +321,8 @@ def skinny(
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
 ) -> torch.Tensor:  # [M, N], dtype of x
     """The same call as `minisgl.kernels.gemv.gemv` (a drop-in for its few-row uses)."""
-    m = x.shape[0]
-    n, k = weight.shape
-    assert skinny_supported(x, weight, m) and x.shape[1] == (2 * k if act else k)
-    assert not (act and norm_weight is not None)
-    assert bias is None or bias.shape == (n,)
-    assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
-    assert norm_weight is None or norm_weight.shape == (k,)
-    w_scale = _check_weight_scale(weight, weight_scale)
+    assert skinny_supported(x, weight, x.shape[0])
+    m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     cfg = config or default_config(n, k, act, FORMATS[w_scale], num_sms(x.device))
     if w_scale == 2:
         assert cfg.block_k == SCALE_BLOCK, "block-scaled weights take 128 columns per K step"
