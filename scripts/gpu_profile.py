@@ -214,10 +214,15 @@ def profile_decode(llm: Any, batch: int, context: int) -> None:
         sched.step()
 
 
-def run_w4mix(host_detail: bool, lens: list[int]) -> None:
+def run_w4mix(host_detail: bool, lens: list[int], whole_step: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    llm = TokenIdLLM(str(MODELS / "qwen3-0.6b"), load_format="dummy", show_progress=False)
+    llm = TokenIdLLM(
+        str(MODELS / "qwen3-0.6b"),
+        load_format="dummy",
+        show_progress=False,
+        piecewise_whole_step=whole_step,
+    )
     sched = llm.scheduler
     params = SamplingParams(max_tokens=4000, temperature=0.6, ignore_eos=True)
     for i in range(20):
@@ -243,6 +248,7 @@ def run_w4mix(host_detail: bool, lens: list[int]) -> None:
     sync()
     print(
         "\n== w4mix: 20+ decoding, one new prompt of n tokens; synced wall ms of the 4 steps after"
+        f" (whole-step graphs: {whole_step})"
     )
     for n, k, ms in rows:
         print(f"  n={n:5d} step+{k}: {ms:7.2f} ms")
@@ -315,6 +321,11 @@ def main() -> None:
         help="w1, w4mix: cProfile and sync warnings, mixed steps",
     )
     ap.add_argument(
+        "--whole-step",
+        action="store_true",
+        help="w4mix: prefilling steps as one graph each (--piecewise-whole-step)",
+    )
+    ap.add_argument(
         "--mix-lens",
         default=",".join(str(100 + i * 77) for i in range(12)),
         help="w4mix: the new prompts' lengths, one per trial",
@@ -325,7 +336,7 @@ def main() -> None:
         run_w1(args.scale, args.host_detail)
         release_memory()
     if "w4mix" in parts:
-        run_w4mix(args.host_detail, [int(n) for n in args.mix_lens.split(",")])
+        run_w4mix(args.host_detail, [int(n) for n in args.mix_lens.split(",")], args.whole_step)
         release_memory()
     if "w2" in parts:
         run_w2(args.tp_size)

@@ -186,11 +186,15 @@ def test_fast_path_matches_reference() -> None:
     assert len(replays) >= NUM_TOKENS - 1, "decode steps should replay CUDA graphs"
 
 
-def test_piecewise_graph_steps_match_reference() -> None:
+@pytest.mark.parametrize("whole_step", [False, True], ids=["pieces", "whole_step"])
+def test_piecewise_graph_steps_match_reference(whole_step: bool) -> None:
     """A small prefill budget: every step that prefills (chunks beside decodes) replays the
-    piecewise graphs of its token bucket, with attention launched between the pieces."""
-    llm = make_llm(fast=True, max_prefill_tokens=200)
-    assert llm.engine.pieces is not None and llm.engine.pieces.pieces
+    piecewise graphs of its token bucket, with attention launched between the pieces; or, with
+    `piecewise_whole_step`, one graph of the whole step through the mixed-attention kernel."""
+    llm = make_llm(fast=True, max_prefill_tokens=200, piecewise_whole_step=whole_step)
+    assert llm.engine.pieces is not None
+    assert (llm.engine.pieces.mixed is not None) == whole_step
+    assert whole_step or llm.engine.pieces.pieces
     counts = []
     original = llm.engine.pieces.run
 
