@@ -31,7 +31,8 @@ def compile_sm90(
 ) -> dict[str, int]:
     """Compile `kernel` (arguments not in `types` are i32) for sm_90; `aligned` arguments are
     taken as multiples of 16, as the launcher would specialise them. Returns shared memory
-    bytes, registers and local (spilled) bytes per thread."""
+    bytes, registers and local (spilled) bytes per thread, and the layout conversions inside
+    its loops (`loop_converts`: each one a shared-memory round trip per iteration, mostly)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,7 +59,18 @@ def compile_sm90(
         "shared": int(compiled.metadata.shared),
         "regs": int(fields["REG"]),
         "local": int(fields["LOCAL"]),
+        "loop_converts": _loop_converts(compiled.asm["ttgir"]),
     }
+
+
+def _loop_converts(ttgir: str) -> int:
+    """`ttg.convert_layout` ops between an `scf.for` and its `scf.yield` (nesting ignored)."""
+    count, depth = 0, 0
+    for line in ttgir.splitlines():
+        depth += "scf.for" in line
+        count += depth > 0 and "ttg.convert_layout" in line
+        depth -= depth > 0 and "scf.yield" in line
+    return count
 
 
 def run_compile_script(script: str) -> list[dict[str, Any]]:

@@ -29,6 +29,24 @@ work: the weight-only path of an FP8 linear layer at small batch.
 
 Several rows of x (small batches) run as that many programs per BLOCK_N weight rows, launched
 next to each other, so all but the first read the weight tile from L2.
+
+Few-row mode (`few_row_gemv`, 2..8 rows: a speculative verify step, a small decode batch): one
+program takes all M rows of x for its BLOCK_N weight rows, so each weight tile is read from DRAM
+once, into registers, and every weight element meets M fp32 FMAs on the CUDA cores (no tensor
+cores, no padding to 16 rows; rows past M up to ROWS, the next power of two, are masked zeros).
+The prologues and epilogues are the one-row kernel's, with a sum of squares and an rstd per row
+of x. The accumulator: a [BLOCK_N, BLOCK_K] fp32 partial sum per row of x would be M times the
+one-row kernel's registers, and reducing over K every step would cost shuffles (and a
+shared-memory round trip across warps) per step. Instead every tile is 4-d, [ROWS, BLOCK_N,
+BLOCK_K / VEC, VEC], where VEC columns are one 16-byte load of x (8 for bf16) held by one
+thread: each step the products are summed over VEC inside the thread's registers (FMAs, no
+shuffles) into a [ROWS, BLOCK_N, BLOCK_K / VEC] fp32 accumulator, and the sum over K across
+threads happens once, at the end. With BLOCK_K / VEC >= 32 x warps (asserted on CUDA), every
+thread and warp lies along K: a thread holds all BLOCK_N weight rows and all ROWS rows of x of
+its own columns, so the weight tile, x and their product share one layout (no conversion in the
+loop) and x is read once per program, not once per weight row. Per thread that is ROWS x
+BLOCK_N partial sums per VEC columns and ROWS x VEC values of x (two steps of it in flight),
+which is what bounds BLOCK_N as ROWS grows (`ROWS_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -83,12 +101,37 @@ def default_config(n: int, k: int, act: bool = False, fp8: bool = False) -> Gemv
     return TUNED.get((n, k, act)) or GemvConfig(8, 1024 if k >= 1024 else 256, 4)
 
 
+# Few-row mode (`few_row_gemv`), by ROWS (M rounded up to a power of two). NOT measured: guesses
+# that compile for sm_90 without spills (bf16, norm or SiLU prologue: 140-250 registers, two or
+# three programs per SM with 16-64 KB of weights in flight each); sweep them with
+# `python -m minisgl.benchmark.gemv --rows M`. Per thread the registers grow with ROWS x VEC
+# (x, two steps) and ROWS x BLOCK_N (the partial sums), so larger ROWS take fewer weight rows.
+ROWS_CONFIGS: dict[int, GemvConfig] = {
+    2: GemvConfig(16, 1024, 4),
+    4: GemvConfig(8, 1024, 4),
+    8: GemvConfig(4, 1024, 4),
+}
+
+
+def default_rows_config(rows: int) -> GemvConfig:
+    """The few-row mode's config for ROWS = `rows` (2, 4 or 8; untuned: `ROWS_CONFIGS`)."""
+    return ROWS_CONFIGS[max(2, rows)]
+
+
+def rows_vec(x: torch.Tensor) -> int:
+    """Columns of a K step summed in one thread's registers: one 16-byte load of x (8 for a
+    16-bit x; then 16 bytes of a 16-bit weight, 8 of an e4m3 one)."""
+    return 16 // x.element_size()
+
+
 @triton.jit
-def _load_x(x_ptr, offs, K, ACT: tl.constexpr):
-    """x[offs] in fp32 (0 past K); with ACT, silu(x[offs]) * x[K + offs]."""
-    x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+def _load_x(x_ptr, offs, K, ACT: tl.constexpr, rows=True):
+    """x[offs] in fp32 (0 past K and where `rows` is False); with ACT, silu(x[offs]) *
+    x[K + offs]."""
+    mask = (offs < K) & rows
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ACT:
-        up = tl.load(x_ptr + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + offs, mask=mask, other=0.0).to(tl.float32)
         x = x / (1.0 + tl.exp(-x)) * up
     return x
 
@@ -177,17 +220,133 @@ def _gemv_kernel(
         x = x_next
         if W_SCALE == 2:
             s = s_next
-    y = tl.sum(acc, 1)
+    rstd = 1.0
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+    out = row.to(tl.int64) * N + offs_n
+    _epilogue(tl.sum(acc, 1), rstd, y_ptr, b_ptr, r_ptr, s_ptr, offs_n, mask_n, out, mask_n,
+              HAS_BIAS, HAS_RES, NORM, W_SCALE)  # fmt: skip
+
+
+@triton.jit
+def _x_rows_tile(
+    x_rows,  # [ROWS, 1, 1, 1] pointers to the rows of x
+    g_ptr, s_row,
+    cols,  # [ROWS, 1, BLOCK_K // VEC, VEC]: the columns of a K step, the same in every row
+    K,
+    rows,  # [ROWS, 1, 1, 1]: rows of x below M
+    ACT: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr,
+):  # fmt: skip
+    """(x at `cols` as multiplied: times the norm weight (NORM) and the block scales (W_SCALE
+    2), fp32 [ROWS, 1, BLOCK_K // VEC, VEC]; the sums of squares of its raw values
+    [ROWS, 1, BLOCK_K // VEC] (zeros without NORM)). Applied as x is loaded, one step ahead.
+    The norm weight and the scales are read as [ROWS, ...] tiles (one L1 read per row): a
+    [1, ...] tile is laid out on its own by the compiler, which then moves the whole product
+    to that layout, a shared-memory round trip each step."""
+    x = _load_x(x_rows, cols, K, ACT, rows)
+    if NORM:
+        ss = tl.sum(x * x, 3)
+        x = x * tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    else:
+        ss = tl.zeros_like(tl.sum(x, 3))
+    if W_SCALE == 2:
+        x = x * _block_scales(s_row, cols, K, W_SCALE)
+    return x, ss
+
+
+# M only enters the masks (rows past it are zeros): one compiled variant per ROWS.
+@triton.jit(do_not_specialize=["M"])
+def _gemv_rows_kernel(
+    x_ptr,  # [M, K], rows `stride_xm` apart ([M, 2K] if ACT)
+    w_ptr,  # [N, K]
+    y_ptr,  # [M, N] contiguous
+    b_ptr,  # [N] (HAS_BIAS)
+    r_ptr,  # [M, N] residual, contiguous (HAS_RES)
+    g_ptr,  # [K] RMSNorm weight (NORM)
+    s_ptr,  # W_SCALE 1: [N] fp32 per row; 2: [cdiv(N, 128), cdiv(K, 128)] fp32 per block
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    NORM: tl.constexpr,
+    ACT: tl.constexpr,
+    W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
+    PRELOAD: tl.constexpr,
+    ROWS: tl.constexpr,  # M rounded up to a power of two
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,  # columns of one 16-byte weight load, summed in a thread's registers
+    PDL: tl.constexpr,
+):
+    """All M rows of x for BLOCK_N weight rows: each weight tile read once, M products each
+    (the module docstring says how the partial sums are laid out)."""
+    tile = tl.program_id(0)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, ROWS)
+    mask_m = offs_m < M
+    # Every tile is 4-d, [rows of x, rows of W, BLOCK_K // VEC, VEC] (size 1 where it does not
+    # vary), so that the product of a weight tile and x needs no layout change: a K step's
+    # columns as [BLOCK_K // VEC, VEC], whose last axis is summed every step in registers.
+    offs_k = (tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :])[None, None]
+    n4 = offs_n[None, :, None, None]
+    m4 = mask_m[:, None, None, None]
+    rows = w_ptr + n4.to(tl.int64) * stride_wn + offs_k * stride_wk  # [1, BLOCK_N, ., VEC]
+    x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm  # [ROWS, 1, 1, 1]
+    s_row = s_ptr + (tile * BLOCK_N // 128).to(tl.int64) * stride_sn
+    if not PRELOAD:
+        pdl_prologue(PDL)
+    w = tl.load(rows, mask=(n4 < N) & (offs_k < K), other=0.0, eviction_policy="evict_first")
+    if PRELOAD:
+        pdl_prologue(PDL)
+    m0 = 0 * offs_m[:, None, None, None]  # broadcasts a K step's columns to every row
+    x, ss = _x_rows_tile(x_rows, g_ptr, s_row, offs_k + m0, K, m4, ACT, NORM, W_SCALE)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kn = k0 + BLOCK_K + offs_k
+        w_next = tl.load(rows + (k0 + BLOCK_K) * stride_wk, mask=(n4 < N) & (kn < K), other=0.0,
+                         eviction_policy="evict_first")  # fmt: skip
+        x_next, sq = _x_rows_tile(x_rows, g_ptr, s_row, kn + m0, K, m4, ACT, NORM, W_SCALE)
+        acc += tl.sum(w.to(tl.float32) * x, 3)
+        ss += sq
+        w = w_next
+        x = x_next
+    rstd = 1.0
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, 2), 1) / K + eps)[:, None]
+    out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    _epilogue(tl.sum(acc, 2), rstd, y_ptr, b_ptr, r_ptr, s_ptr, offs_n[None, :],
+              mask_n[None, :], out, mask_m[:, None] & mask_n[None, :], HAS_BIAS, HAS_RES, NORM,
+              W_SCALE)  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    y,  # [BLOCK_N] or [ROWS, BLOCK_N] fp32: W x for the program's rows
+    rstd,  # a scalar or [ROWS, 1]: the RMSNorm of each row of x (NORM)
+    y_ptr, b_ptr, r_ptr, s_ptr,
+    offs_n,  # the output columns, shaped to broadcast against y
+    mask_n,  # offs_n < N
+    out,  # y's offsets in the [M, N] output (and residual)
+    mask,  # y's valid entries
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr,
+):  # fmt: skip
+    """Per-row FP8 scales, the rstd, bias, residual; one store in the output dtype."""
     if W_SCALE == 1:
         y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     if NORM:
-        y = y * (1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps))
+        y = y * rstd
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    out = row.to(tl.int64) * N + offs_n
     if HAS_RES:
-        y += tl.load(r_ptr + out, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        y += tl.load(r_ptr + out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> bool:
@@ -231,6 +390,46 @@ def gemv(
         HAS_RES=residual is not None, NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
         PRELOAD=cfg.preload, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
         **pdl_args(x.device),
+    )  # fmt: skip
+    return y
+
+
+FEW_ROWS_MAX = 8  # rows of x `few_row_gemv` takes
+
+
+def few_row_gemv(
+    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), 1 <= M <= FEW_ROWS_MAX
+    weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N] added to the result
+    norm_weight: torch.Tensor | None = None,  # [K]: x is RMS-normalised and scaled by it first
+    eps: float = 1e-6,
+    act: bool = False,  # x is gate then up: the product uses silu(gate) * up
+    config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
+) -> torch.Tensor:  # [M, N], dtype of x
+    """`gemv` with one program for all M rows of x per BLOCK_N weight rows (the few-row mode):
+    the same call, each weight tile read once."""
+    assert gemv_supported(x, weight, max_rows=FEW_ROWS_MAX)
+    m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
+    rows = triton.next_power_of_2(m)
+    cfg = config or default_rows_config(rows)
+    vec = rows_vec(x)
+    assert cfg.block_k % vec == 0
+    # On the GPU every thread must own whole VEC-column pieces of a K step, with no two threads
+    # on the same ones (the module docstring says why); the interpreter has no threads.
+    assert not x.is_cuda or cfg.block_k // vec >= 32 * cfg.num_warps, "BLOCK_K too small"
+    if w_scale == 2:
+        assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    scale = weight_scale if weight_scale is not None else y
+    _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
+        norm_weight if norm_weight is not None else x, scale, m, n, k, x.stride(0),
+        weight.stride(0), weight.stride(1), scale.stride(0), eps, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
+        PRELOAD=cfg.preload, ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=vec,
+        num_warps=cfg.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return y
 

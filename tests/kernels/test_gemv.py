@@ -105,6 +105,86 @@ def test_gemv_fp8_weights_match_their_dequantized_values(layout, rows, extras):
     torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
+FEW_ROWS = [2, 3, 5, 8]
+
+
+def _few_row_config(gemv):
+    """Small tiles on the CPU (the K loop and the masks run more than once; the interpreter's
+    time goes by steps, not elements); the defaults on CUDA."""
+    return None if DEVICE == "cuda" else gemv.GemvConfig(block_n=16, block_k=64, num_warps=2)
+
+
+@pytest.mark.parametrize("rows", FEW_ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True, "act"])
+def test_few_row_gemv_matches_fp32_math(rows, dtype, norm):
+    """The few-row mode (one program for all rows of x) with every prologue and epilogue, on
+    ragged and exact shapes: each row against fp64 math."""
+    gemv = _gemv_module()
+    gen = torch.Generator().manual_seed(hash(("few", rows, str(dtype), norm)) % 2**31)
+    shapes = SHAPES_CUDA if DEVICE == "cuda" else SHAPES_CPU
+    for i, (n, k) in enumerate(shapes):
+        extras = ["both", "none", "residual", "bias"][(i + rows) % 4]
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+        act = norm == "act"
+        # Rows of different sizes: a per-row rstd that mixed the rows up would show.
+        scale = torch.logspace(-1, 1, rows)[:, None]
+        x = (torch.randn(rows, 2 * k if act else k, generator=gen) * scale).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype) if extras in ("bias", "both") else None
+        res = torch.randn(rows, n, generator=gen).to(dtype) if extras in ("residual", "both") else None  # fmt: skip
+        g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm is True else None
+        want = _reference(x, w, bias, res, g, 1e-5, act)
+        dev = [None if t is None else t.to(DEVICE) for t in (x, w, bias, res, g)]
+        got = gemv.few_row_gemv(
+            dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
+            act=act, config=_few_row_config(gemv),
+        )  # fmt: skip
+        assert got.shape == (rows, n) and got.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("layout", ["row", "block"])
+@pytest.mark.parametrize(
+    "rows", [2, 5] + [pytest.param(m, marks=pytest.mark.slow) for m in (3, 8)]
+)  # (about 2.5 s each in the interpreter)
+def test_few_row_gemv_fp8_weights(layout, rows):
+    """e4m3 weights with a scale per row or per 128 x 128 block in the few-row mode (ragged
+    blocks on the CPU), each fusion once, against fp64 math on the values they stand for."""
+    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
+
+    gemv = _gemv_module()
+    gen = torch.Generator().manual_seed(hash(("few fp8", layout, rows)) % 2**31)
+    n, k = (136, 260) if DEVICE == "cpu" else (6144, 4096)
+    w = torch.randn(n, k, generator=gen) / k**0.5 * torch.logspace(-1, 1, n)[:, None]
+    q, scale = quantize_rows(w) if layout == "row" else quantize_blocks(w)
+    w_deq = dequantize_weight(q, scale, None if layout == "row" else 128, torch.float32)
+    for extras in ["plain", "norm+bias", "act+residual"]:
+        act = extras.startswith("act")
+        x = (torch.randn(rows, 2 * k if act else k, generator=gen) * 2).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen).bfloat16() if "bias" in extras else None
+        res = torch.randn(rows, n, generator=gen).bfloat16() if "residual" in extras else None
+        g = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16() if "norm" in extras else None
+        want = _reference(x, w_deq, bias, res, g, 1e-5, act)
+        dev = [None if t is None else t.to(DEVICE) for t in (x, q, bias, res, g, scale)]
+        got = gemv.few_row_gemv(
+            dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
+            act=act, config=_few_row_config(gemv), weight_scale=dev[5],
+        )  # fmt: skip
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_few_row_defaults_fit_the_gpu_layout():
+    """Every default few-row config puts all threads along K for a 16-bit x (the layout the
+    kernel needs on CUDA) and keeps a program's rows inside one 128-row FP8 scale block."""
+    from minisgl.kernels.gemv import FEW_ROWS_MAX, default_rows_config
+
+    for rows in range(2, FEW_ROWS_MAX + 1):
+        cfg = default_rows_config(1 << (rows - 1).bit_length())  # ROWS: a power of two
+        assert cfg.block_k // 8 >= 32 * cfg.num_warps and 128 % cfg.block_n == 0
+
+
 def test_gemv_rows_are_independent():
     """Three rows at once give each row's one-row result (fp32: the same products)."""
     gemv = _gemv_module()
@@ -147,9 +227,12 @@ def test_gemv_compiles_for_sm90_without_spills():
     from sm90 import run_compile_script
 
     results = run_compile_script(__file__)
-    assert len(results) == len(COMPILE)
+    assert len(results) == len(COMPILE) + len(COMPILE_ROWS)
     spilled = [r for r in results if r["local"] > 0]
     assert not spilled, f"register spills: {spilled}"
+    # The few-row mode's tiles share one layout: no shared-memory round trip in its K loop.
+    moved = [r for r in results if r["name"].startswith("rows") and r["loop_converts"]]
+    assert not moved, f"layout conversions inside the K loop: {moved}"
 
 
 # (name, constexprs, warps) compiled for sm_90 by the test above.
@@ -168,20 +251,38 @@ COMPILE = [
 ]  # fmt: skip
 
 
+# The few-row mode's default configs (`ROWS_CONFIGS`), bf16 x, with each prologue.
+COMPILE_ROWS = [
+    ("rows 2 norm 16x1024 w4", dict(ROWS=2, NORM=True, BLOCK_N=16, BLOCK_K=1024), 4),
+    ("rows 4 act residual 8x1024 w4", dict(ROWS=4, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024), 4),
+    ("rows 8 norm 4x1024 w4", dict(ROWS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024), 4),
+    ("rows 8 residual 4x1024 w4", dict(ROWS=8, HAS_RES=True, BLOCK_N=4, BLOCK_K=1024), 4),
+    ("rows 8 act residual 4x1024 w4", dict(ROWS=8, ACT=True, HAS_RES=True, BLOCK_N=4, BLOCK_K=1024), 4),
+    ("rows 8 fp8 row norm 4x1024 w4", dict(ROWS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024, W_SCALE=1), 4),
+    ("rows 8 fp8 block norm 4x1024 w4", dict(ROWS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024, W_SCALE=2), 4),
+    ("rows 8 fp8 block act residual 4x1024 w4", dict(ROWS=8, ACT=True, HAS_RES=True, BLOCK_N=4, BLOCK_K=1024, W_SCALE=2), 4),
+]  # fmt: skip
+
+
 def _compile_all() -> list[dict[str, object]]:
     from sm90 import compile_sm90
 
-    from minisgl.kernels.gemv import _gemv_kernel
+    from minisgl.kernels.gemv import _gemv_kernel, _gemv_rows_kernel
 
     out = []
-    for name, c, warps in COMPILE:
-        types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
-        types |= {"eps": "fp32", "s_ptr": "*fp32"}
-        if c.get("W_SCALE"):
-            types["w_ptr"] = "*fp8e4nv"
-        c = {"ACT": False, "W_SCALE": 0} | c | dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
-        aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
-        out.append({"name": name, **compile_sm90(_gemv_kernel, types, c, warps, None, aligned)})
+    for kernel, variants in ((_gemv_kernel, COMPILE), (_gemv_rows_kernel, COMPILE_ROWS)):
+        for name, c, warps in variants:
+            types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
+            types |= {"eps": "fp32", "s_ptr": "*fp32"}
+            if c.get("W_SCALE"):
+                types["w_ptr"] = "*fp8e4nv"
+            c = {"ACT": False, "W_SCALE": 0, "HAS_RES": False, "NORM": False} | c
+            c |= dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
+            aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
+            if "ROWS" in c:  # a bf16 x whose rows start 16-byte aligned, as the models' do
+                c["VEC"] = 8
+                aligned.append("stride_xm")
+            out.append({"name": name, **compile_sm90(kernel, types, c, warps, None, aligned)})
     return out
 
 
