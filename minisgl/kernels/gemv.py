@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.config.quant import FEW_ROW_GEMV_MAX_ROWS
 from minisgl.kernels.common import pdl_args, pdl_prologue
 
 
@@ -113,9 +114,15 @@ ROWS_CONFIGS: dict[int, GemvConfig] = {
 }
 
 
-def default_rows_config(rows: int) -> GemvConfig:
-    """The few-row mode's config for ROWS = `rows` (2, 4 or 8; untuned: `ROWS_CONFIGS`)."""
-    return ROWS_CONFIGS[max(2, rows)]
+def default_rows_config(rows: int, k: int = 1 << 20) -> GemvConfig:
+    """The few-row mode's config for ROWS = `rows` (2, 4 or 8; untuned: `ROWS_CONFIGS`), with
+    half the columns and warps per step while K fits in half (small models; BLOCK_K stays
+    8 x 32 x warps)."""
+    cfg = ROWS_CONFIGS[max(2, rows)]
+    block_k, warps = cfg.block_k, cfg.num_warps
+    while warps > 1 and k <= block_k // 2:
+        block_k, warps = block_k // 2, warps // 2
+    return GemvConfig(cfg.block_n, block_k, warps, cfg.preload)
 
 
 def rows_vec(x: torch.Tensor) -> int:
@@ -394,11 +401,8 @@ def gemv(
     return y
 
 
-FEW_ROWS_MAX = 8  # rows of x `few_row_gemv` takes
-
-
 def few_row_gemv(
-    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), 1 <= M <= FEW_ROWS_MAX
+    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), 1 <= M <= 8
     weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
     bias: torch.Tensor | None = None,  # [N]
     residual: torch.Tensor | None = None,  # [M, N] added to the result
@@ -410,10 +414,10 @@ def few_row_gemv(
 ) -> torch.Tensor:  # [M, N], dtype of x
     """`gemv` with one program for all M rows of x per BLOCK_N weight rows (the few-row mode):
     the same call, each weight tile read once."""
-    assert gemv_supported(x, weight, max_rows=FEW_ROWS_MAX)
+    assert gemv_supported(x, weight, max_rows=FEW_ROW_GEMV_MAX_ROWS)
     m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     rows = triton.next_power_of_2(m)
-    cfg = config or default_rows_config(rows)
+    cfg = config or default_rows_config(rows, k)
     vec = rows_vec(x)
     assert cfg.block_k % vec == 0
     # On the GPU every thread must own whole VEC-column pieces of a K step, with no two threads

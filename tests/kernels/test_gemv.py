@@ -178,11 +178,13 @@ def test_few_row_gemv_fp8_weights(layout, rows):
 def test_few_row_defaults_fit_the_gpu_layout():
     """Every default few-row config puts all threads along K for a 16-bit x (the layout the
     kernel needs on CUDA) and keeps a program's rows inside one 128-row FP8 scale block."""
-    from minisgl.kernels.gemv import FEW_ROWS_MAX, default_rows_config
+    from minisgl.config.quant import FEW_ROW_GEMV_MAX_ROWS
+    from minisgl.kernels.gemv import default_rows_config
 
-    for rows in range(2, FEW_ROWS_MAX + 1):
-        cfg = default_rows_config(1 << (rows - 1).bit_length())  # ROWS: a power of two
-        assert cfg.block_k // 8 >= 32 * cfg.num_warps and 128 % cfg.block_n == 0
+    for rows in range(2, FEW_ROW_GEMV_MAX_ROWS + 1):
+        for k in (64, 576, 4096, 14336):
+            cfg = default_rows_config(1 << (rows - 1).bit_length(), k)  # ROWS: a power of two
+            assert cfg.block_k // 8 >= 32 * cfg.num_warps and 128 % cfg.block_n == 0
 
 
 def test_gemv_rows_are_independent():
