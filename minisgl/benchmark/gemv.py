@@ -22,6 +22,10 @@ the bf16 reference), printing `TUNED_FP8`.
 (`minisgl.benchmark.skinny`, whose docstring says what it measures), with `--fp8` (a scale per
 row) or `--fp8-block` (128 x 128 blocks) for e4m3 weights:
 `python -m minisgl.benchmark.gemv --skinny --quick [--fp8 | --fp8-block]`.
+
+`--rows M` (2..8): the GEMV's few-row mode at M rows of x beside cuBLAS and the skinny GEMM at
+M rows, with a config sweep (`minisgl.benchmark.few_row`, whose docstring says what it
+measures): `python -m minisgl.benchmark.gemv --rows 5 --only 8b [--quick] [--fp8 | --fp8-block]`.
 """
 
 from __future__ import annotations
@@ -208,14 +212,30 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="the skinny GEMM's sweep at 1..16 rows (minisgl.benchmark.skinny)",
     )
     parser.add_argument(
-        "--fp8-block",
-        action="store_true",
-        help="--skinny: e4m3 weights with 128 x 128 block scales",
+        "--rows",
+        type=int,
+        default=0,
+        metavar="M",
+        help="the few-row GEMV's sweep at M (2..8) rows beside cuBLAS and the skinny GEMM "
+        "(minisgl.benchmark.few_row)",
     )
     parser.add_argument(
-        "--only", default="", help="--skinny: comma-separated shape name prefixes (8b, 0.6b)"
+        "--fp8-block",
+        action="store_true",
+        help="--skinny, --rows: e4m3 weights with 128 x 128 block scales",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="--skinny, --rows: comma-separated shape name prefixes (8b, 0.6b, 135m)",
     )
     args = parser.parse_args(argv)
+    if args.rows:
+        from minisgl.benchmark import few_row, skinny
+
+        only = [o for o in args.only.split(",") if o]
+        emit_json(few_row.run(skinny.fmt_of(args), args.rows, args.quick, only))
+        return
     if args.skinny:
         from minisgl.benchmark import skinny
 
