@@ -309,14 +309,17 @@ class FixedStepModel:
     not fitted and deaf to what it observes, so a test knows what the prefill budget sees."""
 
     def __init__(self, base: float = 2e-3, mixed: float = 1e-3, per_row: float = 10e-6,
-                 per_token: float = 2e-6, per_kv: float = 1e-8, ready: bool = True) -> None:  # fmt: skip
+                 per_token: float = 2e-6, per_kv: float = 1e-8, ready: bool = True,
+                 eager: float = 0.0) -> None:  # fmt: skip
         self.base, self.mixed, self.per_row = base, mixed, per_row
         self.per_token, self.per_kv, self.ready = per_token, per_kv, ready
+        self.eager = eager
 
     def predict(self, shape: Any) -> float:
         return (
             self.base
             + self.mixed * shape.mixed
+            + self.eager * shape.eager
             + self.per_row * shape.decode_rows
             + self.per_token * shape.prefill_tokens
             + self.per_kv * shape.kv_tokens

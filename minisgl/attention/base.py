@@ -87,6 +87,9 @@ class AttentionBackend(ABC):
     """
 
     supports_cuda_graph: bool = False
+    # `MixedMeta` steps (decode and prompt rows in one padded, graph-capturable launch whose
+    # grid depends only on a token bucket): a prefilling step can be one graph.
+    supports_mixed_step: bool = False
 
     def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
         self.pool = pool

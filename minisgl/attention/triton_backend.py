@@ -63,6 +63,7 @@ class MixedMeta:
 
 class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_mixed_step = True
 
     def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
         super().__init__(pool, table, num_q_heads, sm_scale)

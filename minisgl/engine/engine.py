@@ -156,9 +156,8 @@ class Engine:
         if not (self._wants_pieces() and self.backend.supports_cuda_graph):
             return None
         cfg = self.config
-        return PiecewiseGraphRunner(
-            self, cfg.piecewise_graph_max_tokens, whole_step=cfg.piecewise_whole_step
-        )
+        whole = cfg.piecewise_whole_step and self.backend.supports_mixed_step
+        return PiecewiseGraphRunner(self, cfg.piecewise_graph_max_tokens, whole_step=whole)
 
     @property
     def page_size(self) -> int:

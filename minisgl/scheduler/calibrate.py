@@ -9,7 +9,8 @@ host plus device time with nothing overlapped, an upper bound of what the same s
 the overlapped loop; the online refinement takes it from there.
 
 The shapes vary each feature of the model on its own: decode batch size, decode context, prefill
-tokens, a prefill's cached prefix, decodes and a prefill together. Sizes are odd (no new Triton
+tokens, a prefill's cached prefix, decodes and a prefill together, and a prefill one token larger
+than the engine's largest prefilling graph (when it has them). Sizes are odd (no new Triton
 integer specialisation) and smaller on a CPU, where the test suite starts many engines.
 """
 
@@ -53,7 +54,11 @@ class CalibrationStep:
 
 
 def calibration_plan(
-    on_cuda: bool, max_prefill_tokens: int, max_running: int, max_context: int
+    on_cuda: bool,
+    max_prefill_tokens: int,
+    max_running: int,
+    max_context: int,
+    graph_tokens: int = 0,
 ) -> list[CalibrationStep]:
     """The shapes to time, within the engine's limits (pages are checked when run)."""
     batch, short, long, small, large = (
@@ -74,6 +79,9 @@ def calibration_plan(
         CalibrationStep(0, 0, small, prefix),
         CalibrationStep(batch, short, small),
     ]
+    eager = graph_tokens + 1  # the smallest prefilling step past the graphs
+    if graph_tokens > 0 and eager <= min(max_prefill_tokens, max_context - 1):
+        plan.append(CalibrationStep(0, 0, eager))
     return [s for s in plan if s.valid]
 
 
@@ -82,6 +90,7 @@ def calibrate(
 ) -> list[tuple[StepShape, float]]:
     """Time the plan's steps on an engine without requests: (shape, seconds) of each timed
     step. Shapes that do not fit the pool or the request slots are left out."""
+    graph_tokens = engine.pieces.max_tokens if engine.pieces is not None else 0
     run = WarmupRun(engine, allocator or PageAllocator(engine.num_pages))
     cfg = engine.config
     plan = calibration_plan(
@@ -89,17 +98,20 @@ def calibrate(
         cfg.max_prefill_tokens,
         cfg.max_running_requests,
         engine.max_context,
+        graph_tokens,
     )
     samples: list[tuple[StepShape, float]] = []
     for spec in plan:
         fits = spec.pages(engine.page_size) <= run.allocator.num_free
         if fits and spec.slots() <= cfg.max_running_requests:
             with run.released():
-                samples += _time_steps(run, spec)
+                samples += _time_steps(run, spec, graph_tokens)
     return samples
 
 
-def _time_steps(run: WarmupRun, spec: CalibrationStep) -> list[tuple[StepShape, float]]:
+def _time_steps(
+    run: WarmupRun, spec: CalibrationStep, graph_tokens: int
+) -> list[tuple[StepShape, float]]:
     decodes = [run.add(spec.context, GREEDY, cached=spec.context - 1) for _ in range(spec.decodes)]
     samples = []
     for i in range(REPEATS):
@@ -112,5 +124,5 @@ def _time_steps(run: WarmupRun, spec: CalibrationStep) -> list[tuple[StepShape, 
         assert run.last is not None
         run.last.wait()
         if i > 0:
-            samples.append((StepShape.of(batch), time.perf_counter() - start))
+            samples.append((StepShape.of(batch, graph_tokens), time.perf_counter() - start))
     return samples

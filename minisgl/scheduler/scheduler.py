@@ -125,6 +125,9 @@ class Scheduler:
         )
         # The latency target in seconds: None is auto, 0 is off.
         self.itl_target_s = None if cfg.itl_target_ms is None else cfg.itl_target_ms / 1e3
+        # The largest prefilling step the engine replays as graphs (0: none): larger ones cost
+        # the step-time model's `eager` term more.
+        self.graph_tokens = engine.pieces.max_tokens if engine.pieces is not None else 0
         measures = sync is None or sync.rank == 0
         publish = sync.publish_step_times if sync is not None and sync.rank == 0 else None
         self.timer = StepTimer(LinearStepTime(), self.overlap, publish, measures)
@@ -320,7 +323,7 @@ class Scheduler:
     ) -> Step:
         self._launched += 1
         self.kv.launched(self._launched, reqs)
-        shape = StepShape.of(batch)
+        shape = StepShape.of(batch, self.graph_tokens)
         self.timer.launched(shape)
         mask = None
         if self.grammars.constrained(reqs):
@@ -533,7 +536,8 @@ class Scheduler:
         return token_budget(self.config.max_prefill_tokens, num_decode)
 
     def _budget(self, decode: list[Req]) -> PrefillBudget:
-        decodes = StepShape(len(decode), 0, sum(r.seq_len for r in decode), False)
+        kv = sum(r.seq_len for r in decode)
+        decodes = StepShape(len(decode), 0, kv, False, self.graph_tokens)
         budget = PrefillBudget.plan(
             self.config.max_prefill_tokens,
             self.page_size,

@@ -2,10 +2,13 @@
 
 A step's time is modelled as linear in five features of its shape,
 
-    t = base + mixed * [the step prefills] + decode * rows + prefill * tokens + kv * kv_tokens
+    t = base + mixed * [the step prefills] + eager * [too large for the graphs]
+          + decode * rows + prefill * tokens + kv * kv_tokens
 
-(`mixed` is the fixed price of a step that is not a plain decode: no CUDA graph, new GEMM
-shapes; `kv` the price of a context token read by attention). The coefficients start from a
+(`mixed` is the fixed price of a step that is not a plain decode: a graph of its token bucket,
+or no graph at all; `eager` the further price of a prefilling step with more tokens than the
+engine's largest graph (`graph_tokens`): kernels launched one by one, new GEMM shapes; `kv` the
+price of a context token read by attention). The coefficients start from a
 few timed steps at start-up (`minisgl.scheduler.warmup.calibrate`) and follow the measured
 step periods online, by exponentially weighted least squares: a forgetting factor lets the
 model follow the machine, a ridge pull towards the start-up fit keeps the directions that
@@ -28,7 +31,7 @@ from minisgl.core import Batch
 DECODE_SCALE = 64.0
 PREFILL_SCALE = 1024.0
 KV_SCALE = 65536.0
-TERMS = ("base", "mixed", "decode_row", "prefill_token", "kv_token")
+TERMS = ("base", "mixed", "eager", "decode_row", "prefill_token", "kv_token")
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,17 @@ class StepShape:
     decode_rows: int  # rows that add one token
     prefill_tokens: int  # tokens of the rows that add more than one
     kv_tokens: int  # context tokens the step's attention reads (its rows' sequence lengths)
-    mixed: bool  # not a plain decode step (eager: no CUDA graph, GEMM shapes vary)
+    mixed: bool  # not a plain decode step (a token bucket's graph, or none; GEMM shapes vary)
+    # The most tokens a prefilling step may have and still replay a graph (0: none does).
+    graph_tokens: int = 0
+    eager: bool = False  # a prefilling step over `graph_tokens` (> 0): no graph
 
     @staticmethod
-    def of(batch: Batch) -> StepShape:
+    def of(batch: Batch, graph_tokens: int = 0) -> StepShape:
         decode = sum(1 for e in batch.extend_lens if e == 1)
         prefill = batch.num_tokens - decode
-        return StepShape(decode, prefill, sum(batch.seq_lens), prefill > 0)
+        eager = prefill > 0 and 0 < graph_tokens < batch.num_tokens
+        return StepShape(decode, prefill, sum(batch.seq_lens), prefill > 0, graph_tokens, eager)
 
     def with_chunk(self, prefix: int, tokens: int) -> StepShape:
         """This step plus a prefill row computing `tokens` tokens after `prefix` cached ones."""
@@ -52,15 +59,28 @@ class StepShape:
             return self
         if tokens == 1:
             return StepShape(
-                self.decode_rows + 1, self.prefill_tokens, self.kv_tokens + prefix + 1, self.mixed
+                self.decode_rows + 1,
+                self.prefill_tokens,
+                self.kv_tokens + prefix + 1,
+                self.mixed,
+                self.graph_tokens,
+                self.eager or (self.mixed and 0 < self.graph_tokens < self.num_tokens + 1),
             )
         kv = self.kv_tokens + prefix + tokens
-        return StepShape(self.decode_rows, self.prefill_tokens + tokens, kv, True)
+        eager = 0 < self.graph_tokens < self.num_tokens + tokens
+        return StepShape(
+            self.decode_rows, self.prefill_tokens + tokens, kv, True, self.graph_tokens, eager
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.decode_rows + self.prefill_tokens
 
     def features(self) -> list[float]:
         return [
             1.0,
             1.0 if self.mixed else 0.0,
+            1.0 if self.eager else 0.0,
             self.decode_rows / DECODE_SCALE,
             self.prefill_tokens / PREFILL_SCALE,
             self.kv_tokens / KV_SCALE,
@@ -99,7 +119,7 @@ class LinearStepTime:
     def __init__(
         self,
         forget: float = 0.998,  # weight of the past per observation: a memory of ~500 steps
-        ridge: float = 1.0,  # pull towards `prior`, in observations' worth
+        ridge: float = 0.1,  # pull towards `prior`, in observations' worth
         refit_every: int = 8,
         min_samples: int = 8,
         huber: float = 4.0,  # residuals beyond this many mean absolute residuals weigh less

@@ -5,7 +5,7 @@ the host to this step's (its `ForwardOutput` waited for: the wait the loop does 
 extra device sync), or from the start of the loop iteration that launched it when the loop was
 idle before. With overlap scheduling the gap that ends with step N's tokens holds the host's
 work of launching step N+1 beside the device's work on step N, so its sample takes the step
-kind (mixed or decode: the host's big cost) of the step launched in that iteration and the
+kind (mixed or decode, in a graph or eager: the host's big cost) of the step launched in that iteration and the
 rest of its shape from step N.
 
 Samples go to the model in batches of `SAMPLE_BATCH`. With tensor parallelism only rank 0
@@ -81,7 +81,10 @@ class StepTimer:
             return
         if self.overlap:
             launched = self._launched_now
-            shape = replace(shape, mixed=launched is not None and launched.mixed)
+            # The host's cost is the launched step's: its kind (graph of a bucket, or eager).
+            mixed = launched is not None and launched.mixed
+            eager = launched is not None and launched.eager
+            shape = replace(shape, mixed=mixed, eager=eager)
         self.record([(shape, seconds)])
 
     def record(self, samples: list[Sample], anchor: bool = False) -> None:

@@ -197,9 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--piecewise-whole-step",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="capture each prefilling step's token bucket as one graph, attention included "
-        "(one mixed-attention kernel per layer; Triton backend; experimental)",
+        "(one mixed-attention kernel per layer; Triton backend); --no-piecewise-whole-step: "
+        "graphs of the dense parts with attention launched between them",
     )
     s.add_argument(
         "--disable-overlap",

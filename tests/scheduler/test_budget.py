@@ -75,6 +75,23 @@ def test_the_budget_shrinks_with_the_decodes_and_takes_the_rest_of_the_target() 
     assert sizes[0] > sizes[1] > sizes[2] > 0
 
 
+def test_a_step_stays_within_the_largest_graph_when_going_eager_would_miss_the_target() -> None:
+    # Prefilling steps up to GRAPH tokens replay a graph; one more token costs 12 ms of eager
+    # launches (the model's `eager` term). A 15 ms target fits 1,500 more prompt tokens by the
+    # per-token cost, but not the jump: the chunk stops where the step still fits the graphs.
+    graph, model = 512, FixedStepModel(eager=12e-3)
+    shape = StepShape(64, 0, 64 * 1000, False, graph)
+    budget = PrefillBudget.plan(MAX_TOKENS, PAGE, shape, model, 15e-3)
+    n = budget.size(0, 100_000)
+    assert n == (graph - 64) // PAGE * PAGE and not shape.with_chunk(0, n).eager
+    budget.take(0, n)
+    assert budget.size(0, 100_000) == 0  # a second prompt would tip it over too
+    # Without graphs every prefilling step pays the same fixed price: the per-token cost rules.
+    plain = StepShape(64, 0, 64 * 1000, False)
+    m = PrefillBudget.plan(MAX_TOKENS, PAGE, plain, model, 15e-3).size(0, 100_000)
+    assert m > graph and model.predict(plain.with_chunk(0, m)) <= 15e-3
+
+
 def test_the_last_chunk_of_a_prompt_need_not_end_on_a_page() -> None:
     shape = StepShape(4, 0, 400, False)
     budget = PrefillBudget.plan(MAX_TOKENS, PAGE, shape, MODEL, 10e-3)

@@ -12,13 +12,17 @@ import pytest
 from minisgl.core import Batch, SamplingParams, SeqInfo
 from minisgl.scheduler.step_time import LinearStepTime, StepShape
 
-# A machine: 1 ms a step, 3 ms more for a step that prefills, 20 us a decode row, 1 us a prompt
-# token, 5 ns a KV token read.
-TRUE = {"base": 1e-3, "mixed": 3e-3, "decode_row": 20e-6, "prefill_token": 1e-6, "kv_token": 5e-9}
+# A machine: 1 ms a step, 3 ms more for a step that prefills, 8 ms more again for one over its
+# largest prefilling graph (GRAPH tokens), 20 us a decode row, 1 us a prompt token, 5 ns a KV
+# token read.
+TRUE = {"base": 1e-3, "mixed": 3e-3, "eager": 8e-3, "decode_row": 20e-6, "prefill_token": 1e-6}
+TRUE["kv_token"] = 5e-9
+GRAPH = 2048
 
 
 def machine(shape: StepShape, scale: float = 1.0) -> float:
-    t = TRUE["base"] + TRUE["mixed"] * shape.mixed + TRUE["decode_row"] * shape.decode_rows
+    t = TRUE["base"] + TRUE["mixed"] * shape.mixed + TRUE["eager"] * shape.eager
+    t += TRUE["decode_row"] * shape.decode_rows
     t += TRUE["prefill_token"] * shape.prefill_tokens + TRUE["kv_token"] * shape.kv_tokens
     return t * scale
 
@@ -41,7 +45,9 @@ def random_shape(rng: random.Random, prefill: bool | None = None) -> StepShape:
         kv += tokens + rng.randint(0, 2048)
     if decodes == 0 and tokens == 0:
         decodes, kv = 1, 100
-    return StepShape(decodes, tokens, kv, tokens > 0)
+    return StepShape(
+        decodes, tokens, kv, tokens > 0, GRAPH, tokens > 0 and decodes + tokens > GRAPH
+    )
 
 
 def test_shape_of_a_plan_counts_what_the_step_computes() -> None:
@@ -54,6 +60,22 @@ def test_shape_of_a_plan_counts_what_the_step_computes() -> None:
     assert built == StepShape.of(batch)
 
 
+def test_a_step_past_the_largest_graph_is_eager() -> None:
+    """`graph_tokens`: the engine's largest prefilling graph. A prefilling step of more tokens
+    (decode rows count: one each) is eager, whether seen as a plan or built chunk by chunk."""
+    seq = SeqInfo(0, SamplingParams(), 0, 10)
+    batch = Batch([seq] * 3, [9, 30, 0], [1, 1, 15], [True] * 3, [0] * 3)  # 17 tokens
+    assert not StepShape.of(batch, 17).eager and StepShape.of(batch, 16).eager
+    assert not StepShape.of(batch).eager  # no graphs: the mixed term prices every such step
+    decode = Batch([seq] * 3, [9, 30, 5], [1, 1, 1], [True] * 3, [0] * 3)
+    assert not StepShape.of(decode, 2).eager  # decode steps have graphs of their own
+    start = StepShape(2, 0, 10 + 31, False, 16)
+    assert not start.with_chunk(0, 14).eager
+    assert start.with_chunk(0, 15).eager and start.with_chunk(0, 15) == StepShape.of(batch, 16)
+    assert start.with_chunk(0, 14).with_chunk(3, 1).eager  # a decode row tips it over
+    assert not start.with_chunk(5, 1).with_chunk(6, 1).eager  # decodes only: not prefilling
+
+
 def test_the_fit_finds_the_machine() -> None:
     rng = random.Random(0)
     model = LinearStepTime()
@@ -63,9 +85,11 @@ def test_the_fit_finds_the_machine() -> None:
     model.refit()
     got = per_unit(model.coefficients())
     # Decode rows and their KV reads go together in this workload (as in serving), so the fit
-    # may trade one for the other; the rest is pinned down.
-    for term in ("base", "mixed", "prefill_token"):
+    # may trade one for the other; the eager term and the prompt tokens somewhat too (eager
+    # steps are the large ones). The fixed costs are pinned down.
+    for term in ("base", "mixed", "eager"):
         assert got[term] == pytest.approx(TRUE[term], rel=0.15), term
+    assert got["prefill_token"] == pytest.approx(TRUE["prefill_token"], rel=0.25)
     for _ in range(100):
         shape = random_shape(rng)
         assert model.predict(shape) == pytest.approx(machine(shape), rel=0.05)

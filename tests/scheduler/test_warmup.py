@@ -262,3 +262,14 @@ def test_serving_compiles_nothing_after_the_warmup(tiny_model_dir, monkeypatch) 
     names = " ".join(k[0] for k in warm)
     assert all(part in names for part in ("decode", "extend", "norm", "gumbel")), names
     assert keys - warm == set(), [k[0] for k in keys - warm]
+
+
+def test_calibration_times_a_step_past_the_largest_graph() -> None:
+    """With prefilling graphs up to N tokens, start-up times an N + 1 token prefill: the step-time
+    model's `eager` term (kernels launched one by one) needs a step of that kind."""
+    from minisgl.scheduler.calibrate import CalibrationStep
+
+    eager = CalibrationStep(0, 0, 2049)
+    assert eager in calibration_plan(True, 8192, 256, 4096, graph_tokens=2048)
+    assert eager not in calibration_plan(True, 8192, 256, 4096)  # no graphs: no such step
+    assert eager not in calibration_plan(True, 2048, 256, 4096, graph_tokens=2048)  # over limit

@@ -109,15 +109,15 @@ def test_flags_map_onto_the_engine_config() -> None:
             "0",
             "--piecewise-graph-max-tokens",
             "512",
-            "--piecewise-whole-step",
+            "--no-piecewise-whole-step",
             "--disable-overlap",
         ]
     )
     e = cfg.engine
     assert (e.mem_fraction, e.cuda_graph_max_bs, e.overlap) == (0.5, 0, False)
-    assert e.piecewise_graph_max_tokens == 512 and e.piecewise_whole_step
+    assert e.piecewise_graph_max_tokens == 512 and not e.piecewise_whole_step
     default = parse_args([]).engine
-    assert not default.piecewise_whole_step
+    assert default.piecewise_whole_step
     assert (default.mem_fraction, default.cuda_graph_max_bs, default.overlap) == (0.9, 256, True)
     assert default.piecewise_graph_max_tokens == 2048
     assert (cfg.host, cfg.port, cfg.api_key, cfg.log_level) == ("0.0.0.0", 8000, "k", "debug")
