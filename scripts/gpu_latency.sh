@@ -4,7 +4,7 @@
 # saturation, with the offline engine as the throughput reference; two priority classes at
 # saturation; and again with a KV pool too small for every request (retraction). Inter-token
 # latency from the server's own token times; every request's token times saved for plots.
-#   OUT=/dir bash scripts/gpu_latency.sh      (MODEL, REQUESTS, RATES, CLIENTS, PAGES, RUNNING, PARTS to override)
+#   OUT=/dir bash scripts/gpu_latency.sh      (MODEL, REQUESTS, RATES, CLIENTS, PAGES, RUNNING, PARTS, REPEATS, TARGETS to override)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -16,6 +16,8 @@ CLIENTS=${CLIENTS:-4}
 PAGES=${PAGES:-2000}  # 64k tokens at page size 32: about 60 W4 requests at once
 RUNNING=${RUNNING:-64}
 PARTS=${PARTS:-policies classes small_pool}
+REPEATS=${REPEATS:-2}
+TARGETS=${TARGETS:-auto,0}
 mkdir -p "$LOG"
 W4=(--model "$MODEL" --load-format dummy --mem-fraction 0.42 --num-requests "$REQUESTS"
     --prompt-len 100-1024 --output-len 100-1024 --client-procs "$CLIENTS")
@@ -26,7 +28,7 @@ run() {  # name, then the benchmark's other flags
     --token-times-out "$LOG/$name.times.json" "$@" > "$LOG/$name.log" 2>&1
   echo "== $name rc=$?"
 }
-run policies --rates "$RATES" --repeats 2 --itl-targets auto,0
+run policies --rates "$RATES" --repeats "$REPEATS" --itl-targets "$TARGETS"
 # With a pool for all 256 requests every one is admitted as it arrives (no queue for priorities
 # to order): the server is held to RUNNING requests at once, so that a queue forms.
 run classes --skip-offline --rates inf --repeats 1 --priority-classes 0,1 \

@@ -54,7 +54,9 @@ def procs_round(rows: int, procs: int, tokenizer: Any, vocab: int, reps: int) ->
     pipes, workers = [], []
     for i in range(procs):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=worker, args=(child, tokenizer, vocab, bounds[i], bounds[i + 1], bits))
+        p = ctx.Process(
+            target=worker, args=(child, tokenizer, vocab, bounds[i], bounds[i + 1], bits)
+        )
         p.start()
         pipes.append(parent)
         workers.append(p)

@@ -345,7 +345,7 @@ def run_mixed(
         "decode_rows": nd, "context": ctx, "prompt": prompt, "tokens": t, "bucket": q.shape[0],
         "max_requests": max_requests, "num_splits": num_splits, "rows_wide": cfg.rows_wide,
         "block_n": cfg.block_n, "block_n_narrow": cfg.block_n_narrow,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "persistent": cfg.persistent,
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         "mixed_us": mixed_s * 1e6, "pair_us": pair_s * 1e6, "pair_decode_splits": dsplits,
         "mixed_fraction_of_copy": case.nbytes / mixed_s / copy_bw,
         "pair_fraction_of_copy": case.nbytes / pair_s / copy_bw,
@@ -375,10 +375,10 @@ def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row
     ps = args.page_size
     run = functools.partial(run_mixed, max_requests=args.mixed_max_requests, kv_dtype=kv_dtype)
     rows = []
-    for shape, splits, persistent in itertools.product(MIXED_SHAPES, MIXED_SPLITS, (False, True)):
-        cfg = dataclasses.replace(default_mixed_config(HEAD_DIM), persistent=persistent)
+    cfg = default_mixed_config(HEAD_DIM)
+    for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS):
         label = {"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
-                 "num_splits": splits, "persistent": persistent}  # fmt: skip
+                 "num_splits": splits}  # fmt: skip
         rows.append(_attempt(label, run, shape, ps, timer, copy_bw, num_splits=splits,
                              config=cfg))  # fmt: skip
     print_table(f"mixed steps: one launch vs decode-split + extend (page_size {ps}, "
@@ -386,11 +386,11 @@ def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row
     result: Row = {"mixed": rows}
     if args.tune:
         tune = []
-        for shape, rw, bn, bnn, w, st, pers in itertools.product(
-            MIXED_SHAPES[1:4:2], (64, 128), (32, 64), (64, 128), (4, 8), (2, 3), (False, True)
+        for shape, rw, bn, bnn, w, st in itertools.product(
+            MIXED_SHAPES[1:4:2], (64, 128), (32, 64), (64, 128, 256), (4, 8), (2, 3)
         ):
             cfg = MixedConfig(rows_wide=rw, block_n=bn, block_n_narrow=bnn, num_warps=w,
-                              num_stages=st, persistent=pers)  # fmt: skip
+                              num_stages=st)  # fmt: skip
             label = {"decode_rows": shape[0], "prompt": shape[2], **dataclasses.asdict(cfg)}
             tune.append(_attempt(label, run, shape, ps, timer, copy_bw, config=cfg))
         tune.sort(key=lambda r: (r["decode_rows"], r.get("mixed_us", math.inf)))
@@ -589,9 +589,8 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
                   "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
-MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "persistent",
-                 "rows_wide", "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us",
-                 "pair_us",
+MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
+                 "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
                  "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",
                  "pair_host_us", "rel_err", "padding_zero"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",

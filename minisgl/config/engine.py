@@ -93,12 +93,12 @@ class EngineConfig:
     min_reserve_ratio: float = 0.1
     reserve_decay_steps: int = 600
     # Inter-token latency target (`minisgl.scheduler.budget`): while requests decode, a step
-    # prefills only the prompt tokens that the step-time model says fit in it. None: auto (2.5x
-    # the predicted time of the step's decodes alone); 0: off (the token limit alone), the
-    # default: on the H200, with piecewise graphs, auto cost W4 16% of its saturated
-    # throughput and did not shorten the tail (docs/benchmarks.md, eleventh session); else
-    # milliseconds.
-    itl_target_ms: float | None = 0.0
+    # prefills only the prompt tokens that the step-time model says fit in it. "auto": 2.5x the
+    # predicted time of the step's decodes alone; milliseconds; 0: off (the token limit alone).
+    # None (the default): auto on CUDA, off on the CPU. On the H200 with whole-step graphs,
+    # auto took W4's saturated ITL p99 from 48 to 16 ms at 5% more throughput
+    # (docs/benchmarks.md, fourteenth session); the CPU has no prefilling graphs to keep cheap.
+    itl_target_ms: float | str | None = None
     # fcfs | priority (`minisgl.scheduler.policy`): the waiting queue's order and who is
     # retracted first; under priority a request gains one level per `priority_aging_s` seconds
     # of waiting (0: never).
@@ -198,10 +198,11 @@ class EngineConfig:
                 raise ValueError("speculative_draft_model: only at tp_size 1 for now")
 
     def _check_scheduling(self) -> None:
-        if self.itl_target_ms is not None and not self.itl_target_ms >= 0:
+        t = self.itl_target_ms
+        if not (t is None or t == "auto" or (isinstance(t, (int, float)) and t >= 0)):
             raise ValueError(
-                f"itl_target_ms: must be >= 0 (0 turns the target off) or None (auto), got "
-                f"{self.itl_target_ms}"
+                f"itl_target_ms: must be >= 0 (0 turns the target off), 'auto' or None (the "
+                f"machine's default), got {t!r}"
             )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
@@ -301,6 +302,7 @@ def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
     if backend == "auto":
         backend = "triton" if on_cuda else "torch"
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    auto_target: float | str = "auto" if on_cuda else 0.0
     return replace(
         cfg,
         device=device,
@@ -310,6 +312,7 @@ def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
         attention_backend=backend,
         overlap=cfg.overlap and on_cuda,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs if on_cuda else 0,
+        itl_target_ms=cfg.itl_target_ms if cfg.itl_target_ms is not None else auto_target,
     )
 
 

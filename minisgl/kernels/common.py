@@ -239,6 +239,54 @@ def online_softmax_step(
     return m_new, l_i, acc
 
 
+@triton.jit
+def kv_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split when a request of `seq_len` keys is split `num_splits` ways (flash
+    decoding): a whole number of BLOCK_N blocks, so splits past the end of a short request are
+    empty and `tl.cdiv(seq_len, kv_split_len(...))` of them hold keys."""
+    per_split = tl.cdiv(seq_len, num_splits)
+    return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def combine_splits(
+    part_o_ptr,  # [rows * num_splits, D] fp32: split s of row r at r * num_splits + s
+    part_lse_ptr,  # [rows * num_splits] fp32, base-2 log-sum-exps
+    o_dst,  # [BLOCK_H, D] output pointers of the tile's rows
+    rows,  # [BLOCK_H] index of split 0 of each tile row in the partial buffers
+    num_valid,  # splits that wrote partials
+    mask_h,  # [BLOCK_H] real rows of the tile
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """Softmax-weighted sum of the splits' normalised partial outputs (base-2 log-sum-exps),
+    run by the last split to finish (decode and mixed attention). The partials were written by
+    other programs: the loads bypass L1 (.cg)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    weight = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for s in range(0, num_valid):
+        lse = tl.load(part_lse_ptr + rows + s, mask=mask_h, other=0.0, cache_modifier=".cg")
+        part = tl.load(
+            part_o_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_h[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        weight = weight * alpha + w
+        m = m_new
+    out = acc / tl.where(weight > 0, weight, 1.0)[:, None]  # an empty request gets zeros
+    if EMULATE_BF16:
+        out = round_bf16(out)
+    tl.store(o_dst, out.to(o_dst.dtype.element_ty), mask=mask_h[:, None])
+
+
 # Per device: the split counters (`split_counters`); a grown buffer keeps the old ones alive
 # for the CUDA graphs that captured them.
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}

@@ -21,9 +21,11 @@ import triton.language as tl
 from minisgl.kernels.common import (
     check_kv_scales,
     check_paged_args,
+    combine_splits,
     dot,
     dot_flags,
     fp8_operand,
+    kv_split_len,
     num_sms,
     online_softmax_step,
     pdl_args,
@@ -84,13 +86,6 @@ def choose_num_splits(
     return max(1, min(want, by_len, config.max_splits))
 
 
-@triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Tokens per split for a request of `seq_len` tokens: a whole number of BLOCK_N blocks."""
-    per_split = tl.cdiv(seq_len, num_splits)
-    return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
-
-
 # Per-step integers are not specialised on (== 1, % 16): a variant each would be a JIT compile
 # in the middle of serving.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -137,7 +132,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    split_len = kv_split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -202,47 +197,10 @@ def _decode_split_kernel(
             tl.store(counter, 0)  # zero again for the next launch (or CUDA-graph replay)
             o_dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             num_valid = tl.cdiv(seq_len, split_len)
-            _combine_splits(
+            combine_splits(
                 part_o_ptr, part_lse_ptr, o_dst, rows, num_valid, mask_h, HEAD_DIM, BLOCK_H,
                 EMULATE_BF16,
             )  # fmt: skip
-
-
-@triton.jit
-def _combine_splits(
-    part_o_ptr,  # [B, Hq, num_splits, D] fp32
-    part_lse_ptr,  # [B, Hq, num_splits] fp32
-    o_dst,  # [BLOCK_H, D] output pointers of the group's heads
-    rows,  # [BLOCK_H] row of split 0 of each head in the partial buffers
-    num_valid,  # splits that wrote partials
-    mask_h,  # [BLOCK_H] real heads of the group
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-):
-    """Softmax-weighted sum of the splits' normalised partial outputs (base-2 log-sum-exps)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    weight = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for s in range(0, num_valid):
-        lse = tl.load(part_lse_ptr + rows + s, mask=mask_h, other=0.0, cache_modifier=".cg")
-        part = tl.load(
-            part_o_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=mask_h[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * part
-        weight = weight * alpha + w
-        m = m_new
-    out = acc / tl.where(weight > 0, weight, 1.0)[:, None]  # an empty request gets zeros
-    if EMULATE_BF16:
-        out = round_bf16(out)
-    tl.store(o_dst, out.to(o_dst.dtype.element_ty), mask=mask_h[:, None])
 
 
 def decode_attention(

@@ -22,10 +22,9 @@ sum over the Bmax requests, no host list, no planning launch):
   with an atomic, exactly as `decode.py` does;
 - padding rows (past `cu_extend[Bmax]`) get zeros, so a replay leaves no stale or NaN rows
   there; no program writes a row of another request.
-Two launch modes (`MixedConfig.persistent`): one program per item the capacity can need
-(those past the step's items zero the padding rows and exit), or a persistent grid of about
-`programs_per_sm` programs per SM, each planning once and taking every G-th item, heaviest
-first, padding rows included, so that a large capacity costs no wave of idle programs.
+One program per item the capacity can need (`max_work_items`): those past the step's items
+share the padding rows' zeros and exit. (A persistent grid, a few programs per SM each looping
+over every G-th item, lost to it in the H200 sweep of 2026-12-02 and was removed.)
 """
 
 from __future__ import annotations
@@ -40,10 +39,11 @@ import triton.language as tl
 from minisgl.kernels.common import (
     check_kv_scales,
     check_paged_args,
+    combine_splits,
     dot,
     dot_flags,
     fp8_operand,
-    num_sms,
+    kv_split_len,
     online_softmax_step,
     pdl_args,
     pdl_prologue,
@@ -51,7 +51,6 @@ from minisgl.kernels.common import (
     split_counters,
     token_slots,
 )
-from minisgl.kernels.decode import _combine_splits, _split_len
 
 
 @dataclass(frozen=True)
@@ -59,19 +58,18 @@ class MixedConfig:
     """Tuning knobs of `mixed_attention` (sweep them on the target GPU: `benchmark.kernels
     --mixed --tune`). One kernel holds both tile shapes, so warps and stages are shared."""
 
+    # The best by geometric mean of `benchmark.kernels --mixed --tune` on an NVIDIA H200
+    # (2026-12-02; head_dim 128, GQA 2, bf16, page 16, one layer's us): 54.1 at 20 decodes
+    # (context ~1000) + a 1000-token prompt, 83.2 at 64 decodes + a 100-token prompt; the old
+    # default (64, 64, 64, 8 warps, 2 stages) took ~99-105 and ~149. Per case the best were
+    # (64, 32, 64, 4, 2) at 53.9 and (128, 32, 128, 4, 3) at 79.7. A persistent grid lost.
     rows_wide: int = 64  # (token, head) rows of a prefill q-block: 32 tokens at GQA group 2
     block_n: int = 64  # keys per step of a wide item
-    block_n_narrow: int = 64  # keys per step of a narrow item
-    # sm_90 build at head_dim 128, GQA 2 (bf16): 128 registers, 80 KiB shared (2 programs per
-    # SM); 4 warps need 196 registers. Not yet swept on the H200.
-    num_warps: int = 8
+    block_n_narrow: int = 128  # keys per step of a narrow item (16 rows: a decode's tile)
+    # sm_90 build at head_dim 128, GQA 2 (bf16): 196-198 registers, 80 KiB shared, so two
+    # programs per SM; FP8 K/V take 252 and fp32 255, without spills (the limit at 4 warps).
+    num_warps: int = 4
     num_stages: int = 2
-    # Persistent: a grid of `programs_per_sm` per SM whose programs loop over the items (each
-    # plans once; sm_90: 177-224 registers at 8 warps, so one program per SM). Else one
-    # program per item the capacity can need (128-136 registers; the programs a step does
-    # not need still plan). Which wins is the H200's call (`benchmark.kernels --mixed`).
-    persistent: bool = False
-    programs_per_sm: int = 4
 
     def __post_init__(self) -> None:
         for name in ("rows_wide", "block_n", "block_n_narrow"):
@@ -101,8 +99,8 @@ def max_work_items(
 ) -> int:
     """Attention items of any step of at most `max_tokens` rows and `max_requests` requests (a
     wide request of e tokens has cdiv(e, TOK_W) <= e / TOK_W + 1 blocks and more than TOK_N
-    tokens; a narrow one has `num_splits` items), plus one: the grid of the non-persistent
-    launch, which always leaves a program idle to zero the padding rows."""
+    tokens; a narrow one has `num_splits` items), plus one: the launch's grid, which always
+    leaves a program idle to zero the padding rows."""
     tok_w = max(1, rows_wide // gpad)
     tok_n = narrow_rows(gpad) // gpad
     wide = max_tokens // tok_w + min(max_requests, max_tokens // (tok_n + 1))
@@ -217,7 +215,6 @@ def _mixed_kernel(
     KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    PERSISTENT: tl.constexpr,  # a grid of any size loops over the items; else one per program
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -244,39 +241,31 @@ def _mixed_kernel(
     if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
         qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
-    total = tl.load(cu_extend_ptr + num_requests)
-    if PERSISTENT:
-        # Work items, heaviest first, dealt round-robin to this KV head's programs: each plans
-        # once, and padding rows are items too.
-        num_items = num_busy + tl.cdiv(num_rows - total, TOK_N)
-        for item in range(tl.program_id(1), num_items, tl.num_programs(1)):
-            _work_item(
-                item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total,
-                num_rows, num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
-                part_lse_ptr, counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh,
-                stride_kt, stride_vt, stride_bt, stride_ot, stride_oh, qk_scale, GROUP, GPAD,
-                HEAD_DIM, ROWS_W, BLOCK_N, ROWS_N, BLOCK_N_NARROW, PAGE_SIZE, SPLIT, KV_FP8, IEEE,
-                EMULATE_BF16,
-            )  # fmt: skip
+    item = tl.program_id(1)
+    if item < num_wide:
+        _wide_item(
+            item, kv_head, offs_b, lo, ext, cu_wide, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr,
+            v_scale_ptr, k_base, v_base, stride_qt, stride_qh, stride_kt, stride_vt, stride_bt,
+            stride_ot, stride_oh, qk_scale, GROUP, GPAD, HEAD_DIM, ROWS_W, BLOCK_N, PAGE_SIZE,
+            KV_FP8, IEEE, EMULATE_BF16,
+        )  # fmt: skip
+    elif item < num_busy:
+        _narrow_item(
+            item - num_wide, kv_head, offs_b, lo, ext, cu_narrow, num_splits, q_ptr,
+            block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+            v_scale_ptr, k_base, v_base, stride_qt, stride_qh, stride_kt, stride_vt, stride_bt,
+            stride_ot, stride_oh, qk_scale, GROUP, GPAD, HEAD_DIM, ROWS_N, BLOCK_N_NARROW,
+            PAGE_SIZE, SPLIT, KV_FP8, IEEE, EMULATE_BF16,
+        )  # fmt: skip
     else:
-        item = tl.program_id(1)
-        if item < num_busy:
-            _work_item(
-                item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total,
-                num_rows, num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
-                part_lse_ptr, counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh,
-                stride_kt, stride_vt, stride_bt, stride_ot, stride_oh, qk_scale, GROUP, GPAD,
-                HEAD_DIM, ROWS_W, BLOCK_N, ROWS_N, BLOCK_N_NARROW, PAGE_SIZE, SPLIT, KV_FP8, IEEE,
-                EMULATE_BF16,
-            )  # fmt: skip
-        else:
-            # Idle (the grid has at least one program more than the step's items): the padding
-            # rows' zeros, spread over the idle programs.
-            idle = item - num_busy
-            num_idle = tl.num_programs(1) - num_busy
-            for t0 in range(total + idle * TOK_N, num_rows, num_idle * TOK_N):
-                _zero_rows(o_ptr, kv_head, t0, num_rows, stride_ot, stride_oh, GROUP, GPAD,
-                           HEAD_DIM, ROWS_N)  # fmt: skip
+        # Idle (the grid has at least one program more than the step's items): the padding
+        # rows' zeros, spread over the idle programs.
+        total = tl.load(cu_extend_ptr + num_requests)
+        idle = item - num_busy
+        num_idle = tl.num_programs(1) - num_busy
+        for t0 in range(total + idle * TOK_N, num_rows, num_idle * TOK_N):
+            _zero_rows(o_ptr, kv_head, t0, num_rows, stride_ot, stride_oh, GROUP, GPAD, HEAD_DIM,
+                       ROWS_N)  # fmt: skip
 
 
 @triton.jit
@@ -292,111 +281,114 @@ def _zero_rows(
 
 
 @triton.jit
-def _work_item(
-    item, kv_head, offs_b, lo, ext, cu_wide, cu_narrow, num_wide, num_busy, total, num_rows,
-    num_splits, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr,
-    counter_ptr, v_scale_ptr, k_base, v_base, stride_qt, stride_qh, stride_kt, stride_vt,
-    stride_bt, stride_ot, stride_oh, qk_scale, GROUP: tl.constexpr, GPAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ROWS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_N: tl.constexpr,
+def _wide_item(
+    item, kv_head, offs_b, lo, ext, cu_wide, q_ptr, block_table_ptr, seq_lens_ptr, o_ptr,
+    v_scale_ptr, k_base, v_base, stride_qt, stride_qh, stride_kt, stride_vt, stride_bt,
+    stride_ot, stride_oh, qk_scale, GROUP: tl.constexpr, GPAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROWS_W: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    """Wide item `item` of one KV head: a q-block of TOK_W tokens of a prefill request."""
+    TOK_W: tl.constexpr = ROWS_W // GPAD
+    offs_d = tl.arange(0, HEAD_DIM)
+    b = tl.sum((cu_wide <= item).to(tl.int32), 0)
+    t0 = (_pick(cu_wide, offs_b, b) - 1 - item) * TOK_W  # the request's last block first
+    e = _pick(ext, offs_b, b)
+    first_row = _pick(lo, offs_b, b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix_len = seq_len - e
+    tok, heads, valid = _row_layout(kv_head, t0, e, GROUP, GPAD, ROWS_W)
+    q = _load_q(q_ptr, first_row + tok, heads, valid, stride_qt, stride_qh, HEAD_DIM)
+    if KV_FP8:
+        q = fp8_operand(q, q)
+    q_pos = prefix_len + tok
+    table_row = block_table_ptr + b * stride_bt
+    m_i = tl.full([ROWS_W], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS_W], tl.float32)
+    acc = tl.zeros([ROWS_W, HEAD_DIM], tl.float32)
+    # Keys before the block's first query: visible to every row, no mask but the length.
+    full_end = (prefix_len + t0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, 0,
+        full_end, qk_scale, False, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
+    )  # fmt: skip
+    causal_end = tl.minimum(seq_len, prefix_len + t0 + TOK_W)
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, full_end,
+        causal_end, qk_scale, True, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
+    if EMULATE_BF16:
+        out = round_bf16(out)
+    rows = first_row + tok
+    o_dst = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _narrow_item(
+    idx, kv_head, offs_b, lo, ext, cu_narrow, num_splits, q_ptr, block_table_ptr, seq_lens_ptr,
+    o_ptr, part_o_ptr, part_lse_ptr, counter_ptr, v_scale_ptr, k_base, v_base, stride_qt,
+    stride_qh, stride_kt, stride_vt, stride_bt, stride_ot, stride_oh, qk_scale,
+    GROUP: tl.constexpr, GPAD: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS_N: tl.constexpr,
     BLOCK_N_NARROW: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One work item of one KV head: a wide q-block, a narrow tile's key split, or (items past
-    `num_busy`) TOK_N padding rows to zero."""
-    TOK_W: tl.constexpr = ROWS_W // GPAD
-    TOK_N: tl.constexpr = ROWS_N // GPAD
+    """Narrow item `idx` of one KV head: one key split of a decode (or short extend) tile."""
     offs_d = tl.arange(0, HEAD_DIM)
-    if item < num_wide:
-        b = tl.sum((cu_wide <= item).to(tl.int32), 0)
-        t0 = (_pick(cu_wide, offs_b, b) - 1 - item) * TOK_W  # the request's last block first
-        e = _pick(ext, offs_b, b)
-        first_row = _pick(lo, offs_b, b).to(tl.int64)
-        seq_len = tl.load(seq_lens_ptr + b)
-        prefix_len = seq_len - e
-        tok, heads, valid = _row_layout(kv_head, t0, e, GROUP, GPAD, ROWS_W)
-        q = _load_q(q_ptr, first_row + tok, heads, valid, stride_qt, stride_qh, HEAD_DIM)
-        if KV_FP8:
-            q = fp8_operand(q, q)
-        q_pos = prefix_len + tok
-        table_row = block_table_ptr + b * stride_bt
-        m_i = tl.full([ROWS_W], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS_W], tl.float32)
-        acc = tl.zeros([ROWS_W, HEAD_DIM], tl.float32)
-        # Keys before the block's first query: visible to every row, no mask but the length.
-        full_end = (prefix_len + t0) // BLOCK_N * BLOCK_N
-        m_i, l_i, acc = _attend_keys(
-            q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, 0,
-            full_end, qk_scale, False, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
+    split = idx % num_splits
+    b = tl.sum((cu_narrow <= idx // num_splits).to(tl.int32), 0)
+    e = _pick(ext, offs_b, b)
+    first_row = _pick(lo, offs_b, b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b)
+    tok, heads, valid = _row_layout(kv_head, 0, e, GROUP, GPAD, ROWS_N)
+    q = _load_q(q_ptr, first_row + tok, heads, valid, stride_qt, stride_qh, HEAD_DIM)
+    if KV_FP8:
+        q = fp8_operand(q, q)
+    split_len = kv_split_len(seq_len, num_splits, BLOCK_N_NARROW)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    m_i = tl.full([ROWS_N], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS_N], tl.float32)
+    acc = tl.zeros([ROWS_N, HEAD_DIM], tl.float32)
+    # A split may lie wholly after an earlier token's position: MAY_BE_EMPTY.
+    m_i, l_i, acc = _attend_keys(
+        q, seq_len - e + tok, block_table_ptr + b * stride_bt, k_base, v_base, stride_kt,
+        stride_vt, m_i, l_i, acc, start, end, qk_scale, True, BLOCK_N_NARROW, PAGE_SIZE,
+        KV_FP8, IEEE, EMULATE_BF16, SPLIT,
+    )  # fmt: skip
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
+    rows = first_row + tok
+    o_dst = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    if SPLIT:
+        # Partials of (request, KV head, tile row, split); split 0 of each row first.
+        part = ((b * tl.num_programs(0) + kv_head) * ROWS_N + tl.arange(0, ROWS_N)) * num_splits
+        mask = valid & (tok * 0 + start < end)  # a vector: the interpreter wants one
+        tl.store(
+            part_o_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], out,
+            mask=mask[:, None],
         )  # fmt: skip
-        causal_end = tl.minimum(seq_len, prefix_len + t0 + TOK_W)
-        m_i, l_i, acc = _attend_keys(
-            q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, full_end,
-            causal_end, qk_scale, True, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
-        )  # fmt: skip
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        if KV_FP8:
-            out = out * tl.load(v_scale_ptr + kv_head)
+        tl.store(part_lse_ptr + part + split, m_i + tl.log2(l_safe), mask=mask)
+        # As in decode.py: the last split of this (request, KV head) to finish combines.
+        tl.debug_barrier()
+        counter = counter_ptr + b * tl.num_programs(0) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+            num_valid = tl.cdiv(seq_len, split_len)
+            combine_splits(
+                part_o_ptr, part_lse_ptr, o_dst, part, num_valid, valid, HEAD_DIM, ROWS_N,
+                EMULATE_BF16,
+            )  # fmt: skip
+    else:
         if EMULATE_BF16:
             out = round_bf16(out)
-        rows = first_row + tok
-        o_dst = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
-    elif item < num_busy:
-        idx = item - num_wide
-        split = idx % num_splits
-        b = tl.sum((cu_narrow <= idx // num_splits).to(tl.int32), 0)
-        e = _pick(ext, offs_b, b)
-        first_row = _pick(lo, offs_b, b).to(tl.int64)
-        seq_len = tl.load(seq_lens_ptr + b)
-        tok, heads, valid = _row_layout(kv_head, 0, e, GROUP, GPAD, ROWS_N)
-        q = _load_q(q_ptr, first_row + tok, heads, valid, stride_qt, stride_qh, HEAD_DIM)
-        if KV_FP8:
-            q = fp8_operand(q, q)
-        split_len = _split_len(seq_len, num_splits, BLOCK_N_NARROW)
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
-        m_i = tl.full([ROWS_N], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS_N], tl.float32)
-        acc = tl.zeros([ROWS_N, HEAD_DIM], tl.float32)
-        # A split may lie wholly after an earlier token's position: MAY_BE_EMPTY.
-        m_i, l_i, acc = _attend_keys(
-            q, seq_len - e + tok, block_table_ptr + b * stride_bt, k_base, v_base, stride_kt,
-            stride_vt, m_i, l_i, acc, start, end, qk_scale, True, BLOCK_N_NARROW, PAGE_SIZE,
-            KV_FP8, IEEE, EMULATE_BF16, SPLIT,
-        )  # fmt: skip
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        if KV_FP8:
-            out = out * tl.load(v_scale_ptr + kv_head)
-        rows = first_row + tok
-        o_dst = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        if SPLIT:
-            # Partials of (request, KV head, tile row, split); split 0 of each row first.
-            part = ((b * tl.num_programs(0) + kv_head) * ROWS_N + tl.arange(0, ROWS_N)) * num_splits
-            mask = valid & (tok * 0 + start < end)  # a vector: the interpreter wants one
-            tl.store(
-                part_o_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], out,
-                mask=mask[:, None],
-            )  # fmt: skip
-            tl.store(part_lse_ptr + part + split, m_i + tl.log2(l_safe), mask=mask)
-            # As in decode.py: the last split of this (request, KV head) to finish combines.
-            tl.debug_barrier()
-            counter = counter_ptr + b * tl.num_programs(0) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.store(counter, 0)  # zero again for the next launch (or graph replay)
-                num_valid = tl.cdiv(seq_len, split_len)
-                _combine_splits(
-                    part_o_ptr, part_lse_ptr, o_dst, part, num_valid, valid, HEAD_DIM, ROWS_N,
-                    EMULATE_BF16,
-                )  # fmt: skip
-        else:
-            if EMULATE_BF16:
-                out = round_bf16(out)
-            tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
-    else:
-        # Padding rows past the step's: zeros in this KV head's columns, TOK_N rows an item.
-        _zero_rows(o_ptr, kv_head, total + (item - num_busy) * TOK_N, num_rows, stride_ot,
-                   stride_oh, GROUP, GPAD, HEAD_DIM, ROWS_N)  # fmt: skip
 
 
 def mixed_attention(
@@ -410,7 +402,6 @@ def mixed_attention(
     sm_scale: float,
     *,
     num_splits: int = 1,  # narrow items' key splits: fixed per capture, any value is correct
-    num_programs: int | None = None,  # per KV head, persistent (any count is correct); None: config
     config: MixedConfig | None = None,
     out: torch.Tensor | None = None,  # [Tp, Hq, D], written in place if given
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
@@ -436,10 +427,6 @@ def mixed_attention(
     rows_n = narrow_rows(gpad)
     rows_w = max(cfg.rows_wide, gpad)  # at least one token per wide block
     items = max_work_items(num_rows, num_requests, gpad, rows_w, num_splits)
-    persistent = cfg.persistent or num_programs is not None
-    if num_programs is None:
-        by_sm = cfg.programs_per_sm * num_sms(q.device) // num_kv_heads
-        num_programs = max(1, min(items, by_sm)) if persistent else items
     if num_splits > 1:
         part_o = q.new_empty(num_requests * num_kv_heads * rows_n * num_splits * head_dim,
                              dtype=torch.float32)  # fmt: skip
@@ -451,7 +438,7 @@ def mixed_attention(
         counters = seq_lens
     ieee, emulate_bf16 = dot_flags(q.dtype, _mixed_kernel, fp8)
     k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
-    _mixed_kernel[(num_kv_heads, num_programs)](
+    _mixed_kernel[(num_kv_heads, items)](
         q, k_cache, v_cache, block_table, seq_lens, cu_extend, out, part_o, part_lse, counters,
         k_scale, v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0), out.stride(0),
@@ -459,7 +446,7 @@ def mixed_attention(
         GROUP=num_q_heads // num_kv_heads, GPAD=gpad, HEAD_DIM=head_dim,
         BLOCK_B=max(16, triton.next_power_of_2(num_requests)), ROWS_W=rows_w,
         BLOCK_N=cfg.block_n, ROWS_N=rows_n, BLOCK_N_NARROW=cfg.block_n_narrow,
-        PAGE_SIZE=page_size, SPLIT=num_splits > 1, KV_FP8=fp8, IEEE=ieee, PERSISTENT=persistent,
+        PAGE_SIZE=page_size, SPLIT=num_splits > 1, KV_FP8=fp8, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(q.device),
     )  # fmt: skip

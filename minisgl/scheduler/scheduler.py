@@ -124,7 +124,8 @@ class Scheduler:
             cfg.priority_aging_s if cfg.schedule_policy == "priority" else 0.0,
         )
         # The latency target in seconds: None is auto, 0 is off.
-        self.itl_target_s = None if cfg.itl_target_ms is None else cfg.itl_target_ms / 1e3
+        target = cfg.itl_target_ms  # resolved by the engine: "auto" or milliseconds
+        self.itl_target_s = None if target == "auto" else float(target or 0.0) / 1e3
         # The largest prefilling step the engine replays as graphs (0: none): larger ones cost
         # the step-time model's `eager` term more.
         self.graph_tokens = engine.pieces.max_tokens if engine.pieces is not None else 0

@@ -161,13 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--itl-target-ms",
         type=itl_target,
-        default=0.0,
+        default=None,
         metavar="auto|MS",
         help="inter-token latency target: while requests decode, a step prefills only the "
         "prompt tokens that the measured step-time model says fit in it (long prompts are "
         "chunked at page boundaries; alone, a prompt prefills at full size). auto: 2.5x the "
-        "predicted time of the step's decodes alone; 0 (the default): off (steps are filled "
-        "up to --max-prefill-tokens)",
+        "predicted time of the step's decodes alone; 0: off (steps are filled up to "
+        "--max-prefill-tokens); default: auto on a GPU, 0 on the CPU",
     )
     s.add_argument(
         "--schedule-policy",
@@ -365,10 +365,10 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def itl_target(text: str) -> float | None:
-    """`--itl-target-ms`: "auto" (None) or milliseconds."""
+def itl_target(text: str) -> float | str:
+    """`--itl-target-ms`: "auto" or milliseconds."""
     if text == "auto":
-        return None
+        return text
     try:
         return float(text)
     except ValueError:

@@ -273,7 +273,7 @@ def test_priorities_and_the_latency_target_stay_in_step(models: dict[str, Path])
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, priority=i % 3)
         for i in range(len(prompts))
     ]
-    opts = {**OPTS, "num_pages": 96, "schedule_policy": "priority", "itl_target_ms": None}
+    opts = {**OPTS, "num_pages": 96, "schedule_policy": "priority", "itl_target_ms": "auto"}
     with LLM(str(models["llama3"]), **opts) as llm:
         ref = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(str(models["llama3"]), tp_size=2, **opts) as llm:

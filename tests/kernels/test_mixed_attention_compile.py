@@ -13,20 +13,22 @@ import pytest
 from sm90 import compile_sm90, run_compile_script
 
 # (name, q dtype, constexprs, num_warps, num_stages); tiles not given are the default config's
-# (MixedConfig: 64 wide rows, 64 keys per step, 8 warps, 2 stages), the last three the smaller
-# default of wide heads and fp32 inputs (32 rows, 32 keys, 4 warps).
+# (MixedConfig: 64 wide rows, 64 keys per wide step, 128 per narrow step, 4 warps, 2 stages,
+# which fp32 at head_dim 64 gets too), the last three the smaller default of wide heads and
+# fp32 at head_dim 128 (32 rows, 32 keys, 4 warps).
 SMALL_TILES = dict(ROWS_W=32, BLOCK_N=32, BLOCK_N_NARROW=32)
 MIXED = [
-    ("mixed bf16 d128 g2 ps16", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=16), 8, 2),
-    ("mixed bf16 d128 g2 ps1 split", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=1, SPLIT=True), 8, 2),
-    ("mixed bf16 d128 g4 ps16 split", "bf16", dict(GROUP=4, GPAD=4, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True), 8, 2),
-    ("mixed bf16 d128 g3 ps32 rows128", "bf16", dict(GROUP=3, GPAD=4, HEAD_DIM=128, PAGE_SIZE=32, ROWS_W=128), 8, 2),
-    ("mixed bf16 fp8kv d128 g2 ps32 split", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=32, SPLIT=True, KV_FP8=True), 8, 2),
-    ("mixed bf16 d128 g2 ps16 split persistent", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True, PERSISTENT=True), 8, 2),
-    ("mixed bf16 fp8kv d128 g2 ps32 persistent", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=32, KV_FP8=True, PERSISTENT=True), 8, 2),
-    ("mixed bf16 d128 g16 ps16 split", "bf16", dict(GROUP=16, GPAD=16, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True), 8, 2),
+    ("mixed bf16 d128 g2 ps16", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=16), 4, 2),
+    ("mixed bf16 d128 g2 ps1 split", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=1, SPLIT=True), 4, 2),
+    ("mixed bf16 d128 g2 ps16 split", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True), 4, 2),
+    ("mixed bf16 d128 g4 ps16 split", "bf16", dict(GROUP=4, GPAD=4, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True), 4, 2),
+    ("mixed bf16 d128 g3 ps32 rows128", "bf16", dict(GROUP=3, GPAD=4, HEAD_DIM=128, PAGE_SIZE=32, ROWS_W=128), 4, 2),
+    ("mixed bf16 fp8kv d128 g2 ps32 split", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=32, SPLIT=True, KV_FP8=True), 4, 2),
+    ("mixed bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=32, KV_FP8=True), 4, 2),
+    ("mixed bf16 d128 g16 ps16 split", "bf16", dict(GROUP=16, GPAD=16, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True), 4, 2),
+    ("mixed fp32 d64 g2 ps16 split", "fp32", dict(GROUP=2, GPAD=2, HEAD_DIM=64, PAGE_SIZE=16, SPLIT=True), 4, 2),
     ("mixed fp32 d128 g2 ps16 split", "fp32", dict(GROUP=2, GPAD=2, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=True, **SMALL_TILES), 4, 2),
-    ("mixed fp32 d64 g2 ps16 split", "fp32", dict(GROUP=2, GPAD=2, HEAD_DIM=64, PAGE_SIZE=16, SPLIT=True, **SMALL_TILES), 4, 2),
+    ("mixed fp32 d64 g2 ps16 split small", "fp32", dict(GROUP=2, GPAD=2, HEAD_DIM=64, PAGE_SIZE=16, SPLIT=True, **SMALL_TILES), 4, 2),
     ("mixed bf16 d256 g4 ps64 split", "bf16", dict(GROUP=4, GPAD=4, HEAD_DIM=256, PAGE_SIZE=64, SPLIT=True, **SMALL_TILES), 4, 2),
 ]  # fmt: skip
 
@@ -42,8 +44,8 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "cu_extend_ptr")}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         types |= {"scale_log2": "fp32"}
-        base = dict(BLOCK_B=256, ROWS_W=64, BLOCK_N=64, BLOCK_N_NARROW=64, SPLIT=False)
-        base |= dict(KV_FP8=False, IEEE=dtype == "fp32", EMULATE_BF16=False, PERSISTENT=False)
+        base = dict(BLOCK_B=256, ROWS_W=64, BLOCK_N=64, BLOCK_N_NARROW=128, SPLIT=False)
+        base |= dict(KV_FP8=False, IEEE=dtype == "fp32", EMULATE_BF16=False)
         c = base | c | {"ROWS_N": max(16, c["GPAD"])}
         names = _mixed_kernel.arg_names
         aligned = [n for n in names if n.startswith("stride") or types.get(n, "").startswith("*")]

@@ -25,7 +25,7 @@ def model_path(tiny_model_dir: Any) -> Any:
     return tiny_model_dir("qwen3")
 
 
-def make_llm(path: Any, target_ms: float | None) -> LLM:
+def make_llm(path: Any, target_ms: float | str) -> LLM:
     llm = LLM(str(path), dtype="float32", device="cpu", page_size=PAGE,
               max_prefill_tokens=BUDGET, itl_target_ms=target_ms)  # fmt: skip
     llm.scheduler.step_model = MODEL
@@ -81,7 +81,7 @@ def test_steps_beside_decodes_stay_within_the_target(model_path: Any) -> None:
 
 
 def test_auto_target_is_a_multiple_of_the_decode_step(model_path: Any) -> None:
-    llm = make_llm(model_path, None)
+    llm = make_llm(model_path, "auto")
     long = random_prompts(1, 384, seed=5, lo=90, hi=91)[0]
     steps, late = decodes_then_a_long_prompt(llm, long)
     chunks = 0

@@ -136,7 +136,7 @@ def test_warmup_runs_with_the_first_scheduler_unless_skipped(tiny_model_dir) -> 
     engine = make_engine(path)
     Scheduler(engine)  # the latency target off (the default): the warm-up alone
     assert engine.num_steps == 5
-    engine = make_engine(path, itl_target_ms=None)
+    engine = make_engine(path, itl_target_ms="auto")
     assert engine.num_steps == 0  # an engine alone runs nothing
     sched = Scheduler(engine)
     # The warm-up's, then the step-time model's timed steps (each shape three times).

@@ -170,8 +170,9 @@ def test_scheduling_flags() -> None:
     assert (e.itl_target_ms, e.schedule_policy, e.priority_aging_s) == (7.5, "priority", 2.0)
     assert parse_args(["--itl-target-ms", "0"]).engine.itl_target_ms == 0.0  # off
     default = parse_args([]).engine
-    assert (default.itl_target_ms, default.schedule_policy) == (0.0, "fcfs")  # off
-    assert parse_args(["--itl-target-ms", "auto"]).engine.itl_target_ms is None
+    # The machine's default (auto on a GPU, off on the CPU), resolved by the engine.
+    assert (default.itl_target_ms, default.schedule_policy) == (None, "fcfs")
+    assert parse_args(["--itl-target-ms", "auto"]).engine.itl_target_ms == "auto"
 
 
 def test_multi_node_flags() -> None:
