@@ -33,26 +33,31 @@ from minisgl.benchmark.skinny import SHAPES, Probe
 
 def sweep_configs(rows: int, quick: bool) -> list[Any]:
     """Few-row configs to sweep at `rows` rows of x (the default among them): weight rows per
-    program and columns per step, with BLOCK_K / 8 >= 32 x warps."""
+    program, columns per step (BLOCK_K / 8 >= 32 x warps), x read ahead or at its step."""
     from minisgl.kernels.gemv import GemvConfig, default_rows_config
 
     padded = 1 << (rows - 1).bit_length()
     default = default_rows_config(padded)
-    if quick:
-        block_ns: tuple[int, ...] = (2, 4, 8) if padded >= 8 else (4, 8, 16)
-        tiles = [(bn, 1024, 4) for bn in block_ns] + [(default.block_n, 2048, 8)]
+    big = padded >= 8
+    if quick:  # (weight rows, x ahead) at 1024 columns and 4 warps, and one of 8 warps
+        pairs = [(2, False), (4, True), (4, False), (8, False)] if big else [(8, True), (16, True), (16, False), (32, False)]  # fmt: skip
+        tiles = [(bn, 1024, 4, ahead) for bn, ahead in pairs] + [(default.block_n, 2048, 8, default.x_ahead)]  # fmt: skip
     else:
         tiles = [
-            (bn, bk, w)
-            for bn, bk, w in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (2, 4, 8))
-            if bk // 8 >= 32 * w and bk // 8 <= 64 * w  # one or two 8-column pieces a thread
+            (bn, bk, w, ahead)
+            for bn, bk, w, ahead in itertools.product(
+                (2, 4, 8, 16, 32), (512, 1024, 2048), (2, 4, 8), (True, False)
+            )
+            if bk // 8 >= 32 * w
+            and bk // 8 <= 64 * w  # one or two 8-column pieces a thread
+            and padded * bn <= 128  # (the partial sums alone would take every register)
         ]
-    configs = [GemvConfig(bn, bk, w) for bn, bk, w in tiles]
+    configs = [GemvConfig(bn, bk, w, x_ahead=ahead) for bn, bk, w, ahead in tiles]
     return configs + [default] if default not in configs else configs
 
 
 def _label(c: Any) -> str:
-    return f"{c.block_n}x{c.block_k} w{c.num_warps}"
+    return f"{c.block_n}x{c.block_k} w{c.num_warps} {'ahead' if c.x_ahead else 'at'}"
 
 
 def probe_shape(name: str, n: int, k: int, kind: str, fmt: str, rows: int, quick: bool) -> Row:
@@ -124,6 +129,7 @@ def run(fmt: str, rows: int, quick: bool, only: Sequence[str] = ()) -> Row:
     for key, value in sums.items():
         if key.endswith("_layer_one_config"):
             bn, rest = value.split("x")
-            bk, warps = rest.split(" w")
-            print(f"# {key[: -len('_layer_one_config')]}: ROWS_CONFIGS[{padded}] = GemvConfig({bn}, {bk}, {warps})")  # fmt: skip
+            bk, rest = rest.split(" w")
+            warps, ahead = rest.split()
+            print(f"# {key[: -len('_layer_one_config')]}: ROWS_CONFIGS[{padded}] = GemvConfig({bn}, {bk}, {warps}, x_ahead={ahead == 'ahead'})")  # fmt: skip
     return {"format": fmt, "rows": rows, "shapes": out, "layer": sums}

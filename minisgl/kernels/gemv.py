@@ -45,8 +45,9 @@ threads happens once, at the end. With BLOCK_K / VEC >= 32 x warps (asserted on 
 thread and warp lies along K: a thread holds all BLOCK_N weight rows and all ROWS rows of x of
 its own columns, so the weight tile, x and their product share one layout (no conversion in the
 loop) and x is read once per program, not once per weight row. Per thread that is ROWS x
-BLOCK_N partial sums per VEC columns and ROWS x VEC values of x (two steps of it in flight),
-which is what bounds BLOCK_N as ROWS grows (`ROWS_CONFIGS`).
+BLOCK_N partial sums per VEC columns and ROWS x VEC values of x (one or two steps of it:
+`GemvConfig.x_ahead`), which is what bounds BLOCK_N as ROWS grows (`ROWS_CONFIGS`). Every
+program reads all of x: ROWS / BLOCK_N bytes of x (from L1 or L2) per byte of weights.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 4
     preload: bool = True  # first weight tile loaded before the PDL wait
+    # Few-row mode only (`few_row_gemv`): x read one K step ahead of its use (two steps of x in
+    # registers) or at its step (one; more weight rows per thread fit).
+    x_ahead: bool = True
 
 
 # (N, K, act) -> config measured best on an H200 (bf16, `python -m minisgl.benchmark.gemv`, the
@@ -103,14 +107,16 @@ def default_config(n: int, k: int, act: bool = False, fp8: bool = False) -> Gemv
 
 
 # Few-row mode (`few_row_gemv`), by ROWS (M rounded up to a power of two). NOT measured: guesses
-# that compile for sm_90 without spills (bf16, norm or SiLU prologue: 140-250 registers, two or
-# three programs per SM with 16-64 KB of weights in flight each); sweep them with
+# that compile for sm_90 without spills (bf16, every prologue: two programs of 128 threads per
+# SM, 32-64 KB of weights in flight each); sweep them with
 # `python -m minisgl.benchmark.gemv --rows M`. Per thread the registers grow with ROWS x VEC
-# (x, two steps) and ROWS x BLOCK_N (the partial sums), so larger ROWS take fewer weight rows.
+# (x: two steps with x_ahead, else one) and ROWS x BLOCK_N (the partial sums); every program
+# reads all of x, so x's traffic (L1, or L2 when x does not fit) is ROWS / BLOCK_N times the
+# weights': larger ROWS want BLOCK_N as large as the registers allow.
 ROWS_CONFIGS: dict[int, GemvConfig] = {
     2: GemvConfig(16, 1024, 4),
-    4: GemvConfig(8, 1024, 4),
-    8: GemvConfig(4, 1024, 4),
+    4: GemvConfig(16, 1024, 4, x_ahead=False),
+    8: GemvConfig(8, 1024, 4, x_ahead=False),
 }
 
 
@@ -122,7 +128,7 @@ def default_rows_config(rows: int, k: int = 1 << 20) -> GemvConfig:
     block_k, warps = cfg.block_k, cfg.num_warps
     while warps > 1 and k <= block_k // 2:
         block_k, warps = block_k // 2, warps // 2
-    return GemvConfig(cfg.block_n, block_k, warps, cfg.preload)
+    return GemvConfig(cfg.block_n, block_k, warps, cfg.preload, cfg.x_ahead)
 
 
 def rows_vec(x: torch.Tensor) -> int:
@@ -285,6 +291,7 @@ def _gemv_rows_kernel(
     ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
     PRELOAD: tl.constexpr,
+    X_AHEAD: tl.constexpr,  # x read one K step ahead of its use, else at its step
     ROWS: tl.constexpr,  # M rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -313,17 +320,24 @@ def _gemv_rows_kernel(
     if PRELOAD:
         pdl_prologue(PDL)
     m0 = 0 * offs_m[:, None, None, None]  # broadcasts a K step's columns to every row
-    x, ss = _x_rows_tile(x_rows, g_ptr, s_row, offs_k + m0, K, m4, ACT, NORM, W_SCALE)
+    ss = tl.zeros([ROWS, 1, BLOCK_K // VEC], dtype=tl.float32)
+    if X_AHEAD:
+        x, ss = _x_rows_tile(x_rows, g_ptr, s_row, offs_k + m0, K, m4, ACT, NORM, W_SCALE)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kn = k0 + BLOCK_K + offs_k
         w_next = tl.load(rows + (k0 + BLOCK_K) * stride_wk, mask=(n4 < N) & (kn < K), other=0.0,
                          eviction_policy="evict_first")  # fmt: skip
-        x_next, sq = _x_rows_tile(x_rows, g_ptr, s_row, kn + m0, K, m4, ACT, NORM, W_SCALE)
+        if X_AHEAD:  # the next step's x (two steps of x in registers)
+            x_next, sq = _x_rows_tile(x_rows, g_ptr, s_row, kn + m0, K, m4, ACT, NORM, W_SCALE)
+        else:  # this step's (one step; its L1 / L2 latency hidden by the other warps)
+            x, sq = _x_rows_tile(x_rows, g_ptr, s_row, kn - BLOCK_K + m0, K, m4, ACT, NORM,
+                                 W_SCALE)  # fmt: skip
         acc += tl.sum(w.to(tl.float32) * x, 3)
         ss += sq
         w = w_next
-        x = x_next
+        if X_AHEAD:
+            x = x_next
     rstd = 1.0
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, 2), 1) / K + eps)[:, None]
@@ -432,7 +446,8 @@ def few_row_gemv(
         norm_weight if norm_weight is not None else x, scale, m, n, k, x.stride(0),
         weight.stride(0), weight.stride(1), scale.stride(0), eps, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
-        PRELOAD=cfg.preload, ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=vec,
+        PRELOAD=cfg.preload, X_AHEAD=cfg.x_ahead, ROWS=rows, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, VEC=vec,
         num_warps=cfg.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return y

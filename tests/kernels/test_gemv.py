@@ -108,10 +108,13 @@ def test_gemv_fp8_weights_match_their_dequantized_values(layout, rows, extras):
 FEW_ROWS = [2, 3, 5, 8]
 
 
-def _few_row_config(gemv):
+def _few_row_config(gemv, rows):
     """Small tiles on the CPU (the K loop and the masks run more than once; the interpreter's
-    time goes by steps, not elements); the defaults on CUDA."""
-    return None if DEVICE == "cuda" else gemv.GemvConfig(block_n=16, block_k=64, num_warps=2)
+    time goes by steps, not elements), x read ahead for an even row count, at its step for an
+    odd one; the defaults on CUDA."""
+    if DEVICE == "cuda":
+        return None
+    return gemv.GemvConfig(block_n=16, block_k=64, num_warps=2, x_ahead=rows % 2 == 0)
 
 
 @pytest.mark.parametrize("rows", FEW_ROWS)
@@ -137,7 +140,7 @@ def test_few_row_gemv_matches_fp32_math(rows, dtype, norm):
         dev = [None if t is None else t.to(DEVICE) for t in (x, w, bias, res, g)]
         got = gemv.few_row_gemv(
             dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
-            act=act, config=_few_row_config(gemv),
+            act=act, config=_few_row_config(gemv, rows),
         )  # fmt: skip
         assert got.shape == (rows, n) and got.dtype == dtype
         tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -169,7 +172,7 @@ def test_few_row_gemv_fp8_weights(layout, rows):
         dev = [None if t is None else t.to(DEVICE) for t in (x, q, bias, res, g, scale)]
         got = gemv.few_row_gemv(
             dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
-            act=act, config=_few_row_config(gemv), weight_scale=dev[5],
+            act=act, config=_few_row_config(gemv, rows), weight_scale=dev[5],
         )  # fmt: skip
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
@@ -253,15 +256,16 @@ COMPILE = [
 ]  # fmt: skip
 
 
-# The few-row mode's default configs (`ROWS_CONFIGS`), bf16 x, with each prologue.
+# The few-row mode's default configs (`ROWS_CONFIGS`) and a few others, bf16 x, each prologue.
 COMPILE_ROWS = [
     ("rows 2 norm 16x1024 w4", dict(ROWS=2, NORM=True, BLOCK_N=16, BLOCK_K=1024), 4),
-    ("rows 4 act residual 8x1024 w4", dict(ROWS=4, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024), 4),
+    ("rows 4 act residual 16x1024 w4 at", dict(ROWS=4, ACT=True, HAS_RES=True, BLOCK_N=16, BLOCK_K=1024, X_AHEAD=False), 4),
+    ("rows 8 norm 8x1024 w4 at", dict(ROWS=8, NORM=True, BLOCK_N=8, BLOCK_K=1024, X_AHEAD=False), 4),
+    ("rows 8 residual 8x1024 w4 at", dict(ROWS=8, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024, X_AHEAD=False), 4),
+    ("rows 8 act residual 8x1024 w4 at", dict(ROWS=8, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024, X_AHEAD=False), 4),
     ("rows 8 norm 4x1024 w4", dict(ROWS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024), 4),
-    ("rows 8 residual 4x1024 w4", dict(ROWS=8, HAS_RES=True, BLOCK_N=4, BLOCK_K=1024), 4),
-    ("rows 8 act residual 4x1024 w4", dict(ROWS=8, ACT=True, HAS_RES=True, BLOCK_N=4, BLOCK_K=1024), 4),
-    ("rows 8 fp8 row norm 4x1024 w4", dict(ROWS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024, W_SCALE=1), 4),
-    ("rows 8 fp8 block norm 4x1024 w4", dict(ROWS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024, W_SCALE=2), 4),
+    ("rows 8 fp8 row norm 8x1024 w4 at", dict(ROWS=8, NORM=True, BLOCK_N=8, BLOCK_K=1024, W_SCALE=1, X_AHEAD=False), 4),
+    ("rows 8 fp8 block norm 8x1024 w4 at", dict(ROWS=8, NORM=True, BLOCK_N=8, BLOCK_K=1024, W_SCALE=2, X_AHEAD=False), 4),
     ("rows 8 fp8 block act residual 4x1024 w4", dict(ROWS=8, ACT=True, HAS_RES=True, BLOCK_N=4, BLOCK_K=1024, W_SCALE=2), 4),
 ]  # fmt: skip
 
@@ -282,7 +286,7 @@ def _compile_all() -> list[dict[str, object]]:
             c |= dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
             aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
             if "ROWS" in c:  # a bf16 x whose rows start 16-byte aligned, as the models' do
-                c["VEC"] = 8
+                c = {"X_AHEAD": True} | c | {"VEC": 8}
                 aligned.append("stride_xm")
             out.append({"name": name, **compile_sm90(kernel, types, c, warps, None, aligned)})
     return out
