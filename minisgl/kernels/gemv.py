@@ -53,6 +53,7 @@ program reads all of x: ROWS / BLOCK_N bytes of x (from L1 or L2) per byte of we
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -385,7 +386,7 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> 
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), M small
+    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), M small (at most 8: few_rows)
     weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
     bias: torch.Tensor | None = None,  # [N]
     residual: torch.Tensor | None = None,  # [M, N] added to the result
@@ -394,63 +395,42 @@ def gemv(
     act: bool = False,  # x is gate then up: the product uses silu(gate) * up
     config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
+    few_rows: bool = False,  # one program for all rows of x per weight tile (`few_row_gemv`)
 ) -> torch.Tensor:  # [M, N], dtype of x
-    assert gemv_supported(x, weight, max_rows=x.shape[0])
+    assert gemv_supported(x, weight, FEW_ROW_GEMV_MAX_ROWS if few_rows else x.shape[0])
     m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
-    cfg = config or default_config(n, k, act, fp8=w_scale != 0)
+    rows, vec = triton.next_power_of_2(m), rows_vec(x)
+    cfg = config or (default_rows_config(rows, k) if few_rows else default_config(n, k, act, w_scale != 0))  # fmt: skip
+    if few_rows:
+        assert cfg.block_k % vec == 0
+        # On the GPU every thread must own whole VEC-column pieces of a K step, no two threads
+        # the same ones (the module docstring says why); the interpreter has no threads.
+        assert not x.is_cuda or cfg.block_k // vec >= 32 * cfg.num_warps, "BLOCK_K too small"
     if w_scale == 2:
         assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     scale = weight_scale if weight_scale is not None else y
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n) * m,)](
-        x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
-        norm_weight if norm_weight is not None else x, scale, m, n, k, x.stride(0),
-        weight.stride(0), weight.stride(1), scale.stride(0), eps, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
-        PRELOAD=cfg.preload, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        **pdl_args(x.device),
-    )  # fmt: skip
+    args = (x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
+            norm_weight if norm_weight is not None else x, scale, m, n, k, x.stride(0),
+            weight.stride(0), weight.stride(1), scale.stride(0), eps)  # fmt: skip
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                 NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale, PRELOAD=cfg.preload,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                 **pdl_args(x.device))  # fmt: skip
+    tiles = triton.cdiv(n, cfg.block_n)
+    if few_rows:
+        _gemv_rows_kernel[(tiles,)](*args, X_AHEAD=cfg.x_ahead, ROWS=rows, VEC=vec, **flags)
+    else:
+        _gemv_kernel[(tiles * m,)](*args, **flags)
     return y
 
 
-def few_row_gemv(
-    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), 1 <= M <= 8
-    weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
-    bias: torch.Tensor | None = None,  # [N]
-    residual: torch.Tensor | None = None,  # [M, N] added to the result
-    norm_weight: torch.Tensor | None = None,  # [K]: x is RMS-normalised and scaled by it first
-    eps: float = 1e-6,
-    act: bool = False,  # x is gate then up: the product uses silu(gate) * up
-    config: GemvConfig | None = None,
-    weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
-) -> torch.Tensor:  # [M, N], dtype of x
-    """`gemv` with one program for all M rows of x per BLOCK_N weight rows (the few-row mode):
-    the same call, each weight tile read once."""
-    assert gemv_supported(x, weight, max_rows=FEW_ROW_GEMV_MAX_ROWS)
-    m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
-    rows = triton.next_power_of_2(m)
-    cfg = config or default_rows_config(rows, k)
-    vec = rows_vec(x)
-    assert cfg.block_k % vec == 0
-    # On the GPU every thread must own whole VEC-column pieces of a K step, with no two threads
-    # on the same ones (the module docstring says why); the interpreter has no threads.
-    assert not x.is_cuda or cfg.block_k // vec >= 32 * cfg.num_warps, "BLOCK_K too small"
-    if w_scale == 2:
-        assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    scale = weight_scale if weight_scale is not None else y
-    _gemv_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
-        norm_weight if norm_weight is not None else x, scale, m, n, k, x.stride(0),
-        weight.stride(0), weight.stride(1), scale.stride(0), eps, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
-        PRELOAD=cfg.preload, X_AHEAD=cfg.x_ahead, ROWS=rows, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, VEC=vec,
-        num_warps=cfg.num_warps, **pdl_args(x.device),
-    )  # fmt: skip
-    return y
+def few_row_gemv(x: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`gemv(..., few_rows=True)`, the few-row mode (1..8 rows of x, each weight tile read once
+    for all of them), under a name of its own for the layers' choice of kernel."""
+    return gemv(x, weight, *args, **kwargs | {"few_rows": True})
 
 
 def check_fused_linear(
