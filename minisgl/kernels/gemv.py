@@ -43,11 +43,13 @@ thread: each step the products are summed over VEC inside the thread's registers
 shuffles) into a [ROWS, BLOCK_N, BLOCK_K / VEC] fp32 accumulator, and the sum over K across
 threads happens once, at the end. With BLOCK_K / VEC >= 32 x warps (asserted on CUDA), every
 thread and warp lies along K: a thread holds all BLOCK_N weight rows and all ROWS rows of x of
-its own columns, so the weight tile, x and their product share one layout (no conversion in the
-loop) and x is read once per program, not once per weight row. Per thread that is ROWS x
-BLOCK_N partial sums per VEC columns and ROWS x VEC values of x (one or two steps of it:
-`GemvConfig.x_ahead`), which is what bounds BLOCK_N as ROWS grows (`ROWS_CONFIGS`). Every
-program reads all of x: ROWS / BLOCK_N bytes of x (from L1 or L2) per byte of weights.
+its own columns, so the weight tile, x and their product share one layout (no conversion in
+the loop when x's rows start 16-byte aligned, as the models' do: `tests/kernels/test_gemv.py`
+checks the compiled loop) and x is read once per program, not once per weight row. Per thread
+that is ROWS x BLOCK_N partial sums per VEC columns and ROWS x VEC values of x (one or two
+steps of it: `GemvConfig.x_ahead`), which is what bounds BLOCK_N as ROWS grows
+(`ROWS_CONFIGS`). Every program reads all of x: ROWS / BLOCK_N bytes of x (from L1, or L2 when
+x does not fit, e.g. the down projection's [8, 2 x 14336]) per byte of weights.
 """
 
 from __future__ import annotations
