@@ -18,7 +18,7 @@ from minisgl.config import ChatConfig, EngineConfig
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
 from minisgl.runtime.child import ChildReady, ParentLink, run_child
-from minisgl.runtime.ranks import start_scheduler
+from minisgl.runtime.ranks import freeze_gc, start_scheduler
 from minisgl.scheduler.process import SchedulerProcess
 from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.loading import load_and_save, load_saved
@@ -53,6 +53,7 @@ def _start_scheduler(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> C
     )
     conn.send(ChildReady(info))
     logger.info("scheduler ready: %s", info)
+    freeze_gc()
     return proc.run_forever
 
 
