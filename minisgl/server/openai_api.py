@@ -139,9 +139,12 @@ def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
 # ---- results -------------------------------------------------------------------------------
 
 
-def usage(results: list[ChoiceResult], n: int, token_times: bool = False) -> dict[str, Any]:
+def usage(
+    results: list[ChoiceResult], n: int, token_times: bool = False, received: float = 0.0
+) -> dict[str, Any]:
     """Prompts count once however many choices share them. `token_times`: add, per choice,
-    when the scheduler had each output token (the server's own token timestamps)."""
+    when the scheduler had each output token (the server's own token timestamps), and
+    `received_at`, when the API server took the request (`received`)."""
     firsts = results[::n]
     prompt = sum(r.prompt_tokens for r in firsts)
     completion = sum(r.completion_tokens for r in results)
@@ -153,6 +156,7 @@ def usage(results: list[ChoiceResult], n: int, token_times: bool = False) -> dic
     }
     if token_times:
         out["token_times"] = [r.token_times for r in results]
+        out["received_at"] = received
     return out
 
 
@@ -203,6 +207,7 @@ class ResponseMeta:
     id: str
     created: int
     model: str
+    received: float = 0.0  # when the handler took the request (seconds since the epoch)
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -235,7 +240,8 @@ async def chat_completions(
     parsing: ChatParsing,
 ) -> Response:
     req, make_parser = chat_request(body, parsing)
-    meta = ResponseMeta(f"chatcmpl-{new_rid()}", int(time.time()), model)
+    now = time.time()
+    meta = ResponseMeta(f"chatcmpl-{new_rid()}", int(now), model, now)
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         stream = submit(client, [req])
@@ -256,7 +262,7 @@ async def chat_completions(
         ]
         return {
             **meta.envelope("chat.completion", choices),
-            "usage": usage(results, body.n, body.return_token_times),
+            "usage": usage(results, body.n, body.return_token_times, meta.received),
         }
 
     return await _run(request, client, [req], body.n, respond)
@@ -314,7 +320,8 @@ async def completions(
     request: Request, body: CompletionRequest, client: EngineClient, model: str
 ) -> Response:
     reqs = completion_requests(body)
-    meta = ResponseMeta(f"cmpl-{new_rid()}", int(time.time()), model)
+    now = time.time()
+    meta = ResponseMeta(f"cmpl-{new_rid()}", int(now), model, now)
     num_choices = len(reqs) * body.n
     want_lp = top = body.logprobs is not None
     if body.stream:
@@ -338,7 +345,7 @@ async def completions(
         ]
         return {
             **meta.envelope("text_completion", choices),
-            "usage": usage(results, body.n, body.return_token_times),
+            "usage": usage(results, body.n, body.return_token_times, meta.received),
         }
 
     return await _run(request, client, reqs, num_choices, respond)
@@ -401,7 +408,7 @@ async def _chat_events(
         yield b"".join(events)
     if opts.include_usage:
         body = meta.envelope("chat.completion.chunk", [])
-        yield sse({**body, "usage": usage(results, n, opts.token_times)})
+        yield sse({**body, "usage": usage(results, n, opts.token_times, meta.received)})
     yield DONE
 
 
@@ -437,5 +444,6 @@ async def _completion_events(
             events.append(sse(body))
         yield b"".join(events)
     if include_usage:
-        yield sse({**meta.envelope("text_completion", []), "usage": usage(results, n, token_times)})
+        final = usage(results, n, token_times, meta.received)
+        yield sse({**meta.envelope("text_completion", []), "usage": final})
     yield DONE

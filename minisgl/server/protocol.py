@@ -173,7 +173,8 @@ PRIORITY = (
 )
 TOKEN_TIMES = (
     "Add `token_times` to the usage: per choice, when the scheduler had each output token "
-    "(seconds since the epoch). A stream needs stream_options.include_usage for it."
+    "(seconds since the epoch), and `received_at`, when the API server took the request. A "
+    "stream needs stream_options.include_usage for them."
 )
 
 

@@ -7,6 +7,7 @@ carry the scheduler's time of every token on request, and the serving benchmark 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,9 +93,12 @@ def test_answers_carry_the_scheduler_token_times(servers: Servers) -> None:
     r = post(server, "/generate", generate([5, 6, 7], priority=2) | {"return_token_times": True})
     times = r.json()["meta_info"]["token_times"]
     assert len(times) == 4 and times == sorted(times)
+    sent = time.time()
     r = post(server, "/v1/completions", completion([8, 9], n=2, return_token_times=True))
     per_choice = r.json()["usage"]["token_times"]
     assert [len(t) for t in per_choice] == [4, 4]
+    # When the API took the request: after it was sent (same host clock), before any token.
+    assert sent <= r.json()["usage"]["received_at"] <= min(t[0] for t in per_choice)
     assert "token_times" not in post(server, "/v1/completions", completion([8])).json()["usage"]
     # A stream carries them in its usage chunk, so it must ask for one.
     r = post(server, "/v1/completions", completion([8], stream=True, return_token_times=True))
@@ -104,6 +108,7 @@ def test_answers_carry_the_scheduler_token_times(servers: Servers) -> None:
     events = [line[6:] for line in post(server, "/v1/completions", body).text.splitlines()]
     usage = [json.loads(e)["usage"] for e in events if e.startswith("{")][-1]
     assert len(usage["token_times"][0]) == usage["completion_tokens"] == 4
+    assert 0 < usage["received_at"] <= usage["token_times"][0][0]
     r = post(server, "/generate", generate([5, 6], True) | {"return_token_times": True})
     metas = [json.loads(line[6:])["meta_info"] for line in r.text.splitlines() if "{" in line]
     assert len(metas[-1]["token_times"]) == 4 and "token_times" not in metas[0]

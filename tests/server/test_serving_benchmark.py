@@ -82,6 +82,8 @@ def test_policies_and_priority_classes_in_one_run(
         run = online["inf"]
         assert run["requests"] == 8 and run["incomplete"] == 0 and run["untimed"] == 0
         assert set(run["by_priority"]) == {"0", "1"} and run["itl_server_ms"]["p50"] > 0
+        # The server's TTFT (from its API taking a request) is within the client's.
+        assert 0 < run["ttft_server_ms"]["p50"] <= run["ttft_ms"]["p50"]
     assert result["online"] == result["by_itl_target"]["auto"]
     logs = [(tmp_path / f"server.log.{t}").read_text() for t in ("auto", "0")]
     assert all("Traceback" not in log for log in logs)
