@@ -33,17 +33,20 @@ from minisgl.engine.step import TokenMask
 logger = logging.getLogger(__name__)
 
 
-def fill_threads() -> int:
-    """Threads filling a step's masks: all but two of the cores this process may run on (the
-    loop runs beside the fill, and the device's launches), at most 16; a row takes ~0.1 ms
-    on a 151k vocabulary."""
-    return max(1, min(16, len(os.sched_getaffinity(0)) - 2))
+def fill_threads(ranks: int = 1) -> int:
+    """Threads filling a step's masks: all but two of this process's share of the cores it may
+    run on (`ranks`: tensor-parallel ranks on this host, each filling the same masks; the loop
+    runs beside the fill, and the device's launches), at most 16; a row takes ~0.1 ms on a
+    151k vocabulary."""
+    return max(1, min(16, len(os.sched_getaffinity(0)) // max(1, ranks) - 2))
 
 
 class Grammars:
     """Grammar state of every constrained request of one scheduler, keyed by request id."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, ranks_per_node: int = 1
+    ) -> None:
         self.load_tokenizer = load_tokenizer  # called on the first constraint
         self.vocab_size = vocab_size
         self._compiler: GrammarCompiler | None = None
@@ -52,7 +55,7 @@ class Grammars:
         self._failed: dict[str, str] = {}  # the compile's error, for the request's answer
         self._matchers: dict[str, RequestGrammar] = {}  # admitted (kept through retraction)
         self._filler: MaskFiller | None = None  # made with the first mask
-        self.threads = fill_threads()  # of the filler (set before the first mask)
+        self.threads = fill_threads(ranks_per_node)  # of the filler (set before the first mask)
         # A step's mask is filled on this thread (its fill's C++ threads release the GIL)
         self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._pending: Future[None] | None = None

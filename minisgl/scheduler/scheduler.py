@@ -142,7 +142,9 @@ class Scheduler:
         if not cfg.skip_warmup and engine.num_steps == 0:
             self._warmup()
         vocab = engine.model_config.vocab_size
-        self.grammars = Grammars(tokenizer_loader or self._model_tokenizer, vocab)
+        self.grammars = Grammars(
+            tokenizer_loader or self._model_tokenizer, vocab, cfg.ranks_per_node
+        )
         self._refused: list[StepEvent] = []  # finished before running (a grammar that failed)
         # Speculative decoding: who speculates (None: off) and the host proposer (n-gram;
         # device drafts are made in the engine).

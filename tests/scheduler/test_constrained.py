@@ -128,3 +128,18 @@ def test_a_grammar_after_its_start_token(llm) -> None:
     jsonschema.validate(json.loads(answer), PERSON)
     with pytest.raises(InvalidRequestError, match="grammar_after_token"):
         llm.generate([prompt], params(json_schema="{}", grammar_after_token=10**6), use_tqdm=False)
+
+
+def test_mask_fill_threads_share_the_host_between_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All cores but two for one scheduler, at most 16; with several tensor-parallel ranks on
+    a host, each rank fills the same masks, so each takes its share of the cores."""
+    import os
+
+    from minisgl.scheduler.grammars import fill_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert fill_threads() == 14 and fill_threads(2) == 6 and fill_threads(8) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert fill_threads() == 16 and fill_threads(4) == 14
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert fill_threads() == 1
