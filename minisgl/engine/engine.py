@@ -163,6 +163,11 @@ class Engine:
     def page_size(self) -> int:
         return self.config.page_size
 
+    @property
+    def graph_tokens(self) -> int:
+        """The most tokens a prefilling step may have and still replay a graph (0: none does)."""
+        return self.pieces.max_tokens if self.pieces is not None else 0
+
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()

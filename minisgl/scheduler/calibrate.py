@@ -90,7 +90,7 @@ def calibrate(
 ) -> list[tuple[StepShape, float]]:
     """Time the plan's steps on an engine without requests: (shape, seconds) of each timed
     step. Shapes that do not fit the pool or the request slots are left out."""
-    graph_tokens = engine.pieces.max_tokens if engine.pieces is not None else 0
+    graph_tokens = engine.graph_tokens
     run = WarmupRun(engine, allocator or PageAllocator(engine.num_pages))
     cfg = engine.config
     plan = calibration_plan(

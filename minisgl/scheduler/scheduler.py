@@ -128,7 +128,7 @@ class Scheduler:
         self.itl_target_s = None if target == "auto" else float(target or 0.0) / 1e3
         # The largest prefilling step the engine replays as graphs (0: none): larger ones cost
         # the step-time model's `eager` term more.
-        self.graph_tokens = engine.pieces.max_tokens if engine.pieces is not None else 0
+        self.graph_tokens = engine.graph_tokens
         measures = sync is None or sync.rank == 0
         publish = sync.publish_step_times if sync is not None and sync.rank == 0 else None
         self.timer = StepTimer(LinearStepTime(), self.overlap, publish, measures)

@@ -205,9 +205,12 @@ def _top_with_sampled(t: TokenLogprob) -> dict[str, float]:
 @dataclass(frozen=True)
 class ResponseMeta:
     id: str
-    created: int
     model: str
-    received: float = 0.0  # when the handler took the request (seconds since the epoch)
+    received: float  # when the handler took the request (seconds since the epoch)
+
+    @property
+    def created(self) -> int:
+        return int(self.received)
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -240,8 +243,7 @@ async def chat_completions(
     parsing: ChatParsing,
 ) -> Response:
     req, make_parser = chat_request(body, parsing)
-    now = time.time()
-    meta = ResponseMeta(f"chatcmpl-{new_rid()}", int(now), model, now)
+    meta = ResponseMeta(f"chatcmpl-{new_rid()}", model, time.time())
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         stream = submit(client, [req])
@@ -320,8 +322,7 @@ async def completions(
     request: Request, body: CompletionRequest, client: EngineClient, model: str
 ) -> Response:
     reqs = completion_requests(body)
-    now = time.time()
-    meta = ResponseMeta(f"cmpl-{new_rid()}", int(now), model, now)
+    meta = ResponseMeta(f"cmpl-{new_rid()}", model, time.time())
     num_choices = len(reqs) * body.n
     want_lp = top = body.logprobs is not None
     if body.stream:

@@ -81,21 +81,12 @@ def test_gemv_matches_fp32_math(dtype, norm, extras):
 def test_gemv_fp8_weights_match_their_dequantized_values(layout, rows, extras):
     """e4m3 weights with a scale per row or per 128 x 128 block, widened in the kernel, against
     fp64 math on the values they stand for; several rows of x (small batches) at once."""
-    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
-
     gemv = _gemv_module()
     gen = torch.Generator().manual_seed(hash((layout, rows, extras)) % 2**31)
     n, k = (300, 260) if DEVICE == "cpu" else (6144, 4096)  # ragged blocks on the CPU
-    w = torch.randn(n, k, generator=gen) / k**0.5 * torch.logspace(-1, 1, n)[:, None]
-    q, scale = quantize_rows(w) if layout == "row" else quantize_blocks(w)
-    w_deq = dequantize_weight(q, scale, None if layout == "row" else 128, torch.float32)
+    q, scale, w_deq = _fp8_weight(gen, n, k, layout)
     act = extras.startswith("act")
-    x = (torch.randn(rows, 2 * k if act else k, generator=gen) * 2).to(torch.bfloat16)
-    bias = torch.randn(n, generator=gen).bfloat16() if "bias" in extras else None
-    res = torch.randn(rows, n, generator=gen).bfloat16() if "residual" in extras else None
-    g = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16() if "norm" in extras else None
-    want = _reference(x, w_deq, bias, res, g, 1e-5, act)
-    dev = [None if t is None else t.to(DEVICE) for t in (x, q, bias, res, g, scale)]
+    dev, want = _fp8_case(gen, q, scale, w_deq, rows, extras)
     config = None if DEVICE == "cuda" else gemv.GemvConfig(block_n=8, block_k=64, num_warps=2)
     got = gemv.gemv(
         dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5, act=act,
@@ -106,6 +97,29 @@ def test_gemv_fp8_weights_match_their_dequantized_values(layout, rows, extras):
 
 
 FEW_ROWS = [2, 3, 5, 8]
+
+
+def _fp8_weight(gen, n, k, layout):
+    """An e4m3 [n, k] weight with a scale per row ("row") or per 128 x 128 block, and the fp32
+    values it stands for."""
+    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
+
+    w = torch.randn(n, k, generator=gen) / k**0.5 * torch.logspace(-1, 1, n)[:, None]
+    q, scale = quantize_rows(w) if layout == "row" else quantize_blocks(w)
+    return q, scale, dequantize_weight(q, scale, None if layout == "row" else 128, torch.float32)
+
+
+def _fp8_case(gen, q, scale, w_deq, rows, extras):
+    """bf16 inputs for `extras` ("plain", "norm+bias", "act+residual", ...) on the device, as
+    (x, weight, bias, residual, norm weight, weight scale), and the fp64 reference on `w_deq`."""
+    n, k = q.shape
+    act = extras.startswith("act")
+    x = (torch.randn(rows, 2 * k if act else k, generator=gen) * 2).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).bfloat16() if "bias" in extras else None
+    res = torch.randn(rows, n, generator=gen).bfloat16() if "residual" in extras else None
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16() if "norm" in extras else None
+    want = _reference(x, w_deq, bias, res, g, 1e-5, act)
+    return [None if t is None else t.to(DEVICE) for t in (x, q, bias, res, g, scale)], want
 
 
 def _few_row_config(gemv, rows):
@@ -154,22 +168,13 @@ def test_few_row_gemv_matches_fp32_math(rows, dtype, norm):
 def test_few_row_gemv_fp8_weights(layout, rows):
     """e4m3 weights with a scale per row or per 128 x 128 block in the few-row mode (ragged
     blocks on the CPU), each fusion once, against fp64 math on the values they stand for."""
-    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
-
     gemv = _gemv_module()
     gen = torch.Generator().manual_seed(hash(("few fp8", layout, rows)) % 2**31)
     n, k = (136, 260) if DEVICE == "cpu" else (6144, 4096)
-    w = torch.randn(n, k, generator=gen) / k**0.5 * torch.logspace(-1, 1, n)[:, None]
-    q, scale = quantize_rows(w) if layout == "row" else quantize_blocks(w)
-    w_deq = dequantize_weight(q, scale, None if layout == "row" else 128, torch.float32)
+    q, scale, w_deq = _fp8_weight(gen, n, k, layout)
     for extras in ["plain", "norm+bias", "act+residual"]:
         act = extras.startswith("act")
-        x = (torch.randn(rows, 2 * k if act else k, generator=gen) * 2).to(torch.bfloat16)
-        bias = torch.randn(n, generator=gen).bfloat16() if "bias" in extras else None
-        res = torch.randn(rows, n, generator=gen).bfloat16() if "residual" in extras else None
-        g = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16() if "norm" in extras else None
-        want = _reference(x, w_deq, bias, res, g, 1e-5, act)
-        dev = [None if t is None else t.to(DEVICE) for t in (x, q, bias, res, g, scale)]
+        dev, want = _fp8_case(gen, q, scale, w_deq, rows, extras)
         got = gemv.few_row_gemv(
             dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
             act=act, config=_few_row_config(gemv, rows), weight_scale=dev[5],
