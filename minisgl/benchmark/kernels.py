@@ -435,22 +435,48 @@ def tune_decode(
 # shapes (W3's target is batch 256 at contexts >= 1024).
 # (batch, context, spread); the last is W1's main decode step (a ragged batch, see below).
 FP8_TUNE_SHAPE = (256, 4096, 0.0)
-FP8_CHECK_SHAPES = ((256, 1024, 0.0), (32, 4096, 0.0), (1, 4096, 0.0), (1, 32768, 0.0),
-                    (200, 820, 0.32))  # fmt: skip
+FP8_CHECK_SHAPES = ((256, 1024, 0.0), (256, 32768, 0.0), (32, 4096, 0.0), (1, 4096, 0.0),
+                    (1, 32768, 0.0), (200, 820, 0.32))  # fmt: skip
 FP8_FINALISTS = 6
 # Split heuristic knobs tried with the best config where requests are split (batch 1 and 32).
 FP8_SPLIT_KNOBS = tuple(itertools.product((2, 4, 8), (64, 128, 256)))
+# The kernel's FP8 variants, (fp8_widen, transposed, block_h) -> the (block_n, num_warps,
+# num_stages) tried with each. `cast` without the others is today's kernel: its tiles were
+# swept in session 13 (the default won). The inline-PTX widenings stage the fp16 tiles in
+# shared memory: about 140 registers at 128 keys and 4 warps (~100 at 8 warps) instead of
+# 200, 45% fewer instructions per key; their shared memory grows by one fp16 tile (5 stages:
+# 105 KiB, two programs per SM; 3: 73 KiB, three). `bits` moves the widening off the
+# conversion pipe onto the integer ALUs (3 instructions per 2 values instead of 1), `mixed`
+# splits the work (K by cvt, V by bits). `transposed` runs both products on wgmma; block_h 64
+# pads the group to wgmma's M, which also stages the tiles (but pays the softmax on 64 rows).
+FP8_VARIANTS: dict[tuple[str, bool, int], tuple[tuple[int, int, int], ...]] = {
+    ("cvt", False, 16): ((64, 4, 3), (64, 4, 5), (64, 8, 5), (128, 4, 3), (128, 4, 5),
+                         (128, 8, 4), (128, 8, 5), (256, 8, 3)),
+    ("bits", False, 16): ((64, 4, 3), (128, 4, 3), (128, 4, 5), (128, 8, 4)),
+    ("mixed", False, 16): ((64, 4, 3), (128, 4, 3), (128, 4, 5), (128, 8, 4)),
+    ("cvt", True, 16): ((64, 4, 5), (128, 4, 3), (128, 4, 5)),
+    ("cast", True, 16): ((128, 4, 5),),
+    ("cast", False, 64): ((64, 4, 3), (64, 4, 5)),
+}  # fmt: skip
+# Register caps (`DecodeConfig.max_registers`) that add a program per SM without spilling on
+# sm_90 (triton 3.6): (fp8_widen, block_n, num_warps, num_stages, cap).
+FP8_CAPPED = (("cvt", 64, 4, 3, 128), ("cvt", 64, 4, 5, 128), ("cvt", 128, 8, 4, 80),
+              ("mixed", 64, 4, 5, 128))  # fmt: skip
 
 
 def fp8_decode_grid() -> list[Any]:
-    """Keys per step, warps and pipeline depth (how many blocks of page ids and K/V are loaded
-    ahead), the default first. What the session-13 sweep on the H200 showed cannot win is left
-    out: register caps, P V as (V^T P^T)^T, e4m3 scores, 2 stages."""
+    """Today's default first, then every variant of FP8_VARIANTS with its tiles. What the
+    session-13 sweep on the H200 showed cannot win is left out: register caps, P V as
+    (V^T P^T)^T with the e4m3 bytes read into the operands, e4m3 scores, 2 stages."""
     from minisgl.kernels.decode import DecodeConfig, default_decode_config
 
     grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
-    for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 4, 5)):
-        grid.append(DecodeConfig(bn, bn, w, st))
+    for (widen, transposed, block_h), tiles in FP8_VARIANTS.items():
+        for bn, w, st in tiles:
+            grid.append(DecodeConfig(bn, bn, w, st, fp8_widen=widen, transposed=transposed,
+                                     block_h=block_h))  # fmt: skip
+    for widen, bn, w, st, cap in FP8_CAPPED:
+        grid.append(DecodeConfig(bn, bn, w, st, fp8_widen=widen, max_registers=cap))
     return list(dict.fromkeys(grid))
 
 
@@ -468,7 +494,7 @@ def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
     for shape, cfg in itertools.product(FP8_CHECK_SHAPES, finalists):
         rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
     print_table("tune: FP8 decode (fraction_of_copy counts one byte per K/V value)", rows,
-                DECODE_COLUMNS)  # fmt: skip
+                FP8_DECODE_COLUMNS)  # fmt: skip
     best = _print_best_fp8(rows, finalists)
     split_rows = []
     for shape, (per_sm, min_tokens) in itertools.product(FP8_CHECK_SHAPES, FP8_SPLIT_KNOBS):
@@ -476,7 +502,7 @@ def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
             cfg = dataclasses.replace(best, programs_per_sm=per_sm, min_split_tokens=min_tokens)
             split_rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
     print_table("tune: FP8 decode split heuristic (best config)", split_rows,
-                DECODE_COLUMNS + ["programs_per_sm", "min_split_tokens"])  # fmt: skip
+                FP8_DECODE_COLUMNS + ["programs_per_sm", "min_split_tokens"])  # fmt: skip
     for shape in FP8_CHECK_SHAPES:
         done = [r for r in split_rows if _shape(r) == shape and "time_us" in r]
         if done:
@@ -503,7 +529,9 @@ def _decode_attempt(
 
 def _config_label(cfg: Any) -> Row:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            "programs_per_sm": cfg.programs_per_sm, "min_split_tokens": cfg.min_split_tokens}  # fmt: skip
+            "programs_per_sm": cfg.programs_per_sm, "min_split_tokens": cfg.min_split_tokens,
+            "fp8_widen": cfg.fp8_widen, "transposed": cfg.transposed, "block_h": cfg.block_h,
+            "max_registers": cfg.max_registers}  # fmt: skip
 
 
 def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> Any:
@@ -589,6 +617,7 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
                   "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
+FP8_DECODE_COLUMNS = DECODE_COLUMNS + ["fp8_widen", "transposed", "block_h", "max_registers"]
 MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
                  "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
                  "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",

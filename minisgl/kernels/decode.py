@@ -61,6 +61,9 @@ class DecodeConfig:
     # on sm_90 without padding the query group to 64 rows).
     transposed: bool = False
     block_h: int = 16  # query rows per program at least (the GQA group is padded to this)
+    # Registers per thread at most (ptxas `.maxnreg`), for more programs per SM: 128 at 4 warps
+    # fits four, 80 at 8 warps three. None: the compiler's choice.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
@@ -405,9 +408,13 @@ def decode_attention(
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, WIDEN_K=widen_k, WIDEN_V=widen_v,
         WIDEN_ASM=not is_interpreted(_decode_split_kernel), TRANSPOSED=cfg.transposed,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl, **_register_cap(cfg),
     )  # fmt: skip
     return out
+
+
+def _register_cap(cfg: DecodeConfig) -> dict[str, int]:
+    return {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
 
 
 def _check_decode_args(

@@ -256,13 +256,14 @@ FP8_DECODE_CASES = [
     # PTX widenings run as their values (the bit trick's 2^-8 included, so its scale folding
     # is checked here; the PTX itself on a GPU, where these cases run natively). With an fp32
     # q the widening stays a cast.
-    (torch.bfloat16, 16, 128, 8, 2, 1, [77, 5], replace(SMALL_DECODE, fp8_widen="cvt")),
+    (torch.bfloat16, 16, 128, 8, 2, 1, [77, 5],
+     replace(SMALL_DECODE, fp8_widen="cvt", max_registers=128)),
     (torch.float16, 16, 64, 4, 4, 2, [90, 1, 20], replace(SMALL_DECODE, fp8_widen="bits")),
-    (torch.bfloat16, 32, 128, 4, 2, 3, [300, 9],
-     DecodeConfig(32, 32, fp8_widen="mixed", transposed=True)),
+    (torch.bfloat16, 32, 128, 4, 2, 3, [300, 9], DecodeConfig(32, 32, fp8_widen="mixed")),
     (torch.float16, 1, 64, 9, 3, 1, [37, 1, 70], replace(SMALL_DECODE, transposed=True)),
-    (torch.bfloat16, 16, 128, 16, 2, 2, [48, 31],
-     replace(SMALL_DECODE, fp8_widen="cvt", block_h=64)),
+    (torch.bfloat16, 16, 128, 4, 2, 2, [130, 7],
+     DecodeConfig(32, 32, fp8_widen="cvt", transposed=True)),
+    (torch.bfloat16, 16, 128, 16, 2, 2, [48, 31], replace(SMALL_DECODE, block_h=64)),
     (torch.float32, 16, 64, 6, 2, 2, [60, 1, 40],
      replace(SMALL_DECODE, fp8_widen="bits", transposed=True)),
 ]  # fmt: skip
@@ -292,6 +293,18 @@ def test_decode_fp8_kv_matches_reference(
         kv.kv_scales,
     )  # fmt: skip
     assert rel_err(out, expected) <= TOL[dtype]
+
+
+def test_fp8_sweep_variants_are_tested() -> None:
+    """Every kernel variant the FP8 sweep times on the GPU has a case above (the sweep itself
+    only drops configs with a gross error)."""
+    from minisgl.benchmark.kernels import fp8_decode_grid
+
+    def variant(cfg: DecodeConfig) -> tuple[str, bool, bool]:
+        return cfg.fp8_widen, cfg.transposed, cfg.block_h > 16
+
+    tested = {variant(case[-1]) for case in FP8_DECODE_CASES}
+    assert {variant(cfg) for cfg in fp8_decode_grid()} <= tested
 
 
 @pytest.mark.parametrize(
