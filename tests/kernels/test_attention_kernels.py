@@ -259,7 +259,13 @@ FP8_DECODE_CASES = [
     (torch.bfloat16, 16, 128, 8, 2, 1, [77, 5],
      replace(SMALL_DECODE, fp8_widen="cvt", max_registers=128)),
     (torch.float16, 16, 64, 4, 4, 2, [90, 1, 20], replace(SMALL_DECODE, fp8_widen="bits")),
-    (torch.bfloat16, 32, 128, 4, 2, 3, [300, 9], DecodeConfig(32, 32, fp8_widen="mixed")),
+    (torch.bfloat16, 16, 64, 4, 2, 1, [90, 1, 20],
+     replace(SMALL_DECODE, fp8_widen="cvt", peel=True)),
+    (torch.float16, 32, 128, 8, 2, 3, [300, 9],
+     DecodeConfig(32, 32, fp8_widen="bits", peel=True)),
+    (torch.bfloat16, 32, 128, 4, 2, 3, [300, 9],
+     DecodeConfig(32, 32, fp8_widen="mixed", peel=True)),
+    (torch.float16, 16, 64, 8, 2, 1, [64, 70, 5], replace(SMALL_DECODE, fp8_widen="mixed")),
     (torch.float16, 1, 64, 9, 3, 1, [37, 1, 70], replace(SMALL_DECODE, transposed=True)),
     (torch.bfloat16, 16, 128, 4, 2, 2, [130, 7],
      DecodeConfig(32, 32, fp8_widen="cvt", transposed=True)),
@@ -300,8 +306,8 @@ def test_fp8_sweep_variants_are_tested() -> None:
     only drops configs with a gross error)."""
     from minisgl.benchmark.kernels import fp8_decode_grid
 
-    def variant(cfg: DecodeConfig) -> tuple[str, bool, bool]:
-        return cfg.fp8_widen, cfg.transposed, cfg.block_h > 16
+    def variant(cfg: DecodeConfig) -> tuple[str, bool, bool, bool]:
+        return cfg.fp8_widen, cfg.transposed, cfg.block_h > 16, cfg.peel
 
     tested = {variant(case[-1]) for case in FP8_DECODE_CASES}
     assert {variant(cfg) for cfg in fp8_decode_grid()} <= tested
@@ -390,6 +396,8 @@ def test_rejects_tiles_tl_dot_cannot_use() -> None:
         DecodeConfig(block_h=24)
     with pytest.raises(ValueError, match="fp8_widen"):
         DecodeConfig(fp8_widen="fp32")
+    with pytest.raises(ValueError, match="peel"):
+        DecodeConfig(peel=True, transposed=True)
     with pytest.raises(ValueError, match="block_m"):
         ExtendConfig(block_m=48)
 

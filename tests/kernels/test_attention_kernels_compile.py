@@ -35,6 +35,7 @@ DECODE = [
     ("decode bf16 fp8kv d128 g2 ps16 mixed 8w", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, WIDEN_K=1, WIDEN_V=2), 8, 4),
     ("decode bf16 fp8kv d128 g2 ps16 transposed cvt", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, WIDEN_K=1, WIDEN_V=1, TRANSPOSED=True), 4, 5),
     ("decode bf16 fp8kv d128 g2 ps16 transposed", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, TRANSPOSED=True), 4, 5),
+    ("decode bf16 fp8kv d128 g2 ps16 cvt peel", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, WIDEN_K=1, WIDEN_V=1, PEEL=True), 4, 3),
     ("decode bf16 fp8kv d128 g2 ps16 h64", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=64, BLOCK_H=64, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
 ]  # fmt: skip
 EXTEND = [
@@ -64,6 +65,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
         variant = dict(KV_FP8=False, BLOCK_H=block_h, WIDEN_K=0, WIDEN_V=0, TRANSPOSED=False)
+        variant |= dict(PEEL=False)
         c = variant | c | dict(IEEE=dtype == "fp32", EMULATE_BF16=False, WIDEN_ASM=True)
         results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
