@@ -66,6 +66,13 @@ def uniform_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
+def uniform_at(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[B] keys, [B] token ids -> [B] the uniforms `uniform_from_keys(keys, V)[b, ids[b]]`,
+    without the [B, V] tensor."""
+    h = _fmix32((keys + ids.long() * 0x165667B1) & _M32)
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B] seeds, [B] steps -> [B, vocab] uniforms in (0, 1), a pure function of its inputs."""
     return uniform_from_keys(row_keys(seeds, steps), vocab)
@@ -305,7 +312,7 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     logits = adjust_logits(logits, inp)
     if inp.all_greedy:
         tokens = logits.argmax(dim=-1)
-    elif _use_fused(logits, inp):
+    elif use_fused(logits, inp):
         from minisgl.engine.sample_kernel import gumbel_argmax
 
         assert inp.keys is not None
@@ -331,7 +338,7 @@ def with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, inp: SamplingInputs) 
     return SampleOutput(tokens, chosen, top_ids, top_lp)
 
 
-def _use_fused(logits: torch.Tensor, inp: SamplingInputs) -> bool:
+def use_fused(logits: torch.Tensor, inp: SamplingInputs) -> bool:
     """Plain temperature sampling on CUDA runs as one Triton pass (`sample_kernel`)."""
     return logits.is_cuda and inp.keys is not None and not (inp.needs_sort or inp.needs_min_p)
 

@@ -21,6 +21,8 @@ from minisgl.engine.sampler import (
     hashed_uniform,
     sampling_probs,
     to_device,
+    uniform_at,
+    use_fused,
     with_logprobs,
 )
 from minisgl.engine.step import ForwardOutput, StepRows, TokenMask
@@ -161,10 +163,14 @@ def verify_step(
     draft = engine.table.token_table[slots, (pos + 1).clamp(max=width - 1)].long()  # [N]
     verdict = greedy_verify(adjusted, draft, has)
     if not sin.all_greedy:
-        probs = sampling_probs(adjusted, sin)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        u = hashed_uniform(sin.seeds, sin.steps, probs.shape[1])
-        drawn = rejection_sample(probs, draft, has, u)
+        if use_fused(adjusted, sin):
+            assert sin.keys is not None
+            drawn = fused_rejection(adjusted, sin.temperature, sin.keys, draft, has)
+        else:
+            probs = sampling_probs(adjusted, sin)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            u = hashed_uniform(sin.seeds, sin.steps, probs.shape[1])
+            drawn = rejection_sample(probs, draft, has, u)
         greedy = sin.temperature == 0
         verdict = Verdict(
             torch.where(greedy, verdict.accept, drawn.accept),
@@ -177,6 +183,29 @@ def verify_step(
             slot, last = batch.seqs[row].slot, batch.prefix_lens[row]
             engine.draft_model.verified(slot, last, batch.draft_lens[row], count - 1)
     return out
+
+
+def fused_rejection(
+    logits: torch.Tensor,  # [N, V] the adjusted logits (model dtype or fp32)
+    temperature: torch.Tensor,  # [N] fp32
+    keys: torch.Tensor,  # [N] int64, the sampler's row keys
+    draft: torch.Tensor,  # [N] int64
+    has_draft: torch.Tensor,  # [N] bool
+) -> Verdict:
+    """`rejection_sample` for rows of plain temperature sampling (no top-k, top-p or min-p)
+    without its [N, V] distribution and uniforms (about 60 small kernels on the H200): the
+    draft d is accepted when u[d] < p[d], p[d] from one log-sum-exp; the residual's race is
+    the fused Gumbel-max kernel over the logits with d removed, since argmax p / -log u =
+    argmax logits / T - log(-log u) over the same uniforms."""
+    from minisgl.engine.sample_kernel import gumbel_argmax
+
+    d = draft.clamp(min=0, max=logits.shape[1] - 1).unsqueeze(1)  # [N, 1]
+    scaled = logits.float() / temperature.clamp(min=1e-5).unsqueeze(1)
+    p_d = torch.exp(scaled.gather(1, d).squeeze(1) - torch.logsumexp(scaled, dim=-1))
+    accept = has_draft & (uniform_at(keys, d.squeeze(1)) < p_d)
+    removed = torch.where(has_draft.unsqueeze(1), float("-inf"), logits.gather(1, d))
+    residual = logits.clone().scatter_(1, d, removed)
+    return Verdict(accept, gumbel_argmax(residual, temperature, keys))
 
 
 def _verify_forward(engine: Engine, batch: Batch) -> torch.Tensor:

@@ -104,3 +104,37 @@ def test_kernel_never_samples_ids_the_stop_mask_removed():
     got = sk.gumbel_argmax(masked, temp, keys, block=block).cpu()
     assert torch.equal(got, _gumbel_ref(masked, temp, keys).cpu())
     assert got[0] >= 256 and got[1] != 5 and got[2] == 5 and got[3] == 5
+
+
+def test_fused_rejection_matches_the_rejection_rule():
+    """The verify step's fused path (log-sum-exp accept test, Gumbel race over the logits with
+    the draft removed) takes the same decisions as `rejection_sample` on the full [N, V]
+    distribution and uniforms, for the same keys."""
+    _kernel()
+    from minisgl.engine.speculative import fused_rejection
+    from minisgl.spec.verify import rejection_sample
+
+    n, vocab = 48, 500
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    temp = 0.4 + torch.rand(n, generator=gen)
+    keys = torch.tensor([host_row_key(11 * i + 5, i % 7) for i in range(n)])
+    draft = torch.randint(0, vocab, (n,), generator=gen)
+    has = torch.rand(n, generator=gen) < 0.75
+    # A draft the target is all but sure of, and one it can never sample (masked out).
+    draft[0], has[0] = 7, True
+    logits[0, 7] = 60.0
+    draft[1], has[1] = 9, True
+    logits[1, 9] = float("-inf")
+    probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
+    want = rejection_sample(probs, draft, has, uniform_from_keys(keys, vocab))
+    got = fused_rejection(
+        logits.to(DEVICE), temp.to(DEVICE), keys.to(DEVICE), draft.to(DEVICE), has.to(DEVICE)
+    )
+    assert torch.equal(got.accept.cpu(), want.accept)
+    # (an accepted draft's choice is never used: row 0's residual underflows to all zeros in
+    # the reference's probabilities, not in the fused path's logits)
+    taken = ~want.accept
+    assert torch.equal(got.choice.cpu()[taken], want.choice[taken])
+    assert got.accept[0] and not got.accept[1] and got.choice[1] != 9
+    assert 0 < int(want.accept.sum()) < int(has.sum())  # both outcomes occur

@@ -236,7 +236,7 @@ def recorded_variants(monkeypatch) -> Iterator[set[tuple]]:
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     force_fused_kernels(monkeypatch)
     monkeypatch.setattr(
-        sampler, "_use_fused", lambda logits, inp: not (inp.needs_sort or inp.needs_min_p)
+        sampler, "use_fused", lambda logits, inp: not (inp.needs_sort or inp.needs_min_p)
     )
     yield keys
 
