@@ -31,14 +31,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from minisgl.benchmark.common import (
     Row,
     add_fp8_args,
     device_info,
     emit_json,
     fp8_options,
+    gpu_kernel_table,
     print_table,
     synchronize,
+    trace_events,
 )
 from minisgl.core import Batch, Req, SamplingParams, TableWrite
 from minisgl.llm import LLM
@@ -109,7 +113,12 @@ def run_pair(llm: LLM, prompts: list[list[int]], max_tokens: int, repeat: int) -
     # either run, much less the CPU time this one spends.
     best_cpu = dict(best)
     texts: dict[str, list[list[int]]] = {}
-    start_stats = (policy.stats.verify_rows, policy.stats.proposed, policy.stats.accepted)
+
+    def counts() -> tuple[int, int, int, int]:
+        st = policy.stats
+        return st.verify_rows, st.proposed, st.accepted, st.missed
+
+    start_stats = counts()
     for _ in range(repeat):
         for mode, spec in (("off", None), ("on", policy)):
             sched.spec = spec  # None: no request speculates (the baseline, on the same engine)
@@ -120,8 +129,7 @@ def run_pair(llm: LLM, prompts: list[list[int]], max_tokens: int, repeat: int) -
             best_cpu[mode] = min(best_cpu[mode], time.process_time() - start_cpu)
             texts[mode] = [o["token_ids"] for o in outs]
     sched.spec = policy
-    end_stats = (policy.stats.verify_rows, policy.stats.proposed, policy.stats.accepted)
-    rows, proposed, accepted = (b - a for a, b in zip(start_stats, end_stats))
+    rows, proposed, accepted, missed = (b - a for a, b in zip(start_stats, counts()))
     tokens, tokens_off = sum(len(t) for t in texts["on"]), sum(len(t) for t in texts["off"])
     return {
         "tokens": tokens,
@@ -132,6 +140,8 @@ def run_pair(llm: LLM, prompts: list[list[int]], max_tokens: int, repeat: int) -
         "mean_accepted_length": (accepted + rows) / rows if rows else 0.0,
         "acceptance": accepted / proposed if proposed else 0.0,
         "verify_rows": rows // repeat,
+        # waits for a token in flight that then found no draft (each cost the overlap of a step)
+        "missed": missed // repeat,
         "identical": texts["on"] == texts["off"],
     }
 
@@ -155,9 +165,10 @@ def workloads(llm: LLM, names: list[str], args: argparse.Namespace) -> list[Row]
     return rows
 
 
-def verify_cost(llm: LLM, context: int, k: int, iters: int) -> Row:
+def verify_cost(llm: LLM, context: int, k: int, iters: int, profile: bool = False) -> Row:
     """Median times of a decode step and of a verify step of `k` drafts, one request of
-    `context` tokens (the same step rerun: its K/V rewritten in place)."""
+    `context` tokens (the same step rerun: its K/V rewritten in place); with `profile`, each
+    step's GPU kernels (torch.profiler over `iters` more steps) printed as a table."""
     sched, engine = llm.scheduler, llm.engine
     vocab = min(10000, engine.model_config.vocab_size)
     prompt = [(7 * i + 3) % vocab for i in range(context)]
@@ -184,6 +195,10 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int) -> Row:
             if i >= 3:
                 seen.append(time.perf_counter() - start)
         times[name] = statistics.median(seen)
+        if profile:
+            print_kernels(
+                name, lambda b=batch: engine.forward_batch(b).wait(), iters, engine.device
+            )
     sched.abort(req.rid)
     ratio = times["verify"] / times["decode"]
     return {
@@ -196,6 +211,27 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int) -> Row:
         "itl_over_decode_if_all_accepted": ratio / (k + 1),
         "cuda_graphs": engine.graphs is not None,
     }
+
+
+def print_kernels(name: str, step: Any, steps: int, device: torch.device, top: int = 24) -> None:
+    """The GPU kernels of `steps` calls of `step`, per call: time, count, and how far each
+    moves the end of the device's work (its share of the step's span)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    try:
+        rows, totals = gpu_kernel_table(trace_events(prof), steps)
+    except RuntimeError as e:  # no GPU kernels (a CPU run)
+        print(f"{name} step: {e}")
+        return
+    print(f"\n{name} step: {totals['gpu_busy_ms_per_step']:.3f} ms busy, "
+          f"{totals['gpu_span_ms_per_step']:.3f} ms span, {totals['kernels_per_step']:.0f} kernels")  # fmt: skip
+    for r in rows[:top]:
+        print(f"  {r['us_per_step']:8.1f} us (span {r['span_us_per_step']:7.1f}) "
+              f"{r['per_step']:5.1f}x  {r['kernel']}")  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -222,6 +258,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--verify-cost", action="store_true", help="time a verify step (see above)")
     p.add_argument("--context", type=int, default=128, help="--verify-cost's context")
     p.add_argument("--iters", type=int, default=20, help="--verify-cost's timed steps")
+    p.add_argument("--profile", action="store_true",
+                   help="--verify-cost: also each step's GPU kernels (torch.profiler)")  # fmt: skip
     add_fp8_args(p)  # and --skinny-max-rows, --few-row-gemv-max-rows: a verify step of K drafts
     # is K + 1 rows (padded to the next CUDA-graph size: 8 for K = 4)
     return p.parse_args(argv)
@@ -253,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [w for w in args.workloads.split(",") if w and w != "none"]
     rows = workloads(llm, names, args)
     cost = (
-        verify_cost(llm, args.context, args.num_draft_tokens, args.iters)
+        verify_cost(llm, args.context, args.num_draft_tokens, args.iters, args.profile)
         if args.verify_cost
         else None
     )
