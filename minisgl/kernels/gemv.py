@@ -462,6 +462,17 @@ def _reduce_splits(
     return y, ss, last
 
 
+@triton.jit
+def _steps_cols(S: tl.constexpr, W: tl.constexpr):
+    """[S, W] offsets s * W + w: a K step's columns (or words) as S pieces of W, each one
+    thread's. Declared contiguous in pairs along S (they are not): the compiler lays a tile's
+    threads along its most contiguous dims first and breaks ties by dim order, which triton
+    3.6 and 3.9 take in opposite directions; this puts the threads along S in both (3.6 would
+    otherwise spread them over the weight rows and move every weight tile through shared
+    memory to meet x). Only the order comes from it: loads vectorize along W alone."""
+    return tl.max_contiguous(tl.arange(0, S)[:, None] * W + tl.arange(0, W)[None, :], [2, W])
+
+
 # M only enters the masks (rows past it are zeros): one compiled variant per ROWS.
 @triton.jit(do_not_specialize=["M"])
 def _gemv_rows_kernel(
@@ -521,7 +532,7 @@ def _gemv_rows_kernel(
     # The weights in units of U columns: one column, or (WORDS) an int32 of four e4m3 ones.
     U: tl.constexpr = 1 + 3 * WORDS
     S: tl.constexpr = BLOCK_K // VEC
-    offs_k = (tl.arange(0, S)[:, None] * (VEC // U) + tl.arange(0, VEC // U)[None, :])[None, None]
+    offs_k = _steps_cols(S, VEC // U)[None, None]
     offs_k += k_lo // U
     k_hi_u = k_hi // U  # (WORDS: K is a multiple of 4)
     n4 = offs_n[None, :, None, None]
@@ -539,7 +550,7 @@ def _gemv_rows_kernel(
         pdl_prologue(PDL)
     m0 = 0 * offs_m[:, None, None, None]  # broadcasts a K step's columns to every row
     # x's columns: a thread's first XV of its VEC (all of them unless HALVES), in every row
-    xk = (tl.arange(0, S)[:, None] * VEC + tl.arange(0, XV)[None, :])[None, None] + k_lo + m0
+    xk = (_steps_cols(S, XV) + (VEC - XV) * tl.arange(0, S)[:, None])[None, None] + k_lo + m0
     ss = tl.zeros([ROWS, 1, S], dtype=tl.float32)
     if X_AHEAD:
         x, x2, ss = _x_step(x_rows, g_ptr, s_row, xk, K, k_hi, m4, ACT, NORM, W_SCALE, WIDEN,
