@@ -7,13 +7,15 @@ baseline by taking the scheduler's policy away, so both runs share weights, pool
 - chat: one stream of open-ended chat;
 - concurrent: `--concurrency` chat requests at once.
 Each prints output tokens/s off and on, their ratio, the mean accepted length (tokens a verify
-step gained per request, accepted drafts plus the target's own) and whether the greedy texts
-are identical. These need a model with a tokenizer (the default: the embedded SmolLM2).
+step gained per request, accepted drafts plus the target's own), `missed` (times the loop gave
+up a step's overlap to wait for a token in flight and then found no draft) and whether the
+greedy texts are identical. These need a model with a tokenizer (the default: the embedded SmolLM2).
 
 `--verify-cost` (also run alone with `--workloads none`, e.g. on the Llama-3-8B shape with
 `--model minisgl/benchmark/models/llama-3-8b --load-format dummy`) times, for one request of
 `--context` tokens, a plain decode step (CUDA graphs where the engine has them) against a verify
-step of K drafts, the step a fully accepted draft would replace K + 1 decode steps with.
+step of K drafts, the step a fully accepted draft would replace K + 1 decode steps with;
+`--profile` prints each step's GPU kernels (time, count, share of the step's span).
 `--skinny-max-rows 16` runs the verify step's linear layers (and LM head) through the skinny
 tensor-core GEMM (`minisgl.kernels.skinny`) instead of cuBLAS: run the command with and without
 it for an A/B (`scripts/gpu_speculative.sh` part `verify_cost_skinny`); `--skinny-max-rows 0
@@ -253,8 +255,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=8,
                    help="--speculative-max-batch: larger steps decode plainly")  # fmt: skip
     p.add_argument("--copy-tokens", type=int, default=320)
-    p.add_argument("--chat-tokens", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=2, help="runs of each mode (the best counts)")
+    p.add_argument("--chat-tokens", type=int, default=256,
+                   help="chat and concurrent: output tokens per request (short runs are noisy)")  # fmt: skip
+    p.add_argument("--repeat", type=int, default=3, help="runs of each mode (the best counts)")
     p.add_argument("--verify-cost", action="store_true", help="time a verify step (see above)")
     p.add_argument("--context", type=int, default=128, help="--verify-cost's context")
     p.add_argument("--iters", type=int, default=20, help="--verify-cost's timed steps")
@@ -303,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if rows:
         columns = ["workload", "requests", "tok_per_s_off", "tok_per_s_on", "speedup",
                    "speedup_cpu_time", "mean_accepted_length", "acceptance", "verify_rows",
-                   "identical"]  # fmt: skip
+                   "missed", "identical"]  # fmt: skip
         print_table("output tokens/s, speculation off and on", rows, columns)
     if cost is not None:
         print_table("verify step against a decode step", [cost], list(cost))
