@@ -16,7 +16,13 @@ decode shapes, and the tile configs for `minisgl.kernels.gemv.TUNED`.
 Run on a GPU host: `python -m minisgl.benchmark.gemv [--quick]`; it prints a `TUNED` table to
 paste into `minisgl/kernels/gemv.py`. `--fp8`: the same sweep (part 1) with e4m3 weights and a
 scale per row, the FP8 linear layers' weight-only path (bytes at one per weight; cuBLAS stays
-the bf16 reference), printing `TUNED_FP8`.
+the bf16 reference), printing `TUNED_FP8`. Its sweep adds the one-row FP8 variants of the
+few-row kernel (`GemvConfig.layout` "vec": 16-byte e4m3 loads, int32 words, PTX / integer /
+converting widening, per-column sums, split-K; the gemv module's docstring says why); every
+variant's result is checked against fp32 torch first (a wrong one is listed under "wrong" and
+not ranked), and each shape's line gives the best of each variant family
+(`best_per_family`). One H200 call (about 4 minutes):
+`python -m minisgl.benchmark.gemv --fp8 --quick --only 8b` (`--only`: shape name prefixes).
 
 `--skinny`: the skinny tensor-core GEMM's sweep for 1..16 rows of x instead
 (`minisgl.benchmark.skinny`, whose docstring says what it measures), with `--fp8` (a scale per
@@ -31,8 +37,10 @@ measures): `python -m minisgl.benchmark.gemv --rows 5 --only 8b [--quick] [--fp8
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,9 +68,11 @@ Configs = dict[tuple[int, int, bool], GemvConfig]  # (N, K, act) -> config, as `
 
 def _configs(quick: bool, fp8: bool = False) -> list[GemvConfig]:
     """Tiles to sweep. FP8 weights are one byte: the same bytes in flight per program take
-    tiles twice as large (up to 256 elements per thread), so their sweep goes further."""
+    tiles twice as large (up to 256 elements per thread), so their sweep goes further, and
+    adds the few-row kernel's layout at one row (`_fp8_variants`)."""
     if quick:
-        return [GemvConfig(bn, bk, w) for bn, bk, w in [(16, 512, 4), (8, 512, 4), (32, 256, 8)]]
+        tiles = [GemvConfig(bn, bk, w) for bn, bk, w in [(16, 512, 4), (8, 512, 4), (32, 256, 8)]]
+        return tiles + _fp8_variants(quick) if fp8 else tiles
     most = 256 if fp8 else 128
     out = []
     block_ks = (256, 512, 1024, 2048) if fp8 else (256, 512, 1024)
@@ -72,7 +82,72 @@ def _configs(quick: bool, fp8: bool = False) -> list[GemvConfig]:
         if bn == 64 and not fp8:
             continue
         out.append(GemvConfig(bn, bk, w))
-    return out
+    return out + _fp8_variants(quick) if fp8 else out
+
+
+def _fp8_variants(quick: bool) -> list[GemvConfig]:
+    """One-row FP8 variants in the few-row kernel's layout (`GemvConfig.layout` "vec"): 16
+    e4m3 columns a thread per step (16-byte loads), BLOCK_K = 16 x 32 x warps; the bytes
+    loaded as int32 words or as e4m3, widened by conversion, integer bits or inline PTX;
+    partial sums per VEC or per column; x ahead or not; split-K 2 / 4."""
+
+    def vec(bn: int, warps: int = 4, **kw: Any) -> GemvConfig:
+        return GemvConfig(bn, 16 * 32 * warps, warps, layout="vec", vec=16, **kw)
+
+    if quick:
+        out = [vec(bn, words=True, widen="ptx", keep_vec=kv) for bn in (4, 8) for kv in (False, True)]  # fmt: skip
+        out += [vec(16, words=True, widen="ptx")]
+        out += [vec(8, words=True, widen="bits", keep_vec=kv) for kv in (False, True)]
+        out += [vec(8, words=True, widen="cvt"), vec(8, widen="cvt"), vec(8, widen="bits")]
+        out += [GemvConfig(8, 1024, 4, layout="vec", vec=8, widen="bits")]  # 8-byte loads
+        out += [vec(8, words=True, widen="ptx", keep_vec=True, split_k=s) for s in (2, 4)]
+        out += [vec(8, words=True, widen="ptx", keep_vec=True, x_ahead=False)]
+        out += [vec(8, 8, words=True, widen="ptx", keep_vec=True), vec(4, 8, words=True, widen="ptx")]  # fmt: skip
+        return out
+    return [
+        vec(bn, warps, words=words, widen=widen, keep_vec=kv, split_k=split, x_ahead=ahead)
+        for bn, warps, words, widen, kv, split, ahead in itertools.product(
+            (2, 4, 8, 16),
+            (4, 8),
+            (False, True),
+            ("cvt", "bits", "ptx"),
+            (False, True),
+            (1, 2, 4),
+            (True, False),
+        )  # fmt: skip
+        if (words or widen != "ptx")
+        and bn * warps <= 64  # (16 rows x 8 warps: 255 registers and more)
+        and (split == 1 or bn <= 8)
+        and (ahead or (words and widen == "ptx"))
+    ]
+
+
+def config_src(c: GemvConfig) -> str:
+    """`c` as Python source for `TUNED_FP8`: the tile, then the fields that differ from the
+    defaults."""
+    default = GemvConfig(c.block_n, c.block_k, c.num_warps)
+    extra = [
+        f"{f.name}={_src(getattr(c, f.name))}"
+        for f in dataclasses.fields(c)
+        if f.name not in ("block_n", "block_k", "num_warps")
+        and getattr(c, f.name) != getattr(default, f.name)
+    ]
+    return f"GemvConfig({', '.join([str(c.block_n), str(c.block_k), str(c.num_warps), *extra])})"
+
+
+def _src(value: object) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def family(c: GemvConfig) -> str:
+    """The variant's kind, without its tile: what the sweep reports the best of."""
+    if c.layout == "tile":
+        return "tile"
+    parts = ["vec", f"v{c.vec}", "words" if c.words else "e4m3", c.widen]
+    parts += ["keep_vec"] if c.keep_vec else []
+    parts += [f"split{c.split_k}"] if c.split_k > 1 else []
+    parts += [] if c.x_ahead else ["x_at"]
+    return " ".join(parts)
 
 
 # A weight as the GEMV takes it: bf16 (scale None) or e4m3 with fp32 scales per row.
@@ -93,6 +168,13 @@ def _call(
     if kind == "act_residual":
         return gemv(x, weight, residual=r, act=True, config=cfg, weight_scale=scale)
     return gemv(x, weight, residual=r, config=cfg, weight_scale=scale)
+
+
+def label(c: GemvConfig) -> str:
+    """A config in a few words: its tile and what differs from the defaults."""
+    return f"{c.block_n}x{c.block_k} w{c.num_warps}" + (
+        f" {family(c)}" if c.layout != "tile" else ""
+    )
 
 
 def _weights(n: int, k: int, sets: int, fp8: bool) -> list[Weight]:
@@ -144,14 +226,33 @@ def probe_shape(
     def timed_us(cfg: GemvConfig | None) -> float:
         return time_graph(lambda i: _call(kind, x, ws[i], r, g, cfg), sets) * 1e6
 
-    timed = sorted(((timed_us(c), c) for c in configs), key=lambda t: t[0])
+    failed: dict[GemvConfig, str] = {}
+
+    def rel_err(cfg: GemvConfig) -> float:
+        try:
+            out = _call(kind, x, ws[0], r, g, cfg).float()
+        except Exception as e:  # (a variant this triton cannot compile: reported, not fatal)
+            failed[cfg] = f"{type(e).__name__}: {str(e)[:200]}"
+            return math.nan
+        return ((out - want).abs().max() / want.abs().max()).item()
+
+    # Every variant's result is checked first: a wrong one (> 2e-2, bf16 output rounding is
+    # ~4e-3) or one that fails to compile is reported and left out of the ranking.
+    errs = {c: rel_err(c) for c in configs}
+    wrong = [f"{label(c)}: {failed.get(c) or f'{e:.3g}'}" for c, e in errs.items() if not e <= 2e-2]
+    timed = sorted(((timed_us(c), c) for c in configs if errs[c] <= 2e-2), key=lambda t: t[0])
     best_us, best = timed[0]
-    late = GemvConfig(best.block_n, best.block_k, best.num_warps, preload=False)
     row["gemv_us"] = best_us
-    row["best"] = f"{best.block_n}x{best.block_k} w{best.num_warps}"
-    row["no_preload_us"] = timed_us(late)
+    row["best"] = label(best)
+    row["no_preload_us"] = timed_us(dataclasses.replace(best, preload=False))
     row["default_us"] = timed_us(None)
-    row["top3"] = [f"{c.block_n}x{c.block_k} w{c.num_warps}: {u:.2f}" for u, c in timed[:3]]
+    row["top5"] = [f"{label(c)}: {u:.2f}" for u, c in timed[:5]]
+    families: dict[str, tuple[float, GemvConfig]] = {}
+    for u, c in timed:
+        families.setdefault(family(c), (u, c))
+    row["best_per_family"] = {f: f"{u:.2f} us {mb / u:.2f} TB/s ({label(c)})" for f, (u, c) in families.items()}  # fmt: skip
+    row["wrong"] = wrong
+    row["max_rel_err"] = max(e for e in errs.values() if e <= 2e-2)
     row["config"] = best
     row["cublas_TBps"] = n * k * 2 / 1e6 / row["cublas_us"]
     row["gemv_TBps"] = mb / best_us
@@ -227,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--only",
         default="",
-        help="--skinny, --rows: comma-separated shape name prefixes (8b, 0.6b, 135m)",
+        help="comma-separated shape name prefixes (8b, 30b; --skinny, --rows: 8b, 0.6b, 135m)",
     )
     args = parser.parse_args(argv)
     if args.rows:
@@ -249,7 +350,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("default configs:", json.dumps(probe_layer(TUNED)), flush=True)
     configs = _configs(args.quick, args.fp8)
     rows, best = [], dict(TUNED_FP8 if args.fp8 else TUNED)
+    only = [o for o in args.only.split(",") if o]
     for name, (n, k, kind) in SHAPES.items():
+        if only and not name.startswith(tuple(only)):
+            continue
         row = probe_shape(name, n, k, kind, configs, args.fp8)
         rows.append(row)
         best[(n, k, kind == "act_residual")] = row.pop("config")
@@ -259,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("best configs:", json.dumps(probe_layer(best)), flush=True)
     print("TUNED_FP8 = {" if args.fp8 else "TUNED = {")
     for key, c in best.items():
-        print(f"    {key}: GemvConfig({c.block_n}, {c.block_k}, {c.num_warps}),")
+        print(f"    {key}: {config_src(c)},")
     print("}")
     print(f"\n{'gemm':>16} {'MB':>7} {'cublas_us':>9} {'TB/s':>5} {'gemv_us':>8} {'TB/s':>5}"
           f" {'no_pre':>7} {'default':>7}  best")  # fmt: skip

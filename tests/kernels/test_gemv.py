@@ -96,6 +96,46 @@ def test_gemv_fp8_weights_match_their_dequantized_values(layout, rows, extras):
     torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
+# One-row FP8 variants in the few-row kernel's layout (`GemvConfig.layout` "vec"), small tiles
+# for the interpreter: e4m3 loads (16 or 8 columns a thread) widened by conversion or integer
+# bits, int32 words, partial sums per column, x at its step, split-K (on the CPU 4 splits of
+# 128 columns for K = 260: one short, one empty). "ptx" (inline PTX) runs on CUDA only; here
+# it is compiled (`COMPILE_VEC`), and the benchmark checks every variant's result on the GPU.
+VEC_VARIANTS = {
+    "e4m3 cvt": dict(vec=16),
+    "e4m3 bits keep": dict(vec=16, widen="bits", keep_vec=True),
+    "e4m3 8 bits": dict(vec=8, widen="bits"),
+    "words cvt": dict(vec=16, words=True),
+    "words bits keep x_at": dict(vec=16, words=True, widen="bits", keep_vec=True, x_ahead=False),
+    "words split 4": dict(vec=16, words=True, keep_vec=True, split_k=4),
+}
+if DEVICE == "cuda":
+    VEC_VARIANTS["words ptx keep"] = dict(vec=16, words=True, widen="ptx", keep_vec=True)
+
+
+@pytest.mark.parametrize("variant", list(VEC_VARIANTS))
+def test_gemv_fp8_vec_variants(variant):
+    """Each one-row FP8 variant, per-row scales with norm + bias and 128 x 128 block scales
+    with SiLU + residual, against fp64 math on the values the weights stand for; split-K
+    twice (the second call finds the workspace as the first left it: zeroed)."""
+    gemv = _gemv_module()
+    gen = torch.Generator().manual_seed(hash(("vec", variant)) % 2**31)
+    n, k = (40, 260) if DEVICE == "cpu" else (6144, 4096)  # ragged rows and K, a last word
+    kw = VEC_VARIANTS[variant]
+    bk = 4 * kw["vec"] if DEVICE == "cpu" else 16 * 32 * 4
+    config = gemv.GemvConfig(block_n=8, block_k=bk, num_warps=4, layout="vec", **kw)
+    for layout, extras in [("row", "norm+bias"), ("block", "act+residual")]:
+        q, scale, w_deq = _fp8_weight(gen, n, k, layout)
+        dev, want = _fp8_case(gen, q, scale, w_deq, 1, extras)
+        for _ in range(1 + (config.split_k > 1)):
+            got = gemv.gemv(
+                dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
+                act=extras.startswith("act"), config=config, weight_scale=dev[5],
+            )  # fmt: skip
+            torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
+    assert all(not t.any() for ts in gemv._WORKSPACES.values() for t in ts)
+
+
 FEW_ROWS = [2, 3, 5, 8]
 
 
@@ -237,11 +277,15 @@ def test_gemv_compiles_for_sm90_without_spills():
     from sm90 import run_compile_script
 
     results = run_compile_script(__file__)
-    assert len(results) == len(COMPILE) + len(COMPILE_ROWS)
+    assert len(results) == len(COMPILE) + len(COMPILE_ROWS) + len(COMPILE_VEC)
     spilled = [r for r in results if r["local"] > 0]
     assert not spilled, f"register spills: {spilled}"
-    # The few-row mode's tiles share one layout: no shared-memory round trip in its K loop.
+    # The few-row kernel's tiles share one layout: no shared-memory round trip in its K loop.
     moved = [r for r in results if r["name"].startswith("rows") and r["loop_converts"]]
+    # The one-row FP8 variants' x, joined from two 16-byte loads, and their bytes of words are
+    # the weights' layout under another name (register renames in the loop, no more): the only
+    # shared memory is the final reductions' (a K step of x through it would be 8 KB).
+    moved += [r for r in results if r["name"].startswith("vec") and r["shared"] > 256]
     assert not moved, f"layout conversions inside the K loop: {moved}"
 
 
@@ -275,24 +319,50 @@ COMPILE_ROWS = [
 ]  # fmt: skip
 
 
+# One-row FP8 variants in the few-row kernel's layout (ROWS 1, `GemvConfig.layout` "vec"), the
+# benchmark's quick sweep's kinds; per-row scales unless "block". Each thread's 16 columns are
+# one 16-byte load of e4m3 (VEC 16, HALVES 2) or two 8-byte ones (VEC 8).
+COMPILE_VEC = [
+    ("vec words ptx keep norm 8x2048 w4", dict(NORM=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True), 4),
+    ("vec words ptx act residual 8x2048 w4", dict(ACT=True, HAS_RES=True, BLOCK_N=8, WORDS=True, WIDEN=2), 4),
+    ("vec words ptx residual 16x2048 w4", dict(HAS_RES=True, BLOCK_N=16, WORDS=True, WIDEN=2), 4),
+    ("vec words ptx keep norm 8x4096 w8", dict(NORM=True, BLOCK_N=8, BLOCK_K=4096, WORDS=True, WIDEN=2, KEEP_VEC=True), 8),
+    ("vec words ptx keep split 4 residual 8x2048 w4", dict(HAS_RES=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True, SPLIT_K=4), 4),
+    ("vec words ptx keep split 2 norm block 8x2048 w4", dict(NORM=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True, SPLIT_K=2, W_SCALE=2), 4),
+    ("vec words bits keep norm 8x2048 w4", dict(NORM=True, BLOCK_N=8, WORDS=True, WIDEN=1, KEEP_VEC=True), 4),
+    ("vec words cvt act residual 8x2048 w4", dict(ACT=True, HAS_RES=True, BLOCK_N=8, WORDS=True), 4),
+    ("vec e4m3 cvt norm 8x2048 w4", dict(NORM=True, BLOCK_N=8), 4),
+    ("vec e4m3 bits norm 8x2048 w4", dict(NORM=True, BLOCK_N=8, WIDEN=1), 4),
+    ("vec e4m3 8 bits norm 8x1024 w4", dict(NORM=True, BLOCK_N=8, BLOCK_K=1024, VEC=8, WIDEN=1), 4),
+]  # fmt: skip
+
+
 def _compile_all() -> list[dict[str, object]]:
     from sm90 import compile_sm90
 
     from minisgl.kernels.gemv import _gemv_kernel, _gemv_rows_kernel
 
     out = []
-    for kernel, variants in ((_gemv_kernel, COMPILE), (_gemv_rows_kernel, COMPILE_ROWS)):
+    vec = [
+        (n, {"ROWS": 1, "VEC": 16, "BLOCK_K": 2048, "W_SCALE": 1} | c, w) for n, c, w in COMPILE_VEC
+    ]
+    for kernel, variants in ((_gemv_kernel, COMPILE), (_gemv_rows_kernel, COMPILE_ROWS + vec)):
         for name, c, warps in variants:
             types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
-            types |= {"eps": "fp32", "s_ptr": "*fp32"}
+            types |= {"eps": "fp32", "s_ptr": "*fp32", "sum_ptr": "*fp32", "cnt_ptr": "*i32"}
             if c.get("W_SCALE"):
                 types["w_ptr"] = "*fp8e4nv"
             c = {"ACT": False, "W_SCALE": 0, "HAS_RES": False, "NORM": False} | c
             c |= dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
             aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
             if "ROWS" in c:  # a bf16 x whose rows start 16-byte aligned, as the models' do
-                c = {"X_AHEAD": True} | c | {"VEC": 8}
-                aligned.append("stride_xm")
+                c = {"X_AHEAD": True, "VEC": 8, "KEEP_VEC": False, "WORDS": False} | c
+                keep = c["KEEP_VEC"]
+                c |= dict(XV=8, HALVES=c["VEC"] // 8, WIDEN=c.get("WIDEN", 0),
+                          SPLIT_K=c.get("SPLIT_K", 1),
+                          ACC_W=(c["VEC"] // 4 if c["WORDS"] else c["VEC"]) if keep else 1)  # fmt: skip
+                # (as launched: pointers and multiples of 16 are specialised as such)
+                aligned += ["stride_xm", "k_span", "g_ptr", "r_ptr", "s_ptr", "sum_ptr"]
             out.append({"name": name, **compile_sm90(kernel, types, c, warps, None, aligned)})
     return out
 
