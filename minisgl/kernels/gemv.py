@@ -128,16 +128,19 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 
 
 # The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.gemv --fp8` on the H200
-# (docs/benchmarks.md); other shapes take the bf16 table's tiles.
+# (docs/benchmarks.md); other shapes take the bf16 table's tiles. Llama-3-8B (session 15, `--fp8
+# --quick --only 8b`): the few-row kernel's layout at one row, 16-byte e4m3 loads widened by
+# inline PTX, us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37
+# (3.13; 7.39), gate_up 33.2 (3.54; 40.3), down 16.6 (3.54; 26.1), LM head 134.9 (3.89; 165.3).
 TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
-    (6144, 4096, False): GemvConfig(16, 256, 8),
-    (4096, 4096, False): GemvConfig(8, 512, 8),
-    (28672, 4096, False): GemvConfig(16, 256, 4),
-    (4096, 14336, True): GemvConfig(8, 512, 8),
-    (128256, 4096, False): GemvConfig(16, 256, 4),
+    (6144, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", keep_vec=True, words=True),
+    (4096, 4096, False): GemvConfig(4, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
+    (28672, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
+    (4096, 14336, True): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
+    (128256, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
     (5120, 2048, False): GemvConfig(8, 256, 8),
     (2048, 4096, False): GemvConfig(8, 1024, 8),
-}
+}  # fmt: skip
 
 
 # `GemvConfig.widen` -> the kernels' WIDEN.
