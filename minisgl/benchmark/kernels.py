@@ -435,52 +435,22 @@ def tune_decode(
 # shapes (W3's target is batch 256 at contexts >= 1024).
 # (batch, context, spread); the last is W1's main decode step (a ragged batch, see below).
 FP8_TUNE_SHAPE = (256, 4096, 0.0)
-FP8_CHECK_SHAPES = ((256, 1024, 0.0), (256, 32768, 0.0), (32, 4096, 0.0), (1, 4096, 0.0),
-                    (1, 32768, 0.0), (200, 820, 0.32))  # fmt: skip
+FP8_CHECK_SHAPES = ((256, 1024, 0.0), (32, 4096, 0.0), (1, 4096, 0.0), (1, 32768, 0.0),
+                    (200, 820, 0.32))  # fmt: skip
 FP8_FINALISTS = 6
 # Split heuristic knobs tried with the best config where requests are split (batch 1 and 32).
 FP8_SPLIT_KNOBS = tuple(itertools.product((2, 4, 8), (64, 128, 256)))
-# The kernel's FP8 variants (`DecodeConfig` fields beyond the tiles) and the (block_n, num_warps,
-# num_stages) tried with each; sm_90 builds (triton 3.6, W3's shape) in the comments: registers,
-# programs per SM, warp instructions per key in the main loop. Today's kernel (the default,
-# first in the grid: 207 registers, 2 programs, 40 per key) had its tiles swept in session 13.
-# The inline-PTX widenings stage the fp16 tiles in shared memory (one fp16 tile more: 5 stages
-# at 128 keys need 105 KiB, two programs per SM; 3 stages 73 KiB, three); `bits` moves the
-# widening off the conversion pipe (3 integer instructions per 2 values instead of one cvt),
-# `mixed` splits it (K by cvt, V by bits); `transposed` runs both products on wgmma; block_h
-# 64 pads the group to wgmma's M (it stages the tiles too, but pays the softmax on 64 rows);
-# `max_registers` caps ptxas for one more program per SM (no spills); `peel` drops the masks
-# from full key blocks.
-FP8_VARIANTS: tuple[tuple[dict[str, Any], tuple[tuple[int, int, int], ...]], ...] = (
-    # 64/4/3: 135 regs, 3 programs, 27.5; 128/4/3: 144, 3, 22.2; 128/4/5: 142, 2, 22.6;
-    # 128/8/4: 102, 2, 28.4; 256/8/3: 128, 1, 22.3
-    (dict(fp8_widen="cvt"), ((64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 4, 5), (128, 8, 4),
-                             (256, 8, 3))),
-    (dict(fp8_widen="bits"), ((64, 4, 3), (128, 4, 3), (128, 4, 5))),  # 128/4/3: 30.2
-    (dict(fp8_widen="mixed"), ((64, 4, 3), (128, 4, 3), (128, 4, 5))),  # 128/4/3: 26.2
-    # 64/4/5: 112 regs, 4 programs, 31.6; 128/4/3: 153, 3, 22.8
-    (dict(fp8_widen="cvt", transposed=True), ((64, 4, 5), (128, 4, 3), (128, 4, 5))),
-    (dict(transposed=True), ((128, 4, 5),)),  # 177 regs, 2 programs, 36.7
-    (dict(block_h=64), ((64, 4, 3),)),  # 161 regs, 3 programs, 38.1
-    (dict(fp8_widen="cvt", max_registers=128), ((64, 4, 3), (64, 4, 5))),  # 4 programs, 28
-    (dict(fp8_widen="cvt", max_registers=80), ((128, 8, 4),)),  # 3 programs, 29.7
-    (dict(fp8_widen="cvt", peel=True), ((128, 4, 3), (128, 4, 5))),  # 166 regs, 3, 18.3
-    (dict(fp8_widen="cvt", peel=True, max_registers=128), ((64, 4, 5),)),  # 4 programs, 27.1
-    (dict(fp8_widen="cvt", peel=True, max_registers=80), ((128, 8, 4),)),  # 3 programs, 27.3
-    (dict(fp8_widen="mixed", peel=True), ((128, 4, 3),)),  # 166 regs, 3 programs, 22.4
-    (dict(fp8_widen="bits", peel=True), ((128, 4, 3),)),
-)  # fmt: skip
 
 
 def fp8_decode_grid() -> list[Any]:
-    """Today's default first, then each of FP8_VARIANTS with its tiles. What the session-13
-    sweep on the H200 showed cannot win is left out: e4m3 scores, P V as (V^T P^T)^T with the
-    e4m3 bytes read straight into the operands, 2 stages."""
+    """Keys per step, warps and pipeline depth (how many blocks of page ids and K/V are loaded
+    ahead), the default first. What the session-13 sweep on the H200 showed cannot win is left
+    out: register caps, P V as (V^T P^T)^T, e4m3 scores, 2 stages."""
     from minisgl.kernels.decode import DecodeConfig, default_decode_config
 
     grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
-    for knobs, tiles in FP8_VARIANTS:
-        grid += [DecodeConfig(bn, bn, w, st, **knobs) for bn, w, st in tiles]
+    for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 4, 5)):
+        grid.append(DecodeConfig(bn, bn, w, st))
     return list(dict.fromkeys(grid))
 
 
@@ -498,7 +468,7 @@ def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
     for shape, cfg in itertools.product(FP8_CHECK_SHAPES, finalists):
         rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
     print_table("tune: FP8 decode (fraction_of_copy counts one byte per K/V value)", rows,
-                FP8_DECODE_COLUMNS)  # fmt: skip
+                DECODE_COLUMNS)  # fmt: skip
     best = _print_best_fp8(rows, finalists)
     split_rows = []
     for shape, (per_sm, min_tokens) in itertools.product(FP8_CHECK_SHAPES, FP8_SPLIT_KNOBS):
@@ -506,7 +476,7 @@ def tune_decode_fp8(timer: Timer, copy_bw: float, page_size: int) -> list[Row]:
             cfg = dataclasses.replace(best, programs_per_sm=per_sm, min_split_tokens=min_tokens)
             split_rows.append(_decode_attempt(shape, page_size, timer, copy_bw, cfg))
     print_table("tune: FP8 decode split heuristic (best config)", split_rows,
-                FP8_DECODE_COLUMNS + ["programs_per_sm", "min_split_tokens"])  # fmt: skip
+                DECODE_COLUMNS + ["programs_per_sm", "min_split_tokens"])  # fmt: skip
     for shape in FP8_CHECK_SHAPES:
         done = [r for r in split_rows if _shape(r) == shape and "time_us" in r]
         if done:
@@ -533,9 +503,7 @@ def _decode_attempt(
 
 def _config_label(cfg: Any) -> Row:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            "programs_per_sm": cfg.programs_per_sm, "min_split_tokens": cfg.min_split_tokens,
-            "fp8_widen": cfg.fp8_widen, "transposed": cfg.transposed, "block_h": cfg.block_h,
-            "max_registers": cfg.max_registers, "peel": cfg.peel}  # fmt: skip
+            "programs_per_sm": cfg.programs_per_sm, "min_split_tokens": cfg.min_split_tokens}  # fmt: skip
 
 
 def _print_best_fp8(rows: Sequence[Row], finalists: Sequence[Any]) -> Any:
@@ -621,8 +589,6 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
                   "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
-FP8_DECODE_COLUMNS = DECODE_COLUMNS + ["fp8_widen", "transposed", "block_h", "max_registers",
-                                       "peel"]
 MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
                  "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
                  "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",

@@ -25,7 +25,6 @@ from minisgl.kernels.common import (
     dot,
     dot_flags,
     fp8_operand,
-    is_interpreted,
     kv_split_len,
     num_sms,
     online_softmax_step,
@@ -51,42 +50,11 @@ class DecodeConfig:
     programs_per_sm: int = 4
     min_split_tokens: int = 64  # 256 left batch-1 W2 steps with 2 splits of a 300-token context
     max_splits: int = 64
-    # FP8 (e4m3) cache with a 16-bit q: how the tiles are widened to fp16 (`FP8_WIDEN`). "cast"
-    # lets Triton read the bytes straight into the MMA operand layouts (byte loads from shared
-    # memory, ~200 registers); the others widen through inline PTX that Triton's layout
-    # propagation cannot see through, so the tiles are read with 16-byte loads, widened, and
-    # staged as fp16 in shared memory for ldmatrix (sm_90: ~45% fewer instructions per key).
-    fp8_widen: str = "cast"
-    # Scores as K q^T and the output as V^T P^T: keys and head_dim on the MMAs' M side (wgmma
-    # on sm_90 without padding the query group to 64 rows).
-    transposed: bool = False
-    block_h: int = 16  # query rows per program at least (the GQA group is padded to this)
-    # Registers per thread at most (ptxas `.maxnreg`), for more programs per SM: 128 at 4 warps
-    # fits four, 80 at 8 warps three. None: the compiler's choice.
-    max_registers: int | None = None
-    # Full key blocks without masks, a request's (or split's) last partial block on its own:
-    # fewer instructions per key (sm_90: -17% at 128 keys), one unpipelined block per program.
-    # Row layout only (not with `transposed`).
-    peel: bool = False
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
             if size < 16 or size & (size - 1):
                 raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {size}")
-        if self.fp8_widen not in FP8_WIDEN:
-            raise ValueError(
-                f"fp8_widen must be one of {sorted(FP8_WIDEN)}, got {self.fp8_widen!r}"
-            )
-        if self.peel and self.transposed:
-            raise ValueError("peel applies to the row layout only: not with transposed")
-        if self.block_h < 16 or self.block_h & (self.block_h - 1):
-            raise ValueError(f"block_h must be a power of two >= 16 (tl.dot), got {self.block_h}")
-
-
-# fp8_widen -> (K, V) widening modes of the kernel: 0 a Triton cast; 1 `cvt.rn.f16x2.e4m3x2`
-# (the conversion pipe); 2 a PRMT/SHF/LOP3 bit trick on the integer pipe (exact: it yields
-# 2^-8 times the value, folded into the scales); "mixed" splits the work between the two pipes.
-FP8_WIDEN = {"cast": (0, 0), "cvt": (1, 1), "bits": (2, 2), "mixed": (1, 2)}
 
 
 def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
@@ -155,11 +123,6 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     PDL: tl.constexpr,
-    WIDEN_K: tl.constexpr,  # FP8_WIDEN's modes (0 with a 16-bit cache or an fp32 q)
-    WIDEN_V: tl.constexpr,
-    WIDEN_ASM: tl.constexpr,  # False under the CPU interpreter: the modes' values emulated
-    TRANSPOSED: tl.constexpr,
-    PEEL: tl.constexpr,  # `DecodeConfig.peel`
 ):
     pdl_prologue(PDL)
     # KV heads vary fastest: CTAs launched together read neighbouring 256-byte head slices of
@@ -175,6 +138,7 @@ def _decode_split_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
     q = tl.load(
@@ -186,32 +150,32 @@ def _decode_split_kernel(
     if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
         q = fp8_operand(q, q)
         qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
-        if WIDEN_K == 2:
-            qk_scale = qk_scale * 256.0
 
     table_row = block_table_ptr + b * stride_bt
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    if TRANSPOSED:
-        m_i, l_i, acc = _attend_transposed(
-            q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, start, end, BLOCK_H,
-            HEAD_DIM, BLOCK_N, PAGE_SIZE, KV_FP8, WIDEN_K, WIDEN_V, WIDEN_ASM, IEEE,
-            EMULATE_BF16,
-        )  # fmt: skip
-    else:
-        m_i, l_i, acc = _attend(
-            q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, start, end, BLOCK_H,
-            HEAD_DIM, BLOCK_N, PAGE_SIZE, KV_FP8, WIDEN_K, WIDEN_V, WIDEN_ASM, IEEE,
-            EMULATE_BF16, PEEL,
-        )  # fmt: skip
+    k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        mask_n = pos < end
+        slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
+        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            v = fp8_operand(v, q)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if KV_FP8:
         out = out * tl.load(v_scale_ptr + kv_head)
-        if WIDEN_V == 2:
-            out = out * 256.0
     if SINGLE_SPLIT:
         if EMULATE_BF16:
             out = round_bf16(out)
@@ -237,163 +201,6 @@ def _decode_split_kernel(
                 part_o_ptr, part_lse_ptr, o_dst, rows, num_valid, mask_h, HEAD_DIM, BLOCK_H,
                 EMULATE_BF16,
             )  # fmt: skip
-
-
-@triton.jit
-def _attend(
-    q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, start, end,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_K: tl.constexpr,
-    WIDEN_V: tl.constexpr, WIDEN_ASM: tl.constexpr, IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, PEEL: tl.constexpr,
-):  # fmt: skip
-    """Keys [start, end) of one request and KV head against q [BLOCK_H, D]: the running max,
-    sum and unnormalised output [BLOCK_H, D] of the online softmax (base 2)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    k_base = k_base + offs_d[None, :]
-    v_base = v_base + offs_d[None, :]
-    if PEEL:
-        # A split past the end of a short request has end < start.
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        for n in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, n, end, m_i, l_i,
-                acc, BLOCK_N, PAGE_SIZE, KV_FP8, WIDEN_K, WIDEN_V, WIDEN_ASM, IEEE,
-                EMULATE_BF16, False,
-            )  # fmt: skip
-        if full_end < end:
-            m_i, l_i, acc = _attend_block(
-                q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, full_end, end, m_i,
-                l_i, acc, BLOCK_N, PAGE_SIZE, KV_FP8, WIDEN_K, WIDEN_V, WIDEN_ASM, IEEE,
-                EMULATE_BF16, True,
-            )  # fmt: skip
-    else:
-        for n in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, n, end, m_i, l_i,
-                acc, BLOCK_N, PAGE_SIZE, KV_FP8, WIDEN_K, WIDEN_V, WIDEN_ASM, IEEE,
-                EMULATE_BF16, True,
-            )  # fmt: skip
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_block(
-    q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, n, end, m_i, l_i, acc,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
-    WIDEN_K: tl.constexpr, WIDEN_V: tl.constexpr, WIDEN_ASM: tl.constexpr, IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, MASKED: tl.constexpr,
-):  # fmt: skip
-    """One key block [n, n + BLOCK_N) folded into the online softmax; MASKED when it may reach
-    past `end`."""
-    pos = n + tl.arange(0, BLOCK_N)
-    if MASKED:
-        mask_n = pos < end
-        slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-    else:
-        slots = token_slots(table_row, pos, PAGE_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt)
-    if KV_FP8:
-        k = _widen_e4m3(k, q, WIDEN_K, WIDEN_ASM)
-    qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
-    if MASKED:
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
-    else:
-        v = tl.load(v_base + slots[:, None] * stride_vt)
-    if KV_FP8:
-        v = _widen_e4m3(v, q, WIDEN_V, WIDEN_ASM)
-    return online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
-
-
-@triton.jit
-def _attend_transposed(
-    q, qk_scale, table_row, k_base, v_base, stride_kt, stride_vt, start, end,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_K: tl.constexpr,
-    WIDEN_V: tl.constexpr, WIDEN_ASM: tl.constexpr, IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-):  # fmt: skip
-    """`_attend` with scores S^T = K q^T [BLOCK_N, BLOCK_H] (softmax along axis 0) and the
-    output O^T += V^T P^T [D, BLOCK_H]: keys and head_dim are the MMAs' M side."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    q_t = tl.trans(q)  # [D, BLOCK_H]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc_t = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
-    k_base = k_base + offs_d[None, :]
-    v_base = v_base + offs_d[:, None]
-    for n in range(start, end, BLOCK_N):
-        pos = n + offs_n
-        mask_n = pos < end
-        slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
-            k = _widen_e4m3(k, q, WIDEN_K, WIDEN_ASM)
-        s_t = dot(k, q_t, IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_N, BLOCK_H]
-        s_t = tl.where(mask_n[:, None], s_t, float("-inf"))
-        v_t = tl.load(v_base + slots[None, :] * stride_vt, mask=mask_n[None, :], other=0.0)
-        if KV_FP8:
-            v_t = _widen_e4m3(v_t, q, WIDEN_V, WIDEN_ASM)
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        if EMULATE_BF16:
-            pv_t = dot(v_t, round_bf16(p_t), IEEE, EMULATE_BF16)
-        else:
-            pv_t = dot(v_t, p_t.to(v_t.dtype), IEEE, EMULATE_BF16)
-        acc_t = acc_t * alpha[None, :] + pv_t
-        m_i = m_new
-    return m_i, l_i, tl.trans(acc_t)
-
-
-# e4m3 -> fp16, four bytes of a 32-bit word into two f16x2 words (byte i is element i).
-_CVT_E4M3 = tl.constexpr(
-    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
-)
-# The same values times 2^-8 without the conversion pipe: PRMT places byte b in the high byte
-# of a 16-bit lane and b's sign (replicated) in the byte above it; an arithmetic shift by one
-# then puts the sign at bit 15 and b's exponent and mantissa at bits 13..7, where fp16 keeps
-# them (its exponent bias is 8 above e4m3's, subnormals included); the AND clears the sign's
-# copy at bit 14 and the bits shifted in from the byte above. e4m3's NaN (never stored) would
-# read as 480.
-_BITS_E4M3 = tl.constexpr(
-    "{ .reg .b32 a0, a1; prmt.b32 a0, $2, 0, 0x1804; prmt.b32 a1, $2, 0, 0x3A24; "
-    "shr.s32 a0, a0, 1; shr.s32 a1, a1, 1; "
-    "and.b32 $0, a0, 0xBF80BF80; and.b32 $1, a1, 0xBF80BF80; }"
-)
-
-
-@triton.jit
-def _widen_e4m3(x, q, MODE: tl.constexpr, ASM: tl.constexpr):
-    """An e4m3 tile widened for the dots with q (modes: `FP8_WIDEN`; 1 and 2 need a 16-bit q,
-    and mode 2 yields 2^-8 times the value). The inline PTX is declared impure so Triton keeps
-    the widening where it is written: otherwise it moves the layout conversion onto the e4m3
-    bytes, which then reach the MMA operand layouts one byte per load."""
-    if MODE == 0:
-        out = fp8_operand(x, q)
-    elif not ASM:  # the CPU interpreter runs no PTX: the same values
-        out = x.to(tl.float16)
-        if MODE == 2:
-            out = out * 0.00390625
-    elif MODE == 1:
-        out = tl.inline_asm_elementwise(
-            _CVT_E4M3, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False,
-            pack=4,
-        )  # fmt: skip
-    else:
-        out = tl.inline_asm_elementwise(
-            _BITS_E4M3, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False,
-            pack=4,
-        )  # fmt: skip
-    return out
 
 
 def decode_attention(
@@ -440,8 +247,6 @@ def decode_attention(
         part_o = part_lse = out  # unused by the kernel
         counters = seq_lens
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel, fp8)
-    # The staged widenings feed fp16 dots: an fp32 q keeps the fp32 cast.
-    widen_k, widen_v = FP8_WIDEN[cfg.fp8_widen] if fp8 and not ieee else (0, 0)
     k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
     pdl = pdl_args(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
@@ -449,18 +254,11 @@ def decode_attention(
         v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
-        GROUP=group, BLOCK_H=max(cfg.block_h, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee,
-        EMULATE_BF16=emulate_bf16, WIDEN_K=widen_k, WIDEN_V=widen_v,
-        WIDEN_ASM=not is_interpreted(_decode_split_kernel), TRANSPOSED=cfg.transposed,
-        PEEL=cfg.peel,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl, **_register_cap(cfg),
+        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out
-
-
-def _register_cap(cfg: DecodeConfig) -> dict[str, int]:
-    return {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
 
 
 def _check_decode_args(

@@ -27,16 +27,6 @@ DECODE = [
     ("decode bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
     ("decode bf16 fp8kv d128 g4 ps32 split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=False, KV_FP8=True), 4, 5),
     ("decode bf16 fp8kv d64 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=64, BLOCK_N=256, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
-    # The FP8 sweep's variants (`DecodeConfig.fp8_widen`, `transposed`, `block_h`) at W3's
-    # shape: widened through inline PTX (1: cvt, 2: the bit trick) the tiles are staged as fp16
-    # in shared memory (~140 registers at 128 keys, 4 warps: three programs per SM by registers)
-    ("decode bf16 fp8kv d128 g2 ps16 cvt", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, WIDEN_K=1, WIDEN_V=1), 4, 5),
-    ("decode bf16 fp8kv d128 g4 ps16 bits split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=False, KV_FP8=True, WIDEN_K=2, WIDEN_V=2), 4, 3),
-    ("decode bf16 fp8kv d128 g2 ps16 mixed 8w", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, WIDEN_K=1, WIDEN_V=2), 8, 4),
-    ("decode bf16 fp8kv d128 g2 ps16 transposed cvt", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, WIDEN_K=1, WIDEN_V=1, TRANSPOSED=True), 4, 5),
-    ("decode bf16 fp8kv d128 g2 ps16 transposed", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, TRANSPOSED=True), 4, 5),
-    ("decode bf16 fp8kv d128 g2 ps16 cvt peel", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True, WIDEN_K=1, WIDEN_V=1, PEEL=True), 4, 3),
-    ("decode bf16 fp8kv d128 g2 ps16 h64", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=64, BLOCK_H=64, PAGE_SIZE=16, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
 ]  # fmt: skip
 EXTEND = [
     ("extend bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16), 8, 2),
@@ -64,9 +54,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        variant = dict(KV_FP8=False, BLOCK_H=block_h, WIDEN_K=0, WIDEN_V=0, TRANSPOSED=False)
-        variant |= dict(PEEL=False)
-        c = variant | c | dict(IEEE=dtype == "fp32", EMULATE_BF16=False, WIDEN_ASM=True)
+        c = {"KV_FP8": False} | c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
         types = _kv_types(dtype, c)
