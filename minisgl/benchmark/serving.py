@@ -24,7 +24,10 @@ token, p50/p90/p99; and `server_vs_offline`, the saturated server's output token
 offline figure (target >= 0.85). Inter-token latency is measured twice: `itl_ms` from the gaps
 between streamed chunks at the client (a busy client or network merges chunks), and
 `itl_server_ms` from the server's own token times (each request asks for them with
-`return_token_times`: when the scheduler had each token), which the table shows. Prints a
+`return_token_times`: when the scheduler had each token), which the table shows. TTFT is split
+into its parts: the client's own delay before its HTTP stack sends a request (`client_delay_ms`,
+an httpx request hook), the wire and the API's ingest up to the handler (`ingest_ms`, to the
+server's `received_at`; one host, one clock), and the server's part (`ttft_server_ms`). Prints a
 table, then one JSON object as the last line.
 
 Scheduling comparisons: `--itl-targets auto,0` runs everything once per `--itl-target-ms`
@@ -132,13 +135,21 @@ class RequestTrace:
     completion_tokens: int = 0
     server_times: list[float] = field(default_factory=list)  # when the scheduler had each token
     received: float | None = None  # when the server's API took the request (its clock)
+    # When the client's HTTP stack sent the request (time.time(), the server's clock on one
+    # host): the client's own delay is wire - sent (perf_counter), the server's ingest
+    # received - wire.
+    wire: float | None = None
+    sent_epoch: float = 0.0
+
+
+TRACE_HEADER = "x-minisgl-bench-trace"
 
 
 async def open_stream(
     client: Any, prompt: list[int], max_tokens: int, seed: int, priority: int = 0
 ) -> Any:
     """One streamed `/v1/completions` request of the workload (token ids in, usage with the
-    server's token times at the end)."""
+    server's token times at the end); its seed, in a header, names it to `wire_times`."""
     return await client.completions.create(
         model="default",
         prompt=prompt,
@@ -148,13 +159,34 @@ async def open_stream(
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "return_token_times": True, "priority": priority},
+        extra_headers={TRACE_HEADER: str(seed)},
     )
 
 
+def wire_times(times: dict[str, float]) -> Any:
+    """An httpx client whose request hook notes in `times` (request seed -> time.time()) when
+    each benchmark request leaves for the wire."""
+    import httpx
+
+    async def note(request: httpx.Request) -> None:
+        key = request.headers.get(TRACE_HEADER)
+        if key is not None:
+            times[key] = time.time()
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    return httpx.AsyncClient(event_hooks={"request": [note]}, timeout=3600, limits=limits)
+
+
 async def one_request(
-    client: Any, prompt: list[int], max_tokens: int, seed: int, sent: float, priority: int = 0
+    client: Any,
+    prompt: list[int],
+    max_tokens: int,
+    seed: int,
+    sent: float,
+    priority: int = 0,
+    sent_epoch: float = 0.0,
 ) -> RequestTrace:
-    trace = RequestTrace(sent, priority)
+    trace = RequestTrace(sent, priority, sent_epoch=sent_epoch)
     stream = await open_stream(client, prompt, max_tokens, seed, priority)
     async for chunk in stream:
         now = time.perf_counter()
@@ -184,17 +216,28 @@ async def run_rate(
 
     rng = random.Random(seed)
     ids = range(len(work.prompts)) if ids is None else ids
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    wired: dict[str, float] = {}
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="none",
+        max_retries=0,
+        timeout=3600,
+        http_client=wire_times(wired),
+    )
     tasks = []
     async with client:
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         for k, (i, prompt, m) in enumerate(zip(ids, work.prompts, work.output_lens, strict=True)):
-            sent, priority = time.perf_counter(), work.priority(k)
-            tasks.append(asyncio.create_task(one_request(client, prompt, m, i, sent, priority)))
+            sent, epoch, priority = time.perf_counter(), time.time(), work.priority(k)
+            request = one_request(client, prompt, m, i, sent, priority, epoch)
+            tasks.append(asyncio.create_task(request))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
-        return list(await asyncio.gather(*tasks))
+        traces = list(await asyncio.gather(*tasks))
+    for i, t in zip(ids, traces):
+        t.wire = wired.get(str(i))
+    return traces
 
 
 def _client_part(
@@ -247,6 +290,11 @@ def latencies(traces: list[RequestTrace]) -> dict[str, dict[str, float]]:
     ttft_server = [
         (t.server_times[0] - t.received) * 1e3 for t in traces if t.server_times and t.received
     ]
+    # A TTFT's parts before the server's: the client's own delay, then the wire and the API's
+    # ingest (HTTP parsing, validation, its event loop's queue) up to the handler.
+    wired = [t for t in traces if t.wire is not None]
+    client_delay = [(t.wire - t.sent_epoch) * 1e3 for t in wired]  # type: ignore[operator]
+    ingest = [(t.received - t.wire) * 1e3 for t in wired if t.received]  # type: ignore[operator]
     itl = [(b - a) * 1e3 for t in traces for a, b in zip(t.chunks, t.chunks[1:])]
     gaps = [(b - a) * 1e3 for t in traces for a, b in zip(t.server_times, t.server_times[1:])]
     tpot = [
@@ -257,6 +305,8 @@ def latencies(traces: list[RequestTrace]) -> dict[str, dict[str, float]]:
     return {
         "ttft_ms": percentiles(ttft),
         "ttft_server_ms": percentiles(ttft_server),
+        "client_delay_ms": percentiles(client_delay),
+        "ingest_ms": percentiles(ingest),
         "itl_ms": percentiles(itl),
         "itl_server_ms": percentiles(gaps),
         "tpot_ms": percentiles(tpot),
@@ -447,6 +497,11 @@ def print_table(offline: dict[str, float] | None, online: dict[str, Any]) -> Non
         row(rate, s)
         for p, c in s.get("by_priority", {}).items():
             row(f"prio {p}", c)
+    for rate, s in online.items():
+        parts = [("client delay", "client_delay_ms"), ("ingest", "ingest_ms"),
+                 ("server", "ttft_server_ms")]  # fmt: skip
+        print(f"{rate:>10} TTFT parts p50/p90/p99 ms: "
+              + ", ".join(f"{label} {trio(s[key])}" for label, key in parts))  # fmt: skip
     if offline is not None:
         print(
             f"{'offline':>10} {'':>7} {offline['output_tok_s']:>9.1f}   (LLM.generate, "

@@ -45,6 +45,10 @@ def test_clients_in_several_processes_count_every_token(tmp_path: Path) -> None:
         assert result["incomplete"] == 0 and result["requests"] == 10
         assert result["output_tokens"] == work.output_tokens
         assert [t.completion_tokens for t in traces] == work.output_lens  # in request order
+        # Every request's time on the wire is known, between its send and the API taking it.
+        assert all(t.wire is not None and t.received is not None for t in traces)
+        assert all(t.sent_epoch <= t.wire <= t.received for t in traces)  # type: ignore[operator]
+        assert 0 <= result["ingest_ms"]["p50"] <= result["ingest_ms"]["p99"]
         short = Workload(work.prompts, [m + 1 for m in work.output_lens])  # asked for one more
         assert summarize(traces, short)["incomplete"] == 10
         bad = Workload([[10**6]], [4])  # an id past the vocabulary: the server answers 400
