@@ -32,8 +32,9 @@ take in ~16 weight bytes a clock, i.e. 16 e4m3 weights, and it issues 128 thread
 a clock. The one-row kernel's loop spends ~6.7 a weight (compiled for sm_90: byte unpacking,
 F2FP and an f16 -> fp32 widening per weight, one FMA, plus x moved through shared memory every
 step, since x's 16-bit layout is not the e4m3 tile's), ~105 a clock at 16 weights: the 2-3
-TB/s measured. So the one-row FP8 variants (`GemvConfig.layout` "vec", NOT the default yet: to
-be chosen by `python -m minisgl.benchmark.gemv --fp8`) run in the few-row kernel at ROWS 1,
+TB/s measured. So the one-row FP8 variants (`GemvConfig.layout` "vec"; `TUNED_FP8` takes them
+for the Llama-3-8B shapes, `python -m minisgl.benchmark.gemv --fp8` chooses) run in the few-row
+kernel at ROWS 1,
 with 16 columns a thread per step (`vec` 16: one 16-byte load of e4m3 per weight row, the two
 16-byte loads of x joined in registers into the same layout, nothing through shared memory),
 the bytes kept packed as int32 words (`words`), each word's four bytes widened by the hardware
@@ -41,7 +42,8 @@ conversion of its two 16-bit halves (`widen` "ptx", inline PTX: 1.5 instructions
 by integer ops (`widen` "bits": ~3), and one fp32 partial sum per column (`keep_vec`: one FMA a
 weight): ~3.9 instructions a weight at 8 rows a program, ~3.6 at 16. `split_k` splits K over
 programs (the narrow shapes: more programs, more loads in flight), the last program of a tile
-reducing the others' sums from a workspace and applying the epilogue.
+reducing the others' sums from a workspace and applying the epilogue (on the H200 slower at
+every 8B shape: 1.5-2x at split 2).
 
 Several rows of x (small batches) run as that many programs per BLOCK_N weight rows, launched
 next to each other, so all but the first read the weight tile from L2.
