@@ -92,9 +92,10 @@ def test_greedy_follows_plain_decoding(algo: str) -> None:
         assert policy.stats.accepted >= 0.8 * policy.stats.proposed, policy.stats
 
 
-def test_sampling_with_speculation() -> None:
+@pytest.mark.parametrize("top_p", [0.95, 1.0])  # 1.0: the fused rejection path
+def test_sampling_with_speculation(top_p: float) -> None:
     llm = LLM(speculative_algorithm="ngram")
-    params = SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=3, logprobs=True)
+    params = SamplingParams(max_tokens=48, temperature=0.8, top_p=top_p, seed=3, logprobs=True)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     outs = llm.generate(prompts * 4, params, use_tqdm=False)
     assert all(len(o["token_ids"]) <= 48 for o in outs)
