@@ -17,11 +17,11 @@ Run on a GPU host: `python -m minisgl.benchmark.gemv [--quick]`; it prints a `TU
 paste into `minisgl/kernels/gemv.py`. `--fp8`: the same sweep (part 1) with e4m3 weights and a
 scale per row, the FP8 linear layers' weight-only path (bytes at one per weight; cuBLAS stays
 the bf16 reference), printing `TUNED_FP8`. Its sweep adds the one-row FP8 variants of the
-few-row kernel (`GemvConfig.layout` "vec": 16-byte e4m3 loads, int32 words, PTX / integer /
-converting widening, per-column sums, split-K; the gemv module's docstring says why); every
+few-row kernel (`GemvConfig.layout` "vec": 16-byte e4m3 loads, int32 words, PTX or converting
+widening, per-column sums; the gemv module's docstring says why); every
 variant's result is checked against fp32 torch first (a wrong one is listed under "wrong" and
 not ranked), and each shape's line gives the best of each variant family
-(`best_per_family`). One H200 call (about 4 minutes):
+(`best_per_family`). One H200 call (under 2 minutes):
 `python -m minisgl.benchmark.gemv --fp8 --quick --only 8b` (`--only`: shape name prefixes).
 
 `--skinny`: the skinny tensor-core GEMM's sweep for 1..16 rows of x instead
@@ -88,8 +88,8 @@ def _configs(quick: bool, fp8: bool = False) -> list[GemvConfig]:
 def _fp8_variants(quick: bool) -> list[GemvConfig]:
     """One-row FP8 variants in the few-row kernel's layout (`GemvConfig.layout` "vec"): 16
     e4m3 columns a thread per step (16-byte loads), BLOCK_K = 16 x 32 x warps; the bytes
-    loaded as int32 words or as e4m3, widened by conversion, integer bits or inline PTX;
-    partial sums per VEC or per column; x ahead or not; split-K 2 / 4."""
+    loaded as int32 words or as e4m3, widened by conversion or inline PTX; partial sums per
+    VEC or per column; x ahead or not."""
 
     def vec(bn: int, warps: int = 4, **kw: Any) -> GemvConfig:
         return GemvConfig(bn, 16 * 32 * warps, warps, layout="vec", vec=16, **kw)
@@ -97,27 +97,22 @@ def _fp8_variants(quick: bool) -> list[GemvConfig]:
     if quick:
         out = [vec(bn, words=True, widen="ptx", keep_vec=kv) for bn in (4, 8) for kv in (False, True)]  # fmt: skip
         out += [vec(16, words=True, widen="ptx")]
-        out += [vec(8, words=True, widen="bits", keep_vec=kv) for kv in (False, True)]
-        out += [vec(8, words=True, widen="cvt"), vec(8, widen="cvt"), vec(8, widen="bits")]
-        out += [GemvConfig(8, 1024, 4, layout="vec", vec=8, widen="bits")]  # 8-byte loads
-        out += [vec(8, words=True, widen="ptx", keep_vec=True, split_k=s) for s in (2, 4)]
+        out += [vec(8, words=True, widen="cvt"), vec(8, widen="cvt")]
         out += [vec(8, words=True, widen="ptx", keep_vec=True, x_ahead=False)]
         out += [vec(8, 8, words=True, widen="ptx", keep_vec=True), vec(4, 8, words=True, widen="ptx")]  # fmt: skip
         return out
     return [
-        vec(bn, warps, words=words, widen=widen, keep_vec=kv, split_k=split, x_ahead=ahead)
-        for bn, warps, words, widen, kv, split, ahead in itertools.product(
+        vec(bn, warps, words=words, widen=widen, keep_vec=kv, x_ahead=ahead)
+        for bn, warps, words, widen, kv, ahead in itertools.product(
             (2, 4, 8, 16),
             (4, 8),
             (False, True),
-            ("cvt", "bits", "ptx"),
+            ("cvt", "ptx"),
             (False, True),
-            (1, 2, 4),
             (True, False),
         )  # fmt: skip
         if (words or widen != "ptx")
         and bn * warps <= 64  # (16 rows x 8 warps: 255 registers and more)
-        and (split == 1 or bn <= 8)
         and (ahead or (words and widen == "ptx"))
     ]
 
@@ -145,7 +140,6 @@ def family(c: GemvConfig) -> str:
         return "tile"
     parts = ["vec", f"v{c.vec}", "words" if c.words else "e4m3", c.widen]
     parts += ["keep_vec"] if c.keep_vec else []
-    parts += [f"split{c.split_k}"] if c.split_k > 1 else []
     parts += [] if c.x_ahead else ["x_at"]
     return " ".join(parts)
 

@@ -38,12 +38,11 @@ kernel at ROWS 1,
 with 16 columns a thread per step (`vec` 16: one 16-byte load of e4m3 per weight row, the two
 16-byte loads of x joined in registers into the same layout, nothing through shared memory),
 the bytes kept packed as int32 words (`words`), each word's four bytes widened by the hardware
-conversion of its two 16-bit halves (`widen` "ptx", inline PTX: 1.5 instructions a weight) or
-by integer ops (`widen` "bits": ~3), and one fp32 partial sum per column (`keep_vec`: one FMA a
-weight): ~3.9 instructions a weight at 8 rows a program, ~3.6 at 16. `split_k` splits K over
-programs (the narrow shapes: more programs, more loads in flight), the last program of a tile
-reducing the others' sums from a workspace and applying the epilogue (on the H200 slower at
-every 8B shape: 1.5-2x at split 2).
+conversion of its two 16-bit halves (`widen` "ptx", inline PTX: 1.5 instructions a weight),
+and one fp32 partial sum per column (`keep_vec`: one FMA a weight): ~3.9 instructions a weight
+at 8 rows a program, ~3.6 at 16. (Measured on the H200 and dropped: widening by integer ops,
+~3 instructions a weight, and K split over programs with a reduction by the last one; both
+slower at every 8B shape, docs/benchmarks.md, fifteenth session.)
 
 Several rows of x (small batches) run as that many programs per BLOCK_N weight rows, launched
 next to each other, so all but the first read the weight tile from L2.
@@ -100,10 +99,9 @@ class GemvConfig:
     # Columns of a K step one thread sums in registers (0: one 16-byte load of x, `rows_vec`);
     # 16 with an e4m3 weight makes each weight load 16 bytes.
     vec: int = 0
-    # e4m3 weights widened to fp32 by "cvt" (the hardware conversion to f16x2, then to fp32),
-    # "bits" (integer shifts into an fp32's bit pattern, its exponent bias folded into x) or,
-    # with `words` on CUDA, "ptx" (the hardware conversion of each int32's two 16-bit halves,
-    # inline PTX: no byte extraction; the interpreter cannot run it).
+    # e4m3 weights widened to fp32 by "cvt" (the hardware conversion to f16x2, then to fp32)
+    # or, with `words` on CUDA, "ptx" (the hardware conversion of each int32's two 16-bit
+    # halves, inline PTX: no byte extraction; the interpreter cannot run it).
     widen: str = "cvt"
     # The few-row kernel's partial sums: one per column (FMAs; VEC times the registers), not
     # one per VEC columns (a multiply and an add tree per step).
@@ -111,9 +109,6 @@ class GemvConfig:
     # e4m3 weights loaded as int32 words (vec 16: four per thread and row, one 16-byte load),
     # each meeting x split by byte position: the bytes stay packed in registers.
     words: bool = False
-    # Programs per weight tile, each 1/split_k of K; the last one to finish reduces their sums
-    # and applies the epilogue (narrow shapes: more programs in flight).
-    split_k: int = 1
 
 
 # (N, K, act) -> config measured best on an H200 (bf16, `python -m minisgl.benchmark.gemv`, the
@@ -146,7 +141,7 @@ TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
 
 
 # `GemvConfig.widen` -> the kernels' WIDEN.
-WIDEN = {"cvt": 0, "bits": 1, "ptx": 2}
+WIDEN = {"cvt": 0, "ptx": 2}
 
 
 def default_config(n: int, k: int, act: bool = False, fp8: bool = False) -> GemvConfig:
@@ -297,12 +292,12 @@ def _x_rows_tile(
     g_ptr, s_row,
     cols,  # [ROWS, 1, BLOCK_K // VEC, VEC]: the columns of a K step, the same in every row
     K,
-    rows,  # [ROWS, 1, 1, 1]: rows of x below M (and, split over K, columns below the split's end)
-    ACT: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr, WIDEN: tl.constexpr,
+    rows,  # [ROWS, 1, 1, 1]: rows of x below M
+    ACT: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """(x at `cols` as multiplied: times the norm weight (NORM), the block scales (W_SCALE 2)
-    and 2^60 (WIDEN 1, `_widen`), fp32 [ROWS, 1, BLOCK_K // VEC, VEC]; the sums of squares of
-    its raw values [ROWS, 1, BLOCK_K // VEC] (zeros without NORM)). Applied as x is loaded, one
+    """(x at `cols` as multiplied: times the norm weight (NORM) and the block scales (W_SCALE
+    2), fp32 [ROWS, 1, BLOCK_K // VEC, VEC]; the sums of squares of its raw values
+    [ROWS, 1, BLOCK_K // VEC] (zeros without NORM)). Applied as x is loaded, one
     step ahead. The norm weight and the scales are read as [ROWS, ...] tiles (one L1 read per
     row): a [1, ...] tile is laid out on its own by the compiler, which then moves the whole
     product to that layout, a shared-memory round trip each step."""
@@ -314,43 +309,24 @@ def _x_rows_tile(
         ss = tl.zeros_like(tl.sum(x, 3))
     if W_SCALE == 2:
         x = x * _block_scales(s_row, cols, K, W_SCALE)
-    if WIDEN == 1:
-        x = x * 1152921504606846976.0  # 2^60
     return x, ss
-
-
-@triton.jit
-def _widen(w, WIDEN: tl.constexpr):
-    """A weight tile in fp32. WIDEN 1 (e4m3 only): by integer ops, sign-extended byte
-    [s eeee mmm] shifted into an fp32's sign, exponent and mantissa bits, which is the value
-    times 2^-120 (exact, e4m3 subnormals too: they land on fp32 subnormals); x carries 2^60 of
-    the difference (`_x_rows_tile`) and the sum the other 2^60. Three integer ops per weight
-    against the conversion's half an F2FP, a byte permute and a widening to fp32."""
-    if WIDEN == 1:
-        bits = (w.to(tl.int8, bitcast=True).to(tl.int32) << 20) & -2014314496  # 0x87F00000
-        out = bits.to(tl.float32, bitcast=True)
-    else:
-        out = w.to(tl.float32)
-    return out
 
 
 @triton.jit
 def _x_step(
     x_rows, g_ptr, s_row,
     cols,  # [ROWS, 1, BLOCK_K // VEC, XV]: the first XV of each thread's VEC columns
-    K, k_hi,
+    K,
     rows,  # [ROWS, 1, 1, 1]: rows of x below M
-    ACT: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr, WIDEN: tl.constexpr,
-    HALVES: tl.constexpr, XV: tl.constexpr,
+    ACT: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr, HALVES: tl.constexpr,
+    XV: tl.constexpr,
 ):  # fmt: skip
-    """x of a K step as `_x_rows_tile` gives it, columns from k_hi on zeros: (x at `cols`, x at
-    the next XV columns with HALVES 2 (else x again), the sums of squares)."""
-    x, ss = _x_rows_tile(x_rows, g_ptr, s_row, cols, K, rows & (cols < k_hi), ACT, NORM,
-                         W_SCALE, WIDEN)  # fmt: skip
+    """x of a K step as `_x_rows_tile` gives it: (x at `cols`, x at the next XV columns with
+    HALVES 2 (else x again), the sums of squares)."""
+    x, ss = _x_rows_tile(x_rows, g_ptr, s_row, cols, K, rows, ACT, NORM, W_SCALE)
     x2 = x
     if HALVES == 2:
-        x2, ss2 = _x_rows_tile(x_rows, g_ptr, s_row, cols + XV, K, rows & (cols + XV < k_hi),
-                               ACT, NORM, W_SCALE, WIDEN)  # fmt: skip
+        x2, ss2 = _x_rows_tile(x_rows, g_ptr, s_row, cols + XV, K, rows, ACT, NORM, W_SCALE)
         ss += ss2
     return x, x2, ss
 
@@ -385,17 +361,17 @@ def _step_sums(
         else:
             acc += tl.sum(wb0 * xb0 + wb1 * xb1 + wb2 * xb2 + wb3 * xb3, 3, keep_dims=True)
     elif KEEP_VEC:
-        acc += _widen(w, WIDEN) * x
+        acc += w.to(tl.float32) * x
     else:
-        acc += tl.sum(_widen(w, WIDEN) * x, 3, keep_dims=True)
+        acc += tl.sum(w.to(tl.float32) * x, 3, keep_dims=True)
     return acc
 
 
 @triton.jit
 def _bytes(words, WIDEN: tl.constexpr):
-    """The four e4m3 bytes of each int32 (byte j: column 4i + j) in fp32, as `_widen` gives
-    them. WIDEN 2 (CUDA only, inline PTX): each 16-bit half is one hardware conversion of two
-    e4m3 to f16x2, then each half to fp32: no byte extraction (1.5 instructions a weight)."""
+    """The four e4m3 bytes of each int32 (byte j: column 4i + j) in fp32. WIDEN 2 (CUDA only,
+    inline PTX): each 16-bit half is one hardware conversion of two e4m3 to f16x2, then each
+    half to fp32: no byte extraction (1.5 instructions a weight)."""
     if WIDEN == 2:
         b0, b1, b2, b3 = tl.inline_asm_elementwise(
             asm="""{
@@ -418,53 +394,18 @@ def _bytes(words, WIDEN: tl.constexpr):
             pack=1,
         )
     else:
-        b0 = _byte(words, 0, WIDEN)
-        b1 = _byte(words, 1, WIDEN)
-        b2 = _byte(words, 2, WIDEN)
-        b3 = _byte(words, 3, WIDEN)
+        b0 = _byte(words, 0)
+        b1 = _byte(words, 1)
+        b2 = _byte(words, 2)
+        b3 = _byte(words, 3)
     return b0, b1, b2, b3
 
 
 @triton.jit
-def _byte(words, J: tl.constexpr, WIDEN: tl.constexpr):
-    """Byte J of each int32 of e4m3 weights in fp32, as `_widen` gives it (WIDEN 0 or 1)."""
-    if WIDEN == 1:  # the byte to bits 31..24, arithmetic shift down 4: sign on bit 31 and 27
-        out = (((words << (24 - 8 * J)) >> 4) & -2014314496).to(tl.float32, bitcast=True)
-    else:
-        out = ((words >> (8 * J)) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        out = out.to(tl.float32)
-    return out
-
-
-@triton.jit
-def _reduce_splits(
-    y,  # [ROWS, BLOCK_N] fp32: this program's share of W x
-    ss,  # [ROWS] fp32: its share of the sums of squares of x (NORM)
-    sum_ptr,  # [tiles, ROWS, BLOCK_N] fp32, then [tiles, ROWS] for ss; zeros between calls
-    cnt_ptr,  # [tiles] int32 arrivals; zeros between calls
-    tile,
-    offs_m,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr,
-):  # fmt: skip
-    """Split-K: every program adds its sums to the tile's slot; the last to arrive reads the
-    totals back and zeroes the slot for the next call. (totals, ss totals, whether this program
-    is the last)."""
-    tiles = tl.num_programs(0) // SPLIT_K
-    idx = (tile * ROWS + offs_m[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    ss_idx = tiles * ROWS * BLOCK_N + tile * ROWS + offs_m
-    tl.atomic_add(sum_ptr + idx, y, sem="release")
-    if NORM:
-        tl.atomic_add(sum_ptr + ss_idx, ss, sem="release")
-    tl.debug_barrier()  # every thread's adds happen before the arrival (one thread's atomic)
-    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-    if last:  # (atomic reads: from L2, where the adds are; then zeros for the next call)
-        y = tl.atomic_add(sum_ptr + idx, tl.zeros_like(y), sem="relaxed")
-        tl.store(sum_ptr + idx, tl.zeros_like(y))
-        if NORM:
-            ss = tl.atomic_add(sum_ptr + ss_idx, tl.zeros_like(ss), sem="relaxed")
-            tl.store(sum_ptr + ss_idx, tl.zeros_like(ss))
-        tl.store(cnt_ptr + tile, 0)
-    return y, ss, last
+def _byte(words, J: tl.constexpr):
+    """Byte J of each int32 of e4m3 weights in fp32 (the hardware conversion)."""
+    out = ((words >> (8 * J)) & 255).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return out.to(tl.float32)
 
 
 @triton.jit
@@ -488,8 +429,6 @@ def _gemv_rows_kernel(
     r_ptr,  # [M, N] residual, contiguous (HAS_RES)
     g_ptr,  # [K] RMSNorm weight (NORM)
     s_ptr,  # W_SCALE 1: [N] fp32 per row; 2: [cdiv(N, 128), cdiv(K, 128)] fp32 per block
-    sum_ptr,  # SPLIT_K > 1: fp32 partial sums, `_reduce_splits`
-    cnt_ptr,  # SPLIT_K > 1: int32 arrivals per weight tile
     M,
     N,
     K,
@@ -498,7 +437,6 @@ def _gemv_rows_kernel(
     stride_wk,
     stride_sn,
     eps,
-    k_span,  # columns per split (a multiple of BLOCK_K; K without split)
     HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr,
     NORM: tl.constexpr,
@@ -515,18 +453,12 @@ def _gemv_rows_kernel(
     KEEP_VEC: tl.constexpr,  # partial sums per column (FMAs), not per VEC (`_step_sums`)
     WORDS: tl.constexpr,  # e4m3 weights read as int32 words (`_step_sums`)
     ACC_W: tl.constexpr,  # partial sums per thread, row and VEC columns (1 without KEEP_VEC)
-    WIDEN: tl.constexpr,  # e4m3 to fp32: 0 conversion, 1 integer ops (`_widen`), 2 PTX (`_bytes`)
-    SPLIT_K: tl.constexpr,  # programs per weight tile, each k_span columns
+    WIDEN: tl.constexpr,  # e4m3 to fp32 with WORDS: 0 conversion, 2 inline PTX (`_bytes`)
     PDL: tl.constexpr,
 ):
     """All M rows of x for BLOCK_N weight rows: each weight tile read once, M products each
     (the module docstring says how the partial sums are laid out)."""
-    tile = tl.program_id(0) // SPLIT_K
-    k_lo = 0
-    k_hi = K
-    if SPLIT_K > 1:  # (k_span is a multiple of BLOCK_K: the loads keep their alignment)
-        k_lo = tl.multiple_of((tl.program_id(0) % SPLIT_K) * k_span, BLOCK_K)
-        k_hi = tl.minimum(k_lo + k_span, K)
+    tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, ROWS)
@@ -538,8 +470,7 @@ def _gemv_rows_kernel(
     U: tl.constexpr = 1 + 3 * WORDS
     S: tl.constexpr = BLOCK_K // VEC
     offs_k = _steps_cols(S, VEC // U)[None, None]
-    offs_k += k_lo // U
-    k_hi_u = k_hi // U  # (WORDS: K is a multiple of 4)
+    k_u = K // U  # (WORDS: K is a multiple of 4)
     n4 = offs_n[None, :, None, None]
     m4 = mask_m[:, None, None, None]
     if WORDS:  # [1, BLOCK_N, S, VEC // 4] int32 (the loaded bytes stay packed in registers)
@@ -550,27 +481,26 @@ def _gemv_rows_kernel(
     s_row = s_ptr + (tile * BLOCK_N // 128).to(tl.int64) * stride_sn
     if not PRELOAD:
         pdl_prologue(PDL)
-    w = tl.load(rows, mask=(n4 < N) & (offs_k < k_hi_u), other=0.0, eviction_policy="evict_first")
+    w = tl.load(rows, mask=(n4 < N) & (offs_k < k_u), other=0.0, eviction_policy="evict_first")
     if PRELOAD:
         pdl_prologue(PDL)
     m0 = 0 * offs_m[:, None, None, None]  # broadcasts a K step's columns to every row
     # x's columns: a thread's first XV of its VEC (all of them unless HALVES), in every row
-    xk = (_steps_cols(S, XV) + (VEC - XV) * tl.arange(0, S)[:, None])[None, None] + k_lo + m0
+    xk = (_steps_cols(S, XV) + (VEC - XV) * tl.arange(0, S)[:, None])[None, None] + m0
     ss = tl.zeros([ROWS, 1, S], dtype=tl.float32)
     if X_AHEAD:
-        x, x2, ss = _x_step(x_rows, g_ptr, s_row, xk, K, k_hi, m4, ACT, NORM, W_SCALE, WIDEN,
-                            HALVES, XV)  # fmt: skip
+        x, x2, ss = _x_step(x_rows, g_ptr, s_row, xk, K, m4, ACT, NORM, W_SCALE, HALVES, XV)
     acc = tl.zeros([ROWS, BLOCK_N, S, ACC_W], dtype=tl.float32)
-    for k0 in range(0, k_hi - k_lo, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         kn = (k0 + BLOCK_K) // U + offs_k
-        w_next = tl.load(rows + (k0 + BLOCK_K) // U * stride_wk, mask=(n4 < N) & (kn < k_hi_u),
+        w_next = tl.load(rows + (k0 + BLOCK_K) // U * stride_wk, mask=(n4 < N) & (kn < k_u),
                          other=0.0, eviction_policy="evict_first")  # fmt: skip
         if X_AHEAD:  # the next step's x (two steps of x in registers)
-            x_next, x2_next, sq = _x_step(x_rows, g_ptr, s_row, xk + k0 + BLOCK_K, K, k_hi, m4,
-                                          ACT, NORM, W_SCALE, WIDEN, HALVES, XV)  # fmt: skip
+            x_next, x2_next, sq = _x_step(x_rows, g_ptr, s_row, xk + k0 + BLOCK_K, K, m4, ACT,
+                                          NORM, W_SCALE, HALVES, XV)  # fmt: skip
         else:  # this step's (one step; its L1 / L2 latency hidden by the other warps)
-            x, x2, sq = _x_step(x_rows, g_ptr, s_row, xk + k0, K, k_hi, m4, ACT, NORM, W_SCALE,
-                                WIDEN, HALVES, XV)  # fmt: skip
+            x, x2, sq = _x_step(x_rows, g_ptr, s_row, xk + k0, K, m4, ACT, NORM, W_SCALE, HALVES,
+                                XV)  # fmt: skip
         acc = _step_sums(acc, w, x, x2, WIDEN, HALVES, KEEP_VEC, WORDS, ROWS, S, XV)
         ss += sq
         w = w_next
@@ -578,20 +508,12 @@ def _gemv_rows_kernel(
             x = x_next
             x2 = x2_next
     y = tl.sum(tl.sum(acc, 3), 2)
-    if WIDEN == 1:
-        y = y * 1152921504606846976.0  # 2^60, the rest of `_widen`'s 2^120
-    ss_m = tl.sum(tl.sum(ss, 2), 1)
-    last = True
-    if SPLIT_K > 1:
-        y, ss_m, last = _reduce_splits(y, ss_m, sum_ptr, cnt_ptr, tile, offs_m, ROWS, BLOCK_N,
-                                       SPLIT_K, NORM)  # fmt: skip
-    if last:
-        rstd = 1.0
-        if NORM:
-            rstd = 1.0 / tl.sqrt(ss_m / K + eps)[:, None]
-        out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        _epilogue(y, rstd, y_ptr, b_ptr, r_ptr, s_ptr, offs_n[None, :], mask_n[None, :], out,
-                  mask_m[:, None] & mask_n[None, :], HAS_BIAS, HAS_RES, NORM, W_SCALE)  # fmt: skip
+    rstd = 1.0
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, 2), 1) / K + eps)[:, None]
+    out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    _epilogue(y, rstd, y_ptr, b_ptr, r_ptr, s_ptr, offs_n[None, :], mask_n[None, :], out,
+              mask_m[:, None] & mask_n[None, :], HAS_BIAS, HAS_RES, NORM, W_SCALE)  # fmt: skip
 
 
 @triton.jit
@@ -651,8 +573,7 @@ def gemv(
     rows_kernel = few_rows or cfg.layout == "vec"
     vec = cfg.vec or rows_vec(x)
     assert cfg.layout in ("tile", "vec") and cfg.widen in WIDEN, cfg
-    assert rows_kernel or (cfg.split_k == 1 and cfg.widen == "cvt"), "the few-row kernel's knobs"
-    assert cfg.widen == "cvt" or w_scale != 0, "widen='bits' is for e4m3 weights"
+    assert rows_kernel or cfg.widen == "cvt", "the few-row kernel's knobs"
     if rows_kernel:
         assert cfg.block_k % vec == 0
         # On the GPU every thread must own whole VEC-column pieces of a K step, no two threads
@@ -675,45 +596,16 @@ def gemv(
     if not rows_kernel:
         _gemv_kernel[(tiles * m,)](*ptrs, *sizes, **flags)
         return y
-    split = cfg.split_k
-    k_span = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    sums, counts = _split_workspace(x.device, tiles * rows * (cfg.block_n + 1), tiles, split > 1)
     x_vec = rows_vec(x)
     assert vec in (x_vec, 2 * x_vec), "VEC: one or two 16-byte loads of x"
     if cfg.words:
         assert w_scale and vec == 16 and k % 4 == 0 and weight.stride(1) == 1, "words: e4m3 rows"
     assert cfg.widen != "ptx" or (cfg.words and not is_interpreted(_gemv_rows_kernel)), "ptx"
     acc_w = (vec // 4 if cfg.words else vec) if cfg.keep_vec else 1
-    _gemv_rows_kernel[(tiles * split,)](*ptrs, sums, counts, *sizes, k_span,
-                                       X_AHEAD=cfg.x_ahead, ROWS=rows, VEC=vec, XV=x_vec,
-                                       HALVES=vec // x_vec, KEEP_VEC=cfg.keep_vec,
-                                       WORDS=cfg.words, ACC_W=acc_w,
-                                       WIDEN=WIDEN[cfg.widen], SPLIT_K=split, **flags)  # fmt: skip
+    _gemv_rows_kernel[(tiles,)](*ptrs, *sizes, X_AHEAD=cfg.x_ahead, ROWS=rows, VEC=vec, XV=x_vec,
+                                HALVES=vec // x_vec, KEEP_VEC=cfg.keep_vec, WORDS=cfg.words,
+                                ACC_W=acc_w, WIDEN=WIDEN[cfg.widen], **flags)  # fmt: skip
     return y
-
-
-# (device, floats, counters) -> the split-K workspace, zeros between calls (the kernel's last
-# program of a tile zeroes what the tile used). Kept for the process: a CUDA graph holds on to
-# the memory it captured. One per size class, shared by every call on the device: calls on one
-# stream are ordered (also under PDL, whose wait precedes the workspace's use); concurrent
-# split-K calls on two streams would collide.
-_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_workspace(
-    device: torch.device, floats: int, counters: int, needed: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed fp32 and int32 buffers of at least `floats` and `counters` entries (sizes rounded
-    up to powers of two); one-element placeholders when no split needs them."""
-    if not needed:
-        floats = counters = 1
-    key = (device, triton.next_power_of_2(floats), triton.next_power_of_2(counters))
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = (
-            torch.zeros(key[1], dtype=torch.float32, device=device),
-            torch.zeros(key[2], dtype=torch.int32, device=device),
-        )
-    return _WORKSPACES[key]
 
 
 def few_row_gemv(x: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
