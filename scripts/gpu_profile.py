@@ -30,10 +30,9 @@ import torch
 
 from minisgl.benchmark.common import (
     batch_bucket,
-    gpu_kernel_table,
+    print_kernel_table,
     release_memory,
     synchronize,
-    trace_events,
 )
 from minisgl.benchmark.offline import TokenIdLLM, sampling_params, w1_workload
 from minisgl.core import Req, SamplingParams
@@ -115,19 +114,6 @@ class PhaseTimer:
         print(f"schedule(): {self.acc['_sched']['schedule'] / max(1, steps) * 1e3:.2f} ms/step")
 
 
-def kernel_table(prof: Any, steps: int, top: int = 18) -> None:
-    """The top GPU kernels of a profiled run of `steps` steps, per step."""
-    try:
-        rows, totals = gpu_kernel_table(trace_events(prof), steps)
-    except RuntimeError as e:  # no GPU kernels: a dry run on the CPU
-        print(e)
-        return
-    print(f"device time per step {totals['gpu_busy_ms_per_step']:.3f} ms, "
-          f"{totals['kernels_per_step']:.0f} kernels/step")  # fmt: skip
-    for r in rows[:top]:
-        print(f"  {r['us_per_step'] / 1e3:8.3f} ms  {r['per_step']:6.1f}x  {r['kernel']}")
-
-
 def run_w1(scale: float, host_detail: bool = False) -> None:
     wl = w1_workload(256, scale)
     llm = TokenIdLLM(
@@ -171,7 +157,7 @@ def run_mixed_and_decode(llm: Any) -> None:
         sched.step()
         sync()
     print("\n== mixed step (200 decodes + ~8k prefill tokens; 2 steps profiled)")
-    kernel_table(prof, 1)
+    print_kernel_table(prof, 1, top=18)
     for r in list(sched.running) + list(sched.waiting):
         sched.abort(r.rid)
     while sched.has_work:
@@ -207,7 +193,7 @@ def profile_decode(llm: Any, batch: int, context: int) -> None:
         sync()
     print(f"\n== decode, batch {len(sched.running)} at ~{context} tokens: period "
           f"{period * 1e3:.3f} ms (no profiler); 20 profiled steps")  # fmt: skip
-    kernel_table(prof, 20, top=25)
+    print_kernel_table(prof, 20, top=25)
     for r in list(sched.running):
         sched.abort(r.rid)
     while sched.has_work:
@@ -268,7 +254,7 @@ def run_w4mix(host_detail: bool, lens: list[int], whole_step: bool = False) -> N
     print(
         f"\n== one new 613-token prompt beside the decodes: 2 steps, {(time.perf_counter() - t) * 1e3:.2f} ms wall (profiled)"
     )
-    kernel_table(prof, 1, top=25)
+    print_kernel_table(prof, 1, top=25)
     for r in list(sched.running) + list(sched.waiting):
         sched.abort(r.rid)
     while sched.has_work:
@@ -303,7 +289,7 @@ def run_w2(tp_size: int = 1) -> None:
     print(
         f"\n== w2 Llama-3-8B bs 1, tp {tp_size} (rank 0's kernels): median step period {statistics.median(gaps) * 1e3:.3f} ms"
     )
-    kernel_table(prof, 20, top=25)
+    print_kernel_table(prof, 20, top=25)
     sched.abort("w2")
     while sched.has_work:
         sched.step()

@@ -155,6 +155,21 @@ def gpu_kernel_table(
     return rows, totals
 
 
+def print_kernel_table(prof: Any, steps: int, label: str = "", top: int = 24) -> None:
+    """The top GPU kernels of a finished torch.profiler run of `steps` steps, per step: time,
+    how far each moves the end of the device's work (its share of the step's span), count."""
+    try:
+        rows, totals = gpu_kernel_table(trace_events(prof), steps)
+    except RuntimeError as e:  # no GPU kernels: a dry run on the CPU
+        print(f"{label}{e}")
+        return
+    print(f"{label}device time per step {totals['gpu_busy_ms_per_step']:.3f} ms busy, "
+          f"{totals['gpu_span_ms_per_step']:.3f} ms span, {totals['kernels_per_step']:.0f} kernels")  # fmt: skip
+    for r in rows[:top]:
+        print(f"  {r['us_per_step']:8.1f} us (span {r['span_us_per_step']:7.1f}) "
+              f"{r['per_step']:6.1f}x  {r['kernel']}")  # fmt: skip
+
+
 def batch_bucket(batch: int) -> str:
     """The decode-step groups of the per-step tables, by batch size."""
     for lo, hi in ((1, 8), (9, 32), (33, 128), (129, 256)):

@@ -41,10 +41,9 @@ from minisgl.benchmark.common import (
     device_info,
     emit_json,
     fp8_options,
-    gpu_kernel_table,
+    print_kernel_table,
     print_table,
     synchronize,
-    trace_events,
 )
 from minisgl.core import Batch, Req, SamplingParams, TableWrite
 from minisgl.llm import LLM
@@ -215,25 +214,15 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int, profile: bool = Fals
     }
 
 
-def print_kernels(name: str, step: Any, steps: int, device: torch.device, top: int = 24) -> None:
-    """The GPU kernels of `steps` calls of `step`, per call: time, count, and how far each
-    moves the end of the device's work (its share of the step's span)."""
+def print_kernels(name: str, step: Any, steps: int, device: torch.device) -> None:
+    """The GPU kernels of `steps` calls of `step`, per call (`print_kernel_table`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         synchronize(device)
-    try:
-        rows, totals = gpu_kernel_table(trace_events(prof), steps)
-    except RuntimeError as e:  # no GPU kernels (a CPU run)
-        print(f"{name} step: {e}")
-        return
-    print(f"\n{name} step: {totals['gpu_busy_ms_per_step']:.3f} ms busy, "
-          f"{totals['gpu_span_ms_per_step']:.3f} ms span, {totals['kernels_per_step']:.0f} kernels")  # fmt: skip
-    for r in rows[:top]:
-        print(f"  {r['us_per_step']:8.1f} us (span {r['span_us_per_step']:7.1f}) "
-              f"{r['per_step']:5.1f}x  {r['kernel']}")  # fmt: skip
+    print_kernel_table(prof, steps, label=f"\n{name} step: ")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
