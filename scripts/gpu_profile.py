@@ -2,7 +2,7 @@
 
 PYTHONPATH=. python3 scripts/gpu_profile.py [--parts w1,w2] [--host-detail]
 
-- w1: the W1 workload (Qwen3-0.6B shape, dummy weights) with each scheduler phase timed on the
+- w1: the W1 workload (Qwen3-0.6B shape, dummy weights; --kv-cache-dtype) with each scheduler phase timed on the
   host: `schedule`, `forward_batch` (until it returns: input copies, graph replay or eager
   launches, sampling launches), `process` split into waiting for the step's tokens and the
   Python work after. Mean ms per step by step kind, against the step period.
@@ -114,13 +114,14 @@ class PhaseTimer:
         print(f"schedule(): {self.acc['_sched']['schedule'] / max(1, steps) * 1e3:.2f} ms/step")
 
 
-def run_w1(scale: float, host_detail: bool = False) -> None:
+def run_w1(scale: float, host_detail: bool = False, kv_cache_dtype: str = "auto") -> None:
     wl = w1_workload(256, scale)
     llm = TokenIdLLM(
         str(MODELS / "qwen3-0.6b"),
         load_format="dummy",
         show_progress=False,
         max_prefill_tokens=8192,
+        kv_cache_dtype=kv_cache_dtype,
     )
     rng_prompts = [[(t * 7 + 3) % 10000 for t in p] for p in wl.prompts[:16]]
     llm.generate(rng_prompts, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -130,7 +131,7 @@ def run_w1(scale: float, host_detail: bool = False) -> None:
     llm.generate(wl.prompts, sampling_params(wl), use_tqdm=False)
     sync()
     end = time.perf_counter()
-    print(f"\n== w1 (scale {scale}): {end - t:.2f} s, phases in ms per step")
+    print(f"\n== w1 (scale {scale}, KV {kv_cache_dtype}): {end - t:.2f} s, phases in ms per step")
     timer.table(end)
     if timer.host_detail is not None:
         print("\n== host time of the mixed steps' forward_batch, by function (top 30 by own time)")
@@ -301,6 +302,7 @@ def main() -> None:
     ap.add_argument("--parts", default="w1,w2")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--tp-size", type=int, default=1, help="w2 only")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="w1 only (e.g. fp8_e4m3)")
     ap.add_argument(
         "--host-detail",
         action="store_true",
@@ -319,7 +321,7 @@ def main() -> None:
     args = ap.parse_args()
     parts = args.parts.split(",")
     if "w1" in parts:
-        run_w1(args.scale, args.host_detail)
+        run_w1(args.scale, args.host_detail, args.kv_cache_dtype)
         release_memory()
     if "w4mix" in parts:
         run_w4mix(args.host_detail, [int(n) for n in args.mix_lens.split(",")], args.whole_step)

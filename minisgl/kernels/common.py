@@ -132,13 +132,15 @@ def dot_flags(dtype: torch.dtype, kernel: object, kv_fp8: bool = False) -> tuple
 
 @triton.jit
 def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
-    """(x [H, D] - shift [H, D] or 0) / scale [H] in fp32, clamped to e4m3's +-448 (a store then
+    """(x [H, D] - shift [H, D] or 0) * (1 / scale [H]) in fp32, clamped to e4m3's +-448 (a store then
     rounds it to e4m3): `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter,
     whose fp32 -> e4m3 cast rounds ties away from zero and drops the carry into the exponent, so
     127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
     represent."""
-    # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference
-    y = tl.math.div_rn(x.to(tl.float32) - shift, scale[:, None] + tl.zeros_like(x.to(tl.float32)))
+    # One IEEE reciprocal per head (Triton's `/` may be approximate), then a product per value:
+    # the same e4m3 as the torch reference, without a division per value
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale.to(tl.float32))
+    y = (x.to(tl.float32) - shift) * inv[:, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EMULATE_FP8:
         y = round_e4m3(y)
@@ -154,6 +156,27 @@ def round_e4m3(x):
     # rounds to it.
     subnormal = (x + 24576.0) - 24576.0
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def split_e4m3(q, EMULATE_FP8: tl.constexpr):
+    """q [H, D] -> (hi, lo, unit): two e4m3 tiles and an fp32 [H] with q ~= (hi + lo / 16) *
+    unit per row. Each row is scaled so its largest |value| is 448; hi is that rounded to e4m3
+    (within 2^-4 of it relatively), lo the remainder times 16, rounded again: together about
+    8 significant bits, bf16's precision, for two e4m3 tensor-core products."""
+    x = q.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    unit = tl.where(amax > 0, amax / 448.0, 1.0)
+    x = x * (1.0 / unit)[:, None]
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if EMULATE_FP8:
+        hi = round_e4m3(x).to(tl.float8e4nv)
+    else:
+        hi = x.to(tl.float8e4nv)
+    rest = (x - hi.to(tl.float32)) * 16.0
+    if EMULATE_FP8:
+        rest = round_e4m3(rest)
+    return hi, rest.to(tl.float8e4nv), unit
 
 
 def emulate_fp8(kernel: object) -> bool:

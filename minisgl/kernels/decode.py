@@ -24,6 +24,7 @@ from minisgl.kernels.common import (
     combine_splits,
     dot,
     dot_flags,
+    emulate_fp8,
     fp8_operand,
     kv_split_len,
     num_sms,
@@ -32,6 +33,7 @@ from minisgl.kernels.common import (
     pdl_prologue,
     round_bf16,
     split_counters,
+    split_e4m3,
     token_slots,
 )
 
@@ -50,6 +52,9 @@ class DecodeConfig:
     programs_per_sm: int = 4
     min_split_tokens: int = 64  # 256 left batch-1 W2 steps with 2 splits of a 300-token context
     max_splits: int = 64
+    # FP8 cache only: the scores q K^T on the e4m3 tensor cores, K straight from the pool (no
+    # widening); q enters as two e4m3 parts, hi + lo / 16 (about bf16's 8 bits).
+    qk_fp8: bool = False
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
@@ -120,6 +125,9 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    QK_FP8: tl.constexpr,
+    V_T: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     PDL: tl.constexpr,
@@ -146,10 +154,14 @@ def _decode_split_kernel(
         mask=mask_h[:, None],
         other=0.0,
     )  # [BLOCK_H, D]
-    qk_scale = scale_log2
+    qk_scale = scale_log2 + tl.zeros([BLOCK_H], tl.float32)
     if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        if QK_FP8:
+            q_hi, q_lo, q_unit = split_e4m3(q, EMULATE_FP8)
+            q_hi_t, q_lo_t = tl.trans(q_hi), tl.trans(q_lo)
+            qk_scale = qk_scale * q_unit
         q = fp8_operand(q, q)
-        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
@@ -162,11 +174,32 @@ def _decode_split_kernel(
         mask_n = pos < end
         slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
-            k = fp8_operand(k, q)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
+        if QK_FP8:  # K^T's transpose, K q^T: keys fill the warpgroup MMA's 64-row side
+            qk_t = tl.dot(k, q_hi_t) + tl.dot(k, q_lo_t) * 0.0625  # [BLOCK_N, BLOCK_H]
+            qk = tl.trans(qk_t)
+        else:
+            if KV_FP8:
+                k = fp8_operand(k, q)
+            qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16)
+        qk = qk * qk_scale[:, None]  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        if V_T:  # V pool [pages, Hkv, D, PAGE_SIZE]: a page's keys contiguous for each d
+            run: tl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+            page_off = tl.max_constancy((slots // PAGE_SIZE) * (PAGE_SIZE * stride_vt), run)
+            in_page = tl.max_contiguous(tl.multiple_of(pos % PAGE_SIZE, run), run)
+            # Unmasked (a mask along the contiguous axis would split the 16-byte loads): keys
+            # past `end` read their last page's other slots, finite (the pool is zeroed when
+            # made and stores saturate) and weighted 0 by the softmax.
+            vt = tl.load(
+                v_ptr
+                + kv_head * stride_vh * PAGE_SIZE
+                + offs_d[:, None] * PAGE_SIZE
+                + page_off[None, :]
+                + in_page[None, :]
+            )  # [D, BLOCK_N]
+            v = tl.trans(vt)
+        else:
+            v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
         if KV_FP8:
             v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
@@ -217,6 +250,7 @@ def decode_attention(
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
+    v_transposed: bool = False,  # v_cache [pages, Hkv, D, page_size], viewed as [slots, Hkv, D]
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Attention of each request's single query over its whole paged context. An FP8 (e4m3)
     cache comes with its per-KV-head scales; its tiles are widened in registers.
@@ -255,7 +289,9 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee,
+        BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8,
+        QK_FP8=fp8 and cfg.qk_fp8 and q.dtype != torch.float32, V_T=v_transposed,
+        EMULATE_FP8=fp8 and emulate_fp8(_decode_split_kernel), IEEE=ieee,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out

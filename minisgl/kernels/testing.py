@@ -117,3 +117,25 @@ def cu_seqlens(lens: list[int], device: torch.device | str) -> torch.Tensor:  # 
     out = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
     out[1:] = torch.tensor(lens, dtype=torch.int32, device=device).cumsum(0)
     return out
+
+
+def v_pages_transposed(kv: PagedKV) -> torch.Tensor:
+    """`kv.v_cache` with each page stored [Hkv, D, page_size] (a page's keys contiguous for
+    each channel), returned with the pool's [slots, Hkv, D] shape over that memory. Slots of a
+    request's pages past its context hold a large finite value instead of NaN (such a pool is
+    finite everywhere, which the transposed-V kernels rely on: they read whole pages); spare
+    pages keep their poison."""
+    v = kv.v_cache.clone()
+    ps = kv.page_size
+    used = torch.zeros(v.shape[0] // ps, dtype=torch.bool, device=v.device)
+    for i, n in enumerate(kv.seq_lens_host):
+        used[kv.block_table[i, : -(-n // ps)].long()] = True
+    slot_used = used.repeat_interleave(ps)
+    bits = v.view(torch.uint8) if v.element_size() == 1 else None
+    if bits is not None:  # e4m3: NaN is 0x7F / 0xFF; 0x7E is 448
+        nan = (bits & 0x7F) == 0x7F
+        bits[nan & slot_used[:, None, None]] = 0x7E
+    else:
+        v[v.isnan() & slot_used[:, None, None]] = 1e4
+    pages, hkv, d = v.shape[0] // ps, v.shape[1], v.shape[2]
+    return v.view(pages, ps, hkv, d).permute(0, 2, 3, 1).contiguous().view(v.shape)

@@ -6,6 +6,7 @@ the kernel modules are imported), so sizes stay small; with CUDA the same cases 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -228,6 +229,18 @@ FP8_DECODE_CASES = [
     (torch.float16, 16, 128, 16, 2, 1, [48, 31], SMALL_DECODE),
     (torch.bfloat16, 32, 128, 4, 2, 1, [300, 9], default_decode_config(128, kv_fp8=True)),
     (torch.float32, 16, 64, 6, 2, 2, [600, 1, 40], default_decode_config(64, kv_fp8=True)),
+    # q K^T on the e4m3 tensor cores, q split in two e4m3 parts (`DecodeConfig.qk_fp8`)
+    (
+        torch.bfloat16,
+        32,
+        128,
+        4,
+        2,
+        1,
+        [300, 9],
+        dataclasses.replace(default_decode_config(128, kv_fp8=True), qk_fp8=True),
+    ),
+    (torch.float16, 16, 64, 16, 2, 2, [90, 1, 20], dataclasses.replace(SMALL_DECODE, qk_fp8=True)),
 ]
 
 
@@ -255,6 +268,48 @@ def test_decode_fp8_kv_matches_reference(
         kv.kv_scales,
     )  # fmt: skip
     assert rel_err(out, expected) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("qk_fp8", [False, True])
+@pytest.mark.parametrize(
+    "dtype,page_size,head_dim,hq,hkv,num_splits,lens,block_n",
+    [
+        (torch.bfloat16, 32, 128, 4, 2, 1, [300, 9, 64], 128),
+        (torch.float16, 16, 64, 8, 2, 2, [90, 1, 20], 32),
+        (torch.float32, 16, 64, 6, 3, 1, [37, 16], 64),
+    ],
+)
+def test_decode_fp8_kv_v_transposed_pages(
+    dtype: torch.dtype,
+    page_size: int,
+    head_dim: int,
+    hq: int,
+    hkv: int,
+    num_splits: int,
+    lens: list[int],
+    block_n: int,
+    qk_fp8: bool,
+) -> None:
+    """An e4m3 V pool whose pages hold [Hkv, D, page_size] (`v_transposed`): the same output
+    as the reference over the ordinary layout; a page's slots past the context hold a large
+    value that must get no weight."""
+    from minisgl.kernels.testing import v_pages_transposed
+
+    torch.manual_seed(hash(("fp8-vt", page_size, head_dim, hq)) % 2**31)
+    kv = random_paged_kv(lens, page_size, hkv, head_dim, torch.float8_e4m3fn, DEVICE)
+    q = strided_q(len(lens), hq, head_dim, dtype)
+    out = nan_like(q)
+    config = DecodeConfig(block_n=block_n, block_n_unsplit=block_n, qk_fp8=qk_fp8)
+    decode_attention(
+        q, kv.k_cache, v_pages_transposed(kv), kv.block_table, kv.seq_lens, page_size,
+        head_dim**-0.5, num_splits=num_splits, config=config, out=out, kv_scales=kv.kv_scales,
+        v_transposed=True,
+    )  # fmt: skip
+    expected = ref.decode_attention_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5,
+        kv.kv_scales,
+    )  # fmt: skip
+    assert rel_err(out, expected) <= TOL[dtype] * (3 if qk_fp8 and dtype != torch.float32 else 1)
 
 
 @pytest.mark.parametrize(
