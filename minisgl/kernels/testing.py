@@ -87,7 +87,8 @@ def _fp8_paged_kv(
     """e4m3 pools of normal values with a magnitude per KV head, quantized with 8 sigma of
     headroom, filled a chunk of slots at a time (a benchmark's pool has billions of values)."""
     device = table.device
-    caches, scales = [], []
+    caches: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
     for _ in range(2):  # K, then V
         magnitude = 2.0 ** torch.randint(-3, 4, (shape[1],), device=device).float()  # [Hkv]
         scale = magnitude * 8 / 448
@@ -108,9 +109,9 @@ def _fp8_paged_kv(
             bits[~keep] = 0x7F  # e4m3 NaN (no masked_fill for e4m3)
         caches.append(cache)
         scales.append(scale)
-    rows = caches[1].view(torch.uint8).view(-1, page_size, *shape[1:])
+    by_slot = caches[1].view(torch.uint8).view(-1, page_size, *shape[1:])
     v = v_pages(caches[1], page_size)  # an FP8 pool's V layout (`KVPool`), in place
-    v.view(torch.uint8).copy_(rows.permute(0, 2, 3, 1).clone())
+    v.view(torch.uint8).copy_(by_slot.permute(0, 2, 3, 1).clone())
     return PagedKV(caches[0], v, table, lens, seq_lens, page_size, (scales[0], scales[1]))
 
 
