@@ -129,13 +129,17 @@ class KVPool:
 
     def poison(self, pages: list[int]) -> None:
         """Overwrite `pages` with NaN (the KV debug mode, on pages given back to the allocator):
-        attention over a page that should no longer be read then shows in the output."""
+        attention over a page that should no longer be read then shows in the output. An FP8
+        pool's V gets 448 instead (its pages stay finite: see the class doc)."""
         if not pages:
             return
         ps = self.page_size
         idx = torch.tensor(pages, dtype=torch.int64).repeat_interleave(ps) * ps
         idx = (idx + torch.arange(ps).repeat(len(pages))).to(self.device, non_blocking=True)
         if self._buf.element_size() == 1:  # FP8: 0x7F is e4m3's NaN
-            self._buf.view(torch.uint8)[:, :, idx] = 0x7F
+            # K only: V pages must stay finite (kernels read them whole and weigh the slots past
+            # a context 0): 448, loud if a wrong page is weighed (its K is NaN anyway).
+            self._buf.view(torch.uint8)[0, :, idx] = 0x7F
+            self._buf.view(torch.uint8)[1, :, idx] = 0x7E
         else:
             self._buf[:, :, idx] = float("nan")

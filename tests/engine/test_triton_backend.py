@@ -69,6 +69,28 @@ def test_triton_backend_matches_torch(setup, options):
     assert_kv_clean(llm)
 
 
+def test_triton_backend_fp8_kv_reuses_poisoned_pages(setup):
+    """An FP8 pool (V pages transposed, read whole: `KVPool`) through the Triton kernels, two
+    rounds over one small pool, so the second round's requests get pages the first gave back
+    and the KV debug mode (on in the tests) poisoned: the same tokens as the torch backend's FP8
+    path (the same stored bytes), and no NaN byte in any V page (the kernels weigh a page's
+    slots past the context 0, which NaN would survive; the interpreter's e4m3 has no NaN, so
+    only the bytes show it here)."""
+    path, prompts, params, _ = setup
+    assert os.environ.get("MINISGL_DEBUG_KV") == "1"
+    options = dict(page_size=4, cache="naive", kv_cache_dtype="fp8_e4m3", dtype="float32")
+    ref = LLM(str(path), device="cpu", attention_backend="torch", **options)
+    want = [o["token_ids"] for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), device="cpu", attention_backend="triton", num_pages=40, **options)
+    for _ in range(2):
+        got = [o["token_ids"] for o in llm.generate(prompts[::-1], params, use_tqdm=False)]
+        assert got[::-1] == want
+    assert_kv_clean(llm)
+    pool = llm.engine.pool
+    for layer in range(pool.num_layers):
+        assert not ((pool.v(layer).view(torch.uint8) & 0x7F) == 0x7F).any()
+
+
 def test_padded_decode_steps_with_overlap(setup):
     path, prompts, params, want = setup
     llm = LLM(
