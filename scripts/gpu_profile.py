@@ -10,7 +10,8 @@ PYTHONPATH=. python3 scripts/gpu_profile.py [--parts w1,w2] [--host-detail]
   (a new length each time, as arrivals bring): each step's wall time (synced) by kind, host
   phases, a cProfile of the mixed steps' forward_batch (--host-detail), and the kernels of one
   mixed step against its wall time.
-- w2: torch.profiler over 20 decode steps at batch 1 of the Llama-3-8B shape: per-step kernel
+- w2: torch.profiler over 20 decode steps at batch 1 of the Llama-3-8B shape (--quantization fp8:
+  FP8 weights): per-step kernel
   time, kernel count and the sum of gaps, against the measured step period.
 """
 
@@ -263,12 +264,13 @@ def run_w4mix(host_detail: bool, lens: list[int], whole_step: bool = False) -> N
     llm.close()
 
 
-def run_w2(tp_size: int = 1) -> None:
+def run_w2(tp_size: int = 1, quantization: str | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     llm = TokenIdLLM(
         str(MODELS / "llama-3-8b"), load_format="dummy", show_progress=False,
         max_running_requests=4, max_context_len=512, cuda_graph_max_bs=4, tp_size=tp_size,
+        quantization=quantization,
     )  # fmt: skip
     sched = llm.scheduler
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
@@ -288,7 +290,7 @@ def run_w2(tp_size: int = 1) -> None:
             sched.step()
         sync()
     print(
-        f"\n== w2 Llama-3-8B bs 1, tp {tp_size} (rank 0's kernels): median step period {statistics.median(gaps) * 1e3:.3f} ms"
+        f"\n== w2 Llama-3-8B bs 1, tp {tp_size}, weights {quantization or 'bf16'} (rank 0's kernels): median step period {statistics.median(gaps) * 1e3:.3f} ms"
     )
     print_kernel_table(prof, 20, top=25)
     sched.abort("w2")
@@ -303,6 +305,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--tp-size", type=int, default=1, help="w2 only")
     ap.add_argument("--kv-cache-dtype", default="auto", help="w1 only (e.g. fp8_e4m3)")
+    ap.add_argument("--quantization", default=None, help="w2 only (fp8)")
     ap.add_argument(
         "--host-detail",
         action="store_true",
@@ -327,7 +330,7 @@ def main() -> None:
         run_w4mix(args.host_detail, [int(n) for n in args.mix_lens.split(",")], args.whole_step)
         release_memory()
     if "w2" in parts:
-        run_w2(args.tp_size)
+        run_w2(args.tp_size, args.quantization)
 
 
 if __name__ == "__main__":
