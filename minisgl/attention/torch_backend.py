@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend, AttentionInputs
-from minisgl.kernels.fp8 import dequantize_kv, quantize_kv
+from minisgl.kernels.fp8 import dequantize_kv, quantize_kv, store_v_rows, v_rows
 
 _QUERY_BLOCK = 512
 # What one more decode group costs (its gathers, SDPA call and scatter), in padded context
@@ -97,7 +97,7 @@ class _LayerKV:
     """One layer's caches; an FP8 pool's come with their per-head (k, v) scales."""
 
     k_cache: torch.Tensor  # [slots, Hkv, D]
-    v_cache: torch.Tensor
+    v_cache: torch.Tensor  # the same; an FP8 pool's [pages, Hkv, D, page_size] (`KVPool`)
     scales: tuple[torch.Tensor, torch.Tensor] | None  # [Hkv] fp32 each
     k_shift: torch.Tensor | None  # [Hkv, D] fp32, subtracted from keys before they are stored
 
@@ -113,7 +113,7 @@ class _LayerKV:
         k, v = quantize_kv(k, self.scales[0], self.k_shift), quantize_kv(v, self.scales[1])
         # index_copy_ has no e4m3 kernel on the CPU: copy the bytes.
         self.k_cache.view(torch.uint8).index_copy_(0, loc, k.view(torch.uint8))
-        self.v_cache.view(torch.uint8).index_copy_(0, loc, v.view(torch.uint8))
+        store_v_rows(self.v_cache, loc, v)
         return k, v
 
     def dequantize(self, x: torch.Tensor, which: int, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +126,7 @@ class _LayerKV:
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [len(slots), Hkv, D] at `slots`, in `dtype`."""
         keys = self.dequantize(self.k_cache.index_select(0, slots), 0, dtype)
-        return keys, self.dequantize(self.v_cache.index_select(0, slots), 1, dtype)
+        return keys, self.dequantize(v_rows(self.v_cache, slots), 1, dtype)
 
 
 class TorchBackend(AttentionBackend):

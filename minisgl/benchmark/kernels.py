@@ -34,7 +34,7 @@ import torch
 
 from minisgl.benchmark.common import time_graph
 from minisgl.kernels.reference import decode_attention_ref, extend_attention_ref
-from minisgl.kernels.testing import cu_seqlens, random_paged_kv, v_pages_transposed
+from minisgl.kernels.testing import cu_seqlens, random_paged_kv
 
 # W1's head layout (Qwen3-0.6B).
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -104,15 +104,6 @@ class DecodeCase(NamedTuple):
     nbytes: int  # K/V of set 0 at one element size each, their scales, q and the output
 
 
-# `--fp8-v-transposed`: FP8 decode runs read a V pool whose pages hold [Hkv, D, page_size].
-FP8_V_TRANSPOSED = False
-
-
-@functools.lru_cache(maxsize=1)
-def _v_transposed(case: DecodeCase) -> torch.Tensor:
-    return v_pages_transposed(case.kv)
-
-
 @functools.lru_cache(maxsize=1)  # a sweep times many configs on one shape: build it once
 def decode_case(
     batch: int,
@@ -164,8 +155,6 @@ def run_decode(
     case = decode_case(batch, context, page_size, spread, kv_dtype, heads)
     kv, tables, lens, q = case.kv, case.tables, case.lens, case.q
     out = torch.empty_like(q)
-    v_transposed = FP8_V_TRANSPOSED and kv_dtype == torch.float8_e4m3fn
-    v_cache = _v_transposed(case) if v_transposed else kv.v_cache
     cfg = config or default_decode_config(heads.dim, kv_dtype == torch.float8_e4m3fn)
     splits = num_splits or choose_num_splits(batch, heads.kv, case.max_len, num_sms(q.device), cfg)
     sm_scale = heads.dim**-0.5
@@ -174,7 +163,7 @@ def run_decode(
         decode_attention(
             q[i],
             kv.k_cache,
-            v_cache,
+            kv.v_cache,
             tables[i],
             lens[i],
             page_size,
@@ -183,7 +172,6 @@ def run_decode(
             config=cfg,
             out=out[i],
             kv_scales=kv.kv_scales,
-            v_transposed=v_transposed,
         )
 
     seconds = timer(call, q.shape[0])
@@ -205,7 +193,6 @@ def run_decode(
         "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
-        "qk_fp8": cfg.qk_fp8,
         "time_us": seconds * 1e6,
         "bytes_per_s": bytes_per_s,
         "fraction_of_copy": bytes_per_s / copy_bw,
@@ -478,8 +465,8 @@ def fp8_decode_grid() -> list[Any]:
     from minisgl.kernels.decode import DecodeConfig, default_decode_config
 
     grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
-    for qk_fp8, bn, w, st in itertools.product((False, True), (64, 128, 256), (4, 8), (3, 4, 5)):
-        grid.append(DecodeConfig(bn, bn, w, st, qk_fp8=qk_fp8))
+    for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 4, 5)):
+        grid.append(DecodeConfig(bn, bn, w, st))
     return list(dict.fromkeys(grid))
 
 
@@ -571,13 +558,11 @@ def tune_w1_decode(
 
     dec = functools.partial(run_decode, kv_dtype=kv_dtype)
     rows = []
-    qk_fp8 = (False, True) if kv_dtype == torch.float8_e4m3fn else (False,)
-    for (b, c, spread), splits, bn, st, qk in itertools.product(
-        W1_DECODE_SHAPES, (None, 1, 2, 3, 4, 6), (64, 128), (2, 3), qk_fp8
+    for (b, c, spread), splits, bn, st in itertools.product(
+        W1_DECODE_SHAPES, (None, 1, 2, 3, 4, 6), (64, 128), (2, 3)
     ):
-        cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_stages=st, qk_fp8=qk)
-        label = {"batch": b, "context": c, "num_splits": splits, "block_n": bn, "num_stages": st,
-                 "qk_fp8": qk}  # fmt: skip
+        cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_stages=st)
+        label = {"batch": b, "context": c, "num_splits": splits, "block_n": bn, "num_stages": st}
         rows.append(
             _attempt(label, dec, b, c, page_size, timer, copy_bw, num_splits=splits,
                      config=cfg, spread=spread)
@@ -619,7 +604,7 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
-                  "num_stages", "qk_fp8", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
+                  "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
 MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
                  "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
                  "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",
@@ -779,15 +764,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=MIXED_MAX_REQUESTS,
         help="request capacity of the mixed kernel's launch (its grid and tables)",
     )
-    parser.add_argument(
-        "--fp8-v-transposed",
-        action="store_true",
-        help="FP8 decode: V pages stored [Hkv, D, page_size] (a page's keys contiguous per "
-        "channel, no byte transposes before the P V product)",
-    )
     args = parser.parse_args(argv)
-    global FP8_V_TRANSPOSED
-    FP8_V_TRANSPOSED = args.fp8_v_transposed
     if not torch.cuda.is_available():
         raise SystemExit("minisgl.benchmark.kernels needs a CUDA GPU; none is visible here.")
     try:

@@ -81,11 +81,23 @@ def check_paged_args(
     check_head_dim(head_dim)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
+    assert k_cache.shape[2] == head_dim
+    v_page_size(k_cache, v_cache)
     assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
     for t in (q, k_cache, v_cache):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
     assert block_table.stride(1) == 1
+
+
+def v_page_size(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Checks a pool layer's K [slots, Hkv, D] against its V: the same shape, or an FP8 pool's
+    [pages, Hkv, D, page_size] (`KVPool`), whose page size it returns (1 otherwise)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        assert k_cache.shape == v_cache.shape
+        return 1
+    pages, hkv, d, ps = v_cache.shape
+    assert (pages * ps, hkv, d) == k_cache.shape and v_cache.is_contiguous()
+    return ps
 
 
 def check_kv_scales(
@@ -158,27 +170,6 @@ def round_e4m3(x):
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
-@triton.jit
-def split_e4m3(q, EMULATE_FP8: tl.constexpr):
-    """q [H, D] -> (hi, lo, unit): two e4m3 tiles and an fp32 [H] with q ~= (hi + lo / 16) *
-    unit per row. Each row is scaled so its largest |value| is 448; hi is that rounded to e4m3
-    (within 2^-4 of it relatively), lo the remainder times 16, rounded again: together about
-    8 significant bits, bf16's precision, for two e4m3 tensor-core products."""
-    x = q.to(tl.float32)
-    amax = tl.max(tl.abs(x), 1)
-    unit = tl.where(amax > 0, amax / 448.0, 1.0)
-    x = x * (1.0 / unit)[:, None]
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    if EMULATE_FP8:
-        hi = round_e4m3(x).to(tl.float8e4nv)
-    else:
-        hi = x.to(tl.float8e4nv)
-    rest = (x - hi.to(tl.float32)) * 16.0
-    if EMULATE_FP8:
-        rest = round_e4m3(rest)
-    return hi, rest.to(tl.float8e4nv), unit
-
-
 def emulate_fp8(kernel: object) -> bool:
     """The EMULATE_FP8 flag of kernels that round to e4m3: True under the CPU interpreter."""
     return is_interpreted(kernel)
@@ -194,6 +185,59 @@ def fp8_operand(x, q):
     else:
         out = x.to(tl.float16)
     return out
+
+
+@triton.jit
+def load_v_block(
+    v_head_ptr,  # V of this program's KV head: v_ptr + kv_head * (V's head stride)
+    slots,  # [BLOCK_N] int64 slots of positions `pos` (clamped into the context: `token_slots`)
+    pos,  # [BLOCK_N] positions, a multiple of BLOCK_N first
+    mask_n,  # [BLOCK_N] positions inside the context
+    offs_d,  # [HEAD_DIM]
+    stride_vt,  # V's stride of a token (16-bit pools) or of a page (PAGED_T)
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED_T: tl.constexpr,
+):
+    """A [BLOCK_N, HEAD_DIM] block of V. PAGED_T (an FP8 pool, `minisgl.kernels.fp8`): pages
+    stored [Hkv, D, PAGE_SIZE], read as [HEAD_DIM, BLOCK_N] with a page's keys side by side, the
+    layout the P V product takes without byte shuffles, and not masked (a mask along the keys
+    would split the 16-byte loads): keys past the context read their last page's other slots,
+    always finite in such a pool, which the caller's softmax weighs 0."""
+    if PAGED_T:
+        run: tl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+        page = tl.max_constancy((slots // PAGE_SIZE) * stride_vt, run)
+        in_page = tl.max_contiguous(tl.multiple_of(pos % PAGE_SIZE, run), run)
+        v_t = tl.load(v_head_ptr + offs_d[:, None] * PAGE_SIZE + page[None, :] + in_page[None, :])
+        v = tl.trans(v_t)
+    else:
+        v = tl.load(
+            v_head_ptr + slots[:, None] * stride_vt + offs_d[None, :],
+            mask=mask_n[:, None],
+            other=0.0,
+        )
+    return v
+
+
+@triton.jit
+def v_row_ptrs(
+    v_ptr,
+    slot,
+    offs_h,
+    offs_d,
+    stride_vt,
+    stride_vh,
+    PAGE_SIZE: tl.constexpr,
+    PAGED_T: tl.constexpr,
+):
+    """[H, D] pointers of token `slot`'s V in a V cache: rows [slots, Hkv, D] (`stride_vt` a
+    token's stride), or PAGED_T, an FP8 pool's pages [Hkv, D, PAGE_SIZE] (`stride_vt` a page's)."""
+    if PAGED_T:
+        base = v_ptr + (slot // PAGE_SIZE) * stride_vt + slot % PAGE_SIZE
+        ptrs = base + offs_h[:, None] * stride_vh + offs_d[None, :] * PAGE_SIZE
+    else:
+        ptrs = v_ptr + slot * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    return ptrs
 
 
 @triton.jit

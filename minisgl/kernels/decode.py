@@ -24,16 +24,15 @@ from minisgl.kernels.common import (
     combine_splits,
     dot,
     dot_flags,
-    emulate_fp8,
     fp8_operand,
     kv_split_len,
+    load_v_block,
     num_sms,
     online_softmax_step,
     pdl_args,
     pdl_prologue,
     round_bf16,
     split_counters,
-    split_e4m3,
     token_slots,
 )
 
@@ -52,9 +51,6 @@ class DecodeConfig:
     programs_per_sm: int = 4
     min_split_tokens: int = 64  # 256 left batch-1 W2 steps with 2 splits of a 300-token context
     max_splits: int = 64
-    # FP8 cache only: the scores q K^T on the e4m3 tensor cores, K straight from the pool (no
-    # widening); q enters as two e4m3 parts, hi + lo / 16 (about bf16's 8 bits).
-    qk_fp8: bool = False
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
@@ -65,14 +61,13 @@ class DecodeConfig:
 def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
     if kv_fp8:
         # The best of `benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune` on an
-        # NVIDIA H200 (torch 2.11, triton 3.6, session 13), head_dim 128: 128 keys, 4 warps,
-        # 5 stages reach 0.706 of the copy bandwidth at batch 256 x 4096 tokens, 0.640 at
-        # 256 x 1024 and 0.636 at 32 x 4096 (8 warps, 2 stages: 0.586, 0.556, 0.53). What
-        # still limits it: the e4m3 tiles widened to fp16 live whole in registers (200 per
-        # thread on sm_90, 73 KiB shared), so only two programs fit on an SM; W3's target
-        # is 0.85.
+        # NVIDIA H200 (torch 2.11, triton 3.6, session 16, V pages transposed: `KVPool`),
+        # head_dim 128: 128 keys, 4 warps, 3 stages reach 0.933 of the copy bandwidth at batch
+        # 256 x 4096 tokens, 0.887 at 256 x 1024, 0.78 on W1's ragged 200 x ~820 (5 stages:
+        # 0.825 / 0.799; with V in rows, before: 0.72 / 0.64 / 0.52 at 200 registers a thread,
+        # the P V operand moved from shared memory a byte at a time; now ~120 registers).
         block = max(16, min(256, 16384 // head_dim))
-        return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=4, num_stages=5)
+        return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=4, num_stages=3)
     # ~16 KiB per K (or V) tile in bf16: Triton keeps one K and one V tile in flight per program
     # (sm_90 build: 80 registers, 38 KiB shared, so ~5 programs per SM).
     return DecodeConfig(
@@ -125,9 +120,6 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr,
-    QK_FP8: tl.constexpr,
-    V_T: tl.constexpr,
-    EMULATE_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     PDL: tl.constexpr,
@@ -154,18 +146,14 @@ def _decode_split_kernel(
         mask=mask_h[:, None],
         other=0.0,
     )  # [BLOCK_H, D]
-    qk_scale = scale_log2 + tl.zeros([BLOCK_H], tl.float32)
+    qk_scale = scale_log2
     if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-        if QK_FP8:
-            q_hi, q_lo, q_unit = split_e4m3(q, EMULATE_FP8)
-            q_hi_t, q_lo_t = tl.trans(q_hi), tl.trans(q_lo)
-            qk_scale = qk_scale * q_unit
         q = fp8_operand(q, q)
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
-    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -174,32 +162,11 @@ def _decode_split_kernel(
         mask_n = pos < end
         slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        if QK_FP8:  # K^T's transpose, K q^T: keys fill the warpgroup MMA's 64-row side
-            qk_t = tl.dot(k, q_hi_t) + tl.dot(k, q_lo_t) * 0.0625  # [BLOCK_N, BLOCK_H]
-            qk = tl.trans(qk_t)
-        else:
-            if KV_FP8:
-                k = fp8_operand(k, q)
-            qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16)
-        qk = qk * qk_scale[:, None]  # [BLOCK_H, BLOCK_N]
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        if V_T:  # V pool [pages, Hkv, D, PAGE_SIZE]: a page's keys contiguous for each d
-            run: tl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
-            page_off = tl.max_constancy((slots // PAGE_SIZE) * (PAGE_SIZE * stride_vt), run)
-            in_page = tl.max_contiguous(tl.multiple_of(pos % PAGE_SIZE, run), run)
-            # Unmasked (a mask along the contiguous axis would split the 16-byte loads): keys
-            # past `end` read their last page's other slots, finite (the pool is zeroed when
-            # made and stores saturate) and weighted 0 by the softmax.
-            vt = tl.load(
-                v_ptr
-                + kv_head * stride_vh * PAGE_SIZE
-                + offs_d[:, None] * PAGE_SIZE
-                + page_off[None, :]
-                + in_page[None, :]
-            )  # [D, BLOCK_N]
-            v = tl.trans(vt)
-        else:
-            v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        v = load_v_block(v_base, slots, pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8)
         if KV_FP8:
             v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
@@ -239,7 +206,7 @@ def _decode_split_kernel(
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]; FP8: [pages, Hkv, D, page_size] (`KVPool`)
     block_table: torch.Tensor,  # [B, P] int32 page ids, row i = pages of request i
     seq_lens: torch.Tensor,  # [B] int32, context length of each request (incl. the new token)
     page_size: int,
@@ -250,7 +217,6 @@ def decode_attention(
     config: DecodeConfig | None = None,
     out: torch.Tensor | None = None,  # [B, Hq, D], written in place if given
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
-    v_transposed: bool = False,  # v_cache [pages, Hkv, D, page_size], viewed as [slots, Hkv, D]
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Attention of each request's single query over its whole paged context. An FP8 (e4m3)
     cache comes with its per-KV-head scales; its tiles are widened in registers.
@@ -290,8 +256,7 @@ def decode_attention(
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size, SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8,
-        QK_FP8=fp8 and cfg.qk_fp8 and q.dtype != torch.float32, V_T=v_transposed,
-        EMULATE_FP8=fp8 and emulate_fp8(_decode_split_kernel), IEEE=ieee,
+        IEEE=ieee,
         EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out

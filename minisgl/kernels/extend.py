@@ -21,6 +21,7 @@ from minisgl.kernels.common import (
     dot,
     dot_flags,
     fp8_operand,
+    load_v_block,
     online_softmax_step,
     pdl_args,
     pdl_prologue,
@@ -60,7 +61,7 @@ def default_extend_config(head_dim: int, elem_size: int = 2) -> ExtendConfig:
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [slots, Hkv, D]
-    v_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]; FP8: [pages, Hkv, D, PAGE_SIZE] (`KVPool`)
     block_table_ptr,  # [B, P] int32
     seq_lens_ptr,  # [B] int32
     extend_lens_ptr,  # [B] int32
@@ -120,7 +121,7 @@ def _extend_kernel(
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
-    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -133,7 +134,9 @@ def _extend_kernel(
         if KV_FP8:
             k = fp8_operand(k, q)
         qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
-        v = tl.load(v_base + slots[:, None] * stride_vt)
+        v = load_v_block(
+            v_base, slots, n + offs_n, offs_n >= 0, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
+        )
         if KV_FP8:
             v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
@@ -150,7 +153,9 @@ def _extend_kernel(
         qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        v = load_v_block(
+            v_base, slots, k_pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
+        )
         if KV_FP8:
             v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)

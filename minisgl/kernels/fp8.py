@@ -43,6 +43,42 @@ def quantize_kv(
     return to_fp8(xf * (1.0 / scale.float())[:, None])  # as the store kernels: one reciprocal
 
 
+# ---- an FP8 pool's V: each page stored [Hkv, D, page_size] -------------------------------------
+# The P V product wants each channel's keys side by side (the tensor cores' operand layout for V
+# in the dot). 16-bit V gets there through a transposing shared-memory load (ldmatrix.trans);
+# e4m3 has none, so the Triton kernels would move V byte by byte (on the H200 that held the FP8
+# decode kernel to ~0.65 of the copy bandwidth at 200 registers per thread). An FP8 pool keeps
+# its V transposed within each page instead: a [pages, Hkv, D, page_size] tensor over the same
+# memory as [slots, Hkv, D]. K keeps the row layout (q K^T wants a key's channels together).
+
+
+def v_pages(v: torch.Tensor, page_size: int) -> torch.Tensor:
+    """An FP8 pool layer's V memory ([slots, Hkv, D], contiguous) as its [pages, Hkv, D,
+    page_size] layout."""
+    slots, hkv, d = v.shape
+    assert v.is_contiguous() and slots % page_size == 0
+    return v.view(slots // page_size, hkv, d, page_size)
+
+
+def v_rows(v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows [len(slots), Hkv, D] of a V cache at token `slots`: [slots, Hkv, D] (16-bit pools) or
+    [pages, Hkv, D, page_size] (FP8 pools)."""
+    if v.dim() == 3:
+        return v[slots]
+    ps = v.shape[3]
+    return v[slots // ps, :, :, slots % ps]
+
+
+def store_v_rows(v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`v_rows(v, slots) = rows` (rows already in the cache dtype); e4m3 as bytes (the CPU has no
+    e4m3 index_put)."""
+    if v.dim() == 3:
+        v.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+        return
+    ps = v.shape[3]
+    v.view(torch.uint8)[slots // ps, :, :, slots % ps] = rows.view(torch.uint8)
+
+
 def dequantize_kv(
     x: torch.Tensor,  # [..., Hkv, D] e4m3
     scale: torch.Tensor,  # [Hkv] fp32

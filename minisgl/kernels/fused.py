@@ -19,6 +19,8 @@ from minisgl.kernels.common import (
     pdl_args,
     pdl_prologue,
     quantize_fp8,
+    v_page_size,
+    v_row_ptrs,
 )
 from minisgl.kernels.fp8_gemm import fp8_linear
 from minisgl.kernels.gemv import few_row_gemv, gemv
@@ -161,7 +163,7 @@ def _qk_norm_rope_kernel(
     q_out_ptr,  # [T, Hq, D] contiguous
     k_out_ptr,  # [T, Hkv, D] contiguous (not STORE)
     k_cache_ptr,  # [slots, Hkv, D] (STORE): the rotated k goes here, at slot loc[t]
-    v_cache_ptr,  # [slots, Hkv, D] (STORE): v goes here
+    v_cache_ptr,  # [slots, Hkv, D] (STORE): v goes here; FP8: [pages, Hkv, D, PAGE_SIZE]
     loc_ptr,  # [T] int64 KV slot of each token (STORE)
     k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
@@ -188,6 +190,7 @@ def _qk_norm_rope_kernel(
     STORE: tl.constexpr,
     KV_FP8: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # of an FP8 V cache, whose pages are [Hkv, D, PAGE_SIZE]
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
@@ -221,7 +224,9 @@ def _qk_norm_rope_kernel(
         if KV_FP8:
             v_scale = tl.load(v_scale_ptr + offs_h, mask=mask_h, other=1.0)
             v = quantize_fp8(v, v_scale, 0.0, EMULATE_FP8)
-        v_dst = v_cache_ptr + slot * stride_cvt + offs_h[:, None] * stride_cvh + offs_v[None, :]
+        v_dst = v_row_ptrs(
+            v_cache_ptr, slot, offs_h, offs_v, stride_cvt, stride_cvh, PAGE_SIZE, KV_FP8
+        )
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
         _norm_rope_heads(
@@ -264,8 +269,9 @@ def qk_norm_rope(
     if store is not None:
         kc, vc, loc = store
         assert v is not None and v.shape == k.shape and v.stride(-1) == 1
-        assert loc.shape == (tokens,) and kc.shape[1:] == k.shape[1:] and vc.shape == kc.shape
+        assert loc.shape == (tokens,) and kc.shape[1:] == k.shape[1:]
         assert kc.stride(-1) == 1 and vc.stride(-1) == 1
+        page_size = v_page_size(kc, vc)
         fp8 = check_kv_scales(kc, kv_scales, kv_heads)
         k_out, vv = None, v
     else:
@@ -273,6 +279,7 @@ def qk_norm_rope(
         kc = vc = vv = k_out
         loc = positions
         fp8 = False
+        page_size = 1
     if tokens == 0:
         return q_out, k_out
     k_scale, v_scale = kv_scales if kv_scales is not None else (cos_sin, cos_sin)  # unread
@@ -284,7 +291,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), positions.stride(0), q_heads,
         kv_heads, eps, HAS_NORM=has_norm, STORE=store is not None, KV_FP8=fp8,
-        EMULATE_FP8=fp8 and emulate_fp8(_qk_norm_rope_kernel), HALF=dim // 2,
+        EMULATE_FP8=fp8 and emulate_fp8(_qk_norm_rope_kernel), PAGE_SIZE=page_size, HALF=dim // 2,
         BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)), num_warps=4,
         **pdl_args(q.device),
     )  # fmt: skip

@@ -44,6 +44,7 @@ from minisgl.kernels.common import (
     dot_flags,
     fp8_operand,
     kv_split_len,
+    load_v_block,
     online_softmax_step,
     pdl_args,
     pdl_prologue,
@@ -137,7 +138,7 @@ def _attend_keys(
     q_pos,  # [ROWS] positions of the rows' tokens
     table_row,  # pointer to the request's page ids
     k_base,  # [1, D] pointers of the KV head at slot 0
-    v_base,
+    v_base,  # the V of the KV head (a scalar pointer: `load_v_block`)
     stride_kt,
     stride_vt,
     m_i,
@@ -156,6 +157,7 @@ def _attend_keys(
 ):
     """Fold keys start .. end - 1 of one request into a tile's running softmax."""
     offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, q.shape[1])
     for n in range(start, end, BLOCK_N):
         k_pos = n + offs_n
         mask_n = k_pos < end
@@ -168,7 +170,9 @@ def _attend_keys(
         if CAUSAL:
             visible = visible & (k_pos[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
-        v = tl.load(v_base + slots[:, None] * stride_vt, mask=mask_n[:, None], other=0.0)
+        v = load_v_block(
+            v_base, slots, k_pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
+        )
         if KV_FP8:
             v = fp8_operand(v, q)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16, MAY_BE_EMPTY)
@@ -179,7 +183,7 @@ def _attend_keys(
 def _mixed_kernel(
     q_ptr,  # [Tp, Hq, D]
     k_ptr,  # [slots, Hkv, D]
-    v_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]; FP8: [pages, Hkv, D, PAGE_SIZE] (`KVPool`)
     block_table_ptr,  # [Bmax, P] int32
     seq_lens_ptr,  # [Bmax] int32
     cu_extend_ptr,  # [Bmax+1] int32
@@ -236,7 +240,7 @@ def _mixed_kernel(
 
     offs_d = tl.arange(0, HEAD_DIM)
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
-    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh
     qk_scale = scale_log2
     if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
         qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kernels.fp8 import quantize_kv
+from minisgl.kernels.fp8 import quantize_kv, store_v_rows, v_rows
 
 KVScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale), [Hkv] fp32 each
 
@@ -19,7 +19,7 @@ _QUERY_CHUNK = 1024
 
 def store_kv_ref(
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]; FP8: [pages, Hkv, D, page_size] (`kernels.fp8`)
     loc: torch.Tensor,  # [T] int64
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
@@ -28,18 +28,18 @@ def store_kv_ref(
 ) -> None:
     if kv_scales is not None:
         k_cache[loc] = quantize_kv(k, kv_scales[0], k_shift)
-        v_cache[loc] = quantize_kv(v, kv_scales[1])
+        store_v_rows(v_cache, loc, quantize_kv(v, kv_scales[1]))
         return
     k_cache[loc] = k.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
 
 
 def gather_kv(
-    cache: torch.Tensor,  # [num_slots, Hkv, D]
+    cache: torch.Tensor,  # [num_slots, Hkv, D], or an FP8 pool's V [pages, Hkv, D, page_size]
     slots: torch.Tensor,  # [L] int64
     scale: torch.Tensor | None,  # [Hkv] fp32 of an FP8 cache
 ) -> torch.Tensor:  # [L, Hkv, D], fp32 when scaled
-    rows = cache[slots]
+    rows = v_rows(cache, slots)
     return rows if scale is None else rows.float() * scale[:, None]
 
 
@@ -75,7 +75,7 @@ def attend_ref(
 def decode_attention_ref(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]; FP8: [pages, Hkv, D, page_size]
     block_table: torch.Tensor,  # [B, P] int32
     seq_lens: torch.Tensor,  # [B] int32
     page_size: int,
@@ -97,7 +97,7 @@ def decode_attention_ref(
 def extend_attention_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D], already holding the new tokens
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]; FP8: [pages, Hkv, D, page_size]
     block_table: torch.Tensor,  # [B, P] int32
     seq_lens: torch.Tensor,  # [B] int32
     extend_lens: torch.Tensor,  # [B] int32

@@ -14,6 +14,8 @@ from minisgl.kernels.common import (
     pdl_args,
     pdl_prologue,
     quantize_fp8,
+    v_page_size,
+    v_row_ptrs,
 )
 
 
@@ -40,6 +42,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     KV_FP8: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # of an FP8 V cache, whose pages are [NUM_HEADS, HEAD_DIM, PAGE_SIZE]
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -58,14 +61,14 @@ def _store_kv_kernel(
         k = quantize_fp8(k, ks, k_shift, EMULATE_FP8)
         v = quantize_fp8(v, vs, 0.0, EMULATE_FP8)
     k_dst = k_cache_ptr + slot * stride_ck + offs_h[:, None] * stride_ckh + offs_d[None, :]
-    v_dst = v_cache_ptr + slot * stride_cv + offs_h[:, None] * stride_cvh + offs_d[None, :]
+    v_dst = v_row_ptrs(v_cache_ptr, slot, offs_h, offs_d, stride_cv, stride_cvh, PAGE_SIZE, KV_FP8)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
     k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # the same; FP8: [pages, num_kv_heads, head_dim, page_size]
     loc: torch.Tensor,  # [T] int64, destination slot of every token
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], may be a strided view (e.g. of a fused qkv)
     v: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -76,7 +79,8 @@ def store_kv(
     FP8 cache as (k - k_shift) / k_scale and v / v_scale per KV head)."""
     num_tokens, num_heads, head_dim = k.shape
     assert v.shape == k.shape and loc.shape == (num_tokens,)
-    assert k_cache.shape[1:] == (num_heads, head_dim) and v_cache.shape == k_cache.shape
+    assert k_cache.shape[1:] == (num_heads, head_dim)
+    page_size = v_page_size(k_cache, v_cache)
     for t in (k_cache, v_cache, k, v):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
     if head_dim & (head_dim - 1):
@@ -108,6 +112,7 @@ def store_kv(
         HEAD_DIM=head_dim,
         KV_FP8=fp8,
         EMULATE_FP8=fp8 and emulate_fp8(_store_kv_kernel),
+        PAGE_SIZE=page_size,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
         **pdl_args(k.device),
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.fp8 import is_fp8, quantize_kv
+from minisgl.kernels.fp8 import is_fp8, quantize_kv, v_pages
 from minisgl.kernels.reference import context_slots
 
 
@@ -15,7 +15,7 @@ class PagedKV:
     """One layer's KV pool holding a batch of requests on randomly scattered pages."""
 
     k_cache: torch.Tensor  # [num_pages * page_size, Hkv, D]
-    v_cache: torch.Tensor  # [num_pages * page_size, Hkv, D]
+    v_cache: torch.Tensor  # the same; an e4m3 pool's [num_pages, Hkv, D, page_size] (`KVPool`)
     block_table: torch.Tensor  # [B, P] int32 page ids
     seq_lens: torch.Tensor  # [B] int32
     seq_lens_host: list[int]
@@ -43,7 +43,9 @@ def random_paged_kv(
     With `poison`, every slot that is not part of some request's context (spare pages, the tail
     of a last page, table entries past a request's pages) holds NaN, so a kernel that reads
     outside a context produces NaN. Without it the whole pool is random (cheap for huge pools).
-    An e4m3 pool (`torch.float8_e4m3fn`) comes with per-KV-head scales (`PagedKV.kv_scales`).
+    An e4m3 pool (`torch.float8_e4m3fn`) comes with per-KV-head scales (`PagedKV.kv_scales`) and
+    V in its pages-transposed layout (`KVPool`), whose kernels read whole pages: there the tails
+    of context pages hold 448 instead of NaN (finite, as in a real pool, and loud if weighed).
     """
     pages_per_req = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_req) + spare_pages
@@ -85,7 +87,8 @@ def _fp8_paged_kv(
     """e4m3 pools of normal values with a magnitude per KV head, quantized with 8 sigma of
     headroom, filled a chunk of slots at a time (a benchmark's pool has billions of values)."""
     device = table.device
-    caches, scales = [], []
+    caches: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
     for _ in range(2):  # K, then V
         magnitude = 2.0 ** torch.randint(-3, 4, (shape[1],), device=device).float()  # [Hkv]
         scale = magnitude * 8 / 448
@@ -98,10 +101,27 @@ def _fp8_paged_kv(
         if poison:
             keep = torch.zeros(shape[0], dtype=torch.bool, device=device)
             keep[context_slots_of(table, seq_lens, page_size)] = True
-            cache.view(torch.uint8)[~keep] = 0x7F  # e4m3 NaN (no masked_fill for e4m3)
+            bits = cache.view(torch.uint8)
+            if caches:  # V: whole pages are read, so their tails are finite (448: loud if used)
+                in_pages = _slots_of_used_pages(table, seq_lens, page_size, shape[0])
+                bits[~keep & in_pages] = 0x7E
+                keep |= in_pages
+            bits[~keep] = 0x7F  # e4m3 NaN (no masked_fill for e4m3)
         caches.append(cache)
         scales.append(scale)
-    return PagedKV(caches[0], caches[1], table, lens, seq_lens, page_size, (scales[0], scales[1]))
+    by_slot = caches[1].view(torch.uint8).view(-1, page_size, *shape[1:])
+    v = v_pages(caches[1], page_size)  # an FP8 pool's V layout (`KVPool`), in place
+    v.view(torch.uint8).copy_(by_slot.permute(0, 2, 3, 1).clone())
+    return PagedKV(caches[0], v, table, lens, seq_lens, page_size, (scales[0], scales[1]))
+
+
+def _slots_of_used_pages(
+    table: torch.Tensor, seq_lens: list[int], page_size: int, num_slots: int
+) -> torch.Tensor:  # [num_slots] bool: the slot's page holds part of some request's context
+    used = torch.zeros(num_slots // page_size, dtype=torch.bool, device=table.device)
+    for i, n in enumerate(seq_lens):
+        used[table[i, : -(-n // page_size)].long()] = True
+    return used.repeat_interleave(page_size)
 
 
 def context_slots_of(
@@ -117,25 +137,3 @@ def cu_seqlens(lens: list[int], device: torch.device | str) -> torch.Tensor:  # 
     out = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
     out[1:] = torch.tensor(lens, dtype=torch.int32, device=device).cumsum(0)
     return out
-
-
-def v_pages_transposed(kv: PagedKV) -> torch.Tensor:
-    """`kv.v_cache` with each page stored [Hkv, D, page_size] (a page's keys contiguous for
-    each channel), returned with the pool's [slots, Hkv, D] shape over that memory. Slots of a
-    request's pages past its context hold a large finite value instead of NaN (such a pool is
-    finite everywhere, which the transposed-V kernels rely on: they read whole pages); spare
-    pages keep their poison."""
-    v = kv.v_cache.clone()
-    ps = kv.page_size
-    used = torch.zeros(v.shape[0] // ps, dtype=torch.bool, device=v.device)
-    for i, n in enumerate(kv.seq_lens_host):
-        used[kv.block_table[i, : -(-n // ps)].long()] = True
-    slot_used = used.repeat_interleave(ps)
-    bits = v.view(torch.uint8) if v.element_size() == 1 else None
-    if bits is not None:  # e4m3: NaN is 0x7F / 0xFF; 0x7E is 448
-        nan = (bits & 0x7F) == 0x7F
-        bits[nan & slot_used[:, None, None]] = 0x7E
-    else:
-        v[v.isnan() & slot_used[:, None, None]] = 1e4
-    pages, hkv, d = v.shape[0] // ps, v.shape[1], v.shape[2]
-    return v.view(pages, ps, hkv, d).permute(0, 2, 3, 1).contiguous().view(v.shape)

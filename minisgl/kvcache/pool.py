@@ -22,6 +22,12 @@ class KVPool:
     of a head move by the same q . shift, which softmax ignores. Keys carry a large common part
     in some channels; without it the e4m3 rounding (relative to each value) is smaller where it
     matters (SmolLM2: KL to the 16-bit cache roughly halved).
+
+    An FP8 pool stores each page's V transposed, [num_kv_heads, head_dim, page_size] (a page's
+    keys side by side for each channel, the layout the P V product reads without byte shuffles:
+    `minisgl.kernels.fp8`), so `v(layer)` is `[num_pages, num_kv_heads, head_dim, page_size]`.
+    Kernels read whole pages of it, so every byte of it stays finite: zeros when made, and
+    stores saturate at +-448 (e4m3 has no infinity, and 0x7f is NaN).
     """
 
     def __init__(
@@ -80,7 +86,11 @@ class KVPool:
         return self._buf[0, layer]
 
     def v(self, layer: int) -> torch.Tensor:
-        return self._buf[1, layer]
+        """[slots, Hkv, D]; an FP8 pool's [pages, Hkv, D, page_size] (see the class doc)."""
+        v = self._buf[1, layer]
+        if self.quantized:
+            return v.view(self.num_pages, self.num_kv_heads, self.head_dim, self.page_size)
+        return v
 
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k_scale, v_scale) [num_kv_heads] fp32 of an FP8 pool's layer; None when unscaled."""

@@ -22,13 +22,11 @@ DECODE = [
     ("decode fp32 d128 g1 ps16 split", "fp32", dict(GROUP=1, HEAD_DIM=128, BLOCK_N=64, PAGE_SIZE=16, SINGLE_SPLIT=False), 4, 2),
     ("decode fp16 d256 g8 ps64", "fp16", dict(GROUP=8, HEAD_DIM=256, BLOCK_N=32, PAGE_SIZE=64, SINGLE_SPLIT=True), 4, 2),
     # FP8 (e4m3) KV: the default config (`default_decode_config(head_dim, kv_fp8=True)`: 4 warps,
-    # 5 stages, 128 keys at head_dim 128) at W1's shape, one program per request and split;
-    # at head_dim 64 (256 keys) it builds with 254 registers, at the edge of spilling
-    ("decode bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
-    ("decode bf16 fp8kv d128 g4 ps32 split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=False, KV_FP8=True), 4, 5),
-    ("decode bf16 fp8kv d64 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=64, BLOCK_N=256, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 5),
-    # ... and q K^T on the e4m3 tensor cores (`DecodeConfig.qk_fp8`)
-    ("decode bf16 fp8kv qkfp8 d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True, QK_FP8=True), 4, 5),
+    # 3 stages, 128 keys at head_dim 128) at W1's shape, one program per request and split;
+    # V pages transposed (`KVPool`): ~124 registers (200-254 with V in rows)
+    ("decode bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 3),
+    ("decode bf16 fp8kv d128 g4 ps32 split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=False, KV_FP8=True), 4, 3),
+    ("decode bf16 fp8kv d64 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=64, BLOCK_N=256, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 3),
 ]  # fmt: skip
 EXTEND = [
     ("extend bf16 d128 g2 ps16", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=16), 8, 2),
@@ -56,8 +54,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        c = {"KV_FP8": False, "QK_FP8": False} | c
-        c |= dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False, EMULATE_FP8=False)
+        c = {"KV_FP8": False} | c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
         types = _kv_types(dtype, c)
@@ -70,7 +67,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"}
         types |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_shift_ptr": "*fp32"}
         fp8 = cache == "fp8e4nv"
-        c = dict(NUM_HEADS=8, BLOCK_H=8, HEAD_DIM=128, KV_FP8=fp8, EMULATE_FP8=False)
+        c = dict(NUM_HEADS=8, BLOCK_H=8, HEAD_DIM=128, KV_FP8=fp8, EMULATE_FP8=False, PAGE_SIZE=32)
         store = _compile(_store_kv_kernel, types, c, 4, 1)
         results.append({"name": f"store_kv {cache} 8x128", **store})
     return results

@@ -123,7 +123,7 @@ def test_qk_norm_rope_stores_into_an_fp8_pool(dtype):
     """Into an e4m3 pool, the rotated k (rounded to the model dtype first, as unfused) minus the
     key shift, and v, are divided by their head's scale: the same bytes as `quantize_kv` of the
     unfused results."""
-    from minisgl.kernels.fp8 import quantize_kv
+    from minisgl.kernels.fp8 import quantize_kv, v_pages, v_rows
 
     fused = _fused()
     gen = torch.Generator().manual_seed(5)
@@ -138,7 +138,7 @@ def test_qk_norm_rope_stores_into_an_fp8_pool(dtype):
     norms = [RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)]
     scales = (torch.tensor([0.004, 0.5]), torch.tensor([0.25, 0.02]))
     k_cache = torch.zeros(20, 2, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
-    v_cache = torch.zeros_like(k_cache)
+    v_cache = v_pages(torch.zeros_like(k_cache), 4)  # the FP8 pool's V: pages [Hkv, D, 4]
     loc = torch.tensor([7, 0, 19, 3, 12, 8], device=DEVICE)
     table = rope.cos_sin.to(DEVICE)
     shift = torch.randn(2, 64, generator=gen)
@@ -152,7 +152,7 @@ def test_qk_norm_rope_stores_into_an_fp8_pool(dtype):
         positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), table,
         *[n.weight.to(DEVICE, dtype) for n in norms], eps=1e-6,
     )  # fmt: skip
-    got_k, got_v = k_cache[loc].cpu().float(), v_cache[loc].cpu().float()
+    got_k, got_v = k_cache[loc].cpu().float(), v_rows(v_cache, loc).cpu().float()
     assert torch.isfinite(got_k).all() and got_k.abs().max() == 448  # some values saturated
     assert torch.equal(got_k, quantize_kv(want_k.cpu(), scales[0], shift).float())
     assert torch.equal(got_v, quantize_kv(v, scales[1]).float())
