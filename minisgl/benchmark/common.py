@@ -253,7 +253,7 @@ def decode_floor(
 def add_fp8_args(p: Any) -> None:
     """`--kv-cache-dtype`, `--kv-cache-calibrate`, `--quantization` of the engine benchmarks, and
     the linear layers' kernel switches (`--fp8-gemv-max-rows`, `--fp8-skinny`,
-    `--skinny-max-rows`, `--few-row-gemv-max-rows`)."""
+    `--skinny-max-rows`)."""
     from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
@@ -267,9 +267,6 @@ def add_fp8_args(p: Any) -> None:
     p.add_argument("--skinny-max-rows", type=int, default=None, metavar="N",
                    help="unquantized linear layers with 2..N rows take the skinny GEMM (0: off; "
                    "default: 16 for models with hidden size <= 1024)")  # fmt: skip
-    p.add_argument("--few-row-gemv-max-rows", type=int, default=0, metavar="N",
-                   help="linear layers with 2..N rows (at most 8) that do not take the skinny GEMM "
-                   "take the few-row GEMV (0: off)")  # fmt: skip
 
 
 def fp8_options(args: Any) -> Row:
@@ -285,8 +282,6 @@ def fp8_options(args: Any) -> Row:
         options["fp8_skinny"] = True
     if args.skinny_max_rows is not None:
         options["skinny_max_rows"] = args.skinny_max_rows
-    if args.few_row_gemv_max_rows:
-        options["few_row_gemv_max_rows"] = args.few_row_gemv_max_rows
     return options
 
 

@@ -17,7 +17,7 @@ Run on a GPU host: `python -m minisgl.benchmark.gemv [--quick]`; it prints a `TU
 paste into `minisgl/kernels/gemv.py`. `--fp8`: the same sweep (part 1) with e4m3 weights and a
 scale per row, the FP8 linear layers' weight-only path (bytes at one per weight; cuBLAS stays
 the bf16 reference), printing `TUNED_FP8`. Its sweep adds the one-row FP8 variants of the
-few-row kernel (`GemvConfig.layout` "vec": 16-byte e4m3 loads, int32 words, PTX or converting
+vec layout (`GemvConfig.layout` "vec": 16-byte e4m3 loads, int32 words, PTX or converting
 widening, per-column sums; the gemv module's docstring says why); every
 variant's result is checked against fp32 torch first (a wrong one is listed under "wrong" and
 not ranked), and each shape's line gives the best of each variant family
@@ -28,10 +28,6 @@ not ranked), and each shape's line gives the best of each variant family
 (`minisgl.benchmark.skinny`, whose docstring says what it measures), with `--fp8` (a scale per
 row) or `--fp8-block` (128 x 128 blocks) for e4m3 weights:
 `python -m minisgl.benchmark.gemv --skinny --quick [--fp8 | --fp8-block]`.
-
-`--rows M` (2..8): the GEMV's few-row mode at M rows of x beside cuBLAS and the skinny GEMM at
-M rows, with a config sweep (`minisgl.benchmark.few_row`, whose docstring says what it
-measures): `python -m minisgl.benchmark.gemv --rows 5 --only 8b [--quick] [--fp8 | --fp8-block]`.
 """
 
 from __future__ import annotations
@@ -69,7 +65,7 @@ Configs = dict[tuple[int, int, bool], GemvConfig]  # (N, K, act) -> config, as `
 def _configs(quick: bool, fp8: bool = False) -> list[GemvConfig]:
     """Tiles to sweep. FP8 weights are one byte: the same bytes in flight per program take
     tiles twice as large (up to 256 elements per thread), so their sweep goes further, and
-    adds the few-row kernel's layout at one row (`_fp8_variants`)."""
+    adds the vec layout at one row (`_fp8_variants`)."""
     if quick:
         tiles = [GemvConfig(bn, bk, w) for bn, bk, w in [(16, 512, 4), (8, 512, 4), (32, 256, 8)]]
         return tiles + _fp8_variants(quick) if fp8 else tiles
@@ -86,7 +82,7 @@ def _configs(quick: bool, fp8: bool = False) -> list[GemvConfig]:
 
 
 def _fp8_variants(quick: bool) -> list[GemvConfig]:
-    """One-row FP8 variants in the few-row kernel's layout (`GemvConfig.layout` "vec"): 16
+    """One-row FP8 variants in the vec layout (`GemvConfig.layout` "vec"): 16
     e4m3 columns a thread per step (16-byte loads), BLOCK_K = 16 x 32 x warps; the bytes
     loaded as int32 words or as e4m3, widened by conversion or inline PTX; partial sums per
     VEC or per column; x ahead or not."""
@@ -307,30 +303,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="the skinny GEMM's sweep at 1..16 rows (minisgl.benchmark.skinny)",
     )
     parser.add_argument(
-        "--rows",
-        type=int,
-        default=0,
-        metavar="M",
-        help="the few-row GEMV's sweep at M (2..8) rows beside cuBLAS and the skinny GEMM "
-        "(minisgl.benchmark.few_row)",
-    )
-    parser.add_argument(
         "--fp8-block",
         action="store_true",
-        help="--skinny, --rows: e4m3 weights with 128 x 128 block scales",
+        help="--skinny: e4m3 weights with 128 x 128 block scales",
     )
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated shape name prefixes (8b, 30b; --skinny, --rows: 8b, 0.6b, 135m)",
+        help="comma-separated shape name prefixes (8b, 30b; --skinny: 8b, 0.6b, 135m)",
     )
     args = parser.parse_args(argv)
-    if args.rows:
-        from minisgl.benchmark import few_row, skinny
-
-        only = [o for o in args.only.split(",") if o]
-        emit_json(few_row.run(skinny.fmt_of(args), args.rows, args.quick, only))
-        return
     if args.skinny:
         from minisgl.benchmark import skinny
 

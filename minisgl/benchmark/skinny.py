@@ -145,13 +145,9 @@ class Probe:
     def skinny_us(self, x: torch.Tensor, r: torch.Tensor, cfg: Any) -> float:
         from minisgl.kernels.skinny import skinny
 
-        return self.kernel_us(skinny, x, r, cfg)
-
-    def kernel_us(self, kernel: Any, x: torch.Tensor, r: torch.Tensor, cfg: Any) -> float:
-        """`kernel` (`skinny`, `few_row_gemv`: the GEMV's call) with config `cfg`."""
         kw = self.fused_kwargs(r)
         ws = self.ws
-        return 1e6 * time_graph(lambda i: kernel(x, ws[i][0], config=cfg, weight_scale=ws[i][1], **kw), len(ws))  # fmt: skip
+        return 1e6 * time_graph(lambda i: skinny(x, ws[i][0], config=cfg, weight_scale=ws[i][1], **kw), len(ws))  # fmt: skip
 
     def gemv_us(self, x: torch.Tensor, r: torch.Tensor) -> float:
         from minisgl.kernels.gemv import gemv
@@ -172,12 +168,10 @@ class Probe:
         ws = self.ws
         return 1e6 * time_graph(lambda i: fp8_linear(xk, ws[i][0], ws[i][1]), len(ws))  # type: ignore[arg-type]
 
-    def rel_err(self, x: torch.Tensor, r: torch.Tensor, cfg: Any, kernel: Any = None) -> float:
-        """The result of `kernel` (default: the skinny GEMM) against fp32 torch on the same
-        values."""
+    def rel_err(self, x: torch.Tensor, r: torch.Tensor, cfg: Any) -> float:
+        """The skinny GEMM's result against fp32 torch on the same values."""
         from minisgl.kernels.skinny import skinny
 
-        kernel = kernel or skinny
         xf = x.float()
         if self.kind == "act_residual":
             xf = F.silu(xf[:, : self.k]) * xf[:, self.k :]
@@ -187,7 +181,7 @@ class Probe:
         if self.kind.endswith("residual"):
             want = want + r.float()
         w, s = self.ws[0]
-        got = kernel(x, w, config=cfg, weight_scale=s, **self.fused_kwargs(r)).float()
+        got = skinny(x, w, config=cfg, weight_scale=s, **self.fused_kwargs(r)).float()
         return ((got - want).abs().max() / want.abs().max()).item()
 
 

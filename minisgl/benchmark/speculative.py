@@ -18,9 +18,7 @@ step of K drafts, the step a fully accepted draft would replace K + 1 decode ste
 `--profile` prints each step's GPU kernels (time, count, share of the step's span).
 `--skinny-max-rows 16` runs the verify step's linear layers (and LM head) through the skinny
 tensor-core GEMM (`minisgl.kernels.skinny`) instead of cuBLAS: run the command with and without
-it for an A/B (`scripts/gpu_speculative.sh` part `verify_cost_skinny`); `--skinny-max-rows 0
---few-row-gemv-max-rows 8` runs them through the few-row GEMV (`minisgl.kernels.gemv.
-few_row_gemv`) instead, for the same A/B against cuBLAS. The FP8 options
+it for an A/B (`scripts/gpu_speculative.sh` part `verify_cost_skinny`). The FP8 options
 (`--quantization`, `--kv-cache-dtype`, `--fp8-skinny`, ...) are the engine benchmarks' own.
 Prints a table, then one JSON object as the last line.
 """
@@ -252,7 +250,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="--verify-cost's timed steps")
     p.add_argument("--profile", action="store_true",
                    help="--verify-cost: also each step's GPU kernels (torch.profiler)")  # fmt: skip
-    add_fp8_args(p)  # and --skinny-max-rows, --few-row-gemv-max-rows: a verify step of K drafts
+    add_fp8_args(p)  # and --skinny-max-rows: a verify step of K drafts
     # is K + 1 rows (padded to the next CUDA-graph size: 8 for K = 4)
     return p.parse_args(argv)
 

@@ -5,12 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from minisgl.config.quant import (
-    FEW_ROW_GEMV_MAX_ROWS,
-    FP8_GEMV_MAX_ROWS,
-    KV_CACHE_DTYPES,
-    QUANTIZATIONS,
-)
+from minisgl.config.quant import FP8_GEMV_MAX_ROWS, KV_CACHE_DTYPES, QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -50,11 +45,6 @@ class EngineConfig:
     # on CUDA instead of cuBLAS (a speculative verify step, small decode batches); 0: off;
     # None: 16 for models up to `SKINNY_MAX_HIDDEN`, else off.
     skinny_max_rows: int | None = None
-    # Linear layers with 2..this many rows (at most 8) that do not take the skinny GEMM take the
-    # few-row mode of the fused GEMV on CUDA (`minisgl.kernels.gemv.few_row_gemv`: each weight
-    # tile read once for all rows, on CUDA cores) instead of cuBLAS; FP8 ones up to
-    # `fp8_gemv_max_rows`. 0: off (until measured on the H200).
-    few_row_gemv_max_rows: int = 0
     page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)
     num_pages: int = 0  # 0: auto, sized from memory
     max_running_requests: int = 256
@@ -233,11 +223,6 @@ class EngineConfig:
         if self.skinny_max_rows is not None and not 0 <= self.skinny_max_rows <= 16:
             raise ValueError(
                 f"skinny_max_rows: must be between 0 (off) and 16, got {self.skinny_max_rows}"
-            )
-        if not 0 <= self.few_row_gemv_max_rows <= FEW_ROW_GEMV_MAX_ROWS:
-            raise ValueError(
-                f"few_row_gemv_max_rows: must be between 0 (off) and {FEW_ROW_GEMV_MAX_ROWS}, "
-                f"got {self.few_row_gemv_max_rows}"
             )
 
     def _check_distributed(self) -> None:

@@ -58,9 +58,6 @@ class ModelConfig:
     # Rows (2..16) up to which unquantized linear layers on CUDA take the skinny GEMM; 0: never
     # (resolved from the engine's `skinny_max_rows` with `quant`).
     skinny_max_rows: int = 0
-    # Rows (2..8) up to which linear layers on CUDA that do not take the skinny GEMM take the
-    # few-row GEMV (FP8 ones up to `quant.gemv_max_rows`); 0: never (the engine's option).
-    few_row_gemv_max_rows: int = 0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -30,10 +30,6 @@ FP8_GEMV_MAX_ROWS = 1
 # 1.83x a decode step against 1.29x with cuBLAS); SmolLM2's copy workload with K = 8 drafts went
 # from 1.60x to 2.14x the tokens/s of plain decoding.
 SKINNY_MAX_HIDDEN = 1024
-# Rows of x the few-row mode of the fused GEMV takes (`minisgl.kernels.gemv.few_row_gemv`: one
-# program for all rows per weight tile, CUDA cores); off (`few_row_gemv_max_rows` 0) until the
-# H200 measures it against cuBLAS and the skinny GEMM.
-FEW_ROW_GEMV_MAX_ROWS = 8
 
 
 def resolve_skinny_max_rows(requested: int | None, hidden_size: int) -> int:
@@ -156,8 +152,8 @@ def fp8_capability_error(gpu: str, capability: tuple[int, int], what: str) -> st
 
 def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
     """The model config with the weight format the engine builds it in and the rows up to which
-    its linear layers take the skinny GEMM and the few-row GEMV (pure, except that an FP8
-    choice on CUDA checks the device), checking the device for an FP8 KV cache too."""
+    its linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA checks the
+    device), checking the device for an FP8 KV cache too."""
     quant = resolve_quantization(
         cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny
     )
@@ -166,5 +162,4 @@ def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelCon
     if cfg.kv_cache_dtype == "fp8_e4m3":
         check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
     rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
-    few = cfg.few_row_gemv_max_rows
-    return replace(mcfg, quant=quant, skinny_max_rows=rows, few_row_gemv_max_rows=few)
+    return replace(mcfg, quant=quant, skinny_max_rows=rows)

@@ -33,52 +33,50 @@ a clock. The one-row kernel's loop spends ~6.7 a weight (compiled for sm_90: byt
 F2FP and an f16 -> fp32 widening per weight, one FMA, plus x moved through shared memory every
 step, since x's 16-bit layout is not the e4m3 tile's), ~105 a clock at 16 weights: the 2-3
 TB/s measured. So the one-row FP8 variants (`GemvConfig.layout` "vec"; `TUNED_FP8` takes them
-for the Llama-3-8B shapes, `python -m minisgl.benchmark.gemv --fp8` chooses) run in the few-row
-kernel at ROWS 1,
-with 16 columns a thread per step (`vec` 16: one 16-byte load of e4m3 per weight row, the two
-16-byte loads of x joined in registers into the same layout, nothing through shared memory),
-the bytes kept packed as int32 words (`words`), each word's four bytes widened by the hardware
+for the Llama-3-8B shapes, `python -m minisgl.benchmark.gemv --fp8` chooses) run in the vec
+layout's kernel (below) at ROWS 1, with 16 columns a thread per step (`vec` 16: one 16-byte
+load of e4m3 per weight row, the two 16-byte loads of x joined in registers into the same
+layout, nothing through shared memory), the bytes kept packed as int32 words (`words`), each word's four bytes widened by the hardware
 conversion of its two 16-bit halves (`widen` "ptx", inline PTX: 1.5 instructions a weight),
 and one fp32 partial sum per column (`keep_vec`: one FMA a weight): ~3.9 instructions a weight
 at 8 rows a program, ~3.6 at 16. (Measured on the H200 and dropped: widening by integer ops,
 ~3 instructions a weight, and K split over programs with a reduction by the last one; both
 slower at every 8B shape, docs/benchmarks.md, fifteenth session.)
 
-Several rows of x (small batches) run as that many programs per BLOCK_N weight rows, launched
-next to each other, so all but the first read the weight tile from L2.
+In the tile layout several rows of x (small batches) run as that many programs per BLOCK_N
+weight rows, launched next to each other, so all but the first read the weight tile from L2.
 
-Few-row mode (`few_row_gemv`, 2..8 rows: a speculative verify step, a small decode batch): one
-program takes all M rows of x for its BLOCK_N weight rows, so each weight tile is read from DRAM
-once, into registers, and every weight element meets M fp32 FMAs on the CUDA cores (no tensor
-cores, no padding to 16 rows; rows past M up to ROWS, the next power of two, are masked zeros).
-The prologues and epilogues are the one-row kernel's, with a sum of squares and an rstd per row
-of x. The accumulator: a [BLOCK_N, BLOCK_K] fp32 partial sum per row of x would be M times the
-one-row kernel's registers, and reducing over K every step would cost shuffles (and a
+The "vec" layout's kernel (`_gemv_rows_kernel`) takes all M rows of x in one program for its
+BLOCK_N weight rows (FP8 weight-only layers with `fp8_gemv_max_rows` above 1 send their few rows
+there), so each weight tile is read from DRAM once, into registers, and every weight element
+meets M fp32 FMAs on the CUDA cores (rows past M up to ROWS, the next power of two, are masked
+zeros). The prologues and epilogues are the one-row kernel's, with a sum of squares and an rstd
+per row of x. The accumulator: a [BLOCK_N, BLOCK_K] fp32 partial sum per row of x would be M
+times the one-row kernel's registers, and reducing over K every step would cost shuffles (and a
 shared-memory round trip across warps) per step. Instead every tile is 4-d, [ROWS, BLOCK_N,
-BLOCK_K / VEC, VEC], where VEC columns are one 16-byte load of x (8 for bf16) held by one
-thread: each step the products are summed over VEC inside the thread's registers (FMAs, no
-shuffles) into a [ROWS, BLOCK_N, BLOCK_K / VEC] fp32 accumulator, and the sum over K across
-threads happens once, at the end. With BLOCK_K / VEC >= 32 x warps (asserted on CUDA), every
-thread and warp lies along K: a thread holds all BLOCK_N weight rows and all ROWS rows of x of
-its own columns, so the weight tile, x and their product share one layout (no conversion in
-the loop when x's rows start 16-byte aligned, as the models' do: `tests/kernels/test_gemv.py`
-checks the compiled loop) and x is read once per program, not once per weight row. Per thread
-that is ROWS x BLOCK_N partial sums per VEC columns and ROWS x VEC values of x (one or two
-steps of it: `GemvConfig.x_ahead`), which is what bounds BLOCK_N as ROWS grows
-(`ROWS_CONFIGS`). Every program reads all of x: ROWS / BLOCK_N bytes of x (from L1, or L2 when
-x does not fit, e.g. the down projection's [8, 2 x 14336]) per byte of weights.
+BLOCK_K / VEC, VEC], where VEC columns are one or two 16-byte loads of x held by one thread:
+each step the products are summed over VEC inside the thread's registers (FMAs, no shuffles)
+into a [ROWS, BLOCK_N, BLOCK_K / VEC] fp32 accumulator (or one per column, `keep_vec`), and the
+sum over K across threads happens once, at the end. With BLOCK_K / VEC >= 32 x warps (asserted
+on CUDA), every thread and warp lies along K: a thread holds all BLOCK_N weight rows and all
+ROWS rows of x of its own columns, so the weight tile, x and their product share one layout (no
+conversion in the loop when x's rows start 16-byte aligned, as the models' do:
+`tests/kernels/test_gemv.py` checks the compiled loop) and x is read once per program, not once
+per weight row. Per thread that is ROWS x BLOCK_N partial sums per VEC columns and ROWS x VEC
+values of x (one or two steps of it: `GemvConfig.x_ahead`), which is what bounds BLOCK_N as
+ROWS grows. (The same kernel as an engine option for 2..8 rows of 16-bit or FP8 weights, the
+"few-row GEMV", lost to cuBLAS and the skinny GEMM on the H200 and was removed:
+docs/benchmarks.md.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.config.quant import FEW_ROW_GEMV_MAX_ROWS
 from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
 
 
@@ -88,14 +86,15 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 4
     preload: bool = True  # first weight tile loaded before the PDL wait
-    # Few-row mode only (`few_row_gemv`): x read one K step ahead of its use (two steps of x in
-    # registers) or at its step (one; more weight rows per thread fit).
-    x_ahead: bool = True
-    # One row of x: "tile" (a [BLOCK_N, BLOCK_K] fp32 partial sum per program, `_gemv_kernel`)
-    # or "vec" (the few-row kernel's layout at one row: VEC columns summed in a thread's
-    # registers each step, a [BLOCK_N, BLOCK_K / VEC] partial sum; what e4m3 weights want, the
-    # FP8 section of the module docstring says why). The knobs below are the few-row kernel's.
+    # "tile" (a [BLOCK_N, BLOCK_K] fp32 partial sum per program and row of x, `_gemv_kernel`)
+    # or "vec" (`_gemv_rows_kernel`: all rows of x in one program, VEC columns summed in a
+    # thread's registers each step, a [ROWS, BLOCK_N, BLOCK_K / VEC] partial sum; what e4m3
+    # weights want, the FP8 section of the module docstring says why). The knobs below are the
+    # vec layout's.
     layout: str = "tile"
+    # x read one K step ahead of its use (two steps of x in registers) or at its step (one;
+    # more weight rows per thread fit).
+    x_ahead: bool = True
     # Columns of a K step one thread sums in registers (0: one 16-byte load of x, `rows_vec`);
     # 16 with an e4m3 weight makes each weight load 16 bytes.
     vec: int = 0
@@ -103,8 +102,8 @@ class GemvConfig:
     # or, with `words` on CUDA, "ptx" (the hardware conversion of each int32's two 16-bit
     # halves, inline PTX: no byte extraction; the interpreter cannot run it).
     widen: str = "cvt"
-    # The few-row kernel's partial sums: one per column (FMAs; VEC times the registers), not
-    # one per VEC columns (a multiply and an add tree per step).
+    # Partial sums: one per column (FMAs; VEC times the registers), not one per VEC columns (a
+    # multiply and an add tree per step).
     keep_vec: bool = False
     # e4m3 weights loaded as int32 words (vec 16: four per thread and row, one 16-byte load),
     # each meeting x split by byte position: the bytes stay packed in registers.
@@ -126,8 +125,7 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 
 # The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.gemv --fp8` on the H200
 # (docs/benchmarks.md); other shapes take the bf16 table's tiles. Llama-3-8B (session 15, `--fp8
-# --quick --only 8b`): the few-row kernel's layout at one row, 16-byte e4m3 loads widened by
-# inline PTX, us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37
+# --quick --only 8b`): the vec layout at one row, 16-byte e4m3 loads widened by inline PTX, us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37
 # (3.13; 7.39), gate_up 33.2 (3.54; 40.3), down 16.6 (3.54; 26.1), LM head 134.9 (3.89; 165.3).
 TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
     (6144, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", keep_vec=True, words=True),
@@ -149,31 +147,6 @@ def default_config(n: int, k: int, act: bool = False, fp8: bool = False) -> Gemv
     if fp8 and (n, k, act) in TUNED_FP8:
         return TUNED_FP8[(n, k, act)]
     return TUNED.get((n, k, act)) or GemvConfig(8, 1024 if k >= 1024 else 256, 4)
-
-
-# Few-row mode (`few_row_gemv`), by ROWS (M rounded up to a power of two). NOT measured: guesses
-# that compile for sm_90 without spills (bf16, every prologue: two programs of 128 threads per
-# SM, 32-64 KB of weights in flight each); sweep them with
-# `python -m minisgl.benchmark.gemv --rows M`. Per thread the registers grow with ROWS x VEC
-# (x: two steps with x_ahead, else one) and ROWS x BLOCK_N (the partial sums); every program
-# reads all of x, so x's traffic (L1, or L2 when x does not fit) is ROWS / BLOCK_N times the
-# weights': larger ROWS want BLOCK_N as large as the registers allow.
-ROWS_CONFIGS: dict[int, GemvConfig] = {
-    2: GemvConfig(16, 1024, 4),
-    4: GemvConfig(16, 1024, 4, x_ahead=False),
-    8: GemvConfig(8, 1024, 4, x_ahead=False),
-}
-
-
-def default_rows_config(rows: int, k: int = 1 << 20) -> GemvConfig:
-    """The few-row mode's config for ROWS = `rows` (2, 4 or 8; untuned: `ROWS_CONFIGS`), with
-    half the columns and warps per step while K fits in half (small models; BLOCK_K stays
-    8 x 32 x warps)."""
-    cfg = ROWS_CONFIGS[max(2, rows)]
-    block_k, warps = cfg.block_k, cfg.num_warps
-    while warps > 1 and k <= block_k // 2:
-        block_k, warps = block_k // 2, warps // 2
-    return GemvConfig(cfg.block_n, block_k, warps, cfg.preload, cfg.x_ahead)
 
 
 def rows_vec(x: torch.Tensor) -> int:
@@ -554,7 +527,7 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> 
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), M small (at most 8: few_rows)
+    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), M small
     weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
     bias: torch.Tensor | None = None,  # [N]
     residual: torch.Tensor | None = None,  # [M, N] added to the result
@@ -563,17 +536,15 @@ def gemv(
     act: bool = False,  # x is gate then up: the product uses silu(gate) * up
     config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
-    few_rows: bool = False,  # one program for all rows of x per weight tile (`few_row_gemv`)
 ) -> torch.Tensor:  # [M, N], dtype of x
-    assert gemv_supported(x, weight, FEW_ROW_GEMV_MAX_ROWS if few_rows else x.shape[0])
+    assert gemv_supported(x, weight, x.shape[0])
     m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     rows = triton.next_power_of_2(m)
-    cfg = config or (default_rows_config(rows, k) if few_rows else default_config(n, k, act, w_scale != 0))  # fmt: skip
-    # The few-row kernel takes several rows (`few_rows`), or one row in its layout ("vec").
-    rows_kernel = few_rows or cfg.layout == "vec"
+    cfg = config or default_config(n, k, act, w_scale != 0)
+    rows_kernel = cfg.layout == "vec"
     vec = cfg.vec or rows_vec(x)
     assert cfg.layout in ("tile", "vec") and cfg.widen in WIDEN, cfg
-    assert rows_kernel or cfg.widen == "cvt", "the few-row kernel's knobs"
+    assert rows_kernel or cfg.widen == "cvt", "the vec layout's knobs"
     if rows_kernel:
         assert cfg.block_k % vec == 0
         # On the GPU every thread must own whole VEC-column pieces of a K step, no two threads
@@ -608,10 +579,9 @@ def gemv(
     return y
 
 
-def few_row_gemv(x: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """`gemv(..., few_rows=True)`, the few-row mode (1..8 rows of x, each weight tile read once
-    for all of them), under a name of its own for the layers' choice of kernel."""
-    return gemv(x, weight, *args, **kwargs | {"few_rows": True})
+# Called by nothing: only `minisgl.kernels.fused` still imports and exports the name, left for
+# its next edit (drop both together; that file was being changed when this option went).
+few_row_gemv = gemv
 
 
 def check_fused_linear(
@@ -623,7 +593,7 @@ def check_fused_linear(
     act: bool,
     weight_scale: torch.Tensor | None,
 ) -> tuple[int, int, int, int]:
-    """The shapes of a fused few-row linear call (`gemv`, `minisgl.kernels.skinny.skinny`):
+    """The shapes of a fused linear call of a few rows (`gemv`, `minisgl.kernels.skinny.skinny`):
     (M, N, K, the W_SCALE variant)."""
     m = x.shape[0]
     n, k = weight.shape

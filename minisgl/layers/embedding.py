@@ -6,7 +6,6 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.fused import fused_kernels
-from minisgl.layers.linear import few_row_gemv_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,8 +41,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for every vocab shard, gathered across ranks, padding rows trimmed. On CUDA,
     2..`skinny_max_rows` rows (a speculative verify step) take the skinny GEMM
-    (`minisgl.kernels.skinny`) instead of cuBLAS, else 2..`few_row_max_rows` rows the few-row
-    GEMV (`minisgl.kernels.gemv.few_row_gemv`)."""
+    (`minisgl.kernels.skinny`) instead of cuBLAS."""
 
     def __init__(
         self,
@@ -51,13 +49,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         hidden: int,
         tie_to: VocabParallelEmbedding | None,
         skinny_max_rows: int = 0,
-        few_row_max_rows: int = 0,
     ) -> None:
         super().__init__(vocab_size, hidden)
         if tie_to is not None:
             self.weight = tie_to.weight
         self.skinny_max_rows = skinny_max_rows
-        self.few_row_max_rows = few_row_max_rows
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         fused = fused_kernels(hidden)
@@ -65,8 +61,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         few = 2 <= rows <= min(self.skinny_max_rows, 16)
         if fused is not None and few:
             logits = fused.skinny(hidden, self.weight)  # [N, vocab_local]
-        elif fused is not None and few_row_gemv_rows(rows, self.few_row_max_rows):
-            logits = fused.few_row_gemv(hidden, self.weight)  # [N, vocab_local]
         else:
             logits = F.linear(hidden, self.weight)  # [N, vocab_local]
         if self.tp_size > 1:

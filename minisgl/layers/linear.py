@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.config import QuantConfig
-from minisgl.config.quant import FEW_ROW_GEMV_MAX_ROWS
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernels.fp8 import FP8_DTYPE, is_fp8, round_trip_activations
 from minisgl.layers.fused import fused_kernels
@@ -358,9 +357,8 @@ class RowParallelLinear(LinearBase):
 
 
 class OneRowGemv(Protocol):
-    """`minisgl.kernels.gemv.gemv` (one row of x), `minisgl.kernels.gemv.few_row_gemv` (1..8
-    rows) or `minisgl.kernels.skinny.skinny` (1..16 rows): y = epilogue(W prologue(x)), the
-    same call."""
+    """`minisgl.kernels.gemv.gemv` (one row of x) or `minisgl.kernels.skinny.skinny` (1..16
+    rows): y = epilogue(W prologue(x)), the same call."""
 
     def __call__(
         self,
@@ -388,19 +386,15 @@ def _skinny_rows(x: torch.Tensor, quant: QuantConfig | None) -> bool:
 
 
 def one_row_gemv(
-    x: torch.Tensor,
-    quant: QuantConfig | None = None,
-    skinny_max_rows: int = 0,
-    few_row_max_rows: int = 0,
+    x: torch.Tensor, quant: QuantConfig | None = None, skinny_max_rows: int = 0
 ) -> OneRowGemv | None:
     """The fused few-row kernel for `x` ([M, K]) when a layer of this format should use it,
     where the fused kernels run (CUDA) and without tensor parallelism (the row-parallel
     projections would need their all-reduce between the product and the residual add):
     one row: the GEMV (or, for FP8 with `quant.skinny`, the skinny GEMM); 2..`skinny_max_rows`
-    rows of unquantized weights, or FP8 weight-only rows with `quant.skinny`: the skinny GEMM;
-    else 2..`few_row_max_rows` rows (FP8: weight-only ones, up to `quant.gemv_max_rows`): the
-    few-row GEMV. None: use the layers as they are (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`,
-    for A/B runs)."""
+    rows of unquantized weights, or FP8 weight-only rows with `quant.skinny`: the skinny GEMM.
+    None: use the layers as they are (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B
+    runs)."""
     if not _ONE_ROW or x.dim() != 2 or get_tp_info().size != 1:
         return None
     fused = fused_kernels(x)
@@ -410,16 +404,4 @@ def one_row_gemv(
     few = 2 <= rows <= min(skinny_max_rows, SKINNY_MAX_ROWS)
     if _skinny_rows(x, quant) or (quant is None and few):
         return fused.skinny  # type: ignore[no-any-return]
-    if few_row_gemv_rows(rows, few_row_max_rows, quant):
-        return fused.few_row_gemv  # type: ignore[no-any-return]
     return fused.gemv if rows == 1 else None  # type: ignore[no-any-return]
-
-
-def few_row_gemv_rows(rows: int, max_rows: int, quant: QuantConfig | None = None) -> bool:
-    """Whether `rows` rows of x (2..`max_rows`, at most 8) take the few-row GEMV; FP8 weights only
-    where their layers run weight-only (up to `quant.gemv_max_rows`), so the numerics stay the
-    reference path's."""
-    limit = min(max_rows, FEW_ROW_GEMV_MAX_ROWS)
-    if quant is not None:
-        limit = min(limit, quant.gemv_max_rows)
-    return 2 <= rows <= limit

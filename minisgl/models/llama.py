@@ -90,7 +90,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.quant, self.skinny_max_rows = cfg.quant, cfg.skinny_max_rows
-        self.few_row_max_rows = cfg.few_row_gemv_max_rows
 
     def forward(
         self,
@@ -100,7 +99,7 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, residual): the layer's result is their sum (no residual: the output)."""
-        gemv = one_row_gemv(x, self.quant, self.skinny_max_rows, self.few_row_max_rows)
+        gemv = one_row_gemv(x, self.quant, self.skinny_max_rows)
         # (A mixture of experts' fused path takes one token; a piecewise graph's attention
         # runs between its pieces.)
         few = x.shape[0] == 1 or isinstance(self.mlp, LlamaMLP)
@@ -124,8 +123,8 @@ class DecoderLayer(nn.Module):
         kernels (qkv, RoPE + KV store, attention, o_proj, gate/up, down) and a mixture of
         experts seven (its router, gate/up and down: `SparseMoeBlock.forward_one_row`). Returns
         the layer's output with the residual already added (and no residual). A dense layer
-        takes a few rows (a speculative verify step) the same way, with the skinny GEMM or the
-        few-row GEMV for `gemv` (`one_row_gemv`)."""
+        takes a few rows (a speculative verify step) the same way, with the skinny GEMM for
+        `gemv` (`one_row_gemv`)."""
         if residual is not None:
             x = x + residual
         attn, ln1, ln2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
@@ -200,9 +199,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(cfg)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(
-            cfg.vocab_size, cfg.hidden_size, tie_to=tied, skinny_max_rows=cfg.skinny_max_rows,
-            few_row_max_rows=cfg.few_row_gemv_max_rows,
-        )  # fmt: skip
+            cfg.vocab_size, cfg.hidden_size, tie_to=tied, skinny_max_rows=cfg.skinny_max_rows
+        )
 
     def forward(
         self,

@@ -86,15 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints (quant_method fp8, compressed-tensors) load as FP8 without it",
     )
     m.add_argument(
-        "--few-row-gemv-max-rows",
-        type=int,
-        default=0,
-        metavar="N",
-        help="on CUDA, linear layers with 2..N rows (at most 8; a speculative verify step, a "
-        "small decode batch) run the few-row GEMV, each weight read once for all rows, instead "
-        "of cuBLAS (FP8 ones up to their weight-only rows); 0: off",
-    )
-    m.add_argument(
         "--load-format",
         default="auto",
         choices=("auto", "dummy"),
@@ -441,7 +432,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         load_format=args.load_format,
         quantization=args.quantization,
-        few_row_gemv_max_rows=args.few_row_gemv_max_rows,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_calibrate=args.kv_cache_calibrate,
         page_size=args.page_size,

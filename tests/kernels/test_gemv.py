@@ -96,7 +96,7 @@ def test_gemv_fp8_weights_match_their_dequantized_values(layout, rows, extras):
     torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
-# One-row FP8 variants in the few-row kernel's layout (`GemvConfig.layout` "vec"), small tiles
+# One-row FP8 variants in the vec layout (`GemvConfig.layout` "vec"), small tiles
 # for the interpreter: e4m3 loads (16 or 8 columns a thread) widened by conversion, int32
 # words, partial sums per column, x at its step. "ptx" (inline PTX) runs on CUDA only; here
 # it is compiled (`COMPILE_VEC`), and the benchmark checks every variant's result on the GPU.
@@ -131,9 +131,6 @@ def test_gemv_fp8_vec_variants(variant):
         torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
 
 
-FEW_ROWS = [2, 3, 5, 8]
-
-
 def _fp8_weight(gen, n, k, layout):
     """An e4m3 [n, k] weight with a scale per row ("row") or per 128 x 128 block, and the fp32
     values it stands for."""
@@ -144,12 +141,14 @@ def _fp8_weight(gen, n, k, layout):
     return q, scale, dequantize_weight(q, scale, None if layout == "row" else 128, torch.float32)
 
 
-def _fp8_case(gen, q, scale, w_deq, rows, extras):
+def _fp8_case(gen, q, scale, w_deq, rows, extras, spread=False):
     """bf16 inputs for `extras` ("plain", "norm+bias", "act+residual", ...) on the device, as
-    (x, weight, bias, residual, norm weight, weight scale), and the fp64 reference on `w_deq`."""
+    (x, weight, bias, residual, norm weight, weight scale), and the fp64 reference on `w_deq`;
+    with `spread` the rows of x 0.1 to 10 times as large as each other."""
     n, k = q.shape
     act = extras.startswith("act")
-    x = (torch.randn(rows, 2 * k if act else k, generator=gen) * 2).to(torch.bfloat16)
+    size = torch.logspace(-1, 1, rows)[:, None] if spread else 2
+    x = (torch.randn(rows, 2 * k if act else k, generator=gen) * size).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).bfloat16() if "bias" in extras else None
     res = torch.randn(rows, n, generator=gen).bfloat16() if "residual" in extras else None
     g = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16() if "norm" in extras else None
@@ -157,77 +156,32 @@ def _fp8_case(gen, q, scale, w_deq, rows, extras):
     return [None if t is None else t.to(DEVICE) for t in (x, q, bias, res, g, scale)], want
 
 
-def _few_row_config(gemv, rows):
-    """Small tiles on the CPU (the K loop and the masks run more than once; the interpreter's
-    time goes by steps, not elements), x read ahead for an even row count, at its step for an
-    odd one; the defaults on CUDA."""
-    if DEVICE == "cuda":
-        return None
-    return gemv.GemvConfig(block_n=16, block_k=64, num_warps=2, x_ahead=rows % 2 == 0)
-
-
-@pytest.mark.parametrize("rows", FEW_ROWS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", [False, True, "act"])
-def test_few_row_gemv_matches_fp32_math(rows, dtype, norm):
-    """The few-row mode (one program for all rows of x) with every prologue and epilogue, on
-    ragged and exact shapes: each row against fp64 math."""
-    gemv = _gemv_module()
-    gen = torch.Generator().manual_seed(hash(("few", rows, str(dtype), norm)) % 2**31)
-    shapes = SHAPES_CUDA if DEVICE == "cuda" else SHAPES_CPU
-    for i, (n, k) in enumerate(shapes):
-        extras = ["both", "none", "residual", "bias"][(i + rows) % 4]
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
-        act = norm == "act"
-        # Rows of different sizes: a per-row rstd that mixed the rows up would show.
-        scale = torch.logspace(-1, 1, rows)[:, None]
-        x = (torch.randn(rows, 2 * k if act else k, generator=gen) * scale).to(dtype)
-        bias = torch.randn(n, generator=gen).to(dtype) if extras in ("bias", "both") else None
-        res = torch.randn(rows, n, generator=gen).to(dtype) if extras in ("residual", "both") else None  # fmt: skip
-        g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if norm is True else None
-        want = _reference(x, w, bias, res, g, 1e-5, act)
-        dev = [None if t is None else t.to(DEVICE) for t in (x, w, bias, res, g)]
-        got = gemv.few_row_gemv(
-            dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
-            act=act, config=_few_row_config(gemv, rows),
-        )  # fmt: skip
-        assert got.shape == (rows, n) and got.dtype == dtype
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
-
-
 @pytest.mark.parametrize("layout", ["row", "block"])
 @pytest.mark.parametrize(
     "rows", [2, 5] + [pytest.param(m, marks=pytest.mark.slow) for m in (3, 8)]
-)  # (about 2.5 s each in the interpreter)
-def test_few_row_gemv_fp8_weights(layout, rows):
-    """e4m3 weights with a scale per row or per 128 x 128 block in the few-row mode (ragged
-    blocks on the CPU), each fusion once, against fp64 math on the values they stand for."""
+)  # (about 1.7 s each in the interpreter)
+def test_gemv_fp8_vec_layout_takes_several_rows(layout, rows):
+    """The vec layout with several rows of x in one program (what an FP8 layer's weight-only
+    rows take with `fp8_gemv_max_rows` above 1 at the `TUNED_FP8` shapes), per-row or 128 x 128
+    block scales, each fusion once; rows of different sizes, so a per-row rstd that mixed the
+    rows up would show, against fp64 math on the values the weights stand for."""
     gemv = _gemv_module()
-    gen = torch.Generator().manual_seed(hash(("few fp8", layout, rows)) % 2**31)
-    n, k = (136, 260) if DEVICE == "cpu" else (6144, 4096)
+    gen = torch.Generator().manual_seed(hash(("vec rows", layout, rows)) % 2**31)
+    n, k = (136, 260) if DEVICE == "cpu" else (6144, 4096)  # ragged rows, K and blocks on the CPU
     q, scale, w_deq = _fp8_weight(gen, n, k, layout)
+    # CUDA: the shape's tuned config (PTX widening); the interpreter: words widened by conversion.
+    config = None
+    if DEVICE == "cpu":
+        config = gemv.GemvConfig(block_n=16, block_k=128, num_warps=4, layout="vec", vec=16,
+                                 words=True, keep_vec=rows % 2 == 0, x_ahead=rows != 5)  # fmt: skip
     for extras in ["plain", "norm+bias", "act+residual"]:
-        act = extras.startswith("act")
-        dev, want = _fp8_case(gen, q, scale, w_deq, rows, extras)
-        got = gemv.few_row_gemv(
+        dev, want = _fp8_case(gen, q, scale, w_deq, rows, extras, spread=True)
+        got = gemv.gemv(
             dev[0], dev[1], bias=dev[2], residual=dev[3], norm_weight=dev[4], eps=1e-5,
-            act=act, config=_few_row_config(gemv, rows), weight_scale=dev[5],
+            act=extras.startswith("act"), config=config, weight_scale=dev[5],
         )  # fmt: skip
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.cpu().double(), want, atol=2e-2, rtol=2e-2)
-
-
-def test_few_row_defaults_fit_the_gpu_layout():
-    """Every default few-row config puts all threads along K for a 16-bit x (the layout the
-    kernel needs on CUDA) and keeps a program's rows inside one 128-row FP8 scale block."""
-    from minisgl.config.quant import FEW_ROW_GEMV_MAX_ROWS
-    from minisgl.kernels.gemv import default_rows_config
-
-    for rows in range(2, FEW_ROW_GEMV_MAX_ROWS + 1):
-        for k in (64, 576, 4096, 14336):
-            cfg = default_rows_config(1 << (rows - 1).bit_length(), k)  # ROWS: a power of two
-            assert cfg.block_k // 8 >= 32 * cfg.num_warps and 128 % cfg.block_n == 0
 
 
 def test_gemv_rows_are_independent():
@@ -272,15 +226,13 @@ def test_gemv_compiles_for_sm90_without_spills():
     from sm90 import run_compile_script
 
     results = run_compile_script(__file__)
-    assert len(results) == len(COMPILE) + len(COMPILE_ROWS) + len(COMPILE_VEC)
+    assert len(results) == len(COMPILE) + len(COMPILE_VEC)
     spilled = [r for r in results if r["local"] > 0]
     assert not spilled, f"register spills: {spilled}"
-    # The few-row kernel's tiles share one layout: no shared-memory round trip in its K loop.
-    moved = [r for r in results if r["name"].startswith("rows") and r["loop_converts"]]
-    # The one-row FP8 variants' x, joined from two 16-byte loads, and their bytes of words are
-    # the weights' layout under another name (register renames in the loop, no more): the only
+    # The FP8 vec variants' x, joined from two 16-byte loads, and their bytes of words are the
+    # weights' layout under another name (register renames in the loop, no more): the only
     # shared memory is the final reductions' (a K step of x through it would be 8 KB).
-    moved += [r for r in results if r["name"].startswith("vec") and r["shared"] > 256]
+    moved = [r for r in results if r["name"].startswith("vec") and r["shared"] > 256]
     assert not moved, f"layout conversions inside the K loop: {moved}"
 
 
@@ -300,23 +252,10 @@ COMPILE = [
 ]  # fmt: skip
 
 
-# The few-row mode's default configs (`ROWS_CONFIGS`) and a few others, bf16 x, each prologue.
-COMPILE_ROWS = [
-    ("rows 2 norm 16x1024 w4", dict(ROWS=2, NORM=True, BLOCK_N=16, BLOCK_K=1024), 4),
-    ("rows 4 act residual 16x1024 w4 at", dict(ROWS=4, ACT=True, HAS_RES=True, BLOCK_N=16, BLOCK_K=1024, X_AHEAD=False), 4),
-    ("rows 8 norm 8x1024 w4 at", dict(ROWS=8, NORM=True, BLOCK_N=8, BLOCK_K=1024, X_AHEAD=False), 4),
-    ("rows 8 residual 8x1024 w4 at", dict(ROWS=8, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024, X_AHEAD=False), 4),
-    ("rows 8 act residual 8x1024 w4 at", dict(ROWS=8, ACT=True, HAS_RES=True, BLOCK_N=8, BLOCK_K=1024, X_AHEAD=False), 4),
-    ("rows 8 norm 4x1024 w4", dict(ROWS=8, NORM=True, BLOCK_N=4, BLOCK_K=1024), 4),
-    ("rows 8 fp8 row norm 8x1024 w4 at", dict(ROWS=8, NORM=True, BLOCK_N=8, BLOCK_K=1024, W_SCALE=1, X_AHEAD=False), 4),
-    ("rows 8 fp8 block norm 8x1024 w4 at", dict(ROWS=8, NORM=True, BLOCK_N=8, BLOCK_K=1024, W_SCALE=2, X_AHEAD=False), 4),
-    ("rows 8 fp8 block act residual 4x1024 w4", dict(ROWS=8, ACT=True, HAS_RES=True, BLOCK_N=4, BLOCK_K=1024, W_SCALE=2), 4),
-]  # fmt: skip
-
-
-# One-row FP8 variants in the few-row kernel's layout (ROWS 1, `GemvConfig.layout` "vec"), the
-# benchmark's quick sweep's kinds; per-row scales unless "block". Each thread's 16 columns are
-# one 16-byte load of e4m3 (VEC 16, HALVES 2) or two 8-byte ones (VEC 8).
+# FP8 variants in the vec layout (`GemvConfig.layout` "vec"): the benchmark's quick sweep's
+# kinds at one row of x, and two `TUNED_FP8` kinds at 2 and 4 rows ("rows": an FP8 layer's
+# weight-only rows with `fp8_gemv_max_rows` above 1); per-row scales unless "block". Each
+# thread's 16 columns are one 16-byte load of e4m3 (VEC 16, HALVES 2) or two 8-byte ones (VEC 8).
 COMPILE_VEC = [
     ("vec words ptx keep norm 8x2048 w4", dict(NORM=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True), 4),
     ("vec words ptx act residual 8x2048 w4", dict(ACT=True, HAS_RES=True, BLOCK_N=8, WORDS=True, WIDEN=2), 4),
@@ -326,6 +265,8 @@ COMPILE_VEC = [
     ("vec words cvt act residual 8x2048 w4", dict(ACT=True, HAS_RES=True, BLOCK_N=8, WORDS=True), 4),
     ("vec e4m3 cvt norm 8x2048 w4", dict(NORM=True, BLOCK_N=8), 4),
     ("vec e4m3 8 cvt norm 8x1024 w4", dict(NORM=True, BLOCK_N=8, BLOCK_K=1024, VEC=8), 4),
+    ("vec rows 2 words ptx keep norm 8x2048 w4", dict(ROWS=2, NORM=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True), 4),
+    ("vec rows 4 words ptx act residual 8x2048 w4", dict(ROWS=4, ACT=True, HAS_RES=True, BLOCK_N=8, WORDS=True, WIDEN=2), 4),
 ]  # fmt: skip
 
 
@@ -338,7 +279,7 @@ def _compile_all() -> list[dict[str, object]]:
     vec = [
         (n, {"ROWS": 1, "VEC": 16, "BLOCK_K": 2048, "W_SCALE": 1} | c, w) for n, c, w in COMPILE_VEC
     ]
-    for kernel, variants in ((_gemv_kernel, COMPILE), (_gemv_rows_kernel, COMPILE_ROWS + vec)):
+    for kernel, variants in ((_gemv_kernel, COMPILE), (_gemv_rows_kernel, vec)):
         for name, c, warps in variants:
             types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
             types |= {"eps": "fp32", "s_ptr": "*fp32"}

@@ -261,28 +261,23 @@ def test_tiny_arch_shapes_that_are_not_blocks_quantize_per_channel(tiny_model_di
 
 
 def test_linear_kernel_switches_reach_the_model_config():
-    """`skinny_max_rows`, `few_row_gemv_max_rows` and `fp8_skinny` travel from the engine's
-    config to the model's (the layers choose their kernels from it; left unset, models up to
-    hidden size 1024 take the skinny GEMM up to 16 rows, and none the few-row GEMV); a row count
-    a kernel cannot take is refused by name."""
+    """`skinny_max_rows` and `fp8_skinny` travel from the engine's config to the model's (the
+    layers choose their kernels from it; left unset, models up to hidden size 1024 take the
+    skinny GEMM up to 16 rows); a row count the skinny GEMM cannot take is refused by
+    name."""
     from minisgl.config import EngineConfig, ModelConfig, RopeConfig, resolve_model_quantization
 
     shape = dict(vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
     mcfg = ModelConfig("LlamaForCausalLM", head_dim=8, intermediate_size=8, rms_norm_eps=1e-6,
                        rope=RopeConfig(), max_position=16, **shape)  # fmt: skip
-    cfg = EngineConfig(device="cpu", quantization="fp8", fp8_skinny=True, skinny_max_rows=8,
-                       few_row_gemv_max_rows=5)  # fmt: skip
+    cfg = EngineConfig(device="cpu", quantization="fp8", fp8_skinny=True, skinny_max_rows=8)
     got = resolve_model_quantization(mcfg, cfg)
     assert got.skinny_max_rows == 8 and got.quant is not None and got.quant.skinny
-    assert got.few_row_gemv_max_rows == 5
     plain = resolve_model_quantization(mcfg, EngineConfig(device="cpu"))
     assert plain.skinny_max_rows == 16 and plain.quant is None  # a small model: on by its size
-    assert plain.few_row_gemv_max_rows == 0
     large = resolve_model_quantization(replace(mcfg, hidden_size=4096), EngineConfig(device="cpu"))
     assert large.skinny_max_rows == 0
     off = resolve_model_quantization(mcfg, EngineConfig(device="cpu", skinny_max_rows=0))
     assert off.skinny_max_rows == 0
     with pytest.raises(ValueError, match="skinny_max_rows"):
         EngineConfig(skinny_max_rows=17)
-    with pytest.raises(ValueError, match="few_row_gemv_max_rows"):
-        EngineConfig(few_row_gemv_max_rows=9)

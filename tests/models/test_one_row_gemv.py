@@ -98,39 +98,21 @@ def test_fp8_fused_path_matches_the_reference_path(arch, tiny_model_dir, tmp_pat
 
 
 @pytest.mark.parametrize(
-    ("arch", "options", "kernel"),
+    ("arch", "options"),
     [
-        ("llama3", {"skinny_max_rows": 16}, "skinny"),
-        # the few-row GEMV where the skinny GEMM is off (and the LM head's few-row product;
-        # about 20 s: one interpreted program per 4-8 weight rows)
-        pytest.param(
-            "llama3",
-            {"skinny_max_rows": 0, "few_row_gemv_max_rows": 8},
-            "few_row_gemv",
-            marks=pytest.mark.slow,
-        ),
-        pytest.param(
-            "qwen2", {"skinny_max_rows": 16}, "skinny", marks=pytest.mark.slow
-        ),  # a qkv bias
+        ("llama3", {"skinny_max_rows": 16}),
+        pytest.param("qwen2", {"skinny_max_rows": 16}, marks=pytest.mark.slow),  # a qkv bias
         pytest.param(
             "qwen3",
             {"quantization": "fp8", "fp8_gemv_max_rows": 4, "fp8_skinny": True},
-            "skinny",
-            marks=pytest.mark.slow,
-        ),
-        pytest.param(
-            "qwen3",
-            {"quantization": "fp8", "fp8_gemv_max_rows": 4, "few_row_gemv_max_rows": 8},
-            "few_row_gemv",
             marks=pytest.mark.slow,
         ),
     ],
 )
-def test_few_row_steps_take_the_fused_kernel(arch, options, kernel, tiny_model_dir, monkeypatch):
+def test_few_row_steps_take_the_skinny_gemm(arch, options, tiny_model_dir, monkeypatch):
     """Batched decode steps (three rows) through the dense layers' fused few-row path with the
     skinny GEMM (`skinny_max_rows`, and the LM head's skinny product; or FP8 weight-only rows
-    with `fp8_skinny`, one row included) or the few-row GEMV (`few_row_gemv_max_rows`) against
-    the torch layers on the same weights."""
+    with `fp8_skinny`, one row included) against the torch layers on the same weights."""
     path = str(tiny_model_dir(arch))
     prompts = random_prompts(3, 256, seed=6, lo=2, hi=20)
     common = {"dtype": "float32", "device": "cpu", "skip_warmup": True, **options}
@@ -147,7 +129,7 @@ def test_few_row_steps_take_the_fused_kernel(arch, options, kernel, tiny_model_d
     monkeypatch.setattr(DecoderLayer, "forward_one_row", counting)
     llm = LLM(path, attention_backend="triton", page_size=4, **common)
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
-    assert (3, kernel) in rows, f"no three-row step took {kernel}: {set(rows)}"
+    assert (3, "skinny") in rows, f"no three-row step took the skinny GEMM: {set(rows)}"
     for g, w in zip(got, want):
         assert g["token_ids"] == w["token_ids"]
         torch.testing.assert_close(g["logprobs"], w["logprobs"], atol=1e-4, rtol=0)

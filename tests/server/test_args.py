@@ -44,7 +44,6 @@ FLAGS = [
     "--kv-cache-dtype",
     "--kv-cache-calibrate",
     "--quantization",
-    "--few-row-gemv-max-rows",
     "--api-key-file",
     "--max-request-bytes",
     "--max-seqs-per-request",
@@ -153,14 +152,6 @@ def test_fp8_flags() -> None:
         0,
         None,
     )
-
-
-def test_few_row_gemv_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_args(["--few-row-gemv-max-rows", "8"]).engine.few_row_gemv_max_rows == 8
-    assert parse_args([]).engine.few_row_gemv_max_rows == 0
-    with pytest.raises(SystemExit):
-        parse_args(["--few-row-gemv-max-rows", "9"])
-    assert "few_row_gemv_max_rows: must be between 0 (off) and 8" in capsys.readouterr().err
 
 
 def test_scheduling_flags() -> None:
