@@ -23,12 +23,11 @@ from minisgl.kernels.common import (
     v_row_ptrs,
 )
 from minisgl.kernels.fp8_gemm import fp8_linear
-from minisgl.kernels.gemv import few_row_gemv, gemv
+from minisgl.kernels.gemv import gemv
 from minisgl.kernels.moe import one_row_moe
 from minisgl.kernels.skinny import skinny
 
 __all__ = [
-    "few_row_gemv",
     "fp8_linear",
     "gemv",
     "one_row_moe",

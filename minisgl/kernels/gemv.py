@@ -579,11 +579,6 @@ def gemv(
     return y
 
 
-# Called by nothing: only `minisgl.kernels.fused` still imports and exports the name, left for
-# its next edit (drop both together; that file was being changed when this option went).
-few_row_gemv = gemv
-
-
 def check_fused_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
