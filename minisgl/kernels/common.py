@@ -191,7 +191,7 @@ def fp8_operand(x, q):
 def load_v_block(
     v_head_ptr,  # V of this program's KV head: v_ptr + kv_head * (V's head stride)
     slots,  # [BLOCK_N] int64 slots of positions `pos` (clamped into the context: `token_slots`)
-    pos,  # [BLOCK_N] positions, a multiple of BLOCK_N first
+    pos,  # [BLOCK_N] positions, the first a multiple of BLOCK_N
     mask_n,  # [BLOCK_N] positions inside the context
     offs_d,  # [HEAD_DIM]
     stride_vt,  # V's stride of a token (16-bit pools) or of a page (PAGED_T)
@@ -205,7 +205,10 @@ def load_v_block(
     would split the 16-byte loads): keys past the context read their last page's other slots,
     always finite in such a pool, which the caller's softmax weighs 0."""
     if PAGED_T:
-        run: tl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+        # Runs of keys in one page, aligned: the largest power of two dividing PAGE_SIZE (any
+        # page size works), at most BLOCK_N (blocks start at multiples of BLOCK_N).
+        low: tl.constexpr = PAGE_SIZE & (-PAGE_SIZE)
+        run: tl.constexpr = low if low < BLOCK_N else BLOCK_N
         page = tl.max_constancy((slots // PAGE_SIZE) * stride_vt, run)
         in_page = tl.max_contiguous(tl.multiple_of(pos % PAGE_SIZE, run), run)
         v_t = tl.load(v_head_ptr + offs_d[:, None] * PAGE_SIZE + page[None, :] + in_page[None, :])

@@ -227,6 +227,7 @@ FP8_DECODE_CASES = [
     (torch.float32, 1, 64, 9, 3, 1, [37, 1, 70], SMALL_DECODE),
     (torch.bfloat16, 16, 64, 4, 4, 2, [90, 1, 20], SMALL_DECODE),
     (torch.float16, 16, 128, 16, 2, 1, [48, 31], SMALL_DECODE),
+    (torch.bfloat16, 24, 64, 4, 2, 2, [100, 47], SMALL_DECODE),  # pages of 24: runs of 8 keys
     (torch.bfloat16, 32, 128, 4, 2, 1, [300, 9], default_decode_config(128, kv_fp8=True)),
     (torch.float32, 16, 64, 6, 2, 2, [600, 1, 40], default_decode_config(64, kv_fp8=True)),
 ]
