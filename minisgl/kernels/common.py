@@ -144,8 +144,8 @@ def dot_flags(dtype: torch.dtype, kernel: object, kv_fp8: bool = False) -> tuple
 
 @triton.jit
 def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
-    """(x [H, D] - shift [H, D] or 0) * (1 / scale [H]) in fp32, clamped to e4m3's +-448 (a store then
-    rounds it to e4m3): `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter,
+    """(x [H, D] - shift [H, D] or 0) * (1 / scale [H]) in fp32, clamped to e4m3's +-448 (a
+    store then rounds it to e4m3): `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter,
     whose fp32 -> e4m3 cast rounds ties away from zero and drops the carry into the exponent, so
     127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
     represent."""
