@@ -526,6 +526,12 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> 
     )
 
 
+# The vec layout's kernel keeps every row of x in one program (registers per row): more rows
+# (`fp8_gemv_max_rows` set high) run in chunks of this many. The sm_90 build of the 8B FP8
+# tiles is at 254-255 registers from 4 rows on; larger chunks were never compiled or timed.
+VEC_MAX_ROWS = 8
+
+
 def gemv(
     x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), M small
     weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
@@ -542,6 +548,14 @@ def gemv(
     rows = triton.next_power_of_2(m)
     cfg = config or default_config(n, k, act, w_scale != 0)
     rows_kernel = cfg.layout == "vec"
+    if rows_kernel and m > VEC_MAX_ROWS:  # one program holds every row: chunks of rows
+        chunks = [
+            gemv(x[lo : lo + VEC_MAX_ROWS], weight, bias,
+                 None if residual is None else residual[lo : lo + VEC_MAX_ROWS], norm_weight,
+                 eps, act, cfg, weight_scale)
+            for lo in range(0, m, VEC_MAX_ROWS)
+        ]  # fmt: skip
+        return torch.cat(chunks)
     vec = cfg.vec or rows_vec(x)
     assert cfg.layout in ("tile", "vec") and cfg.widen in WIDEN, cfg
     assert rows_kernel or cfg.widen == "cvt", "the vec layout's knobs"

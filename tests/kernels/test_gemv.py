@@ -158,8 +158,8 @@ def _fp8_case(gen, q, scale, w_deq, rows, extras, spread=False):
 
 @pytest.mark.parametrize("layout", ["row", "block"])
 @pytest.mark.parametrize(
-    "rows", [2, 5] + [pytest.param(m, marks=pytest.mark.slow) for m in (3, 8)]
-)  # (about 1.7 s each in the interpreter)
+    "rows", [2, 5] + [pytest.param(m, marks=pytest.mark.slow) for m in (3, 8, 19)]
+)  # (about 1.7 s each in the interpreter; 19: chunks of VEC_MAX_ROWS)
 def test_gemv_fp8_vec_layout_takes_several_rows(layout, rows):
     """The vec layout with several rows of x in one program (what an FP8 layer's weight-only
     rows take with `fp8_gemv_max_rows` above 1 at the `TUNED_FP8` shapes), per-row or 128 x 128
