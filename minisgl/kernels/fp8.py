@@ -40,7 +40,7 @@ def quantize_kv(
     shift: torch.Tensor | None = None,  # [Hkv, D] fp32, subtracted first (keys)
 ) -> torch.Tensor:  # [T, Hkv, D] e4m3
     xf = x.float() if shift is None else x.float() - shift
-    return to_fp8(xf * (1.0 / scale.float())[:, None])  # as the store kernels: one reciprocal
+    return to_fp8(xf / scale[:, None])
 
 
 # ---- an FP8 pool's V: each page stored [Hkv, D, page_size] -------------------------------------
