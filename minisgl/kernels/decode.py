@@ -256,7 +256,8 @@ def decode_attention(
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size,
-        SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee, EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee, EMULATE_BF16=emulate_bf16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out
 
