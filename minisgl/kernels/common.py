@@ -150,9 +150,9 @@ def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
     127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
     represent."""
     # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference. A
-    # product by one reciprocal per head was tried (session 16): it moved ~1e-7 of random values' bytes, yet
-    # SmolLM2's calibrated FP8-KV perplexity went from +0.45% to +0.60% (noise at this size, but
-    # the target is 1%), for a store kernel of ~6 us a layer.
+    # product by one reciprocal per head was tried (session 16): it moved ~1e-7 of random
+    # values' bytes, yet SmolLM2's calibrated FP8-KV perplexity went from +0.45% to +0.60%
+    # (noise at this size, but the target is 1%), for a store kernel of ~6 us a layer.
     y = tl.math.div_rn(x.to(tl.float32) - shift, scale[:, None] + tl.zeros_like(x.to(tl.float32)))
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EMULATE_FP8:
@@ -193,7 +193,7 @@ def load_v_block(
     v_head_ptr,  # V of this program's KV head: v_ptr + kv_head * (V's head stride)
     slots,  # [BLOCK_N] int64 slots of positions `pos` (clamped into the context: `token_slots`)
     pos,  # [BLOCK_N] positions, the first a multiple of BLOCK_N
-    mask_n,  # [BLOCK_N] positions inside the context
+    mask_n,  # [BLOCK_N] positions inside the context, or None: all of them
     offs_d,  # [HEAD_DIM]
     stride_vt,  # V's stride of a token (16-bit pools) or of a page (PAGED_T)
     PAGE_SIZE: tl.constexpr,
@@ -215,11 +215,11 @@ def load_v_block(
         v_t = tl.load(v_head_ptr + offs_d[:, None] * PAGE_SIZE + page[None, :] + in_page[None, :])
         v = tl.trans(v_t)
     else:
-        v = tl.load(
-            v_head_ptr + slots[:, None] * stride_vt + offs_d[None, :],
-            mask=mask_n[:, None],
-            other=0.0,
-        )
+        ptrs = v_head_ptr + slots[:, None] * stride_vt + offs_d[None, :]
+        if mask_n is None:
+            v = tl.load(ptrs)
+        else:
+            v = tl.load(ptrs, mask=mask_n[:, None], other=0.0)
     return v
 
 

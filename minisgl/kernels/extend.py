@@ -135,7 +135,7 @@ def _extend_kernel(
             k = fp8_operand(k, q)
         qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
         v = load_v_block(
-            v_base, slots, n + offs_n, offs_n >= 0, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
+            v_base, slots, n + offs_n, None, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
         )
         if KV_FP8:
             v = fp8_operand(v, q)

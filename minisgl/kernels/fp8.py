@@ -70,11 +70,9 @@ def v_rows(v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def store_v_rows(v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """`v_rows(v, slots) = rows` (rows already in the cache dtype); e4m3 as bytes (the CPU has no
-    e4m3 index_put)."""
-    if v.dim() == 3:
-        v.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
-        return
+    """`v_rows(v, slots) = rows` for an FP8 pool's V ([pages, Hkv, D, page_size]; rows e4m3),
+    as bytes (the CPU has no e4m3 index_put)."""
+    assert v.dim() == 4 and is_fp8(v.dtype) and is_fp8(rows.dtype)
     ps = v.shape[3]
     v.view(torch.uint8)[slots // ps, :, :, slots % ps] = rows.view(torch.uint8)
 

@@ -36,9 +36,9 @@ TB/s measured. So the one-row FP8 variants (`GemvConfig.layout` "vec"; `TUNED_FP
 for the Llama-3-8B shapes, `python -m minisgl.benchmark.gemv --fp8` chooses) run in the vec
 layout's kernel (below) at ROWS 1, with 16 columns a thread per step (`vec` 16: one 16-byte
 load of e4m3 per weight row, the two 16-byte loads of x joined in registers into the same
-layout, nothing through shared memory), the bytes kept packed as int32 words (`words`), each word's four bytes widened by the hardware
-conversion of its two 16-bit halves (`widen` "ptx", inline PTX: 1.5 instructions a weight),
-and one fp32 partial sum per column (`keep_vec`: one FMA a weight): ~3.9 instructions a weight
+layout, nothing through shared memory), the bytes kept packed as int32 words (`words`), each
+word's four bytes widened by the hardware conversion of its two 16-bit halves (`widen` "ptx",
+inline PTX: 1.5 instructions a weight), and one fp32 partial sum per column (`keep_vec`: one FMA a weight): ~3.9 instructions a weight
 at 8 rows a program, ~3.6 at 16. (Measured on the H200 and dropped: widening by integer ops,
 ~3 instructions a weight, and K split over programs with a reduction by the last one; both
 slower at every 8B shape, docs/benchmarks.md, fifteenth session.)
@@ -125,8 +125,9 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 
 # The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.gemv --fp8` on the H200
 # (docs/benchmarks.md); other shapes take the bf16 table's tiles. Llama-3-8B (session 15, `--fp8
-# --quick --only 8b`): the vec layout at one row, 16-byte e4m3 loads widened by inline PTX, us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37
-# (3.13; 7.39), gate_up 33.2 (3.54; 40.3), down 16.6 (3.54; 26.1), LM head 134.9 (3.89; 165.3).
+# --quick --only 8b`): the vec layout at one row, 16-byte e4m3 loads widened by inline PTX,
+# us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37 (3.13;
+# 7.39), gate_up 33.2 (3.54; 40.3), down 16.6 (3.54; 26.1), LM head 134.9 (3.89; 165.3).
 TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
     (6144, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", keep_vec=True, words=True),
     (4096, 4096, False): GemvConfig(4, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
