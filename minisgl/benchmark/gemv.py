@@ -96,8 +96,9 @@ def _fp8_variants(quick: bool) -> list[GemvConfig]:
         out += [vec(8, words=True, widen="cvt"), vec(8, widen="cvt")]
         out += [vec(8, words=True, widen="ptx", keep_vec=True, x_ahead=False)]
         out += [vec(8, 8, words=True, widen="ptx", keep_vec=True), vec(4, 8, words=True, widen="ptx")]  # fmt: skip
+        out += _persist_variants()
         return out
-    return [
+    return _persist_variants() + [
         vec(bn, warps, words=words, widen=widen, keep_vec=kv, x_ahead=ahead)
         for bn, warps, words, widen, kv, ahead in itertools.product(
             (2, 4, 8, 16),
@@ -111,6 +112,19 @@ def _fp8_variants(quick: bool) -> list[GemvConfig]:
         and bn * warps <= 64  # (16 rows x 8 warps: 255 registers and more)
         and (ahead or (words and widen == "ptx"))
     ]
+
+
+def _persist_variants() -> list[GemvConfig]:
+    """The persistent grid (`GemvConfig.persist`: programs per SM) at the programs an SM holds
+    at each tile's registers (sm_90 build, `tests/kernels/test_gemv.py`: 8 rows 128-140
+    registers, 3-4 programs of 128 threads; 4 rows 64-71, 7-8), and a little under."""
+
+    def vec(bn: int, persist: int, **kw: Any) -> GemvConfig:
+        return GemvConfig(bn, 2048, 4, layout="vec", vec=16, words=True, widen="ptx",
+                          persist=persist, **kw)  # fmt: skip
+
+    out = [vec(8, p) for p in (2, 3, 4)] + [vec(8, 3, keep_vec=True)]
+    return out + [vec(4, p) for p in (4, 6, 7, 8)] + [vec(4, 6, x_ahead=False)]
 
 
 def config_src(c: GemvConfig) -> str:
@@ -137,6 +151,7 @@ def family(c: GemvConfig) -> str:
     parts = ["vec", f"v{c.vec}", "words" if c.words else "e4m3", c.widen]
     parts += ["keep_vec"] if c.keep_vec else []
     parts += [] if c.x_ahead else ["x_at"]
+    parts += [f"persist {c.persist}"] if c.persist else []
     return " ".join(parts)
 
 
