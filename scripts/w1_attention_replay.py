@@ -13,6 +13,7 @@ batch of the same size and mean context, then stops the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,18 @@ def replay(args: Any, kw: dict[str, Any], copy_bw: float) -> list[dict[str, Any]
     perm = torch.argsort(lens, descending=True)
     variants = {
         "as captured": (q, table, lens, kw.get("num_splits")),
-        "longest first": (q[perm].contiguous(), table[perm].contiguous(), lens[perm].contiguous(),
-                          kw.get("num_splits")),  # fmt: skip
-        "shortest first": (q[perm.flip(0)].contiguous(), table[perm.flip(0)].contiguous(),
-                           lens[perm.flip(0)].contiguous(), kw.get("num_splits")),  # fmt: skip
+        "longest first": (
+            q[perm].contiguous(),
+            table[perm].contiguous(),
+            lens[perm].contiguous(),
+            kw.get("num_splits"),
+        ),  # fmt: skip
+        "shortest first": (
+            q[perm.flip(0)].contiguous(),
+            table[perm.flip(0)].contiguous(),
+            lens[perm.flip(0)].contiguous(),
+            kw.get("num_splits"),
+        ),  # fmt: skip
         "2 splits": (q, table, lens, 2),
         "4 splits": (q, table, lens, 4),
     }
@@ -116,10 +125,8 @@ def main() -> None:
     llm = TokenIdLLM(str(MODEL), load_format="dummy", cuda_graph_max_bs=0,
                      kv_cache_dtype=a.kv_cache_dtype, show_progress=False)  # fmt: skip
     wl = w1_workload()
-    try:
+    with contextlib.suppress(Captured):
         llm.generate(wl.prompts, sampling_params(wl), use_tqdm=False)
-    except Captured:
-        pass
     if "rows" not in state:
         print("no decode-only step of that size was seen")
 
