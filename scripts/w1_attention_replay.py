@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import torch
 import minisgl.attention.triton_backend as tb
 from minisgl.benchmark.common import measure_bandwidth
 from minisgl.benchmark.offline import TokenIdLLM, sampling_params, w1_workload
-from minisgl.kernels.decode import decode_attention, default_decode_config
+from minisgl.kernels.decode import decode_attention
 
 MODEL = Path(__file__).resolve().parents[1] / "minisgl" / "benchmark" / "models" / "qwen3-0.6b"
 
@@ -70,22 +68,13 @@ def replay(args: Any, kw: dict[str, Any], copy_bw: float) -> list[dict[str, Any]
         "2 splits": (q, table, lens, 2),
         "4 splits": (q, table, lens, 4),
     }
-    base = kw.get("config") or default_decode_config(dim, k_cache.dtype == torch.float8_e4m3fn)
-    configs = {name: base for name in variants}
-    for p, every in itertools.product((2, 3, 4), (False, True)):
-        name = f"persist {p}" + (" q every block" if every else "")
-        variants[name] = (q, table, lens, 1)
-        configs[name] = dataclasses.replace(base, persist=p, persist_q_every_block=every)
-        if p == 3 and not every:
-            variants[name + ", longest first"] = variants["longest first"][:3] + (1,)
-            configs[name + ", longest first"] = configs[name]
     rows = []
     for name, (qq, tt, ll, splits) in variants.items():
         out = torch.empty_like(qq)
 
-        def call(qq=qq, tt=tt, ll=ll, splits=splits, out=out, cfg=configs[name]) -> None:
+        def call(qq=qq, tt=tt, ll=ll, splits=splits, out=out) -> None:
             decode_attention(qq, k_cache, v_cache, tt, ll, ps, scale, num_splits=splits,
-                             config=cfg, out=out, kv_scales=kw.get("kv_scales"))  # fmt: skip
+                             config=kw.get("config"), out=out, kv_scales=kw.get("kv_scales"))  # fmt: skip
 
         sec = time_call(call)
         rows.append({"variant": name, "num_splits": splits, "us": sec * 1e6,
@@ -95,7 +84,7 @@ def replay(args: Any, kw: dict[str, Any], copy_bw: float) -> list[dict[str, Any]
              "page_size": ps, "engine_num_splits": kw.get("num_splits")}  # fmt: skip
     print(json.dumps(stats))
     for r in rows:
-        print(f"  {r['variant']:34} splits {r['num_splits']}  {r['us']:8.1f} us  "
+        print(f"  {r['variant']:16} splits {r['num_splits']}  {r['us']:8.1f} us  "
               f"fraction {r['fraction_of_copy']:.3f}")  # fmt: skip
     # the page scatter: how many of each row's consecutive pages are consecutive in the pool
     pages = [(table[i, : -(-n // ps)]).tolist() for i, n in enumerate(lens_l)]

@@ -51,10 +51,6 @@ class DecodeConfig:
     programs_per_sm: int = 4
     min_split_tokens: int = 64  # 256 left batch-1 W2 steps with 2 splits of a 300-token context
     max_splits: int = 64
-    # Unsplit launches on a persistent grid of this many programs per SM
-    # (`_decode_persist_kernel`); 0: a program per (request, KV head).
-    persist: int = 0
-    persist_q_every_block: bool = False  # re-read q at every key block (fewer registers)
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
@@ -207,111 +203,6 @@ def _decode_split_kernel(
             )  # fmt: skip
 
 
-# The same per-step integers unspecialised as `_decode_split_kernel`.
-@triton.jit(do_not_specialize=["stride_bt", "batch"])
-def _decode_persist_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, o_ptr, k_scale_ptr, v_scale_ptr,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ob,
-    stride_oh,
-    batch,
-    num_kv_heads,
-    scale_log2,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    Q_EVERY_BLOCK: tl.constexpr,  # q read at every block (fewer registers), else at item ends
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """`_decode_split_kernel` without splits on a persistent grid: program p owns the (request,
-    KV head) items p, p + P, p + 2P, ... (P programs; KV heads vary fastest, as there) and walks
-    all their key blocks as one flat loop, so the pipeline's loads run on from one item's last
-    block into the next item's first: a program per item fills its pipeline, waits for its
-    first block and drains it again at every item, and the shortest requests are mostly that.
-    The loop's state (item, block, length) advances without branches, so its loads stay
-    pipelined; the item's output is written at its last block. An empty request (CUDA-graph
-    padding) is one fully masked block, written as zeros."""
-    pdl_prologue(PDL)
-    pid = tl.program_id(0)
-    progs = tl.num_programs(0)
-    items = batch * num_kv_heads
-    total = 0
-    for j in range(pid, items, progs):
-        total += tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + j // num_kv_heads), BLOCK_N), 1)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_h = offs_h < GROUP
-    item = pid
-    blk = 0
-    seq_len = tl.load(seq_lens_ptr + pid // num_kv_heads, mask=pid < items, other=0)
-    q, qk_scale = _persist_q(q_ptr, k_scale_ptr, pid, items, num_kv_heads, stride_qb, stride_qh,
-                             scale_log2, offs_h, offs_d, GROUP, KV_FP8)  # fmt: skip
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for _ in range(total):
-        b = item // num_kv_heads
-        kv_head = item % num_kv_heads
-        if Q_EVERY_BLOCK:  # from L1 / L2; the sm_90 build: 146 registers, not 176
-            q, qk_scale = _persist_q(q_ptr, k_scale_ptr, item, items, num_kv_heads, stride_qb,
-                                     stride_qh, scale_log2, offs_h, offs_d, GROUP, KV_FP8)  # fmt: skip
-        pos = blk * BLOCK_N + offs_n
-        mask_n = pos < seq_len
-        table_row = block_table_ptr + b * stride_bt
-        slots = token_slots(table_row, tl.minimum(pos, tl.maximum(seq_len - 1, 0)), PAGE_SIZE)
-        slots = tl.where(seq_len > 0, slots, 0)  # an empty request's row may hold no page
-        k = tl.load(k_ptr + kv_head * stride_kh + offs_d[None, :] + slots[:, None] * stride_kt,
-                    mask=mask_n[:, None], other=0.0)  # fmt: skip
-        if KV_FP8:
-            k = fp8_operand(k, q)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = load_v_block(v_ptr + kv_head * stride_vh, slots, pos, mask_n, offs_d, stride_vt,
-                         PAGE_SIZE, BLOCK_N, KV_FP8)  # fmt: skip
-        if KV_FP8:
-            v = fp8_operand(v, q)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16, True)
-        last = blk == tl.maximum(tl.cdiv(seq_len, BLOCK_N), 1) - 1
-        if last:  # the item's output; then the next item's query
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
-            out = acc / l_safe[:, None]
-            if KV_FP8:
-                out = out * tl.load(v_scale_ptr + kv_head)
-            if EMULATE_BF16:
-                out = round_bf16(out)
-            heads = kv_head * GROUP + offs_h
-            o_dst = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_dst, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
-            if not Q_EVERY_BLOCK:
-                q, qk_scale = _persist_q(q_ptr, k_scale_ptr, item + progs, items, num_kv_heads,
-                                         stride_qb, stride_qh, scale_log2, offs_h, offs_d,
-                                         GROUP, KV_FP8)  # fmt: skip
-        # m_i at -inf makes the next block's rescale factor 0: l_i and acc restart with it
-        m_i = tl.where(last, float("-inf"), m_i)
-        item = tl.where(last, item + progs, item)
-        blk = tl.where(last, 0, blk + 1)
-        seq_len = tl.where(
-            last, tl.load(seq_lens_ptr + item // num_kv_heads, mask=item < items, other=0), seq_len
-        )
-
-
-@triton.jit
-def _persist_q(q_ptr, k_scale_ptr, item, items, num_kv_heads, stride_qb, stride_qh, scale_log2,
-               offs_h, offs_d, GROUP: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
-    """The query rows of item (request, KV head) `item` as the dots take them (zeros past the
-    last item), and the scale of its scores."""
-    kv_head = item % num_kv_heads
-    heads = kv_head * GROUP + offs_h
-    q = tl.load(q_ptr + (item // num_kv_heads) * stride_qb + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=(offs_h < tl.where(item < items, GROUP, 0))[:, None],
-                other=0.0)  # fmt: skip
-    qk_scale = scale_log2
-    if KV_FP8:
-        q = fp8_operand(q, q)
-        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
-    return q, qk_scale
-
-
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
@@ -358,19 +249,6 @@ def decode_attention(
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel, fp8)
     k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
     pdl = pdl_args(q.device)
-    if num_splits == 1 and cfg.persist:
-        grid = min(batch * num_kv_heads, cfg.persist * num_sms(q.device))
-        _decode_persist_kernel[(grid,)](
-            q, k_cache, v_cache, block_table, seq_lens, out, k_scale, v_scale, q.stride(0),
-            q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), batch,
-            num_kv_heads, sm_scale * math.log2(math.e), GROUP=group,
-            BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            BLOCK_N=cfg.block_n_unsplit, PAGE_SIZE=page_size, KV_FP8=fp8, IEEE=ieee,
-            EMULATE_BF16=emulate_bf16, Q_EVERY_BLOCK=cfg.persist_q_every_block,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-        )  # fmt: skip
-        return out
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters, k_scale,
         v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

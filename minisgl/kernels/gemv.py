@@ -129,19 +129,19 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 
 
 # The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.gemv --fp8` on the H200
-# (docs/benchmarks.md); other shapes take the bf16 table's tiles. Session 17, `--fp8 --quick
-# --only 8b,30b`: the vec layout at one row (16-byte e4m3 loads widened by inline PTX), a
-# persistent grid of 3 programs per SM where it measured faster; us (TB/s of e4m3 weights; the
-# session-15 tiles' us): Llama-3-8B qkv 8.68 (2.90; 9.32), o_proj 5.38 (3.12; 5.36), gate_up
-# 31.6 (3.72; 32.7), down 16.8 (3.50; 16.6), LM head 127.7 (4.11; 134.4); Qwen3-30B-A3B qkv
-# 5.12 (2.05; 5.55), o_proj 3.67 (2.29; 3.66).
+# (docs/benchmarks.md); other shapes take the bf16 table's tiles. Llama-3-8B (session 15, `--fp8
+# --quick --only 8b`): the vec layout at one row, 16-byte e4m3 loads widened by inline PTX,
+# us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37 (3.13;
+# 7.39), gate_up 33.2 (3.54; 40.3), down 16.6 (3.54; 26.1), LM head 134.9 (3.89; 165.3).
 TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
-    (6144, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True, persist=3),
+    (6144, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", keep_vec=True, words=True),
     (4096, 4096, False): GemvConfig(4, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
-    (28672, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", keep_vec=True, words=True, persist=3),
+    (28672, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
     (4096, 14336, True): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
-    (128256, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", keep_vec=True, words=True, persist=3),
-    (5120, 2048, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True, persist=3),
+    (128256, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
+    # Qwen3-30B-A3B (session 17, `--fp8 --quick --only 30b`): qkv 5.63 us (the tiles before:
+    # 5.97), o_proj 3.64 (4.55)
+    (5120, 2048, False): GemvConfig(8, 2048, 4, layout="vec", x_ahead=False, vec=16, widen="ptx", keep_vec=True, words=True),
     (2048, 4096, False): GemvConfig(4, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
 }  # fmt: skip
 

@@ -259,53 +259,6 @@ def test_decode_fp8_kv_matches_reference(
     assert rel_err(out, expected) <= TOL[dtype]
 
 
-# (dtype, KV dtype, page_size, head_dim, q heads, kv heads, programs, seq_lens): programs of the
-# persistent grid on one SM, each walking several (request, KV head) items of different lengths
-# (an empty one too: CUDA-graph padding); q read at item ends or (an even number of requests)
-# at every block.
-PERSIST_CASES = [
-    (torch.float32, torch.float32, 1, 64, 4, 4, 3, [37, 1, 70, 0]),
-    (torch.bfloat16, torch.bfloat16, 16, 128, 8, 2, 2, [48, 0, 31, 129, 16]),
-    (torch.float16, torch.float8_e4m3fn, 16, 128, 16, 2, 3, [77, 5, 0, 40]),
-    (torch.bfloat16, torch.float8_e4m3fn, 24, 64, 4, 2, 2, [100, 47, 1]),
-    (torch.bfloat16, torch.float8_e4m3fn, 32, 128, 4, 2, 1, [300, 9, 0]),
-]
-
-
-@pytest.mark.parametrize("dtype,kv_dtype,page_size,head_dim,hq,hkv,programs,lens", PERSIST_CASES)
-def test_decode_persistent_grid_matches_reference(
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    page_size: int,
-    head_dim: int,
-    hq: int,
-    hkv: int,
-    programs: int,
-    lens: list[int],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import minisgl.kernels.decode as decode_module
-
-    monkeypatch.setattr(decode_module, "num_sms", lambda device: 1)
-    torch.manual_seed(hash(("persist", page_size, head_dim, hq)) % 2**31)
-    kv = random_paged_kv(lens, page_size, hkv, head_dim, kv_dtype, DEVICE)
-    q = strided_q(len(lens), hq, head_dim, dtype)
-    out = nan_like(q)
-    block = 16 if kv_dtype != torch.float8_e4m3fn or page_size != 32 else 128
-    config = DecodeConfig(block_n=block, block_n_unsplit=block, persist=programs,
-                          persist_q_every_block=len(lens) % 2 == 0)  # fmt: skip
-    decode_attention(
-        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5,
-        num_splits=1, config=config, out=out, kv_scales=kv.kv_scales,
-    )  # fmt: skip
-    expected = ref.decode_attention_ref(
-        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5,
-        kv.kv_scales,
-    )  # fmt: skip
-    assert all((out[i] == 0).all() for i, n in enumerate(lens) if n == 0)
-    assert rel_err(out, expected) <= TOL[dtype]
-
-
 @pytest.mark.parametrize(
     "dtype,page_size,head_dim,hq,hkv,ext_lens,prefix_lens",
     [

@@ -36,14 +36,6 @@ EXTEND = [
 ]  # fmt: skip
 
 
-# The persistent grid (`_decode_persist_kernel`), at W1's decode shapes.
-PERSIST = [
-    ("decode persist bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, KV_FP8=True, Q_EVERY_BLOCK=False), 4, 3),
-    ("decode persist q every block bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, KV_FP8=True, Q_EVERY_BLOCK=True), 4, 3),
-    ("decode persist bf16 d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, Q_EVERY_BLOCK=True), 4, 3),
-]  # fmt: skip
-
-
 def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
     # What the launcher would specialise: 16-byte aligned pointers and strides divisible by 16.
     names = kernel.arg_names
@@ -52,7 +44,7 @@ def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], war
 
 
 def _compile_all() -> list[dict[str, Any]]:
-    from minisgl.kernels.decode import _decode_persist_kernel, _decode_split_kernel
+    from minisgl.kernels.decode import _decode_split_kernel
     from minisgl.kernels.extend import _extend_kernel
     from minisgl.kernels.store import _store_kv_kernel
 
@@ -64,12 +56,6 @@ def _compile_all() -> list[dict[str, Any]]:
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
         c = {"KV_FP8": False} | c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
-    for name, dtype, c, warps, stages in PERSIST:
-        types = _kv_types(dtype, c)
-        types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
-        block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        c = {"KV_FP8": False} | c | dict(BLOCK_H=block_h, IEEE=False, EMULATE_BF16=False)
-        results.append({"name": name, **_compile(_decode_persist_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
         types = _kv_types(dtype, c)
         types |= {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "extend_lens_ptr")}
@@ -102,7 +88,7 @@ def _kv_types(dtype: str, constexprs: dict[str, Any]) -> dict[str, str]:
 def test_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
     results = run_compile_script(__file__)
-    assert len(results) == len(DECODE) + len(PERSIST) + len(EXTEND) + 2
+    assert len(results) == len(DECODE) + len(EXTEND) + 2
     spilled = [r["name"] for r in results if r["local"] > 0 and "d256" not in r["name"]]
     assert not spilled, f"register spills in {spilled}: {results}"
 
