@@ -193,7 +193,6 @@ def run_decode(
         "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
-        "tail_n": cfg.tail_n,
         "time_us": seconds * 1e6,
         "bytes_per_s": bytes_per_s,
         "fraction_of_copy": bytes_per_s / copy_bw,
@@ -568,16 +567,6 @@ def tune_w1_decode(
             _attempt(label, dec, b, c, page_size, timer, copy_bw, num_splits=splits,
                      config=cfg, spread=spread)
         )  # fmt: skip
-    # the last partial block in smaller blocks (`DecodeConfig.tail_n`)
-    for (b, c, spread), splits, tail in itertools.product(
-        W1_DECODE_SHAPES, (None, 1), (16, 32, 64)
-    ):
-        cfg = DecodeConfig(block_n=128, block_n_unsplit=128, num_stages=3, tail_n=tail)
-        label = {"batch": b, "context": c, "num_splits": splits, "tail_n": tail}
-        rows.append(
-            _attempt(label, dec, b, c, page_size, timer, copy_bw, num_splits=splits,
-                     config=cfg, spread=spread)
-        )  # fmt: skip
     return rows
 
 
@@ -615,7 +604,7 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
-                  "num_stages", "tail_n", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
+                  "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err"]
 MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
                  "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
                  "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",

@@ -51,16 +51,11 @@ class DecodeConfig:
     programs_per_sm: int = 4
     min_split_tokens: int = 64  # 256 left batch-1 W2 steps with 2 splits of a 300-token context
     max_splits: int = 64
-    # Keys per block after a request's (or split's) last whole block (0: none, whole blocks
-    # throughout); below block_n and a power of two.
-    tail_n: int = 0
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_n_unsplit):
             if size < 16 or size & (size - 1):
                 raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {size}")
-        if self.tail_n and (self.tail_n < 16 or self.tail_n & (self.tail_n - 1)):
-            raise ValueError(f"tail_n must be 0 or a power of two >= 16, got {self.tail_n}")
 
 
 def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
@@ -127,7 +122,6 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    TAIL_N: tl.constexpr,  # keys per block after the last whole BLOCK_N (0: BLOCK_N throughout)
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -144,6 +138,7 @@ def _decode_split_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
     q = tl.load(
@@ -162,21 +157,19 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    # With TAIL_N the blocks of BLOCK_N keys stop at the last whole one and the rest is read in
-    # blocks of TAIL_N: a context ending early in a block does not cost a whole block's work.
-    if TAIL_N:
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    else:
-        full_end = end
-    for n in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = _decode_keys(q, qk_scale, k_base, v_base, table_row, n, end, stride_kt,
-                                     stride_vt, m_i, l_i, acc, offs_d, BLOCK_N, PAGE_SIZE, KV_FP8,
-                                     IEEE, EMULATE_BF16)  # fmt: skip
-    if TAIL_N:
-        for n in range(full_end, end, TAIL_N):
-            m_i, l_i, acc = _decode_keys(q, qk_scale, k_base, v_base, table_row, n, end,
-                                         stride_kt, stride_vt, m_i, l_i, acc, offs_d, TAIL_N,
-                                         PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16)  # fmt: skip
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        mask_n = pos < end
+        slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
+        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = load_v_block(v_base, slots, pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8)
+        if KV_FP8:
+            v = fp8_operand(v, q)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -208,25 +201,6 @@ def _decode_split_kernel(
                 part_o_ptr, part_lse_ptr, o_dst, rows, num_valid, mask_h, HEAD_DIM, BLOCK_H,
                 EMULATE_BF16,
             )  # fmt: skip
-
-
-@triton.jit
-def _decode_keys(q, qk_scale, k_base, v_base, table_row, n, end, stride_kt, stride_vt, m_i, l_i,
-                 acc, offs_d, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
-                 IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
-    """The keys [n, n + BLOCK) (those below `end`) folded into the running softmax."""
-    pos = n + tl.arange(0, BLOCK)
-    mask_n = pos < end
-    slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
-    k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-    if KV_FP8:
-        k = fp8_operand(k, q)
-    qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK]
-    qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    v = load_v_block(v_base, slots, pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK, KV_FP8)
-    if KV_FP8:
-        v = fp8_operand(v, q)
-    return online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
 
 
 def decode_attention(
@@ -275,16 +249,14 @@ def decode_attention(
     ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel, fp8)
     k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
     pdl = pdl_args(q.device)
-    block_n, tail = cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, cfg.tail_n
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters, k_scale,
         v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=block_n, PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size,
         SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee, EMULATE_BF16=emulate_bf16,
-        TAIL_N=tail if 0 < tail < block_n else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out

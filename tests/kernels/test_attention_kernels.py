@@ -259,55 +259,6 @@ def test_decode_fp8_kv_matches_reference(
     assert rel_err(out, expected) <= TOL[dtype]
 
 
-# (dtype, KV dtype, page_size, head_dim, q heads, kv heads, num_splits, block_n, tail_n,
-# seq_lens): contexts (and splits) ending inside a block, read to the last whole block of
-# block_n keys and then in blocks of tail_n; an empty request and one shorter than a block.
-TAIL_CASES = [
-    (torch.float32, torch.float32, 1, 64, 4, 4, 1, 64, 16, [37, 1, 130, 0]),
-    (torch.bfloat16, torch.bfloat16, 16, 128, 8, 2, 3, 32, 16, [100, 17, 64]),
-    (torch.float16, torch.float8_e4m3fn, 32, 128, 4, 2, 1, 128, 32, [300, 9, 0, 128]),
-    (torch.bfloat16, torch.float8_e4m3fn, 24, 64, 4, 2, 2, 64, 16, [100, 47, 1]),
-    (torch.float32, torch.float8_e4m3fn, 32, 64, 6, 2, 1, 128, 64, [200, 70]),
-]
-
-
-@pytest.mark.parametrize(
-    "dtype,kv_dtype,page_size,head_dim,hq,hkv,num_splits,block_n,tail_n,lens", TAIL_CASES
-)
-def test_decode_tail_blocks_match_reference(
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    page_size: int,
-    head_dim: int,
-    hq: int,
-    hkv: int,
-    num_splits: int,
-    block_n: int,
-    tail_n: int,
-    lens: list[int],
-) -> None:
-    torch.manual_seed(hash(("tail", page_size, head_dim, hq, block_n)) % 2**31)
-    kv = random_paged_kv(lens, page_size, hkv, head_dim, kv_dtype, DEVICE)
-    q = strided_q(len(lens), hq, head_dim, dtype)
-    out = nan_like(q)
-    config = DecodeConfig(block_n=block_n, block_n_unsplit=block_n, tail_n=tail_n)
-    decode_attention(
-        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5,
-        num_splits=num_splits, config=config, out=out, kv_scales=kv.kv_scales,
-    )  # fmt: skip
-    expected = ref.decode_attention_ref(
-        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, page_size, head_dim**-0.5,
-        kv.kv_scales,
-    )  # fmt: skip
-    assert all((out[i] == 0).all() for i, n in enumerate(lens) if n == 0)
-    assert rel_err(out, expected) <= TOL[dtype]
-
-
-def test_decode_config_rejects_a_bad_tail() -> None:
-    with pytest.raises(ValueError, match="tail_n"):
-        DecodeConfig(tail_n=24)
-
-
 @pytest.mark.parametrize(
     "dtype,page_size,head_dim,hq,hkv,ext_lens,prefix_lens",
     [

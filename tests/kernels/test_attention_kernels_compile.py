@@ -25,7 +25,6 @@ DECODE = [
     # 3 stages, 128 keys at head_dim 128) at W1's shape, one program per request and split;
     # V pages transposed (`KVPool`): ~124 registers (200-254 with V in rows)
     ("decode bf16 fp8kv d128 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 3),
-    ("decode bf16 fp8kv d128 g2 ps32 tail32", "bf16", dict(GROUP=2, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True, TAIL_N=32), 4, 3),
     ("decode bf16 fp8kv d128 g4 ps32 split", "bf16", dict(GROUP=4, HEAD_DIM=128, BLOCK_N=128, PAGE_SIZE=32, SINGLE_SPLIT=False, KV_FP8=True), 4, 3),
     ("decode bf16 fp8kv d64 g2 ps32", "bf16", dict(GROUP=2, HEAD_DIM=64, BLOCK_N=256, PAGE_SIZE=32, SINGLE_SPLIT=True, KV_FP8=True), 4, 3),
 ]  # fmt: skip
@@ -55,8 +54,7 @@ def _compile_all() -> list[dict[str, Any]]:
         types |= {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32"}
         types |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
         block_h = max(16, 1 << (c["GROUP"] - 1).bit_length())
-        c = {"KV_FP8": False, "TAIL_N": 0} | c
-        c |= dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
+        c = {"KV_FP8": False} | c | dict(BLOCK_H=block_h, IEEE=dtype == "fp32", EMULATE_BF16=False)
         results.append({"name": name, **_compile(_decode_split_kernel, types, c, warps, stages)})
     for name, dtype, c, warps, stages in EXTEND:
         types = _kv_types(dtype, c)
