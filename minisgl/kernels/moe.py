@@ -109,6 +109,14 @@ class VecTile:
 
 MoEConfig = FusedMoEConfig | PairConfig
 
+# The pair path's e4m3 tiles (gate/up, down) in DEFAULT_CONFIGS and ONE_ROW_CONFIG: compiled for
+# sm_90 only, not yet timed (`python -m minisgl.benchmark.moe --tune-fp8` measures them). At the
+# Qwen3-30B-A3B shape (tests/kernels/test_moe_kernel.py, the sm_90 build): gate/up 4 columns of
+# I (8 weight rows) a program, H = 2048 in one step, unmasked: 72 registers, ~3.6 instructions
+# a weight in the loop, 1536 programs at one token; down 8 rows, TOP_K * I = 6144 columns in 3
+# steps, the next step's loads in flight: 130 registers, ~4.1 a weight, 256 programs.
+FP8_PAIR_TILES = (VecTile(4, 2048, 4, ahead=False), VecTile(8, 2048, 4, ahead=True))
+
 # Rows per expert (T * K / E) -> config: the first bound (in insertion order, ascending) that is
 # >= the call's rows per expert wins; the last bound must be math.inf. At Qwen3-30B-A3B's
 # E=128, K=8 one token is 0.0625 rows per expert and 16 tokens are 1. Decode sizes are
@@ -119,8 +127,9 @@ MoEConfig = FusedMoEConfig | PairConfig
 DEFAULT_CONFIGS: dict[float, MoEConfig] = {
     # `benchmark.moe --tune --tune-tokens 1,2,4,8,16` on an H200, Qwen3-30B-A3B shape (128
     # experts, top 8): 1 token 28.2 us per layer, 2: 48.7, 4: 82.5, 8: 129.1, 16: 199.8.
-    0.0625: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(8, 1024, 8, 1)),
-    0.125: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(16, 1024, 4, 1)),
+    # (FP8 tiles: not measured yet, `FP8_PAIR_TILES`.)
+    0.0625: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(8, 1024, 8, 1), *FP8_PAIR_TILES),
+    0.125: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(16, 1024, 4, 1), *FP8_PAIR_TILES),
     0.25: FusedMoEConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 3)),
     0.5: FusedMoEConfig(16, GemmTile(32, 128, 4, 3), GemmTile(64, 128, 4, 4)),
     1: FusedMoEConfig(16, GemmTile(128, 128, 4, 3), GemmTile(64, 128, 4, 3)),
@@ -135,7 +144,7 @@ DEFAULT_CONFIGS: dict[float, MoEConfig] = {
 # On an H200 at the Qwen3-30B-A3B shape (docs/benchmarks.md, fifth session): 31.1 us per layer
 # with the router's GEMV (2 x 2048, 8 warps; `minisgl.kernels.gemv.TUNED`), 37.8 with the tiles
 # of the pair path's DEFAULT_CONFIGS entry, 40.3 for the norm + router + pair kernels + add.
-ONE_ROW_CONFIG = PairConfig(GemmTile(16, 128, 4, 1), GemmTile(8, 1024, 4, 1))
+ONE_ROW_CONFIG = PairConfig(GemmTile(16, 128, 4, 1), GemmTile(8, 1024, 4, 1), *FP8_PAIR_TILES)
 
 
 def default_config(
