@@ -681,8 +681,8 @@ def config_source(config: MoEConfig) -> str:
     def tile(t: GemmTile) -> str:
         return f"GemmTile({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
 
-    if isinstance(config, PairConfig):
-        return f"PairConfig({tile(config.gate_up)}, {tile(config.down)})"
+    if isinstance(config, PairConfig):  # the e4m3 tiles: `--tune-fp8`'s, kept apart
+        return f"PairConfig({tile(config.gate_up)}, {tile(config.down)}, *FP8_PAIR_TILES)"
     return f"FusedMoEConfig({config.block_m}, {tile(config.gate_up)}, {tile(config.down)})"
 
 

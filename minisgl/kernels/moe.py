@@ -964,6 +964,17 @@ def _gate_up_fp8_loads(
 
 
 @triton.jit
+def _gate_up_fp8_dots(acc, w, sb, x, x2, W_SCALE: tl.constexpr, WIDEN: tl.constexpr):
+    """acc [1, R, S] plus a step's products: per-row scales wait for the end, so the FMA chains
+    run on from the partial sums; block scales weigh each chunk's sum."""
+    if W_SCALE == 2:
+        acc += _chunk_dots(tl.zeros(acc.shape, tl.float32), w, x, x2, WIDEN) * sb
+    else:
+        acc = _chunk_dots(acc, w, x, x2, WIDEN)
+    return acc
+
+
+@triton.jit
 def _pair_gate_up_fp8_kernel(
     x_ptr,  # [T, H] 16-bit, rows 16-byte aligned
     w_ptr,  # [E, 2I, H] e4m3: gate rows [0, I), up rows [I, 2I); H % 16 == 0
@@ -1001,7 +1012,7 @@ def _pair_gate_up_fp8_kernel(
     """`_pair_gate_up_kernel` for e4m3 experts: program (p, n) is pair p = t * K + k x columns
     [n * BLOCK_N, +BLOCK_N) of I, its 2 x BLOCK_N weight rows (gate, then the matching up) one
     [1, 2 * BLOCK_N, BLOCK_K // 16, 4] int32 tile a step. Routing, NORM and the output are
-    that kernel's. At Qwen3-30B-A3B's H = 2048 = BLOCK_K the loop takes one step: all of a
+    that kernel's. At Qwen3-30B-A3B's H = 2048 = BLOCK_K there is one step: all of a
     program's loads are in flight at once, and AHEAD (a second step's buffers) only costs
     registers; it is for larger H."""
     pdl_prologue(PDL)
@@ -1033,25 +1044,30 @@ def _pair_gate_up_fp8_kernel(
     if AHEAD:
         w, sb = _gate_up_fp8_loads(w_rows, words, m4, mask_r, row, s_expert, 0, hidden,
                                    stride_sn, W_SCALE, False)  # fmt: skip
-    for k0 in range(0, hidden, BLOCK_K):
-        if AHEAD:  # the next step's (all masked off after the last step)
+        for k0 in range(0, hidden, BLOCK_K):
+            # the next step's weights and x (all masked off after the last step)
             w_next, sb_next = _gate_up_fp8_loads(w_rows, words, m4, mask_r, row, s_expert,
                                                  k0 + BLOCK_K, hidden, stride_sn, W_SCALE,
                                                  False)  # fmt: skip
-        else:
-            w, sb = _gate_up_fp8_loads(w_rows, words, m4, mask_r, row, s_expert, k0, hidden,
-                                       stride_sn, W_SCALE, EVEN)  # fmt: skip
-        if W_SCALE == 2:
-            acc += _chunk_dots(tl.zeros([1, R, S], tl.float32), w, x, x2, WIDEN) * sb
-        else:  # per-row scales wait for the end: the chains run on from the partial sums
-            acc = _chunk_dots(acc, w, x, x2, WIDEN)
-        # the next step's x (all masked off after the last step)
-        x, x2, sq = _x_step(x_row, norm_ptr, s_ptr, xk + k0 + BLOCK_K, hidden, every, False,
-                            NORM, 0, 2, XV)  # fmt: skip
-        ss += sq
-        if AHEAD:
+            acc = _gate_up_fp8_dots(acc, w, sb, x, x2, W_SCALE, WIDEN)
+            x, x2, sq = _x_step(x_row, norm_ptr, s_ptr, xk + k0 + BLOCK_K, hidden, every, False,
+                                NORM, 0, 2, XV)  # fmt: skip
+            ss += sq
             w = w_next
             sb = sb_next
+    else:
+        # The first step ahead of the loop, on the x already loaded: at H <= BLOCK_K (Qwen3's
+        # 2048 at 4 warps) the loop never runs, and no x past the last step is loaded.
+        w, sb = _gate_up_fp8_loads(w_rows, words, m4, mask_r, row, s_expert, 0, hidden,
+                                   stride_sn, W_SCALE, EVEN)  # fmt: skip
+        acc = _gate_up_fp8_dots(acc, w, sb, x, x2, W_SCALE, WIDEN)
+        for k0 in range(BLOCK_K, hidden, BLOCK_K):
+            x, x2, sq = _x_step(x_row, norm_ptr, s_ptr, xk + k0, hidden, every, False, NORM, 0,
+                                2, XV)  # fmt: skip
+            ss += sq
+            w, sb = _gate_up_fp8_loads(w_rows, words, m4, mask_r, row, s_expert, k0, hidden,
+                                       stride_sn, W_SCALE, EVEN)  # fmt: skip
+            acc = _gate_up_fp8_dots(acc, w, sb, x, x2, W_SCALE, WIDEN)
     y = tl.reshape(tl.sum(acc, 2), [R])
     if W_SCALE == 1:
         y = y * tl.load(s_expert + row, mask=mask_r, other=0.0)
