@@ -18,6 +18,12 @@ latency-bound; two launches after the router GEMM:
 decode): the router as a one-row GEMV with the RMSNorm in its prologue, the gate/up kernel
 normalising x itself, the down kernel adding the residual.
 
+With e4m3 experts and 16-bit activations the pair path runs two other kernels of the same
+contract (`_pair_gate_up_fp8_kernel`, `_pair_down_fp8_kernel`; `PairConfig.fp8_gate_up`,
+`fp8_down`): the one-row FP8 GEMV's vec layout, where a thread widens 16 packed e4m3 weights of
+a row per 16-byte load by inline PTX and meets x in its own registers (the comment above the
+kernels says why); the down kernel reduces over the token's TOP_K experts' I columns end to end.
+
 Blocked path, for everything larger; five launches:
 
 1. `fused_topk`: softmax over the router logits, the top k experts of each token, renormalised.
@@ -874,7 +880,10 @@ def _pair_down_kernel(
 # kept packed as four int32 words, each widened by two hardware conversions of its 16-bit
 # halves: 1.5 instructions a weight) and the same 16 columns of the activation row (two 16-byte
 # loads of bf16 joined in registers), so nothing moves between threads in the loop; fp32 sums
-# per thread, reduced across threads once at the end.
+# per thread, reduced across threads once at the end. Compiled for sm_90 at FP8_PAIR_TILES
+# (`test_pair_fp8_kernels_compile_for_sm90`): a loop step of gate/up 3.5 instructions a weight
+# (72-84 registers), of down 3.9-4.1 (130 registers; 3.5-3.7 at 70 without AHEAD). Not yet
+# timed on a GPU.
 
 
 @triton.jit
