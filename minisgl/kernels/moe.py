@@ -1105,7 +1105,7 @@ def _pair_down_fp8_loads(
     p = j % (I / 16): a step's chunks may span two experts, so no column is masked off unless
     the last step overruns TOP_K * I. Past the last step, nothing loads. EVEN (whole steps and
     BLOCK_N rows, no step past the last): no masks, so no zeroing of the registers that masked
-    loads would leave (a tenth of the loop's instructions)."""
+    loads would leave (~5% of the loop's instructions at the Qwen3-30B-A3B shape)."""
     S: tl.constexpr = BLOCK_K // 16
     j = step * S + tl.arange(0, S)
     valid = j < TOP_K * pieces
