@@ -432,8 +432,9 @@ def run_decode(
 PROFILE_STEPS = 8
 PROFILE_TOP = 25
 # The Triton kernels of minisgl.kernels.moe (the router GEMM is a cuBLAS kernel among the rest).
-MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_gate_up_kernel", "_down_kernel",
-               "_topk_kernel", "_align_kernel")  # fmt: skip
+MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_pair_gate_up_fp8_kernel",
+               "_pair_down_fp8_kernel", "_gate_up_kernel", "_down_kernel", "_topk_kernel",
+               "_align_kernel")  # fmt: skip
 
 
 def profile_decode(
