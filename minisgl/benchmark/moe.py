@@ -14,7 +14,10 @@ On one CUDA GPU, in one run:
 
 `--tune` runs only a tile sweep per token count: both paths of the fused MoE (pair and
 blocked, every block height worth trying), the best whole layer per token count, and that as a
-`DEFAULT_CONFIGS` dict to paste into `minisgl/kernels/moe.py`. `--profile` runs only
+`DEFAULT_CONFIGS` dict to paste into `minisgl/kernels/moe.py`. `--tune-fp8` runs only the pair
+path's sweep with e4m3 experts (a scale per row): the [BLOCK_N, BLOCK_K] kernels' best tiles
+(the baseline) and the vec-layout kernels' (`VecTile`), each kernel alone and the layer with
+each, and the `FP8_PAIR_TILES` to paste. `--profile` runs only
 torch.profiler over a few decode steps (batch 1 by default, CUDA graphs as in serving) and
 prints the top GPU kernels by time with their counts per step.
 Prints tables, then one JSON object as the last line.
@@ -52,7 +55,8 @@ from minisgl.benchmark.common import (
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 if TYPE_CHECKING:
-    from minisgl.kernels.moe import GemmTile, MoEConfig
+    from minisgl.kernels.fp8 import ExpertScales
+    from minisgl.kernels.moe import GemmTile, MoEConfig, VecTile
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
 # Qwen3-30B-A3B's MoE layer.
@@ -428,8 +432,9 @@ def run_decode(
 PROFILE_STEPS = 8
 PROFILE_TOP = 25
 # The Triton kernels of minisgl.kernels.moe (the router GEMM is a cuBLAS kernel among the rest).
-MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_gate_up_kernel", "_down_kernel",
-               "_topk_kernel", "_align_kernel")  # fmt: skip
+MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_pair_gate_up_fp8_kernel",
+               "_pair_down_fp8_kernel", "_gate_up_kernel", "_down_kernel", "_topk_kernel",
+               "_align_kernel")  # fmt: skip
 
 
 def profile_decode(
@@ -506,14 +511,16 @@ def time_quietly(fn: Callable[[int], object], n_sets: int) -> float | None:
 
 
 def best_tile(
-    launch: Callable[[GemmTile, int], object], candidates: Sequence[tuple[int, int, int, int]]
-) -> tuple[GemmTile, float]:
+    launch: Callable[[Any, int], object],
+    candidates: Sequence[tuple[Any, ...]],
+    make: Callable[..., Any] | None = None,  # a candidate's tile (default: GemmTile)
+) -> tuple[Any, float]:
     """The fastest tile for `launch(tile, set_index)`."""
     from minisgl.kernels.moe import GemmTile
 
-    best: tuple[GemmTile, float] | None = None
-    for bn, bk, warps, stages in candidates:
-        tile = GemmTile(bn, bk, warps, stages)
+    best: tuple[Any, float] | None = None
+    for candidate in candidates:
+        tile = (make or GemmTile)(*candidate)
         seconds = time_quietly(functools.partial(launch, tile), TUNE_SETS)
         if seconds is not None and (best is None or seconds < best[1]):
             best = (tile, seconds)
@@ -528,6 +535,7 @@ class TuneCase:
 
     inp: MoEInputs
     logit_sets: list[torch.Tensor]
+    scales: ExpertScales | None = None  # e4m3 experts (`--tune-fp8`)
 
     def time_moe(self, config: MoEConfig) -> float | None:
         """The whole layer after the router, as decode runs it."""
@@ -536,7 +544,7 @@ class TuneCase:
         inp = self.inp
         return time_quietly(
             lambda i: fused_moe(
-                inp.x, inp.w13, inp.w2, self.logit_sets[i], inp.top_k, True, config
+                inp.x, inp.w13, inp.w2, self.logit_sets[i], inp.top_k, True, config, self.scales
             ),  # fmt: skip
             len(self.logit_sets),
         )
@@ -560,6 +568,82 @@ def tune_pair(case: TuneCase) -> Row:
     )
     config = PairConfig(gate_up=gu, down=dn)
     return tune_row(case, "pair", None, config, gu_s, dn_s)
+
+
+# The pair path's e4m3 tiles (`VecTile`): rows a program x (BLOCK_K, warps) with one 16-column
+# chunk per thread and step (BLOCK_K = 512 x warps; at H = 2048 gate/up takes 4, 2, 1 steps, or
+# half of one at 8 warps; down's TOP_K * I = 6144 takes 12, 6, 3 or 1.5) x the next step's
+# loads in flight or not.
+TUNE_TILES_PAIR_FP8 = tuple(
+    (bn, 512 * warps, warps, "ptx", ahead)
+    for bn in (2, 4, 8, 16) for warps in (1, 2, 4, 8) for ahead in (False, True)
+)  # fmt: skip
+
+
+def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e4m3 [E, N, K], fp32 [E, N]): a scale per output row, as the engine's
+    `--quantization fp8` stores experts."""
+    from minisgl.kernels.fp8 import quantize_rows
+
+    q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), s.view(w.shape[:-1])
+
+
+def tune_pair_fp8(case: TuneCase) -> Row:
+    """e4m3 experts: the best [BLOCK_N, BLOCK_K] tiles (the kernels the FP8 path ran before the
+    vec layout), then the best `VecTile`s, each kernel alone; the layer with each pair."""
+    from minisgl.kernels.moe import PairConfig, VecTile, pair_down, pair_gate_up
+
+    inp, sets, scales = case.inp, case.logit_sets, case.scales
+    assert scales is not None
+    first = VecTile(4, 2048, 4)  # any tile: the down sweeps need activations and routing
+    outs = [
+        pair_gate_up(inp.x, inp.w13, inp.top_k, first, logits=lg, renormalize=True,
+                     scale=scales.w13)
+        for lg in sets
+    ]  # fmt: skip
+
+    def gate_up(t: GemmTile | VecTile, i: int) -> object:
+        return pair_gate_up(inp.x, inp.w13, inp.top_k, t, logits=sets[i], renormalize=True,
+                            scale=scales.w13)  # fmt: skip
+
+    def down(t: GemmTile | VecTile, i: int) -> object:
+        return pair_down(outs[i][0], inp.w2, outs[i][1], inp.top_k, t, scale=scales.w2)
+
+    gu, gu_s = best_tile(gate_up, TUNE_TILES_PAIR)
+    dn, dn_s = best_tile(down, TUNE_TILES_PAIR)
+    gu8, gu8_s = best_tile(gate_up, TUNE_TILES_PAIR_FP8, VecTile)
+    dn8, dn8_s = best_tile(down, TUNE_TILES_PAIR_FP8, VecTile)
+    old = case.time_moe(PairConfig(gu, dn))
+    config = PairConfig(gu, dn, gu8, dn8)
+    total = case.time_moe(config)
+    return {
+        "tokens": inp.x.shape[0], "gate_up": tile_str(gu), "gate_up_us": gu_s * 1e6,
+        "down": tile_str(dn), "down_us": dn_s * 1e6,
+        "old_layer_us": math.inf if old is None else old * 1e6,
+        "gate_up_fp8": vec_str(gu8), "gate_up_fp8_us": gu8_s * 1e6,
+        "down_fp8": vec_str(dn8), "down_fp8_us": dn8_s * 1e6,
+        "layer_us": math.inf if total is None else total * 1e6, "config": config,
+    }  # fmt: skip
+
+
+def vec_str(tile: VecTile) -> str:
+    return f"{tile.block_n}x{tile.block_k} w{tile.num_warps}{' ahead' if tile.ahead else ''}"
+
+
+def tune_fp8(seed: int, token_counts: Sequence[int]) -> list[Row]:
+    from minisgl.kernels.fp8 import ExpertScales
+
+    w13, w2 = random_weights(NUM_EXPERTS, HIDDEN, INTER, seed)
+    (q13, s13), (q2, s2) = fp8_rows(w13), fp8_rows(w2)
+    del w13, w2
+    scales = ExpertScales(s13, s2)
+    rows = []
+    for tokens in token_counts:
+        inp = random_inputs(tokens, (q13, q2), TOP_K, seed + tokens)
+        rows.append(tune_pair_fp8(TuneCase(inp, routing_sets(inp, TUNE_SETS), scales)))
+        print(f"  tune fp8 {rows[-1]}", file=sys.stderr)
+    return rows
 
 
 def tune_blocked(case: TuneCase, block_m: int) -> Row:
@@ -598,8 +682,8 @@ def config_source(config: MoEConfig) -> str:
     def tile(t: GemmTile) -> str:
         return f"GemmTile({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
 
-    if isinstance(config, PairConfig):
-        return f"PairConfig({tile(config.gate_up)}, {tile(config.down)})"
+    if isinstance(config, PairConfig):  # the e4m3 tiles: `--tune-fp8`'s, kept apart
+        return f"PairConfig({tile(config.gate_up)}, {tile(config.down)}, *FP8_PAIR_TILES)"
     return f"FusedMoEConfig({config.block_m}, {tile(config.gate_up)}, {tile(config.down)})"
 
 
@@ -661,6 +745,10 @@ DECODE_COLUMNS = (
 TUNE_COLUMNS = (
     "tokens", "path", "block_m", "gate_up", "gate_up_us", "down", "down_us", "layer_us",
 )  # fmt: skip
+TUNE_FP8_COLUMNS = (
+    "tokens", "gate_up", "gate_up_us", "down", "down_us", "old_layer_us", "gate_up_fp8",
+    "gate_up_fp8_us", "down_fp8", "down_fp8_us", "layer_us",
+)  # fmt: skip
 PROFILE_COLUMNS = (
     "kernel",
     "calls",
@@ -694,6 +782,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-kernels", action="store_true", help="no kernel-vs-reference table")
     ap.add_argument("--skip-decode", action="store_true", help="no engine decode table")
     ap.add_argument("--tune", action="store_true", help="only the tile sweep (several minutes)")
+    ap.add_argument(
+        "--tune-fp8",
+        action="store_true",
+        help="only the pair path's sweep with e4m3 experts (token counts from --tune-tokens)",
+    )
     ap.add_argument(
         "--tune-tokens",
         type=lambda v: [int(t) for t in v.split(",")],
@@ -732,7 +825,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
-    if args.tune:
+    if args.tune_fp8:
+        tokens = [t for t in args.tune_tokens if t * TOP_K / NUM_EXPERTS <= PAIR_TUNE_MAX_ROWS]
+        result["tune_fp8"] = tune_fp8(args.seed, tokens)
+        print_table("pair path, e4m3 experts: [BLOCK_N, BLOCK_K] kernels vs vec layout (VecTile)",
+                    result["tune_fp8"], TUNE_FP8_COLUMNS)  # fmt: skip
+        for r in result["tune_fp8"]:
+            c = r["config"]
+            print(f"{r['tokens']} tokens: FP8_PAIR_TILES = ({c.fp8_gate_up!r}, {c.fp8_down!r})")
+    elif args.tune:
         result["tune"] = tune(args.seed, args.tune_tokens)
         result["tune_best"] = best_per_tokens(result["tune"])
         print_table("tile sweep: best per path and block_m", result["tune"], TUNE_COLUMNS)

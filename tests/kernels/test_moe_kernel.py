@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -39,6 +40,13 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2 if DEVICE == "cpu" else 1e-2}
 SMALL = K.FusedMoEConfig(16, K.GemmTile(16, 16), K.GemmTile(32, 16))
 PAIR = K.PairConfig(K.GemmTile(16, 32), K.GemmTile(16, 16))
 CONFIGS = pytest.mark.parametrize("config", [SMALL, PAIR], ids=["blocked", "pair"])
+
+# The pair path with its e4m3 kernels (`K.VecTile`; the interpreter widens by byte extraction, the
+# GPU by inline PTX). On the GPU a step must give every thread of its warps 16 columns (512 for
+# one warp); in the interpreter 64-column steps take the kernels' loops through several steps.
+VEC_K = 512 if DEVICE == "cuda" else 64
+PAIR_FP8 = K.PairConfig(PAIR.gate_up, PAIR.down, K.VecTile(16, VEC_K, 1),
+                        K.VecTile(16, VEC_K, 1, ahead=False))  # fmt: skip
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -262,7 +270,7 @@ def fp8_experts(
 FP8_SHAPES = {"row": (48, 40), "block": (128, 128)}
 
 
-@CONFIGS
+@pytest.mark.parametrize("config", [SMALL, PAIR, PAIR_FP8], ids=["blocked", "pair", "pair_fp8"])
 @pytest.mark.parametrize("layout", ["row", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_experts_fp8_match_their_dequantized_values(
@@ -284,15 +292,75 @@ def test_fused_experts_fp8_match_their_dequantized_values(
     assert rel_err(lay, ref) <= 1e-6
 
 
+@pytest.mark.parametrize(
+    ("layout", "num_tokens", "hidden", "inter", "gate_up_n", "down_k", "ahead"),
+    # gate/up 8 columns of I a program, down's TOP_K * I = 4 * 48 in whole steps (unmasked
+    # without ahead); 32 columns of I = 48: a ragged gate/up tile; down steps of 2 * VEC_K: a
+    # masked last step; I = 80 (block): the up rows straddle two 128-row blocks
+    [("row", 1, 128, 48, 8, VEC_K, False), ("row", 1, 128, 48, 32, 2 * VEC_K, True),
+     ("row", 3, 64, 48, 8, VEC_K, True), ("block", 1, 128, 80, 8, 2 * VEC_K, False),
+     ("block", 3, 64, 48, 32, VEC_K, False), ("row", 2, 128, 48, 8, VEC_K, False)],
+)  # fmt: skip
+def test_pair_fp8_kernels_match_dequantized(
+    layout: str, num_tokens: int, hidden: int, inter: int, gate_up_n: int, down_k: int,
+    ahead: bool,
+) -> None:  # fmt: skip
+    """The pair path's e4m3 kernels with everything batch-1 decode runs (gate/up routing and
+    normalising x itself, down adding the residual) against the layer's math on the fp32 values
+    the experts stand for, at Qwen3-30B-A3B-like routing (16 experts, top 4)."""
+    num_experts, top_k, eps = 16, 4, 1e-6
+    q13, q2, scales, d13, d2 = fp8_experts(num_experts, hidden, inter, layout, seed=17)
+    g = torch.Generator().manual_seed(num_tokens)
+    x = (torch.randn(num_tokens, hidden, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+    logits = distinct_logits(num_tokens, num_experts, torch.float32)
+    gate_up = K.VecTile(gate_up_n, VEC_K, 1, ahead=ahead)
+    down = K.VecTile(16, down_k, 1, ahead=ahead)
+    act, routing = K.pair_gate_up(x, q13, top_k, gate_up, logits=logits, renormalize=True,
+                                  norm_weight=norm_w, eps=eps, scale=scales.w13)  # fmt: skip
+    out = K.pair_down(act, q2, routing, top_k, down, residual=x, scale=scales.w2)
+    want_routing = select_experts(logits, top_k, True)
+    assert torch.equal(routing.ids.long(), want_routing.ids.view(-1))
+    torch.testing.assert_close(routing.weights, want_routing.weights.view(-1))
+    xn = rms_normed(x, norm_w, eps).float()
+    # each step against the math on its own (rounded) inputs, then the whole
+    gate, up = torch.einsum("ph,pnh->pn", xn.repeat_interleave(top_k, 0),
+                            d13[routing.ids.long()]).chunk(2, dim=-1)  # fmt: skip
+    assert rel_err(act, torch.nn.functional.silu(gate) * up) <= TOL[torch.bfloat16]
+    down_ref = torch.einsum("pi,phi->ph", act.float(), d2[routing.ids.long()])
+    down_ref = (down_ref * routing.weights[:, None]).view(num_tokens, top_k, hidden).sum(1)
+    assert rel_err(out, x.float() + down_ref) <= TOL[torch.bfloat16]
+    want = x.float() + moe_reference(xn, d13, d2, want_routing)
+    assert out.dtype == torch.bfloat16 and rel_err(out, want) <= TOL[torch.bfloat16]
+
+
+def test_pair_tiles_take_the_fp8_kernels_where_they_fit() -> None:
+    """e4m3 experts with bf16 activations and 16-column rows take the vec-layout tiles; other
+    dtypes and shapes keep the [BLOCK_N, BLOCK_K] kernels (per kernel: gate/up reduces over H,
+    down over I)."""
+    q13, q2, _, _, _ = fp8_experts(2, 64, 48, "row", seed=1)
+    x = torch.zeros(1, 64, device=DEVICE, dtype=torch.bfloat16)
+    assert K.pair_tiles(PAIR_FP8, x, q13, q2) == (PAIR_FP8.fp8_gate_up, PAIR_FP8.fp8_down)
+    assert K.pair_tiles(PAIR, x, q13, q2) == (PAIR.gate_up, PAIR.down)
+    assert K.pair_tiles(PAIR_FP8, x.float(), q13, q2) == (PAIR.gate_up, PAIR.down)
+    w13, w2 = random_experts(2, 64, 48, torch.bfloat16)
+    assert K.pair_tiles(PAIR_FP8, x, w13, w2) == (PAIR.gate_up, PAIR.down)
+    q13, q2, _, _, _ = fp8_experts(2, 64, 40, "row", seed=1)  # I = 40: not whole 16-byte loads
+    assert K.pair_tiles(PAIR_FP8, x, q13, q2) == (PAIR_FP8.fp8_gate_up, PAIR.down)
+    for config in (K.ONE_ROW_CONFIG, K.default_config(1, 8, 128)):
+        assert isinstance(config, K.PairConfig) and config.fp8_gate_up and config.fp8_down
+
+
+@pytest.mark.parametrize("config", [PAIR, PAIR_FP8], ids=["pair", "pair_fp8"])
 @pytest.mark.parametrize("layout", ["row", "block"])
-def test_one_row_moe_fp8(layout: str) -> None:
+def test_one_row_moe_fp8(layout: str, config: K.PairConfig) -> None:
     hidden, inter = FP8_SHAPES[layout]
     q13, q2, scales, d13, d2 = fp8_experts(8, hidden, inter, layout, seed=13)
     g = torch.Generator().manual_seed(3)
     router = (torch.randn(8, hidden, generator=g) / 4).to(DEVICE)
     norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE)
     x = (torch.randn(1, hidden, generator=g) * 3).to(DEVICE)
-    out = K.one_row_moe(x, router, q13, q2, 2, True, norm_w, 1e-5, PAIR, scales)
+    out = K.one_row_moe(x, router, q13, q2, 2, True, norm_w, 1e-5, config, scales)
     xn = rms_normed(x, norm_w, 1e-5).float()
     routing = select_experts(xn @ router.T, 2, True)
     want = x + moe_reference(xn, d13, d2, routing)
@@ -339,14 +407,14 @@ _POINTER_TYPES = {
 }  # fmt: skip
 
 
-def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, stages: int) -> dict[str, Any]:  # fmt: skip
+def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, stages: int | None, sass: bool = False) -> dict[str, Any]:  # fmt: skip
     names = kernel.arg_names
     types = {n: f"*{dtype}" for n in ("x_ptr", "w_ptr", "act_ptr", "out_ptr", "norm_ptr", "r_ptr")}
     types = types | _POINTER_TYPES | {"eps": "fp32"}
     if constexprs.get("W_SCALE"):  # FP8 (e4m3) experts
         types["w_ptr"] = "*fp8e4nv"
     aligned = [n for n in names if n not in constexprs and (n in _ALIGNED_INTS or n in types)]
-    return compile_sm90(kernel, types, constexprs, warps, stages, aligned)
+    return compile_sm90(kernel, types, constexprs, warps, stages, aligned, sass)
 
 
 def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
@@ -394,6 +462,50 @@ def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     return out
 
 
+# The e4m3 kernels at the Qwen3-30B-A3B shape (H = 2048, I = 768, 128 experts, top 8; the
+# launcher's EVEN: no masks without AHEAD), with the PTX widen: (gate/up: route, norm; down:
+# residual) x W_SCALE.
+_VEC_GATE_UP = ((True, True, 1), (True, True, 2), (False, False, 1))
+_VEC_DOWN = ((True, 1), (True, 2), (False, 1))
+
+
+def _vec_variants(gate_up: Any, down: Any) -> list[tuple[str, Any, dict[str, Any], Any, int]]:
+    """(name, kernel, constexprs, tile, weights a thread multiplies per loop iteration)."""
+    out = []
+    chunks = gate_up.block_k // 16 // (32 * gate_up.num_warps)  # per thread and step
+    for route, norm, w_scale in _VEC_GATE_UP:
+        c = dict(TOP_K=8, BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, ROUTE=route,
+                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, NORM=norm, W_SCALE=w_scale,
+                 WIDEN=2, AHEAD=gate_up.ahead, EVEN=not gate_up.ahead)  # fmt: skip
+        name = f"_pair_gate_up_fp8_kernel route={route} norm={norm} w_scale={w_scale} {gate_up}"
+        out.append(
+            (name, K._pair_gate_up_fp8_kernel, c, gate_up, 2 * gate_up.block_n * 16 * chunks)
+        )
+    chunks = down.block_k // 16 // (32 * down.num_warps)
+    for res, w_scale in _VEC_DOWN:
+        c = dict(TOP_K=8, BLOCK_N=down.block_n, BLOCK_K=down.block_k, HAS_RES=res,
+                 W_SCALE=w_scale, WIDEN=2, AHEAD=down.ahead, EVEN=not down.ahead)  # fmt: skip
+        name = f"_pair_down_fp8_kernel residual={res} w_scale={w_scale} {down}"
+        out.append((name, K._pair_down_fp8_kernel, c, down, down.block_n * 16 * chunks))
+    return out
+
+
+def _fp8_pair_tiles() -> list[tuple[Any, Any]]:
+    """The (gate/up, down) e4m3 tiles of the default configs."""
+    tiles = {(c.fp8_gate_up, c.fp8_down) for c in (*K.DEFAULT_CONFIGS.values(), K.ONE_ROW_CONFIG)
+             if isinstance(c, K.PairConfig) and c.fp8_gate_up and c.fp8_down}  # fmt: skip
+    return sorted(tiles, key=str)
+
+
+def _compile_vec() -> list[dict[str, Any]]:
+    results = []
+    for gate_up, down in _fp8_pair_tiles():
+        for name, kernel, c, tile, weights in _vec_variants(gate_up, down):
+            r = _compile(kernel, "bf16", c, tile.num_warps, None, sass=True)
+            results.append({"name": name, "weights": weights, **r})
+    return results
+
+
 def _compile_all() -> list[dict[str, Any]]:
     results = []
     topk = dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True)
@@ -408,6 +520,26 @@ def _compile_all() -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
+def test_pair_fp8_kernels_compile_for_sm90() -> None:
+    """The e4m3 pair kernels of the default configs, with the PTX widen, at the Qwen3-30B-A3B
+    shape: no spills, no shared memory but the final reductions' (the products meet x in the
+    weights' own layout: nothing moves between threads in the loop), and their loops at ~4
+    SASS instructions a weight or fewer, as the one-row FP8 GEMV's (printed with -s)."""
+    results = run_compile_script(__file__, "fp8")
+    assert len(results) == len(_VEC_GATE_UP + _VEC_DOWN) * len(_fp8_pair_tiles())
+    for r in results:
+        loop = max(r["loops"], key=lambda lp: lp["total"])  # the K loop (others: a spin)
+        r["per_weight"] = loop["total"] / r["weights"]
+        print(
+            f"{r['name']}: {r['regs']} registers, {loop['total']} instructions a loop "
+            f"iteration for {r['weights']} weights a thread: {r['per_weight']:.2f} a weight"
+        )
+    assert not [r for r in results if r["local"] > 0], f"register spills: {results}"
+    assert not [r for r in results if r["shared"] > 256], f"shared memory in the loop: {results}"
+    assert all(r["per_weight"] <= 4.25 for r in results), results
+
+
+@pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
     results = run_compile_script(__file__)
     assert len(results) == 2 + len(_gemm_variants())
@@ -418,5 +550,5 @@ def test_kernels_compile_for_sm90() -> None:
 
 
 if COMPILE_MODE:
-    for result in _compile_all():
+    for result in _compile_vec() if sys.argv[1:] == ["fp8"] else _compile_all():
         print(json.dumps(result))
