@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,11 +29,14 @@ def compile_sm90(
     warps: int,
     stages: int | None = None,
     aligned: Iterable[str] = (),
-) -> dict[str, int]:
+    sass: bool = False,
+) -> dict[str, Any]:
     """Compile `kernel` (arguments not in `types` are i32) for sm_90; `aligned` arguments are
     taken as multiples of 16, as the launcher would specialise them. Returns shared memory
     bytes, registers and local (spilled) bytes per thread, and the layout conversions inside
-    its loops (`loop_converts`: each one a shared-memory round trip per iteration, mostly)."""
+    its loops (`loop_converts`: each one a shared-memory round trip per iteration, mostly).
+    With `sass`, also `loop_ops`: the SASS opcodes (without modifiers) and their counts in the
+    first loop of the machine code (from a backward branch's target to the branch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -54,13 +58,39 @@ def compile_sm90(
         f.write(compiled.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        code = ""
+        if sass:
+            code = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     fields = dict(kv.split(":") for kv in text.split() if kv.startswith(("REG:", "LOCAL:")))
-    return {
+    out: dict[str, Any] = {
         "shared": int(compiled.metadata.shared),
         "regs": int(fields["REG"]),
         "local": int(fields["LOCAL"]),
         "loop_converts": _loop_converts(compiled.asm["ttgir"]),
     }
+    if sass:
+        out["loop_ops"] = _loop_ops(code)
+    return out
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[ .;]")
+_BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/.*\bBRA (0x[0-9a-f]+)")
+
+
+def _loop_ops(code: str) -> dict[str, int]:
+    """Opcode counts between the first backward branch's target and the branch ({} if none)."""
+    loop = None
+    for line in code.splitlines():
+        m = _BRANCH.search(line)
+        if m and int(m.group(2), 16) < int(m.group(1), 16):
+            loop = (int(m.group(2), 16), int(m.group(1), 16))
+            break
+    counts: dict[str, int] = {}
+    for line in code.splitlines():
+        m = _SASS_LINE.search(line)
+        if m and loop is not None and loop[0] <= int(m.group(1), 16) <= loop[1]:
+            counts[m.group(2)] = counts.get(m.group(2), 0) + 1
+    return counts
 
 
 def _loop_converts(ttgir: str) -> int:
