@@ -27,6 +27,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -52,7 +53,7 @@ from minisgl.benchmark.common import (
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 if TYPE_CHECKING:
-    from minisgl.kernels.moe import GemmTile, MoEConfig
+    from minisgl.kernels.moe import FusedMoEConfig, GemmTile, MoEConfig
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
 # Qwen3-30B-A3B's MoE layer.
@@ -689,6 +690,77 @@ def summary(result: Row) -> Row:
     return out
 
 
+# ---- W8A8 vs weight-only FP8 experts, kernel level ------------------------------------------------
+
+W8A8_TOKENS = (64, 128, 256, 512)
+
+
+def run_w8a8_kernels(seed: int, token_counts: Sequence[int]) -> list[Row]:
+    """FP8 experts (one scale per row) at the Qwen3-30B-A3B shape: the blocked path's two
+    grouped GEMMs with bf16 activations (weight-only, the default) against the W8A8 kernels
+    (`minisgl.kernels.moe_fp8`: the activation quantization, gate/up, down), on the same
+    `moe_align` rows, each timed as a CUDA graph; and their error against the bf16 layer on
+    the dequantized weights."""
+    from minisgl.kernels import moe_fp8
+    from minisgl.kernels.fp8 import FP8_MAX, ExpertScales
+    from minisgl.kernels.moe import FusedMoEConfig, default_config
+
+    w13, w2 = random_weights(NUM_EXPERTS, HIDDEN, INTER, seed)
+    q = []  # one scale per output row, as `minisgl.kernels.fp8.quantize_rows` (whole stacks)
+    for w in (w13, w2):
+        scale = (w.float().abs().amax(dim=2) / FP8_MAX).clamp_min(1e-12)  # [E, N]
+        wq = (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q.append((wq, scale))
+    (q13, s13), (q2, s2) = q
+    scales = ExpertScales(s13, s2)
+    rows_out: list[Row] = []
+    for tokens in token_counts:
+        inp = random_inputs(tokens, (w13, w2), TOP_K, seed + tokens)
+        cfg = default_config(tokens, TOP_K, NUM_EXPERTS)
+        if not isinstance(cfg, FusedMoEConfig) or cfg.block_m > moe_fp8.MAX_BLOCK_M:
+            continue
+        row = w8a8_row(inp, cfg, q13, q2, scales)
+        print(f"  w8a8 {row}", file=sys.stderr)
+        rows_out.append(row)
+    return rows_out
+
+
+def w8a8_row(
+    inp: MoEInputs, cfg: FusedMoEConfig, q13: torch.Tensor, q2: torch.Tensor, scales: Any
+) -> Row:
+    """One token count of `run_w8a8_kernels`."""
+    from minisgl.kernels import moe_fp8
+    from minisgl.kernels.moe import down_gemm, fused_topk, gate_up_gemm, moe_align
+
+    tokens = inp.x.shape[0]
+    s13, s2 = scales
+    sets = routing_sets(inp)
+    routed = [fused_topk(lg, TOP_K, True) for lg in sets]
+    aligned = [moe_align(ids, NUM_EXPERTS, cfg.block_m) for _, ids in routed]
+
+    def weight_only(i: int) -> torch.Tensor:
+        act = gate_up_gemm(inp.x, q13, aligned[i], TOP_K, cfg.gate_up, s13)
+        return down_gemm(act, q2, routed[i][0], aligned[i], cfg.down, s2)
+
+    def w8a8(i: int) -> torch.Tensor:
+        return moe_fp8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], aligned[i])
+
+    truth = moe_reference(
+        inp.x.float(), q13, q2, Routing(routed[0][0], routed[0][1].long()), scales
+    )
+    row: Row = {"tokens": tokens, "block_m": cfg.block_m}
+    for name, fn in (("weight_only", weight_only), ("w8a8", w8a8)):
+        out = fn(0).view(tokens, TOP_K, -1).sum(dim=1)
+        row[f"{name}_us"] = time_graph(fn, len(sets)) * 1e6
+        row[f"{name}_err"] = rel_err(out, truth)
+    row["speedup"] = row["weight_only_us"] / row["w8a8_us"]
+    return row
+
+
+W8A8_COLUMNS = ("tokens", "block_m", "weight_only_us", "w8a8_us", "speedup", "weight_only_err",
+                "w8a8_err")  # fmt: skip
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minisgl.benchmark.moe", description=__doc__)
     ap.add_argument("--skip-kernels", action="store_true", help="no kernel-vs-reference table")
@@ -709,6 +781,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=PROFILE_STEPS)
     ap.add_argument("--profile-eager", action="store_true", help="profile without CUDA graphs")
     ap.add_argument("--profile-trace", default="", help="keep the Chrome trace at this path")
+    ap.add_argument(
+        "--moe-fp8-w8a8",
+        action="store_true",
+        help="FP8 experts on the blocked path take the W8A8 kernels (minisgl.kernels.moe_fp8; "
+        "sets MINISGL_MOE_W8A8=1 for this process and its children)",
+    )
+    ap.add_argument(
+        "--w8a8-kernels",
+        action="store_true",
+        help="only the kernel-level A/B of FP8 experts: weight-only GEMMs vs the W8A8 kernels",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
     ap.add_argument(
@@ -732,7 +815,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
-    if args.tune:
+    if args.moe_fp8_w8a8:
+        from minisgl.kernels import moe_fp8
+
+        os.environ[moe_fp8.ENV_W8A8] = "1"  # engine processes started from here
+        moe_fp8.ENABLED = True
+        result["moe_fp8_w8a8"] = True
+    if args.w8a8_kernels:
+        result["w8a8"] = run_w8a8_kernels(args.seed, W8A8_TOKENS)
+        print_table("FP8 experts: weight-only vs W8A8 (gate/up + down)", result["w8a8"],
+                    W8A8_COLUMNS)  # fmt: skip
+    elif args.tune:
         result["tune"] = tune(args.seed, args.tune_tokens)
         result["tune_best"] = best_per_tokens(result["tune"])
         print_table("tile sweep: best per path and block_m", result["tune"], TUNE_COLUMNS)

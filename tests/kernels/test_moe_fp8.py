@@ -172,9 +172,14 @@ def test_w8a8_experts_match_reference(
     assert pairs.dtype == torch.bfloat16
 
     # (a) the same roundings in torch: only the bf16 stores and the summation order differ
-    # (which may move an activation across an e4m3 rounding boundary now and then)
-    model = w8a8_model(x, d13, d2, r, split=config.gate_up.block_n != 128)
-    assert (out - model).abs().max() <= 2e-2 * model.abs().max()
+    # (which may move an activation across an e4m3 rounding boundary now and then, a step of
+    # 2^-3 of that value). The split variant's bf16 activations are rounded twice (bf16, then
+    # e4m3), and the interpreter's fp32 -> bf16 cast truncates (`test_moe_kernel.TOL`), which
+    # biases those boundary crossings towards zero: twice the tolerance there.
+    split = config.gate_up.block_n != 128
+    model = w8a8_model(x, d13, d2, r, split)
+    tol = 4e-2 if split and DEVICE == "cpu" else 2e-2
+    assert (out - model).abs().max() <= tol * model.abs().max()
     # (b) the unquantized activations: within the bound derived from e4m3's precision
     ref = moe_reference(x.double(), d13, d2, r)
     err = (out - ref).abs()
@@ -248,7 +253,9 @@ def _variants() -> list[tuple[str, Any, dict[str, Any], F.W8A8Tile]]:
             c = dict(TOP_K=8, BLOCK_M=block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
                      W_SCALE=w_scale, QUANT_OUT=gu.block_n == 128, UPCAST=False,
                      EMULATE_FP8=False)  # fmt: skip
-            out.append((f"gate_up m{block_m} {gu} w_scale={w_scale}", F._w8a8_gate_up_kernel, c, gu))
+            out.append(
+                (f"gate_up m{block_m} {gu} w_scale={w_scale}", F._w8a8_gate_up_kernel, c, gu)
+            )
             c = dict(BLOCK_M=block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, W_SCALE=w_scale,
                      UPCAST=False)  # fmt: skip
             out.append((f"down m{block_m} {dn} w_scale={w_scale}", F._w8a8_down_kernel, c, dn))
@@ -264,7 +271,7 @@ def _compile_all() -> list[dict[str, Any]]:
         if kernel is F._w8a8_gate_up_kernel:
             types["act_ptr"] = "*fp8e4nv" if c["QUANT_OUT"] else "*bf16"
         # as launched at the Qwen3-30B-A3B shape: pointers, sizes and strides multiples of 16
-        aligned = [n for n in kernel.arg_names if n not in c and n != "numel"]
+        aligned = [n for n in kernel.arg_names if n not in c and n not in ("numel", "PDL")]
         result = compile_sm90(kernel, types, c, tile.num_warps, tile.num_stages, aligned, sass=True)
         results.append({"name": name, **result})
     return results
