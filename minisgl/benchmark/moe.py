@@ -17,6 +17,9 @@ blocked, every block height worth trying), the best whole layer per token count,
 `DEFAULT_CONFIGS` dict to paste into `minisgl/kernels/moe.py`. `--profile` runs only
 torch.profiler over a few decode steps (batch 1 by default, CUDA graphs as in serving) and
 prints the top GPU kernels by time with their counts per step.
+`--w8a8-kernels` runs only a kernel-level A/B of FP8 experts on the blocked path: the
+weight-only grouped GEMMs against the W8A8 kernels (`minisgl.kernels.moe_fp8`);
+`--moe-fp8-w8a8` switches the W8A8 path on for the rest of the run (the decode table).
 Prints tables, then one JSON object as the last line.
 """
 
