@@ -431,9 +431,12 @@ def run_decode(
 
 PROFILE_STEPS = 8
 PROFILE_TOP = 25
-# The Triton kernels of minisgl.kernels.moe (the router GEMM is a cuBLAS kernel among the rest).
+# The Triton kernels of minisgl.kernels.moe and .moe_fp8 (the router GEMM is a cuBLAS kernel
+# among the rest; the W8A8 path's x quantization, `_act_quant_kernel`, is shared with the FP8
+# linear layers and counted with them).
 MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_gate_up_kernel", "_down_kernel",
-               "_topk_kernel", "_align_kernel")  # fmt: skip
+               "_topk_kernel", "_align_kernel", "_w8a8_gate_up_kernel",
+               "_w8a8_down_kernel")  # fmt: skip
 
 
 def profile_decode(
@@ -698,7 +701,7 @@ def summary(result: Row) -> Row:
 W8A8_TOKENS = (64, 128, 256, 512)
 
 
-def run_w8a8_kernels(seed: int, token_counts: Sequence[int]) -> list[Row]:
+def run_w8a8_kernels(seed: int, token_counts: Sequence[int], tune: bool) -> list[Row]:
     """FP8 experts (one scale per row) at the Qwen3-30B-A3B shape: the blocked path's two
     grouped GEMMs with bf16 activations (weight-only, the default) against the W8A8 kernels
     (`minisgl.kernels.moe_fp8`: the activation quantization, gate/up, down), on the same
@@ -722,17 +725,25 @@ def run_w8a8_kernels(seed: int, token_counts: Sequence[int]) -> list[Row]:
         cfg = default_config(tokens, TOP_K, NUM_EXPERTS)
         if not isinstance(cfg, FusedMoEConfig) or cfg.block_m > moe_fp8.MAX_BLOCK_M:
             continue
-        row = w8a8_row(inp, cfg, q13, q2, scales)
+        row = w8a8_row(inp, cfg, q13, q2, scales, tune)
         print(f"  w8a8 {row}", file=sys.stderr)
         rows_out.append(row)
     return rows_out
 
 
 def w8a8_row(
-    inp: MoEInputs, cfg: FusedMoEConfig, q13: torch.Tensor, q2: torch.Tensor, scales: Any
+    inp: MoEInputs,
+    cfg: FusedMoEConfig,
+    q13: torch.Tensor,
+    q2: torch.Tensor,
+    scales: Any,
+    tune: bool,
 ) -> Row:
-    """One token count of `run_w8a8_kernels`."""
+    """One token count of `run_w8a8_kernels`: each path's gate/up and down launches timed on
+    their own (the W8A8 gate/up includes the quantization of x) and together; with `tune`,
+    the W8A8 tiles of W8A8_TUNE_* too (gate/up first, then down with the best gate/up)."""
     from minisgl.kernels import moe_fp8
+    from minisgl.kernels.fp8_gemm import quantize_activations
     from minisgl.kernels.moe import down_gemm, fused_topk, gate_up_gemm, moe_align
 
     tokens = inp.x.shape[0]
@@ -740,28 +751,74 @@ def w8a8_row(
     sets = routing_sets(inp)
     routed = [fused_topk(lg, TOP_K, True) for lg in sets]
     aligned = [moe_align(ids, NUM_EXPERTS, cfg.block_m) for _, ids in routed]
+    w8 = moe_fp8.w8a8_config(cfg.block_m)
 
-    def weight_only(i: int) -> torch.Tensor:
+    def wo_gate_up(i: int) -> torch.Tensor:
+        return gate_up_gemm(inp.x, q13, aligned[i], TOP_K, cfg.gate_up, s13)
+
+    acts = [wo_gate_up(i) for i in range(len(sets))]
+
+    def wo_down(i: int) -> torch.Tensor:
+        return down_gemm(acts[i], q2, routed[i][0], aligned[i], cfg.down, s2)
+
+    def wo_all(i: int) -> torch.Tensor:
         act = gate_up_gemm(inp.x, q13, aligned[i], TOP_K, cfg.gate_up, s13)
         return down_gemm(act, q2, routed[i][0], aligned[i], cfg.down, s2)
 
-    def w8a8(i: int) -> torch.Tensor:
-        return moe_fp8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], aligned[i])
+    def w8_gate_up(i: int, tile: Any = w8.gate_up) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, xs = quantize_activations(inp.x, moe_fp8.GROUP)
+        return moe_fp8.w8a8_gate_up(xq, xs, q13, s13, aligned[i], TOP_K, tile, inp.x.dtype)
+
+    qacts = [w8_gate_up(i) for i in range(len(sets))]
+
+    def w8_down(i: int, tile: Any = w8.down) -> torch.Tensor:
+        aq, a_scale = qacts[i]
+        return moe_fp8.w8a8_down(aq, a_scale, q2, s2, routed[i][0], aligned[i], tile, inp.x.dtype)
+
+    def w8_all(i: int, config: Any = w8) -> torch.Tensor:
+        return moe_fp8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], aligned[i], config)
 
     truth = moe_reference(
         inp.x.float(), q13, q2, Routing(routed[0][0], routed[0][1].long()), scales
     )
     row: Row = {"tokens": tokens, "block_m": cfg.block_m}
-    for name, fn in (("weight_only", weight_only), ("w8a8", w8a8)):
-        out = fn(0).view(tokens, TOP_K, -1).sum(dim=1)
-        row[f"{name}_us"] = time_graph(fn, len(sets)) * 1e6
-        row[f"{name}_err"] = rel_err(out, truth)
-    row["speedup"] = row["weight_only_us"] / row["w8a8_us"]
+    row["wo_gate_up_us"] = time_graph(wo_gate_up, len(sets)) * 1e6
+    row["wo_down_us"] = time_graph(wo_down, len(sets)) * 1e6
+    row["w8_gate_up_us"] = time_graph(w8_gate_up, len(sets)) * 1e6
+    row["w8_down_us"] = time_graph(w8_down, len(sets)) * 1e6
+    row["wo_us"] = time_graph(wo_all, len(sets)) * 1e6
+    row["w8_us"] = time_graph(w8_all, len(sets)) * 1e6
+    row["speedup"] = row["wo_us"] / row["w8_us"]
+    row["wo_err"] = rel_err(wo_down(0).view(tokens, TOP_K, -1).sum(dim=1), truth)
+    row["w8_err"] = rel_err(w8_all(0).view(tokens, TOP_K, -1).sum(dim=1), truth)
+    row["w8_config"] = str(w8)
+    if tune:
+        from minisgl.kernels.moe_fp8 import W8A8Config, W8A8Tile
+
+        best_gu = min(
+            (W8A8Tile(*t) for t in W8A8_TUNE_GATE_UP),
+            key=lambda t: time_quietly(lambda i: w8_gate_up(i, t), len(sets)) or math.inf,
+        )
+        best_dn = min(
+            (W8A8Tile(*t) for t in W8A8_TUNE_DOWN),
+            key=lambda t: time_quietly(lambda i: w8_down(i, t), len(sets)) or math.inf,
+        )
+        best = W8A8Config(best_gu, best_dn)
+        row["tuned_us"] = time_graph(lambda i: w8_all(i, best), len(sets)) * 1e6
+        row["tuned_speedup"] = row["wo_us"] / row["tuned_us"]
+        row["tuned_config"] = str(best)
     return row
 
 
-W8A8_COLUMNS = ("tokens", "block_m", "weight_only_us", "w8a8_us", "speedup", "weight_only_err",
-                "w8a8_err")  # fmt: skip
+# (block_n, block_k, num_warps, num_stages) of the W8A8 kernels' sweep (`--w8a8-tune`); block_n
+# a multiple of 64 (FP8 wgmma's M side per warpgroup); gate/up at 128 quantizes in its epilogue.
+W8A8_TUNE_GATE_UP = ((128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 5), (128, 64, 4, 4),
+                     (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 6))  # fmt: skip
+W8A8_TUNE_DOWN = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 4, 3),
+                  (128, 128, 4, 4), (128, 128, 8, 4))  # fmt: skip
+W8A8_COLUMNS = ("tokens", "block_m", "wo_gate_up_us", "wo_down_us", "w8_gate_up_us", "w8_down_us",
+                "wo_us", "w8_us", "speedup", "wo_err", "w8_err", "tuned_us", "tuned_speedup",
+                "tuned_config")  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -795,6 +852,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="only the kernel-level A/B of FP8 experts: weight-only GEMMs vs the W8A8 kernels",
     )
+    ap.add_argument(
+        "--w8a8-tune",
+        action="store_true",
+        help="with --w8a8-kernels: sweep the W8A8 tiles too (W8A8_TUNE_GATE_UP, W8A8_TUNE_DOWN)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
     ap.add_argument(
@@ -825,7 +887,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         moe_fp8.ENABLED = True
         result["moe_fp8_w8a8"] = True
     if args.w8a8_kernels:
-        result["w8a8"] = run_w8a8_kernels(args.seed, W8A8_TOKENS)
+        result["w8a8"] = run_w8a8_kernels(args.seed, W8A8_TOKENS, args.w8a8_tune)
         print_table("FP8 experts: weight-only vs W8A8 (gate/up + down)", result["w8a8"],
                     W8A8_COLUMNS)  # fmt: skip
     elif args.tune:
