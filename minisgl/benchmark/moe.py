@@ -751,7 +751,9 @@ def w8a8_row(
     sets = routing_sets(inp)
     routed = [fused_topk(lg, TOP_K, True) for lg in sets]
     aligned = [moe_align(ids, NUM_EXPERTS, cfg.block_m) for _, ids in routed]
-    w8 = moe_fp8.w8a8_config(cfg.block_m)
+    w8_m = moe_fp8.w8a8_block_m(cfg.block_m)  # the W8A8 path's own rows (MIN_BLOCK_M)
+    w8_rows = [moe_align(ids, NUM_EXPERTS, w8_m) for _, ids in routed]
+    w8 = moe_fp8.w8a8_config(w8_m)
 
     def wo_gate_up(i: int) -> torch.Tensor:
         return gate_up_gemm(inp.x, q13, aligned[i], TOP_K, cfg.gate_up, s13)
@@ -767,21 +769,21 @@ def w8a8_row(
 
     def w8_gate_up(i: int, tile: Any = w8.gate_up) -> tuple[torch.Tensor, torch.Tensor]:
         xq, xs = quantize_activations(inp.x, moe_fp8.GROUP)
-        return moe_fp8.w8a8_gate_up(xq, xs, q13, s13, aligned[i], TOP_K, tile, inp.x.dtype)
+        return moe_fp8.w8a8_gate_up(xq, xs, q13, s13, w8_rows[i], TOP_K, tile, inp.x.dtype)
 
     qacts = [w8_gate_up(i) for i in range(len(sets))]
 
     def w8_down(i: int, tile: Any = w8.down) -> torch.Tensor:
         aq, a_scale = qacts[i]
-        return moe_fp8.w8a8_down(aq, a_scale, q2, s2, routed[i][0], aligned[i], tile, inp.x.dtype)
+        return moe_fp8.w8a8_down(aq, a_scale, q2, s2, routed[i][0], w8_rows[i], tile, inp.x.dtype)
 
     def w8_all(i: int, config: Any = w8) -> torch.Tensor:
-        return moe_fp8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], aligned[i], config)
+        return moe_fp8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], w8_rows[i], config)
 
     truth = moe_reference(
         inp.x.float(), q13, q2, Routing(routed[0][0], routed[0][1].long()), scales
     )
-    row: Row = {"tokens": tokens, "block_m": cfg.block_m}
+    row: Row = {"tokens": tokens, "block_m": cfg.block_m, "w8_block_m": w8_m}
     row["wo_gate_up_us"] = time_graph(wo_gate_up, len(sets)) * 1e6
     row["wo_down_us"] = time_graph(wo_down, len(sets)) * 1e6
     row["w8_gate_up_us"] = time_graph(w8_gate_up, len(sets)) * 1e6
@@ -816,7 +818,7 @@ W8A8_TUNE_GATE_UP = ((128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 5), (128,
                      (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 6))  # fmt: skip
 W8A8_TUNE_DOWN = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 4, 3),
                   (128, 128, 4, 4), (128, 128, 8, 4))  # fmt: skip
-W8A8_COLUMNS = ("tokens", "block_m", "wo_gate_up_us", "wo_down_us", "w8_gate_up_us", "w8_down_us",
+W8A8_COLUMNS = ("tokens", "block_m", "w8_block_m", "wo_gate_up_us", "wo_down_us", "w8_gate_up_us", "w8_down_us",
                 "wo_us", "w8_us", "speedup", "wo_err", "w8_err", "tuned_us", "tuned_speedup",
                 "tuned_config")  # fmt: skip
 
@@ -846,6 +848,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="FP8 experts on the blocked path take the W8A8 kernels (minisgl.kernels.moe_fp8; "
         "sets MINISGL_MOE_W8A8=1 for this process and its children)",
+    )
+    ap.add_argument(
+        "--w8a8-block-m",
+        type=int,
+        default=None,
+        help="the W8A8 path's least BLOCK_M (moe_fp8.MIN_BLOCK_M; sets MINISGL_MOE_W8A8_BLOCK_M)",
     )
     ap.add_argument(
         "--w8a8-kernels",
@@ -886,6 +894,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[moe_fp8.ENV_W8A8] = "1"  # engine processes started from here
         moe_fp8.ENABLED = True
         result["moe_fp8_w8a8"] = True
+    if args.w8a8_block_m is not None:
+        from minisgl.kernels import moe_fp8
+
+        os.environ[moe_fp8.ENV_W8A8_BLOCK_M] = str(args.w8a8_block_m)
+        moe_fp8.MIN_BLOCK_M = args.w8a8_block_m
+        result["w8a8_block_m"] = args.w8a8_block_m
     if args.w8a8_kernels:
         result["w8a8"] = run_w8a8_kernels(args.seed, W8A8_TOKENS, args.w8a8_tune)
         print_table("FP8 experts: weight-only vs W8A8 (gate/up + down)", result["w8a8"],

@@ -928,11 +928,12 @@ def fused_experts(
         routing = PairRouting(ids.view(-1), weights.view(-1))
         act, _ = pair_gate_up(x, w13, top_k, cfg.gate_up, routing=routing, scale=s13)
         return pair_down(act, w2, routing, top_k, cfg.down, scale=s2)
-    rows = moe_align(ids, w13.shape[0], cfg.block_m)
     if s13 is not None and s2 is not None and moe_fp8.use_w8a8(x, w13, cfg.block_m):
         # e4m3 activations too, on FP8 wgmma (`minisgl.kernels.moe_fp8`; off by default)
+        rows = moe_align(ids, w13.shape[0], moe_fp8.w8a8_block_m(cfg.block_m))
         out = moe_fp8.w8a8_experts(x, w13, w2, (s13, s2), weights, rows)
     else:
+        rows = moe_align(ids, w13.shape[0], cfg.block_m)
         act = gate_up_gemm(x, w13, rows, top_k, cfg.gate_up, s13)
         out = down_gemm(act, w2, weights, rows, cfg.down, s2)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

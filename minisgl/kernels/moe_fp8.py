@@ -28,7 +28,9 @@ Launches per layer after `fused_topk` and `moe_align` (shared with the weight-on
 4. the sum over k (as the weight-only path).
 
 Off by default until measured on the GPU: `MINISGL_MOE_W8A8=1` in the environment (or
-`ENABLED = True` here) routes e4m3 experts on CUDA through it (`use_w8a8`).
+`ENABLED = True` here) routes e4m3 experts on CUDA through it (`use_w8a8`), on rows that
+`moe_align` pads to the path's own BLOCK_M (`w8a8_block_m`: the table's, at least MIN_BLOCK_M,
+`MINISGL_MOE_W8A8_BLOCK_M`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ ENV_W8A8 = "MINISGL_MOE_W8A8"
 # The switch: read once at import; the benchmark's `--moe-fp8-w8a8` sets both.
 ENABLED = os.environ.get(ENV_W8A8) == "1"
 MAX_BLOCK_M = 64  # taller blocks (prefill) keep the weight-only path: tiles not sized for them
+# The W8A8 path's own floor on BLOCK_M (`w8a8_block_m`). The token rows are wgmma's N side, so
+# a taller block costs no MMA throughput while the step is memory-bound: at ~16 rows per expert
+# (decode batch 256) BLOCK_M 32 holds most experts' rows in one block, which reads each weight
+# tile once rather than leaning on L2 for the second block. 16 (the weight-only table's) until
+# measured; `MINISGL_MOE_W8A8_BLOCK_M=32` (or `--w8a8-block-m 32` in benchmark.moe) tries it.
+ENV_W8A8_BLOCK_M = "MINISGL_MOE_W8A8_BLOCK_M"
+MIN_BLOCK_M = int(os.environ.get(ENV_W8A8_BLOCK_M, "16"))
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,11 @@ def w8a8_config(block_m: int) -> W8A8Config:
     return next(cfg for m, cfg in W8A8_CONFIGS.items() if block_m <= m)
 
 
+def w8a8_block_m(block_m: int) -> int:
+    """The W8A8 path's BLOCK_M for a call the table gives `block_m`: at least MIN_BLOCK_M."""
+    return min(max(block_m, MIN_BLOCK_M), MAX_BLOCK_M)
+
+
 def use_w8a8(x: torch.Tensor, w13: torch.Tensor, block_m: int) -> bool:
     """Whether the blocked path takes the W8A8 kernels: switched on, e4m3 experts, decode-sized
     blocks, on CUDA (or in the CPU interpreter, for the tests)."""
@@ -101,14 +115,10 @@ def use_w8a8(x: torch.Tensor, w13: torch.Tensor, block_m: int) -> bool:
 
 
 @triton.jit
-def _dot_wt(w, a, UPCAST: tl.constexpr):
+def _dot_wt(w, a):
     """w [N, K] @ a [M, K]^T -> [N, M] fp32, from zero (the caller promotes it per K step).
-    UPCAST (the CPU interpreter, which has no FP8 dot): the exact e4m3 values in fp32."""
-    if UPCAST:
-        out = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-    else:
-        out = tl.dot(w, tl.trans(a))
-    return out
+    (Triton's CPU interpreter runs the same e4m3 dot, exactly: e4m3 products fit in fp32.)"""
+    return tl.dot(w, tl.trans(a))
 
 
 # `numel` (tokens x top_k) changes every step: no variant per "% 16" (a JIT compile mid-serving).
@@ -140,7 +150,6 @@ def _w8a8_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     W_SCALE: tl.constexpr,
     QUANT_OUT: tl.constexpr,  # BLOCK_N == 128: quantize the output per 128-column group here
-    UPCAST: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -185,11 +194,11 @@ def _w8a8_gate_up_kernel(
             su = tl.load(
                 s_expert + ((inter + offs_n) // 128) * stride_sn + kg, mask=mask_n, other=0.0
             )
-            acc_g += _dot_wt(g, a, UPCAST) * (sg[:, None] * sa[None, :])
-            acc_u += _dot_wt(u, a, UPCAST) * (su[:, None] * sa[None, :])
+            acc_g += _dot_wt(g, a) * (sg[:, None] * sa[None, :])
+            acc_u += _dot_wt(u, a) * (su[:, None] * sa[None, :])
         else:
-            acc_g += _dot_wt(g, a, UPCAST) * sa[None, :]
-            acc_u += _dot_wt(u, a, UPCAST) * sa[None, :]
+            acc_g += _dot_wt(g, a) * sa[None, :]
+            acc_u += _dot_wt(u, a) * sa[None, :]
         sa = sa_next
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
@@ -240,7 +249,6 @@ def _w8a8_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     W_SCALE: tl.constexpr,
-    UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -273,9 +281,9 @@ def _w8a8_down_kernel(
         if W_SCALE == 2:
             kg = k * BLOCK_K // 128
             sw = tl.load(s_expert + (offs_n // 128) * stride_sn + kg, mask=mask_n, other=0.0)
-            acc += _dot_wt(w, a, UPCAST) * (sw[:, None] * sa[None, :])
+            acc += _dot_wt(w, a) * (sw[:, None] * sa[None, :])
         else:
-            acc += _dot_wt(w, a, UPCAST) * sa[None, :]
+            acc += _dot_wt(w, a) * sa[None, :]
         sa = sa_next
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -331,7 +339,6 @@ def w8a8_gate_up(
         w13.stride(1), act.stride(0), acts.stride(0), scale.stride(0),
         scale.stride(1) if scale.dim() == 3 else 0, TOP_K=top_k, BLOCK_M=rows.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, W_SCALE=w_scale, QUANT_OUT=fused,
-        UPCAST=is_interpreted(_w8a8_gate_up_kernel),
         EMULATE_FP8=emulate_fp8(_w8a8_gate_up_kernel), num_warps=tile.num_warps,
         num_stages=tile.num_stages, **pdl_args(dev),
     )  # fmt: skip
@@ -365,7 +372,7 @@ def w8a8_down(
         rows.num_padded, numel, hidden, inter, aq.stride(0), a_scale.stride(0), w2.stride(0),
         w2.stride(1), out.stride(0), scale.stride(0), scale.stride(1) if scale.dim() == 3 else 0,
         BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, W_SCALE=w_scale,
-        UPCAST=is_interpreted(_w8a8_down_kernel), num_warps=tile.num_warps,
+        num_warps=tile.num_warps,
         num_stages=tile.num_stages, **pdl_args(aq.device),
     )  # fmt: skip
     return out

@@ -1,14 +1,14 @@
 """The W8A8 blocked MoE path (`minisgl.kernels.moe_fp8`): e4m3 activations x e4m3 experts.
 
 What is tested how:
-- the kernels' numerics, in Triton's CPU interpreter without CUDA (it has no FP8 dot: the
-  kernels' UPCAST branch multiplies the exact e4m3 values in fp32; everything else, the
-  per-group scales, the epilogue's quantization and the separate quantization launch, is the
-  same code), against (a) a torch model of the same roundings, tightly, and (b)
+- the kernels' numerics, in Triton's CPU interpreter without CUDA (the same kernels: its
+  e4m3 x e4m3 tl.dot is exact in fp32; its fp32 -> e4m3 casts round wrongly, so the
+  quantizing stores go through `round_e4m3` there, EMULATE_FP8), against (a) a torch model of
+  the same roundings, tightly, and (b)
   `moe_reference` on the dequantized experts within an element-wise bound derived from e4m3's
   precision (`w8a8_bound`);
 - the wiring: `fused_experts` takes the path when `moe_fp8.ENABLED` is set (and only then);
-- the FP8 tensor-core code, which the interpreter never runs: compiled for sm_90 in a
+- the FP8 tensor-core lowering, which the interpreter never sees: compiled for sm_90 in a
   subprocess (`test_w8a8_kernels_compile_for_sm90`): FP8 wgmma (SASS `QGMMA ... E4M3.E4M3`)
   in the main loop, no conversions of the weights there, no register spills.
 """
@@ -190,9 +190,9 @@ def test_w8a8_experts_match_reference(
     assert bound.max() <= 0.2 * ref.abs().max()
 
 
-@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize(("enabled", "min_block_m"), [(True, 16), (True, 32), (False, 16)])
 def test_fused_experts_takes_the_w8a8_path_when_enabled(
-    monkeypatch: pytest.MonkeyPatch, enabled: bool
+    monkeypatch: pytest.MonkeyPatch, enabled: bool, min_block_m: int
 ) -> None:
     num_tokens, num_experts, top_k, hidden, inter = 16, 16, 4, 256, 128
     q13, q2, scales, d13, d2 = experts(num_experts, hidden, inter, "row", seed=5)
@@ -200,14 +200,20 @@ def test_fused_experts_takes_the_w8a8_path_when_enabled(
     x = x.to(torch.bfloat16)
     r = routing(num_tokens, num_experts, top_k, seed=6)
     monkeypatch.setattr(F, "ENABLED", enabled)
+    monkeypatch.setattr(F, "MIN_BLOCK_M", min_block_m)
     calls: list[int] = []
     real = F.w8a8_experts
-    monkeypatch.setattr(F, "w8a8_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[5].block_m)  # the AlignedRows: the W8A8 path's own BLOCK_M
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "w8a8_experts", spy)
     cfg = K.FusedMoEConfig(16, K.GemmTile(32, 128), K.GemmTile(32, 128))
     out = K.fused_experts(
         x.to(DEVICE), q13, q2, r.weights.to(DEVICE), r.ids.to(DEVICE, torch.int32), cfg, scales
     )
-    assert len(calls) == int(enabled)
+    assert calls == ([min_block_m] if enabled else [])
     ref = moe_reference(x.double(), d13, d2, r)
     assert (out.cpu().double() - ref).abs().max() <= 0.1 * ref.abs().max()
 
@@ -221,6 +227,8 @@ def test_w8a8_is_not_taken_for_16_bit_experts_or_tall_blocks(monkeypatch: pytest
     assert not F.use_w8a8(x, w.to(torch.float8_e4m3fn), 2 * F.MAX_BLOCK_M)
     monkeypatch.setattr(F, "ENABLED", False)
     assert not F.use_w8a8(x, w.to(torch.float8_e4m3fn), 16)
+    monkeypatch.setattr(F, "MIN_BLOCK_M", 32)
+    assert [F.w8a8_block_m(m) for m in (16, 32, 64)] == [32, 32, 64]
 
 
 def test_w8a8_tables_cover_the_blocked_decode_sizes() -> None:
@@ -251,13 +259,12 @@ def _variants() -> list[tuple[str, Any, dict[str, Any], F.W8A8Tile]]:
     for block_m, gu, dn in tiles:
         for w_scale in (1, 2):
             c = dict(TOP_K=8, BLOCK_M=block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-                     W_SCALE=w_scale, QUANT_OUT=gu.block_n == 128, UPCAST=False,
+                     W_SCALE=w_scale, QUANT_OUT=gu.block_n == 128,
                      EMULATE_FP8=False)  # fmt: skip
             out.append(
                 (f"gate_up m{block_m} {gu} w_scale={w_scale}", F._w8a8_gate_up_kernel, c, gu)
             )
-            c = dict(BLOCK_M=block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, W_SCALE=w_scale,
-                     UPCAST=False)  # fmt: skip
+            c = dict(BLOCK_M=block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, W_SCALE=w_scale)
             out.append((f"down m{block_m} {dn} w_scale={w_scale}", F._w8a8_down_kernel, c, dn))
     return out
 
