@@ -57,6 +57,7 @@ def compile_sm90(
         f.write(compiled.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        code = ""
         if sass:
             code = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     fields = dict(kv.split(":") for kv in text.split() if kv.startswith(("REG:", "LOCAL:")))

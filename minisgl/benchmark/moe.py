@@ -20,6 +20,9 @@ path's sweep with e4m3 experts (a scale per row): the [BLOCK_N, BLOCK_K] kernels
 each, and the `FP8_PAIR_TILES` to paste. `--profile` runs only
 torch.profiler over a few decode steps (batch 1 by default, CUDA graphs as in serving) and
 prints the top GPU kernels by time with their counts per step.
+`--w8a8-kernels` runs only a kernel-level A/B of FP8 experts on the blocked path: the
+weight-only grouped GEMMs against the W8A8 kernels (`minisgl.kernels.moe_fp8`);
+`--moe-fp8-w8a8` switches the W8A8 path on for the rest of the run (the decode table).
 Prints tables, then one JSON object as the last line.
 """
 
@@ -30,6 +33,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -56,7 +60,7 @@ from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_ex
 
 if TYPE_CHECKING:
     from minisgl.kernels.fp8 import ExpertScales
-    from minisgl.kernels.moe import GemmTile, MoEConfig, VecTile
+    from minisgl.kernels.moe import FusedMoEConfig, GemmTile, MoEConfig, VecTile
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
 # Qwen3-30B-A3B's MoE layer.
@@ -431,10 +435,12 @@ def run_decode(
 
 PROFILE_STEPS = 8
 PROFILE_TOP = 25
-# The Triton kernels of minisgl.kernels.moe (the router GEMM is a cuBLAS kernel among the rest).
+# The Triton kernels of minisgl.kernels.moe and .moe_fp8 (the router GEMM is a cuBLAS kernel
+# among the rest; the W8A8 path's x quantization, `_act_quant_kernel`, is shared with the FP8
+# linear layers and counted with them).
 MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_pair_gate_up_fp8_kernel",
                "_pair_down_fp8_kernel", "_gate_up_kernel", "_down_kernel", "_topk_kernel",
-               "_align_kernel")  # fmt: skip
+               "_align_kernel", "_w8a8_gate_up_kernel", "_w8a8_down_kernel")  # fmt: skip
 
 
 def profile_decode(
@@ -777,6 +783,133 @@ def summary(result: Row) -> Row:
     return out
 
 
+# ---- W8A8 vs weight-only FP8 experts, kernel level ------------------------------------------------
+
+W8A8_TOKENS = (64, 128, 256, 512)
+
+
+def run_w8a8_kernels(seed: int, token_counts: Sequence[int], tune: bool) -> list[Row]:
+    """FP8 experts (one scale per row) at the Qwen3-30B-A3B shape: the blocked path's two
+    grouped GEMMs with bf16 activations (weight-only, the default) against the W8A8 kernels
+    (`minisgl.kernels.moe_fp8`: the activation quantization, gate/up, down), on the same
+    `moe_align` rows, each timed as a CUDA graph; and their error against the bf16 layer on
+    the dequantized weights."""
+    from minisgl.kernels import moe_fp8
+    from minisgl.kernels.fp8 import FP8_MAX, ExpertScales
+    from minisgl.kernels.moe import FusedMoEConfig, default_config
+
+    w13, w2 = random_weights(NUM_EXPERTS, HIDDEN, INTER, seed)
+    q = []  # one scale per output row, as `minisgl.kernels.fp8.quantize_rows` (whole stacks)
+    for w in (w13, w2):
+        scale = (w.float().abs().amax(dim=2) / FP8_MAX).clamp_min(1e-12)  # [E, N]
+        wq = (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q.append((wq, scale))
+    (q13, s13), (q2, s2) = q
+    scales = ExpertScales(s13, s2)
+    rows_out: list[Row] = []
+    for tokens in token_counts:
+        inp = random_inputs(tokens, (w13, w2), TOP_K, seed + tokens)
+        cfg = default_config(tokens, TOP_K, NUM_EXPERTS)
+        if not isinstance(cfg, FusedMoEConfig) or cfg.block_m > moe_fp8.MAX_BLOCK_M:
+            continue
+        row = w8a8_row(inp, cfg, q13, q2, scales, tune)
+        print(f"  w8a8 {row}", file=sys.stderr)
+        rows_out.append(row)
+    return rows_out
+
+
+def w8a8_row(
+    inp: MoEInputs,
+    cfg: FusedMoEConfig,
+    q13: torch.Tensor,
+    q2: torch.Tensor,
+    scales: Any,
+    tune: bool,
+) -> Row:
+    """One token count of `run_w8a8_kernels`: each path's gate/up and down launches timed on
+    their own (the W8A8 gate/up includes the quantization of x) and together; with `tune`,
+    the W8A8 tiles of W8A8_TUNE_* too (gate/up first, then down with the best gate/up)."""
+    from minisgl.kernels import moe_fp8
+    from minisgl.kernels.fp8_gemm import quantize_activations
+    from minisgl.kernels.moe import down_gemm, fused_topk, gate_up_gemm, moe_align
+
+    tokens = inp.x.shape[0]
+    s13, s2 = scales
+    sets = routing_sets(inp)
+    routed = [fused_topk(lg, TOP_K, True) for lg in sets]
+    aligned = [moe_align(ids, NUM_EXPERTS, cfg.block_m) for _, ids in routed]
+    w8_m = moe_fp8.w8a8_block_m(cfg.block_m)  # the W8A8 path's own rows (MIN_BLOCK_M)
+    w8_rows = [moe_align(ids, NUM_EXPERTS, w8_m) for _, ids in routed]
+    w8 = moe_fp8.w8a8_config(w8_m)
+
+    def wo_gate_up(i: int) -> torch.Tensor:
+        return gate_up_gemm(inp.x, q13, aligned[i], TOP_K, cfg.gate_up, s13)
+
+    acts = [wo_gate_up(i) for i in range(len(sets))]
+
+    def wo_down(i: int) -> torch.Tensor:
+        return down_gemm(acts[i], q2, routed[i][0], aligned[i], cfg.down, s2)
+
+    def wo_all(i: int) -> torch.Tensor:
+        act = gate_up_gemm(inp.x, q13, aligned[i], TOP_K, cfg.gate_up, s13)
+        return down_gemm(act, q2, routed[i][0], aligned[i], cfg.down, s2)
+
+    def w8_gate_up(i: int, tile: Any = w8.gate_up) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, xs = quantize_activations(inp.x, moe_fp8.GROUP)
+        return moe_fp8.w8a8_gate_up(xq, xs, q13, s13, w8_rows[i], TOP_K, tile, inp.x.dtype)
+
+    qacts = [w8_gate_up(i) for i in range(len(sets))]
+
+    def w8_down(i: int, tile: Any = w8.down) -> torch.Tensor:
+        aq, a_scale = qacts[i]
+        return moe_fp8.w8a8_down(aq, a_scale, q2, s2, routed[i][0], w8_rows[i], tile, inp.x.dtype)
+
+    def w8_all(i: int, config: Any = w8) -> torch.Tensor:
+        return moe_fp8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], w8_rows[i], config)
+
+    truth = moe_reference(
+        inp.x.float(), q13, q2, Routing(routed[0][0], routed[0][1].long()), scales
+    )
+    row: Row = {"tokens": tokens, "block_m": cfg.block_m, "w8_block_m": w8_m}
+    row["wo_gate_up_us"] = time_graph(wo_gate_up, len(sets)) * 1e6
+    row["wo_down_us"] = time_graph(wo_down, len(sets)) * 1e6
+    row["w8_gate_up_us"] = time_graph(w8_gate_up, len(sets)) * 1e6
+    row["w8_down_us"] = time_graph(w8_down, len(sets)) * 1e6
+    row["wo_us"] = time_graph(wo_all, len(sets)) * 1e6
+    row["w8_us"] = time_graph(w8_all, len(sets)) * 1e6
+    row["speedup"] = row["wo_us"] / row["w8_us"]
+    row["wo_err"] = rel_err(wo_down(0).view(tokens, TOP_K, -1).sum(dim=1), truth)
+    row["w8_err"] = rel_err(w8_all(0).view(tokens, TOP_K, -1).sum(dim=1), truth)
+    row["w8_config"] = str(w8)
+    if tune:
+        from minisgl.kernels.moe_fp8 import W8A8Config, W8A8Tile
+
+        best_gu = min(
+            (W8A8Tile(*t) for t in W8A8_TUNE_GATE_UP),
+            key=lambda t: time_quietly(lambda i: w8_gate_up(i, t), len(sets)) or math.inf,
+        )
+        best_dn = min(
+            (W8A8Tile(*t) for t in W8A8_TUNE_DOWN),
+            key=lambda t: time_quietly(lambda i: w8_down(i, t), len(sets)) or math.inf,
+        )
+        best = W8A8Config(best_gu, best_dn)
+        row["tuned_us"] = time_graph(lambda i: w8_all(i, best), len(sets)) * 1e6
+        row["tuned_speedup"] = row["wo_us"] / row["tuned_us"]
+        row["tuned_config"] = str(best)
+    return row
+
+
+# (block_n, block_k, num_warps, num_stages) of the W8A8 kernels' sweep (`--w8a8-tune`); block_n
+# a multiple of 64 (FP8 wgmma's M side per warpgroup); gate/up at 128 quantizes in its epilogue.
+W8A8_TUNE_GATE_UP = ((128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 5), (128, 64, 4, 4),
+                     (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 6))  # fmt: skip
+W8A8_TUNE_DOWN = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 4, 3),
+                  (128, 128, 4, 4), (128, 128, 8, 4))  # fmt: skip
+W8A8_COLUMNS = ("tokens", "block_m", "w8_block_m", "wo_gate_up_us", "wo_down_us", "w8_gate_up_us", "w8_down_us",
+                "wo_us", "w8_us", "speedup", "wo_err", "w8_err", "tuned_us", "tuned_speedup",
+                "tuned_config")  # fmt: skip
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minisgl.benchmark.moe", description=__doc__)
     ap.add_argument("--skip-kernels", action="store_true", help="no kernel-vs-reference table")
@@ -802,6 +935,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=PROFILE_STEPS)
     ap.add_argument("--profile-eager", action="store_true", help="profile without CUDA graphs")
     ap.add_argument("--profile-trace", default="", help="keep the Chrome trace at this path")
+    ap.add_argument(
+        "--moe-fp8-w8a8",
+        action="store_true",
+        help="FP8 experts on the blocked path take the W8A8 kernels (minisgl.kernels.moe_fp8; "
+        "sets MINISGL_MOE_W8A8=1 for this process and its children)",
+    )
+    ap.add_argument(
+        "--w8a8-block-m",
+        type=int,
+        default=None,
+        help="the W8A8 path's least BLOCK_M (moe_fp8.MIN_BLOCK_M; sets MINISGL_MOE_W8A8_BLOCK_M)",
+    )
+    ap.add_argument(
+        "--w8a8-kernels",
+        action="store_true",
+        help="only the kernel-level A/B of FP8 experts: weight-only GEMMs vs the W8A8 kernels",
+    )
+    ap.add_argument(
+        "--w8a8-tune",
+        action="store_true",
+        help="with --w8a8-kernels: sweep the W8A8 tiles too (W8A8_TUNE_GATE_UP, W8A8_TUNE_DOWN)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
     ap.add_argument(
@@ -825,6 +980,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
+    if args.moe_fp8_w8a8:
+        from minisgl.kernels import moe_fp8
+
+        os.environ[moe_fp8.ENV_W8A8] = "1"  # engine processes started from here
+        moe_fp8.ENABLED = True
+        result["moe_fp8_w8a8"] = True
+    if args.w8a8_block_m is not None:
+        from minisgl.kernels import moe_fp8
+
+        os.environ[moe_fp8.ENV_W8A8_BLOCK_M] = str(args.w8a8_block_m)
+        moe_fp8.MIN_BLOCK_M = args.w8a8_block_m
+        result["w8a8_block_m"] = args.w8a8_block_m
     if args.tune_fp8:
         tokens = [t for t in args.tune_tokens if t * TOP_K / NUM_EXPERTS <= PAIR_TUNE_MAX_ROWS]
         result["tune_fp8"] = tune_fp8(args.seed, tokens)
@@ -833,6 +1000,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in result["tune_fp8"]:
             c = r["config"]
             print(f"{r['tokens']} tokens: FP8_PAIR_TILES = ({c.fp8_gate_up!r}, {c.fp8_down!r})")
+    elif args.w8a8_kernels:
+        result["w8a8"] = run_w8a8_kernels(args.seed, W8A8_TOKENS, args.w8a8_tune)
+        print_table("FP8 experts: weight-only vs W8A8 (gate/up + down)", result["w8a8"],
+                    W8A8_COLUMNS)  # fmt: skip
     elif args.tune:
         result["tune"] = tune(args.seed, args.tune_tokens)
         result["tune_best"] = best_per_tokens(result["tune"])

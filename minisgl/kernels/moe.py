@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from minisgl.kernels import moe_fp8
 from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
 from minisgl.kernels.fp8 import ExpertScales
 from minisgl.kernels.gemv import WIDEN, _block_scales, _bytes, _steps_cols, _x_step, gemv
@@ -1404,9 +1405,14 @@ def fused_experts(
         gate_up, down = pair_tiles(cfg, x, w13, w2)
         act, _ = pair_gate_up(x, w13, top_k, gate_up, routing=routing, scale=s13)
         return pair_down(act, w2, routing, top_k, down, scale=s2)
-    rows = moe_align(ids, w13.shape[0], cfg.block_m)
-    act = gate_up_gemm(x, w13, rows, top_k, cfg.gate_up, s13)
-    out = down_gemm(act, w2, weights, rows, cfg.down, s2)
+    if s13 is not None and s2 is not None and moe_fp8.use_w8a8(x, w13, cfg.block_m):
+        # e4m3 activations too, on FP8 wgmma (`minisgl.kernels.moe_fp8`; off by default)
+        rows = moe_align(ids, w13.shape[0], moe_fp8.w8a8_block_m(cfg.block_m))
+        out = moe_fp8.w8a8_experts(x, w13, w2, (s13, s2), weights, rows)
+    else:
+        rows = moe_align(ids, w13.shape[0], cfg.block_m)
+        act = gate_up_gemm(x, w13, rows, top_k, cfg.gate_up, s13)
+        out = down_gemm(act, w2, weights, rows, cfg.down, s2)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
