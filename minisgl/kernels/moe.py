@@ -116,13 +116,13 @@ class VecTile:
 
 MoEConfig = FusedMoEConfig | PairConfig
 
-# The pair path's e4m3 tiles (gate/up, down) in DEFAULT_CONFIGS and ONE_ROW_CONFIG: compiled for
-# sm_90 only, not yet timed (`python -m minisgl.benchmark.moe --tune-fp8` measures them). At the
-# Qwen3-30B-A3B shape (tests/kernels/test_moe_kernel.py, the sm_90 build): gate/up 4 columns of
-# I (8 weight rows) a program, H = 2048 in one step, unmasked: 72 registers, ~3.6 instructions
-# a weight in the loop, 1536 programs at one token; down 8 rows, TOP_K * I = 6144 columns in 3
-# steps, the next step's loads in flight: 130 registers, ~4.1 a weight, 256 programs.
-FP8_PAIR_TILES = (VecTile(4, 2048, 4, ahead=False), VecTile(8, 2048, 4, ahead=True))
+# The pair path's e4m3 tiles (gate/up, down) in DEFAULT_CONFIGS and ONE_ROW_CONFIG: the best of
+# `python -m minisgl.benchmark.moe --tune-fp8 --tune-tokens 1` on the H200 (session 17,
+# Qwen3-30B-A3B shape, one token): gate/up 11.3 us, down 5.2 us, the layer 19.2 us against 28.8
+# with the best [BLOCK_N, BLOCK_K] tiles of the 16-bit kernels (gate/up 19.4, down 9.4). Gate/up
+# 4 columns of I (8 weight rows) a one-warp program, 512 columns a step, the next step's loads
+# in flight; down 2 rows a program, TOP_K * I = 6144 columns in 3 steps of 2048.
+FP8_PAIR_TILES = (VecTile(4, 512, 1, ahead=True), VecTile(2, 2048, 4, ahead=False))
 
 # Rows per expert (T * K / E) -> config: the first bound (in insertion order, ascending) that is
 # >= the call's rows per expert wins; the last bound must be math.inf. At Qwen3-30B-A3B's
@@ -134,7 +134,7 @@ FP8_PAIR_TILES = (VecTile(4, 2048, 4, ahead=False), VecTile(8, 2048, 4, ahead=Tr
 DEFAULT_CONFIGS: dict[float, MoEConfig] = {
     # `benchmark.moe --tune --tune-tokens 1,2,4,8,16` on an H200, Qwen3-30B-A3B shape (128
     # experts, top 8): 1 token 28.2 us per layer, 2: 48.7, 4: 82.5, 8: 129.1, 16: 199.8.
-    # (FP8 tiles: not measured yet, `FP8_PAIR_TILES`.)
+    # (FP8 tiles: `FP8_PAIR_TILES`, measured at one token.)
     0.0625: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(8, 1024, 8, 1), *FP8_PAIR_TILES),
     0.125: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(16, 1024, 4, 1), *FP8_PAIR_TILES),
     0.25: FusedMoEConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 3)),

@@ -7,7 +7,8 @@ What is tested how:
   the same roundings, tightly, and (b)
   `moe_reference` on the dequantized experts within an element-wise bound derived from e4m3's
   precision (`w8a8_bound`);
-- the wiring: `fused_experts` takes the path when `moe_fp8.ENABLED` is set (and only then);
+- the wiring: `fused_experts` takes the path when `moe_fp8.ENABLED` is set (the default;
+  and only then);
 - the FP8 tensor-core lowering, which the interpreter never sees: compiled for sm_90 in a
   subprocess (`test_w8a8_kernels_compile_for_sm90`): FP8 wgmma (SASS `QGMMA ... E4M3.E4M3`)
   in the main loop, no conversions of the weights there, no register spills.
@@ -185,9 +186,11 @@ def test_w8a8_experts_match_reference(
     err = (out - ref).abs()
     bound = w8a8_bound(x, d13, d2, r)
     assert (err <= bound).all(), (err / bound).max()
-    # the bound is not vacuous: at most a fifth of the output's scale (the errors measured
-    # here reach about half the bound, the bound 13-19% of max |output|)
-    assert bound.max() <= 0.2 * ref.abs().max()
+    # the bound is not vacuous: at most a fifth of the output's scale in the interpreter (the
+    # errors measured there reach about half the bound, the bound 13-19% of max |output|), 0.3
+    # on CUDA, where the accumulation term is 2^-11 of the sums of |products| (the H200: the
+    # bound 21-26% of max |output|, and (a) above within 2%)
+    assert bound.max() <= (0.3 if DEVICE == "cuda" else 0.2) * ref.abs().max()
 
 
 @pytest.mark.parametrize(("enabled", "min_block_m"), [(True, 16), (True, 32), (False, 16)])
@@ -216,6 +219,14 @@ def test_fused_experts_takes_the_w8a8_path_when_enabled(
     assert calls == ([min_block_m] if enabled else [])
     ref = moe_reference(x.double(), d13, d2, r)
     assert (out.cpu().double() - ref).abs().max() <= 0.1 * ref.abs().max()
+
+
+def test_w8a8_is_the_default_for_fp8_experts() -> None:
+    """On unless `MINISGL_MOE_W8A8=0` (measured 1.46x bf16 experts at decode batch 256 on the
+    H200, against 1.05x for the weight-only path)."""
+    import os
+
+    assert F.ENABLED == (os.environ.get(F.ENV_W8A8, "1") == "1")
 
 
 def test_w8a8_is_not_taken_for_16_bit_experts_or_tall_blocks(monkeypatch: pytest.MonkeyPatch):

@@ -274,10 +274,15 @@ FP8_SHAPES = {"row": (48, 40), "block": (128, 128)}
 @pytest.mark.parametrize("layout", ["row", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_experts_fp8_match_their_dequantized_values(
-    config: K.MoEConfig, layout: str, dtype: torch.dtype
+    config: K.MoEConfig, layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FP8 experts (a scale per output row, or per 128 x 128 block), widened in the kernels,
-    against the reference on the fp32 values they stand for."""
+    against the reference on the fp32 values they stand for. The blocked path's weight-only
+    grouped GEMMs: the W8A8 kernels it takes by default quantize the activations too
+    (`tests/kernels/test_moe_fp8.py`)."""
+    from minisgl.kernels import moe_fp8
+
+    monkeypatch.setattr(moe_fp8, "ENABLED", False)
     hidden, inter = FP8_SHAPES[layout]
     q13, q2, scales, d13, d2 = fp8_experts(6, hidden, inter, layout, seed=11)
     x = torch.randn(5, hidden, device=DEVICE).to(dtype)
@@ -536,7 +541,10 @@ def test_pair_fp8_kernels_compile_for_sm90() -> None:
         )
     assert not [r for r in results if r["local"] > 0], f"register spills: {results}"
     assert not [r for r in results if r["shared"] > 256], f"shared memory in the loop: {results}"
-    assert all(r["per_weight"] <= 4.25 for r in results), results
+    # A program's fixed work per 16-column piece (its routing weight and scale) weighs more
+    # with few rows: the down kernel's measured-best 2-row tile is ~5.1 a weight, and faster on
+    # the H200 than 8 rows at ~4.1 (1024 programs at one token, against 256).
+    assert all(r["per_weight"] <= (4.25 if r["weights"] >= 64 else 5.5) for r in results), results
 
 
 @pytest.mark.slow
