@@ -226,7 +226,8 @@ def test_w8a8_is_the_default_for_fp8_experts() -> None:
     H200, against 1.05x for the weight-only path)."""
     import os
 
-    assert F.ENABLED == (os.environ.get(F.ENV_W8A8, "1") == "1")
+    default_on = os.environ.get(F.ENV_W8A8, "1") == "1"
+    assert F.ENABLED is default_on
 
 
 def test_w8a8_is_not_taken_for_16_bit_experts_or_tall_blocks(monkeypatch: pytest.MonkeyPatch):
