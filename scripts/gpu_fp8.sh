@@ -76,7 +76,7 @@ GEO="--decode-only --decode-batches 256 --decode-contexts 4096 --page-size 32"
 run w3_bf16_d64 60 "$PY" -m minisgl.benchmark.kernels $GEO --decode-heads 16,8,64
 run w3_fp8_d256 60 "$PY" -m minisgl.benchmark.kernels $GEO --decode-heads 16,8,256 \
   --kv-cache-dtype fp8_e4m3
-# (the Llama-3-8B shapes were swept in session 15: TUNED_FP8; the Qwen3-30B-A3B ones not yet)
+# (the Llama-3-8B and Qwen3-30B-A3B shapes: TUNED_FP8, sessions 15 and 17)
 run gemv_tiles 120 "$PY" -m minisgl.benchmark.gemv --fp8 --quick --only 30b
 
 echo

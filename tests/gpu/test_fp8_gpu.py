@@ -156,8 +156,18 @@ def test_fp8_gemv_and_gemm_match_the_dequantized_product(layout: str, shape: tup
 
 @pytest.mark.parametrize("layout", ["row", "block"])
 @pytest.mark.parametrize("tokens", [1, 4, 64, 256, 2048])
-def test_fp8_moe_matches_reference(layout: str, tokens: int) -> None:
-    """Qwen3-30B-A3B's layer (128 experts, top 8, hidden 2048, moe_intermediate 768)."""
+def test_fp8_moe_matches_reference(
+    layout: str, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3-30B-A3B's layer (128 experts, top 8, hidden 2048, moe_intermediate 768): the
+    weight-only kernels (the pair path at one token; the blocked path's grouped GEMMs with the
+    W8A8 path switched off) within 1e-2 of the math on the values the experts stand for; then
+    the default (the blocked path's W8A8 kernels above one token, `minisgl.kernels.moe_fp8`)
+    within 8e-2: the layer input and the SwiGLU output are rounded to e4m3 per token and group
+    of 128 (each element by at most 2^-4 relative, errors of either sign: the H200 measured
+    0.036-0.050; their kernel-level check against a model of the same roundings, within 2e-2,
+    is tests/kernels/test_moe_fp8.py)."""
+    from minisgl.kernels import moe_fp8
     from minisgl.kernels.fp8 import ExpertScales
 
     e, top_k, h, i = 128, 8, 2048, 768
@@ -175,9 +185,11 @@ def test_fp8_moe_matches_reference(layout: str, tokens: int) -> None:
         d2 = R.dequantize_weight(q2, s2, 128, torch.float32)
     x = torch.randn(tokens, h, device=DEVICE, generator=gen).bfloat16()
     logits = torch.randn(tokens, e, device=DEVICE, generator=gen)
-    out = fused_moe(x, q13, q2, logits, top_k, True, scales=ExpertScales(s13, s2))
     want = moe_reference(x.float(), d13, d2, select_experts(logits, top_k, True))
-    assert rel_err(out, want) <= 1e-2
+    for w8a8, tol in ((False, 1e-2), (moe_fp8.ENABLED, 8e-2)):
+        monkeypatch.setattr(moe_fp8, "ENABLED", w8a8)
+        out = fused_moe(x, q13, q2, logits, top_k, True, scales=ExpertScales(s13, s2))
+        assert rel_err(out, want) <= tol, w8a8
 
 
 # ---- engines -------------------------------------------------------------------------------------
