@@ -882,9 +882,10 @@ def _pair_down_kernel(
 # halves: 1.5 instructions a weight) and the same 16 columns of the activation row (two 16-byte
 # loads of bf16 joined in registers), so nothing moves between threads in the loop; fp32 sums
 # per thread, reduced across threads once at the end. Compiled for sm_90 at FP8_PAIR_TILES
-# (`test_pair_fp8_kernels_compile_for_sm90`): a loop step of gate/up 3.5 instructions a weight
-# (72-84 registers), of down 3.9-4.1 (130 registers; 3.5-3.7 at 70 without AHEAD). Not yet
-# timed on a GPU.
+# (`test_pair_fp8_kernels_compile_for_sm90`): a loop step of gate/up 3.4-4.1 instructions a
+# weight (96-116 registers), of down ~5.1 (2 rows a program, 32 registers; 8 rows: ~4, but
+# slower on the H200). Measured there (docs/benchmarks.md, seventeenth session): the
+# Qwen3-30B-A3B layer's experts at one token 19.2 us against 28.8 with the kernels above.
 
 
 @triton.jit
