@@ -82,8 +82,9 @@ class W8A8Config:
 
 
 # Tiles by the blocked path's BLOCK_M (`FusedMoEConfig.block_m`, up to MAX_BLOCK_M): starting
-# points for an H200 at the Qwen3-30B-A3B shape, not yet measured (`python -m
-# minisgl.benchmark.moe --w8a8-kernels` times them against the weight-only kernels). Gate/up at
+# points for an H200 at the Qwen3-30B-A3B shape, not swept yet (the BLOCK_M 16 entry gave the
+# session-17 decode figure at batch 256; `python -m minisgl.benchmark.moe --w8a8-kernels
+# --w8a8-tune` times them against the weight-only kernels and a few other tiles). Gate/up at
 # 128 columns of I quantizes its output in its epilogue; 4 stages of its 2 x 128 x 128 + 16 x
 # 128 bytes fill 136 KiB of shared memory (one program per SM, ~100 KiB of loads in flight).
 # Down at 64 columns of H spreads an expert's weights over more programs (its K loop is only
