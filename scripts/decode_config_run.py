@@ -28,11 +28,9 @@ def main() -> None:
     def patched(head_dim: int, kv_fp8: bool = False) -> decode.DecodeConfig:
         return dataclasses.replace(base(head_dim, kv_fp8), **fields)
 
-    decode.default_decode_config = patched
     import minisgl.attention.triton_backend as backend
 
-    if hasattr(backend, "default_decode_config"):
-        backend.default_decode_config = patched  # type: ignore[attr-defined]
+    backend.default_decode_config = patched  # (imported by name there)
     print(f"decode config fields: {fields}", flush=True)
     sys.argv = [sys.argv[2], *sys.argv[3:]]
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

@@ -354,3 +354,18 @@ def checked_llm(path: Any, overlap: bool, **options: Any) -> Any:
 
     llm.scheduler.step = checked_step
     return llm
+
+
+def quantize_expert_stack(
+    w: torch.Tensor, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An expert stack [E, N, K] in e4m3 with fp32 scales per row ("row": [E, N]) or per 128 x
+    128 block ([E, N/128, K/128]), and the fp32 values it stands for (all on w's device)."""
+    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
+
+    if layout == "row":
+        pairs = [quantize_rows(e) for e in w]
+        q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    else:
+        q, s = quantize_blocks(w)
+    return q, s, dequantize_weight(q, s, None if layout == "row" else 128, torch.float32)

@@ -376,3 +376,13 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
         size = max(n, 2 * held[-1].numel() if held else 1024)
         held.append(torch.zeros(size, dtype=torch.int32, device=device))
     return held[-1]
+
+
+@triton.jit
+def sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel, BLOCK_M: tl.constexpr):
+    """Block `pid_m` of a blocked MoE grouped GEMM (`minisgl.kernels.moe.moe_align`'s sorted
+    (token, k) pairs): (its rows in the sorted buffers [BLOCK_M], their pair ids, which of them
+    are real pairs (not padding), and the block's expert as int64)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    return rows, pair, pair < numel, tl.load(block_expert_ptr + pid_m).to(tl.int64)

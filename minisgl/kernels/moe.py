@@ -52,8 +52,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from minisgl.kernels import moe_fp8
-from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
-from minisgl.kernels.fp8 import ExpertScales
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue, sorted_block
+from minisgl.kernels.fp8 import ExpertScales, expert_scale_args, expert_scale_kind
 from minisgl.kernels.gemv import WIDEN, _block_scales, _bytes, _steps_cols, _x_step, gemv
 
 # ---- tile configurations -----------------------------------------------------------------------
@@ -183,30 +183,6 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-def _weight_scale(w: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """W_SCALE of the kernels: 0 for 16/32-bit experts, 1 per row, 2 per 128 x 128 block."""
-    fp8 = w.dtype == torch.float8_e4m3fn
-    assert fp8 == (scale is not None), "e4m3 experts need their scales (and only they)"
-    if scale is None:
-        return 0
-    assert scale.dtype == torch.float32 and scale.is_contiguous()
-    e, n, k = w.shape
-    if scale.dim() == 2:
-        assert scale.shape == (e, n)
-        return 1
-    assert scale.shape == (e, triton.cdiv(n, 128), triton.cdiv(k, 128))
-    return 2
-
-
-def _scale_args(
-    scale: torch.Tensor | None, fallback: torch.Tensor
-) -> tuple[torch.Tensor, int, int]:
-    """(pointer, stride per expert, stride per block row) of a scale tensor (unread if None)."""
-    if scale is None:
-        return fallback, 0, 0
-    return scale, scale.stride(0), scale.stride(1) if scale.dim() == 3 else 0
 
 
 def _block_tile(tile: GemmTile, w_scale: int) -> GemmTile:
@@ -457,11 +433,9 @@ def _gate_up_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    valid = pair < numel
+    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
+                                             BLOCK_M)  # fmt: skip
     token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < inter
@@ -537,10 +511,8 @@ def _down_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    valid = pair < numel
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
+                                             BLOCK_M)  # fmt: skip
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < hidden
@@ -580,10 +552,10 @@ def gate_up_gemm(
     scale: torch.Tensor | None = None,  # e4m3 w13: ExpertScales.w13
 ) -> torch.Tensor:  # [max_blocks * block_m, I]
     inter = w13.shape[1] // 2
-    w_scale = _weight_scale(w13, scale)
+    w_scale = expert_scale_kind(w13, scale)
     tile = _block_tile(tile, w_scale)
     act = torch.empty(rows.sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
-    s, stride_se, stride_sn = _scale_args(scale, act)
+    s, stride_se, stride_sn = expert_scale_args(scale, act)
     ieee, upcast = _flags(x.dtype, _gate_up_kernel)
     grid = (rows.max_blocks, triton.cdiv(inter, tile.block_n))
     _gate_up_kernel[grid](
@@ -606,10 +578,10 @@ def down_gemm(
 ) -> torch.Tensor:  # [T * K, H]
     numel = topk_weights.numel()
     hidden, inter = w2.shape[1], w2.shape[2]
-    w_scale = _weight_scale(w2, scale)
+    w_scale = expert_scale_kind(w2, scale)
     tile = _block_tile(tile, w_scale)
     out = torch.empty(numel, hidden, dtype=act.dtype, device=act.device)
-    s, stride_se, stride_sn = _scale_args(scale, out)
+    s, stride_se, stride_sn = expert_scale_args(scale, out)
     ieee, upcast = _flags(act.dtype, _down_kernel)
     grid = (rows.max_blocks, triton.cdiv(hidden, tile.block_n))
     _down_kernel[grid](
@@ -1278,13 +1250,13 @@ def pair_gate_up(
     assert norm_weight is None or norm_weight.shape == (x.shape[1],)
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    w_scale = _weight_scale(w13, scale)
+    w_scale = expert_scale_kind(w13, scale)
     vec = isinstance(tile, VecTile)
     assert not vec or pair_fp8_supported(x, w13), "the vec-layout kernel takes e4m3 experts"
     if w_scale == 2 and not vec:  # a program's gate and up rows must each lie in one block row
         assert inter % 128 == 0 and 128 % tile.block_n == 0
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    s, stride_se, stride_sn = _scale_args(scale, act)
+    s, stride_se, stride_sn = expert_scale_args(scale, act)
     route = routing is None
     if routing is None:
         if logits is None:
@@ -1330,13 +1302,13 @@ def pair_down(
     num_tokens = act.shape[0] // top_k
     hidden, inter = w2.shape[1], w2.shape[2]
     assert residual is None or (residual.shape == (num_tokens, hidden) and residual.stride(1) == 1)
-    w_scale = _weight_scale(w2, scale)
+    w_scale = expert_scale_kind(w2, scale)
     vec = isinstance(tile, VecTile)
     assert not vec or pair_fp8_supported(act, w2), "the vec-layout kernel takes e4m3 experts"
     assert vec or w_scale != 2 or 128 % tile.block_n == 0, "a program's rows in one block row"
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     res = residual if residual is not None else out
-    s, stride_se, stride_sn = _scale_args(scale, out)
+    s, stride_se, stride_sn = expert_scale_args(scale, out)
     grid = (num_tokens, triton.cdiv(hidden, tile.block_n))
     args = (act, w2, out, routing.ids, routing.weights, res, s, hidden, inter, act.stride(0),
             w2.stride(0), w2.stride(1))  # fmt: skip

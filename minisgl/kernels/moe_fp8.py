@@ -47,7 +47,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
+from minisgl.kernels.common import (
+    emulate_fp8,
+    is_interpreted,
+    pdl_args,
+    pdl_prologue,
+    round_e4m3,
+    sorted_block,
+)
+from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
 from minisgl.kernels.fp8_gemm import quantize_activations
 
 if TYPE_CHECKING:
@@ -165,11 +173,9 @@ def _w8a8_gate_up_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    valid = pair < numel
+    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
+                                             BLOCK_M)  # fmt: skip
     token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < inter
@@ -263,10 +269,8 @@ def _w8a8_down_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    valid = pair < numel
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
+                                             BLOCK_M)  # fmt: skip
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < hidden
@@ -300,18 +304,6 @@ def _w8a8_down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
 
 
-def _w_scale(w: torch.Tensor, scale: torch.Tensor) -> int:
-    """W_SCALE of the kernels: 1 per row, 2 per 128 x 128 block."""
-    assert w.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    assert scale.is_contiguous()
-    e, n, k = w.shape
-    if scale.dim() == 2:
-        assert scale.shape == (e, n)
-        return 1
-    assert scale.shape == (e, triton.cdiv(n, 128), triton.cdiv(k, 128))
-    return 2
-
-
 def _check_tile(tile: W8A8Tile) -> None:
     assert GROUP % tile.block_k == 0, "a K step must lie in one 128-column group"
 
@@ -331,18 +323,19 @@ def w8a8_gate_up(
     assert xq.dtype == torch.float8_e4m3fn and xq.stride(1) == 1 and xq.shape[1] == hidden
     assert xs.shape == (xq.shape[0], triton.cdiv(hidden, GROUP)) and xs.stride(1) == 1
     _check_tile(tile)
-    w_scale = _w_scale(w13, scale)
+    w_scale = expert_scale_kind(w13, scale)
     n_rows, groups = rows.sorted_ids.shape[0], triton.cdiv(inter, GROUP)
     fused = tile.block_n == GROUP  # a program holds exactly one group of I: quantize in place
     dev = xq.device
     act = torch.empty(n_rows, inter, dtype=torch.float8_e4m3fn if fused else out_dtype, device=dev)
     acts = torch.empty(n_rows, groups, dtype=torch.float32, device=dev)
+    _, stride_se, stride_sn = expert_scale_args(scale, act)
     grid = (rows.max_blocks, triton.cdiv(inter, tile.block_n))
     _w8a8_gate_up_kernel[grid](
         xq, xs, w13, scale, act, acts, rows.sorted_ids, rows.block_expert, rows.num_padded,
         xq.shape[0] * top_k, inter, hidden, xq.stride(0), xs.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), acts.stride(0), scale.stride(0),
-        scale.stride(1) if scale.dim() == 3 else 0, TOP_K=top_k, BLOCK_M=rows.block_m,
+        w13.stride(1), act.stride(0), acts.stride(0), stride_se, stride_sn, TOP_K=top_k,
+        BLOCK_M=rows.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, W_SCALE=w_scale, QUANT_OUT=fused,
         EMULATE_FP8=emulate_fp8(_w8a8_gate_up_kernel), num_warps=tile.num_warps,
         num_stages=tile.num_stages, **pdl_args(dev),
@@ -369,13 +362,14 @@ def w8a8_down(
     assert aq.shape == (rows.sorted_ids.shape[0], inter) and aq.stride(1) == 1
     assert a_scale.shape == (aq.shape[0], triton.cdiv(inter, GROUP)) and a_scale.stride(1) == 1
     _check_tile(tile)
-    w_scale = _w_scale(w2, scale)
+    w_scale = expert_scale_kind(w2, scale)
     out = torch.empty(numel, hidden, dtype=out_dtype, device=aq.device)
+    _, stride_se, stride_sn = expert_scale_args(scale, out)
     grid = (rows.max_blocks, triton.cdiv(hidden, tile.block_n))
     _w8a8_down_kernel[grid](
         aq, a_scale, w2, scale, out, topk_weights, rows.sorted_ids, rows.block_expert,
         rows.num_padded, numel, hidden, inter, aq.stride(0), a_scale.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), scale.stride(0), scale.stride(1) if scale.dim() == 3 else 0,
+        w2.stride(1), out.stride(0), stride_se, stride_sn,
         BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, W_SCALE=w_scale,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages, **pdl_args(aq.device),

@@ -32,13 +32,7 @@ pytest.importorskip("triton", reason="Triton is not installed (optional dependen
 from minisgl.kernels import moe as K  # noqa: E402
 from minisgl.kernels import moe_fp8 as F  # noqa: E402
 from minisgl.kernels.common import is_interpreted  # noqa: E402
-from minisgl.kernels.fp8 import (  # noqa: E402
-    FP8_REL_ERR,
-    dequantize_weight,
-    quantize_blocks,
-    quantize_rows,
-    round_trip_activations,
-)
+from minisgl.kernels.fp8 import FP8_REL_ERR, round_trip_activations  # noqa: E402
 from minisgl.layers.moe import Routing, moe_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,16 +48,13 @@ CONFIGS = pytest.mark.parametrize("config", [FUSED, SPLIT], ids=["fused-quant", 
 
 def experts(num_experts: int, hidden: int, inter: int, layout: str, seed: int) -> Any:
     """e4m3 stacks with their scales (per row or per 128 x 128 block), and their fp32 values."""
+    from helpers import quantize_expert_stack
+
     g = torch.Generator().manual_seed(seed)
     out = []
     for shape in ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter)):
         w = torch.randn(*shape, generator=g) / shape[2] ** 0.5
-        if layout == "row":
-            pairs = [quantize_rows(e) for e in w]
-            q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-        else:
-            q, s = quantize_blocks(w)
-        deq = dequantize_weight(q, s, None if layout == "row" else 128, torch.float32)
+        q, s, deq = quantize_expert_stack(w, layout)
         out.append((q.to(DEVICE), s.to(DEVICE), deq.double()))
     (q13, s13, d13), (q2, s2, d2) = out
     return q13, q2, K.ExpertScales(s13, s2), d13, d2

@@ -250,17 +250,12 @@ def fp8_experts(
     num_experts: int, hidden: int, inter: int, layout: str, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, K.ExpertScales, torch.Tensor, torch.Tensor]:
     """e4m3 stacks with their scales, and the fp32 values they stand for."""
-    from minisgl.kernels.fp8 import dequantize_weight, quantize_blocks, quantize_rows
+    from helpers import quantize_expert_stack
 
     w13, w2 = random_experts(num_experts, hidden, inter, torch.float32, seed)
     out = []
     for w in (w13.cpu(), w2.cpu()):
-        if layout == "row":
-            pairs = [quantize_rows(e) for e in w]
-            q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-        else:
-            q, s = quantize_blocks(w)
-        deq = dequantize_weight(q, s, None if layout == "row" else 128, torch.float32)
+        q, s, deq = quantize_expert_stack(w, layout)
         out.append((q.to(DEVICE), s.to(DEVICE), deq.to(DEVICE)))
     (q13, s13, d13), (q2, s2, d2) = out
     return q13, q2, K.ExpertScales(s13, s2), d13, d2
