@@ -30,6 +30,7 @@ def main() -> None:
 
     import minisgl.attention.triton_backend as backend
 
+    decode.default_decode_config = patched
     backend.default_decode_config = patched  # (imported by name there)
     print(f"decode config fields: {fields}", flush=True)
     sys.argv = [sys.argv[2], *sys.argv[3:]]
