@@ -34,8 +34,8 @@ def compile_sm90(
     """Compile `kernel` (arguments not in `types` are i32) for sm_90; `aligned` arguments are
     taken as multiples of 16, as the launcher would specialise them. Returns shared memory
     bytes, registers and local (spilled) bytes per thread, and the layout conversions inside
-    its loops (`loop_converts`: each one a shared-memory round trip per iteration, mostly), its
-    bulk L2 prefetch instructions (`bulk_prefetches`); with `sass`, also `loops`: the SASS instructions of each loop body (`sass_loops`)."""
+    its loops (`loop_converts`: each one a shared-memory round trip per iteration, mostly);
+    with `sass`, also `loops`: the SASS instructions of each loop body (`sass_loops`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,9 +43,6 @@ def compile_sm90(
     names = kernel.arg_names
     if "PDL" in names:  # as launched on Hopper: with the programmatic-dependent-launch prologue
         constexprs = {"PDL": True, **constexprs}
-    if "WARM" in names:  # with both of `warm_ranges`'s L2 prefetches
-        constexprs = {"WARM": 2, "WARM_LANES": 32 * warps, **constexprs}
-        types = {"WARM_PTR": "*u8", "WARM2_PTR": "*u8", **types}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -60,15 +57,15 @@ def compile_sm90(
         f.write(compiled.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        code = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        code = ""
+        if sass:
+            code = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     fields = dict(kv.split(":") for kv in text.split() if kv.startswith(("REG:", "LOCAL:")))
     out: dict[str, Any] = {
         "shared": int(compiled.metadata.shared),
         "regs": int(fields["REG"]),
         "local": int(fields["LOCAL"]),
         "loop_converts": _loop_converts(compiled.asm["ttgir"]),
-        # bulk L2 prefetches (`minisgl.kernels.common.warm_l2`), one per warmed range
-        "bulk_prefetches": len(re.findall(r"\bUBLKPF\.L2\b", code)),
     }
     if sass:
         out["loops"] = sass_loops(code)

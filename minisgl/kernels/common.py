@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -387,77 +386,3 @@ def sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel, BLOCK_M: tl.con
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + rows)
     return rows, pair, pair < numel, tl.load(block_expert_ptr + pid_m).to(tl.int64)
-
-
-@triton.jit
-def warm_l2(ptr, nbytes, chunk, part, LANES: tl.constexpr):
-    """Part `part` of the bytes [ptr, ptr + nbytes) (`chunk` bytes from part * chunk) fetched
-    into L2 by sm_90's bulk prefetch (`cp.async.bulk.prefetch.L2`): one piece of chunk / LANES
-    bytes per thread (LANES: the program's threads, so that no two issue the same piece). Fire
-    and forget: nothing waits for it and nothing is written. `ptr` points at bytes; nbytes and
-    chunk are multiples of 16 * LANES (`warm_args`)."""
-    piece = chunk // LANES
-    lo = part.to(tl.int64) * chunk + tl.arange(0, LANES).to(tl.int64) * piece
-    size = tl.minimum(tl.maximum(nbytes - lo, 0), piece).to(tl.int32)
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.gt.s32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,l,r",
-        args=[ptr + lo, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def warm_ranges(ptr, nbytes, chunk, ptr2, nbytes2, chunk2, part, WARM: tl.constexpr,
-                LANES: tl.constexpr):  # fmt: skip
-    """Program `part`'s share of WARM (0, 1 or 2) byte ranges fetched into L2 (`warm_l2`).
-
-    A decode step at batch 1 leaves DRAM idle while its small kernels run (RoPE, attention, the
-    hand-offs between kernels): a GEMV that warms the next GEMVs' weights as it ends fills that
-    time, and they then read part of their bytes from L2. A kernel takes the launch arguments of
-    `warm_args` (WARM_PTR, WARM_BYTES, WARM_CHUNK, WARM2_..., WARM, WARM_LANES)."""
-    if WARM >= 1:
-        warm_l2(ptr, nbytes, chunk, part, LANES)
-    if WARM >= 2:
-        warm_l2(ptr2, nbytes2, chunk2, part, LANES)
-
-
-def warm_chunk(nbytes: int, programs: int, lanes: int) -> tuple[int, int]:
-    """(bytes warmed, bytes per program) for `nbytes` over `programs` programs of `lanes`
-    threads: whole 16-byte units per thread (the prefetch's granule), the tail under that
-    dropped. A thread's piece is at most 1 MiB - 16 (the instruction's size field on sm_90 is
-    16 bits of 16-byte units)."""
-    unit = 16 * lanes
-    total = nbytes // unit * unit
-    chunk = triton.cdiv(triton.cdiv(total, programs), unit) * unit if total else 0
-    assert chunk // lanes < 2**20, "a piece of over 1 MiB: warm with more programs"
-    return total, chunk
-
-
-def warm_args(
-    warm: Sequence[torch.Tensor], programs: int, num_warps: int, like: torch.Tensor
-) -> dict[str, object]:
-    """`warm_ranges`'s launch arguments for a kernel of `programs` programs of `num_warps` warps
-    that warms the bytes of the (at most two, contiguous) tensors `warm`, program p its part p
-    of each. Off CUDA nothing is warmed (WARM 0), with `like` (a tensor of the launch) standing
-    in for the pointers."""
-    lanes = 32 * num_warps
-    ranges = []
-    for t in warm if like.is_cuda else ():
-        assert t.is_contiguous() and t.device == like.device
-        nbytes, chunk = warm_chunk(t.numel() * t.element_size(), programs, lanes)
-        if nbytes:
-            ranges.append((t.view(-1).view(torch.uint8), nbytes, chunk))
-    assert len(ranges) <= 2, "at most two ranges to warm"
-    args: dict[str, object] = dict(WARM=len(ranges), WARM_LANES=lanes)
-    for i, name in enumerate(("WARM", "WARM2")):
-        ptr, nbytes, chunk = ranges[i] if i < len(ranges) else (like, 0, 0)
-        args.update({f"{name}_PTR": ptr, f"{name}_BYTES": nbytes, f"{name}_CHUNK": chunk})
-    return args

@@ -71,21 +71,13 @@ docs/benchmarks.md.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
-    is_interpreted,
-    num_sms,
-    pdl_args,
-    pdl_prologue,
-    warm_args,
-    warm_ranges,
-)
+from minisgl.kernels.common import is_interpreted, num_sms, pdl_args, pdl_prologue
 
 
 @dataclass(frozen=True)
@@ -222,14 +214,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    WARM_PTR,  # bytes to fetch into L2 at the end (`warm_ranges`)
-    WARM_BYTES,
-    WARM_CHUNK,
-    WARM2_PTR,
-    WARM2_BYTES,
-    WARM2_CHUNK,
-    WARM: tl.constexpr,
-    WARM_LANES: tl.constexpr,
 ):
     # Programs of the same weight rows (one per row of x) are neighbours: one DRAM read each.
     row = tl.program_id(0) % M
@@ -281,8 +265,6 @@ def _gemv_kernel(
     out = row.to(tl.int64) * N + offs_n
     _epilogue(tl.sum(acc, 1), rstd, y_ptr, b_ptr, r_ptr, s_ptr, offs_n, mask_n, out, mask_n,
               HAS_BIAS, HAS_RES, NORM, W_SCALE)  # fmt: skip
-    warm_ranges(WARM_PTR, WARM_BYTES, WARM_CHUNK, WARM2_PTR, WARM2_BYTES, WARM2_CHUNK,
-                tl.program_id(0), WARM, WARM_LANES)  # fmt: skip
 
 
 @triton.jit
@@ -454,14 +436,6 @@ def _gemv_rows_kernel(
     ACC_W: tl.constexpr,  # partial sums per thread, row and VEC columns (1 without KEEP_VEC)
     WIDEN: tl.constexpr,  # e4m3 to fp32 with WORDS: 0 conversion, 2 inline PTX (`_bytes`)
     PDL: tl.constexpr,
-    WARM_PTR,  # bytes to fetch into L2 at the end (`warm_ranges`)
-    WARM_BYTES,
-    WARM_CHUNK,
-    WARM2_PTR,
-    WARM2_BYTES,
-    WARM2_CHUNK,
-    WARM: tl.constexpr,
-    WARM_LANES: tl.constexpr,
 ):
     """All M rows of x for BLOCK_N weight rows: each weight tile read once, M products each
     (the module docstring says how the partial sums are laid out)."""
@@ -521,8 +495,6 @@ def _gemv_rows_kernel(
     out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     _epilogue(y, rstd, y_ptr, b_ptr, r_ptr, s_ptr, offs_n[None, :], mask_n[None, :], out,
               mask_m[:, None] & mask_n[None, :], HAS_BIAS, HAS_RES, NORM, W_SCALE)  # fmt: skip
-    warm_ranges(WARM_PTR, WARM_BYTES, WARM_CHUNK, WARM2_PTR, WARM2_BYTES, WARM2_CHUNK, tile,
-                WARM, WARM_LANES)  # fmt: skip
 
 
 # M only enters the masks, as in `_gemv_rows_kernel`.
@@ -535,8 +507,6 @@ def _gemv_persist_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, XV: tl.constexpr,
     HALVES: tl.constexpr, KEEP_VEC: tl.constexpr, WORDS: tl.constexpr, ACC_W: tl.constexpr,
     WIDEN: tl.constexpr, PDL: tl.constexpr,
-    WARM_PTR, WARM_BYTES, WARM_CHUNK, WARM2_PTR, WARM2_BYTES, WARM2_CHUNK, WARM: tl.constexpr,
-    WARM_LANES: tl.constexpr,
 ):  # fmt: skip
     """`_gemv_rows_kernel` on a persistent grid: program p owns tiles p, p + P, p + 2P, ... (P
     programs) and walks their K steps as one flat loop, loading step i + 1's weights while it
@@ -620,8 +590,6 @@ def _gemv_persist_kernel(
         if X_AHEAD:
             x = x_next
             x2 = x2_next
-    warm_ranges(WARM_PTR, WARM_BYTES, WARM_CHUNK, WARM2_PTR, WARM2_BYTES, WARM2_CHUNK, first,
-                WARM, WARM_LANES)  # fmt: skip
 
 
 @triton.jit
@@ -677,10 +645,7 @@ def gemv(
     act: bool = False,  # x is gate then up: the product uses silu(gate) * up
     config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
-    warm: Sequence[torch.Tensor] = (),  # up to two tensors to fetch into L2 at the end
 ) -> torch.Tensor:  # [M, N], dtype of x
-    """`warm`: contiguous tensors (the next kernels' weights) whose bytes the programs fetch
-    into L2 as they finish (`minisgl.kernels.common.warm_ranges`)."""
     assert gemv_supported(x, weight, x.shape[0])
     m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     rows = triton.next_power_of_2(m)
@@ -690,7 +655,7 @@ def gemv(
         chunks = [
             gemv(x[lo : lo + VEC_MAX_ROWS], weight, bias,
                  None if residual is None else residual[lo : lo + VEC_MAX_ROWS], norm_weight,
-                 eps, act, cfg, weight_scale, warm if lo == 0 else ())
+                 eps, act, cfg, weight_scale)
             for lo in range(0, m, VEC_MAX_ROWS)
         ]  # fmt: skip
         return torch.cat(chunks)
@@ -717,8 +682,7 @@ def gemv(
                  **pdl_args(x.device))  # fmt: skip
     tiles = triton.cdiv(n, cfg.block_n)
     if not rows_kernel:
-        grid = tiles * m
-        _gemv_kernel[(grid,)](*ptrs, *sizes, **flags, **warm_args(warm, grid, cfg.num_warps, y))
+        _gemv_kernel[(tiles * m,)](*ptrs, *sizes, **flags)
         return y
     x_vec = rows_vec(x)
     assert vec in (x_vec, 2 * x_vec), "VEC: one or two 16-byte loads of x"
@@ -731,8 +695,7 @@ def gemv(
         kernel, grid = _gemv_persist_kernel, min(tiles, cfg.persist * num_sms(x.device))
     kernel[(grid,)](*ptrs, *sizes, X_AHEAD=cfg.x_ahead, ROWS=rows, VEC=vec, XV=x_vec,
                     HALVES=vec // x_vec, KEEP_VEC=cfg.keep_vec, WORDS=cfg.words, ACC_W=acc_w,
-                    WIDEN=WIDEN[cfg.widen], **flags,
-                    **warm_args(warm, grid, cfg.num_warps, y))  # fmt: skip
+                    WIDEN=WIDEN[cfg.widen], **flags)  # fmt: skip
     return y
 
 

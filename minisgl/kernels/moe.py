@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -1429,19 +1428,17 @@ def one_row_moe(
     eps: float,
     config: PairConfig | None = None,
     scales: ExpertScales | None = None,  # e4m3 experts
-    warm: Sequence[torch.Tensor] = (),  # fetched into L2 by the router GEMV (the next weights)
 ) -> torch.Tensor:  # [1, H]: x + MoE(rmsnorm(x))
     """A whole MoE layer for one token (batch-1 decode) in three launches, none of them a
     separate norm or add: the router as a one-row GEMV that normalises x on the way
     (`minisgl.kernels.gemv`); the pair gate/up kernel, which routes and normalises x itself;
-    the pair down kernel, which adds the residual. The experts' reads leave DRAM room at one
-    token: the router's `warm` (the next layer's weights) is fetched meanwhile."""
+    the pair down kernel, which adds the residual."""
     _check_shapes(x, w13, w2)
     assert x.shape[0] == 1 and router.shape == (w13.shape[0], x.shape[1])
     cfg = config or ONE_ROW_CONFIG
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     s13, s2 = scales if scales is not None else (None, None)
-    logits = gemv(x, router, norm_weight=norm_weight, eps=eps, warm=warm)  # [1, E]
+    logits = gemv(x, router, norm_weight=norm_weight, eps=eps)  # [1, E]
     gate_up, down = pair_tiles(cfg, x, w13, w2)
     act, routing = pair_gate_up(x, w13, top_k, gate_up, logits=logits,
                                 renormalize=renormalize, norm_weight=norm_weight, eps=eps,

@@ -35,7 +35,6 @@ CUDA-graph capturable (run once before capturing: the split counters are allocat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +49,6 @@ from minisgl.kernels.common import (
     pdl_prologue,
     round_bf16,
     split_counters,
-    warm_args,
-    warm_ranges,
 )
 from minisgl.kernels.gemv import check_fused_linear
 
@@ -188,19 +185,9 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    WARM_PTR,  # bytes to fetch into L2 (`warm_l2`; issued first: some programs end early)
-    WARM_BYTES,
-    WARM_CHUNK,
-    WARM2_PTR,
-    WARM2_BYTES,
-    WARM2_CHUNK,
-    WARM: tl.constexpr,
-    WARM_LANES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    warm_ranges(WARM_PTR, WARM_BYTES, WARM_CHUNK, WARM2_PTR, WARM2_BYTES, WARM2_CHUNK,
-                tile * SPLIT_K + split, WARM, WARM_LANES)  # fmt: skip
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -332,7 +319,6 @@ def skinny(
     act: bool = False,  # x is gate then up: the product uses silu(gate) * up
     config: SkinnyConfig | None = None,
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
-    warm: Sequence[torch.Tensor] = (),  # up to two tensors to fetch into L2 (`warm_l2`)
 ) -> torch.Tensor:  # [M, N], dtype of x
     """The same call as `minisgl.kernels.gemv.gemv` (a drop-in for its few-row uses)."""
     assert skinny_supported(x, weight, x.shape[0])
@@ -359,6 +345,5 @@ def skinny(
         ACT=act, W_SCALE=w_scale, SPLIT_K=split, PRELOAD=cfg.preload, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
-        **warm_args(warm, tiles * split, cfg.num_warps, y),
     )  # fmt: skip
     return y

@@ -214,13 +214,11 @@ class LinearBase(nn.Module):
         norm_weight: torch.Tensor | None = None,
         eps: float = 1e-6,
         act: bool = False,
-        warm: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """`gemv` with this layer's weight (and bias, and FP8 scales): the batch-1 path. `warm`:
-        the next kernels' weights (or their first bytes), fetched into L2 as it ends."""
+        """`gemv` with this layer's weight (and bias, and FP8 scales): the batch-1 path."""
         return gemv(
             x, self.weight, self.bias, residual=residual, norm_weight=norm_weight, eps=eps,
-            act=act, weight_scale=self.weight_scale, warm=warm,
+            act=act, weight_scale=self.weight_scale,
         )  # fmt: skip
 
 
@@ -372,7 +370,6 @@ class OneRowGemv(Protocol):
         eps: float = 1e-6,
         act: bool = False,
         weight_scale: torch.Tensor | None = None,
-        warm: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor: ...
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -306,17 +306,14 @@ class SparseMoeBlock(nn.Module):
         )  # fmt: skip
         return all_reduce(out)
 
-    def forward_one_row(
-        self, x: torch.Tensor, norm: RMSNorm, warm: Sequence[torch.Tensor] = ()
-    ) -> torch.Tensor:
+    def forward_one_row(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """x + self(norm(x)) for one token where the one-row GEMV path runs (fused kernels, tp
         1; see `DecoderLayer.forward_one_row`): `minisgl.kernels.moe.one_row_moe`, three
-        launches with the norm and the residual add inside them (`warm`: weights its router
-        GEMV fetches into L2)."""
+        launches with the norm and the residual add inside them."""
         fused = fused_kernels(x)
         assert fused is not None and self.experts.tp_size == 1 and self.gate.bias is None
         experts = self.experts
         return fused.one_row_moe(  # type: ignore[no-any-return]
             x, self.gate.weight, experts.gate_up_proj, experts.down_proj, self.top_k,
-            self.renormalize, norm.weight, norm.eps, scales=experts.scales, warm=warm,
+            self.renormalize, norm.weight, norm.eps, scales=experts.scales,
         )  # fmt: skip

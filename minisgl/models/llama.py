@@ -3,10 +3,8 @@ Qwen3 (q/k RMSNorm), SmolLM2 (tied embeddings). Pure math: inputs come in as arg
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import cast
 
 import torch
 from torch import nn
@@ -28,32 +26,6 @@ from minisgl.layers import (
 from minisgl.layers.fused import fused_kernels
 from minisgl.layers.linear import OneRowGemv, one_row_gemv
 from minisgl.layers.moe import SparseMoeBlock
-
-# Weights fetched into L2 ahead of their GEMV in a batch-1 step (`minisgl.kernels.common.
-# warm_ranges`), "A,C" in MiB: the qkv GEMV warms the o_proj weight, then the head of the
-# gate/up weight, A in all (the RoPE and attention kernels after it leave DRAM idle); each
-# other GEMV warms the head of the next one's weight (the o_proj GEMV gate/up's bytes after
-# those, gate/up down's, down the next layer's qkv), C each. Off ("0,0") unless set.
-ENV_WARM_L2 = "MINISGL_WARM_L2"
-
-
-def warm_budget(spec: str) -> tuple[int, int]:
-    """`MINISGL_WARM_L2`'s "A,C" (MiB) in bytes."""
-    a, c = (float(v) for v in spec.split(","))
-    return int(a * 2**20), int(c * 2**20)
-
-
-WARM_AFTER_QKV, WARM_NEXT = warm_budget(os.environ.get(ENV_WARM_L2, "0,0"))
-
-
-def weight_bytes(t: torch.Tensor | None, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
-    """Bytes [lo, hi) of the weight `t`, clipped to its size: () when none (or `t` is not
-    contiguous)."""
-    if t is None or hi <= lo or not t.is_contiguous():
-        return ()
-    flat = t.detach().view(-1).view(torch.uint8)
-    lo, hi = min(lo, flat.numel()), min(hi, flat.numel())
-    return (flat[lo:hi],) if hi > lo else ()
 
 
 class LlamaAttention(nn.Module):
@@ -125,16 +97,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         ctx: ForwardContext,
-        next_qkv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output, residual): the layer's result is their sum (no residual: the output).
-        `next_qkv`: the next layer's qkv weight (the one-row path warms L2 with it)."""
+        """(output, residual): the layer's result is their sum (no residual: the output)."""
         gemv = one_row_gemv(x, self.quant, self.skinny_max_rows)
         # (A mixture of experts' fused path takes one token; a piecewise graph's attention
         # runs between its pieces.)
         few = x.shape[0] == 1 or isinstance(self.mlp, LlamaMLP)
         if gemv is not None and few and ctx.pieces is None:
-            return self.forward_one_row(gemv, x, residual, positions, ctx, next_qkv)
+            return self.forward_one_row(gemv, x, residual, positions, ctx)
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -147,7 +117,6 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         ctx: ForwardContext,
-        next_qkv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token (a batch-1 decode step) on CUDA: each projection is one GEMV kernel that
         takes the norm before it and the residual add or SiLU after it, so a dense layer is six
@@ -155,28 +124,22 @@ class DecoderLayer(nn.Module):
         experts seven (its router, gate/up and down: `SparseMoeBlock.forward_one_row`). Returns
         the layer's output with the residual already added (and no residual). A dense layer
         takes a few rows (a speculative verify step) the same way, with the skinny GEMM for
-        `gemv` (`one_row_gemv`). Each GEMV warms L2 with the next ones' weights as
-        `MINISGL_WARM_L2` says."""
+        `gemv` (`one_row_gemv`)."""
         if residual is not None:
             x = x + residual
         attn, ln1, ln2 = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        mlp = self.mlp
-        gu = mlp.gate_up_proj.weight if isinstance(mlp, LlamaMLP) else None
-        a_gu = max(0, WARM_AFTER_QKV - attn.o_proj.weight.nbytes)  # gate/up's head after qkv
-        warm = weight_bytes(attn.o_proj.weight, 0, WARM_AFTER_QKV) + weight_bytes(gu, 0, a_gu)
-        qkv = attn.qkv_proj.one_row(gemv, x, norm_weight=ln1.weight, eps=ln1.eps, warm=warm)
+        qkv = attn.qkv_proj.one_row(gemv, x, norm_weight=ln1.weight, eps=ln1.eps)
         a = attn.attend(qkv, positions, ctx)
-        x = attn.o_proj.one_row(gemv, a, residual=x, warm=weight_bytes(gu, a_gu, a_gu + WARM_NEXT))
+        x = attn.o_proj.one_row(gemv, a, residual=x)
+        mlp = self.mlp
         if isinstance(mlp, SparseMoeBlock):
-            return mlp.forward_one_row(x, ln2, weight_bytes(next_qkv, 0, WARM_NEXT)), None
+            return mlp.forward_one_row(x, ln2), None
         assert isinstance(mlp, LlamaMLP)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         # SiLU-and-multiply in the down GEMV's prologue: the Llama-3-8B layer on the H200 took
         # 112.1 us against 114.4 with it in a gate/up epilogue (`minisgl.benchmark.gemv`).
-        h = gate_up.one_row(gemv, x, norm_weight=ln2.weight, eps=ln2.eps,
-                            warm=weight_bytes(down.weight, 0, WARM_NEXT))  # fmt: skip
-        warm = weight_bytes(next_qkv, 0, WARM_NEXT)
-        return down.one_row(gemv, h, residual=x, act=True, warm=warm), None
+        h = gate_up.one_row(gemv, x, norm_weight=ln2.weight, eps=ln2.eps)
+        return down.one_row(gemv, h, residual=x, act=True), None
 
 
 class LlamaModel(nn.Module):
@@ -214,10 +177,8 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         ctx = self.attention_context(ctx, positions, h)
         residual: torch.Tensor | None = None
-        layers = cast(list[DecoderLayer], list(self.layers[:num_layers]))
-        after: list[torch.Tensor | None] = [x.self_attn.qkv_proj.weight for x in layers[1:]]
-        for layer, next_qkv in zip(layers, after + [None]):
-            h, residual = layer(h, residual, positions, ctx, next_qkv)
+        for layer in self.layers[:num_layers]:
+            h, residual = layer(h, residual, positions, ctx)
         return self.norm(h, residual)[0]
 
 

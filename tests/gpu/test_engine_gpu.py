@@ -207,32 +207,26 @@ def test_piecewise_graph_steps_match_reference(whole_step: bool) -> None:
     assert len(counts) >= 10 and any(n not in llm.engine.pieces.sizes for n in counts)
 
 
-@pytest.mark.parametrize("warm", ["0,0", "64,16"])
-def test_batch_one_steps_match_reference(warm: str = "0,0") -> None:
+def test_batch_one_steps_match_reference() -> None:
     """Requests one at a time: every decode step is one row, which the layers run as fused GEMVs
-    (`DecoderLayer.forward_one_row`, captured in the batch-1 graph); also with each GEMV warming
-    L2 with the next ones' weights (`MINISGL_WARM_L2`)."""
-    from minisgl.models import llama
+    (`DecoderLayer.forward_one_row`, captured in the batch-1 graph)."""
     from minisgl.models.llama import DecoderLayer
 
     n = 12
     reference(0)
     calls = []
     one_row = DecoderLayer.forward_one_row
-    budget = llama.WARM_AFTER_QKV, llama.WARM_NEXT
 
     def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return one_row(self, *args, **kwargs)
 
     DecoderLayer.forward_one_row = counting  # type: ignore[method-assign]
-    llama.WARM_AFTER_QKV, llama.WARM_NEXT = llama.warm_budget(warm)
     try:
         llm = make_llm(fast=True)
         got = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts(seed=0)[:n]]
     finally:
         DecoderLayer.forward_one_row = one_row  # type: ignore[method-assign]
-        llama.WARM_AFTER_QKV, llama.WARM_NEXT = budget
     assert calls, "no step took the one-row path"
     worst, compared = compare(_REF_OUTS[0][:n], got)
     assert compared >= n and worst <= TOL, (worst, compared)

@@ -231,55 +231,6 @@ def test_gemv_reads_a_column_major_weight():
     torch.testing.assert_close(got.cpu(), x @ w.t(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("nbytes", [0, 100, 4096, 4097, 16 * 2**20 + 48, 117 * 2**20])
-@pytest.mark.parametrize("programs", [1, 64, 396, 768])
-def test_warm_chunks_cover_the_bytes_in_prefetch_units(nbytes, programs):
-    """`warm_chunk`: every program's part lies in whole 16-byte units per thread, the parts
-    together cover the bytes but for a tail of less than one unit per thread, and a part is no
-    larger than that needs."""
-    from minisgl.kernels.common import warm_chunk
-
-    lanes = 128
-    total, chunk = warm_chunk(nbytes, programs, lanes)
-    assert total <= nbytes < total + 16 * lanes
-    assert chunk % (16 * lanes) == 0 and chunk * programs >= total
-    assert (chunk - 16 * lanes) * programs < total or chunk == 0
-    assert chunk // lanes < 2**20
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the L2 prefetch runs on CUDA (sm_90) only")
-@pytest.mark.parametrize("kind", ["bf16 tile", "fp8 vec", "fp8 persist", "bf16 skinny"])
-def test_gemv_warming_changes_no_result(kind):
-    """A GEMV (and the skinny GEMM) that warms L2 with other tensors' bytes as it ends
-    (`warm`): the same output, bit for bit, and the warmed tensors untouched."""
-    from minisgl.kernels import gemv as gemv_mod
-    from minisgl.kernels.skinny import skinny
-
-    torch.manual_seed(0)
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    kwargs: dict = {}
-    fn = gemv_mod.gemv
-    if kind.startswith("fp8"):
-        scale = w.abs().amax(1).float() / 448
-        w = (w / scale[:, None]).to(torch.float8_e4m3fn)
-        kwargs["weight_scale"] = scale
-        kwargs["config"] = gemv_mod.GemvConfig(
-            8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True,
-            persist=3 if kind == "fp8 persist" else 0,
-        )  # fmt: skip
-    elif kind == "bf16 skinny":
-        fn = skinny
-    others = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16),
-              torch.randint(0, 255, (3 * 2**20 + 5,), device="cuda", dtype=torch.uint8)]  # fmt: skip
-    before = [t.clone() for t in others]
-    plain = fn(x, w, **kwargs)
-    warmed = fn(x, w, warm=others, **kwargs)
-    torch.cuda.synchronize()
-    assert torch.equal(plain, warmed)
-    assert all(torch.equal(a, b) for a, b in zip(others, before))
-
-
 @pytest.mark.slow
 def test_gemv_compiles_for_sm90_without_spills():
     from sm90 import run_compile_script
@@ -293,8 +244,6 @@ def test_gemv_compiles_for_sm90_without_spills():
     # shared memory is the final reductions' (a K step of x through it would be 8 KB).
     moved = [r for r in results if r["name"].startswith("vec") and r["shared"] > 256]
     assert not moved, f"layout conversions inside the K loop: {moved}"
-    # every variant ends by warming L2 with two ranges (`warm_ranges`, compiled in by sm90.py)
-    assert all(r["bulk_prefetches"] == 2 for r in results), results
 
 
 # (name, constexprs, warps) compiled for sm_90 by the test above.

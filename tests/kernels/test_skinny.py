@@ -195,7 +195,6 @@ def test_skinny_compiles_for_sm90_without_spills():
     assert len(results) == len(COMPILE)
     spilled = [r for r in results if r["local"] > 0]
     assert not spilled, f"register spills: {spilled}"
-    assert all(r["bulk_prefetches"] == 2 for r in results), "both warm ranges compiled in"
 
 
 # (name, constexprs, warps, stages) compiled for sm_90 by the test above.
