@@ -527,10 +527,10 @@ def _compile_all() -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_pair_fp8_kernels_compile_for_sm90() -> None:
     """The e4m3 pair kernels of the default configs, with the PTX widen, at the Qwen3-30B-A3B
-    shape: no spills, no shared memory but the final reductions' and the down kernel's routing's
-    before its loop (the products meet x in the weights' own layout: nothing moves between
-    threads in the loop), and their loops at ~4 SASS instructions a weight or fewer, as the
-    one-row FP8 GEMV's (printed with -s)."""
+    shape: no spills, no shared memory but the final reductions' (and the down kernel's
+    routing's, before its loop; the products meet x in the
+    weights' own layout: nothing moves between threads in the loop), and their loops at ~4
+    SASS instructions a weight or fewer, as the one-row FP8 GEMV's (printed with -s)."""
     results = run_compile_script(__file__, "fp8")
     assert len(results) == len(_VEC_GATE_UP + _VEC_DOWN) * len(_fp8_pair_tiles())
     for r in results:
