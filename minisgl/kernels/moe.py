@@ -1064,58 +1064,49 @@ def _pair_gate_up_fp8_kernel(
 
 
 @triton.jit
-def _pair_down_fp8_chunks(
-    ids_ptr, weights_ptr, idxs, vals, token, step, pieces,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, ROUTED: tl.constexpr, EVEN: tl.constexpr,
+def _pair_down_fp8_loads(
+    act_ptr, ids_ptr, weights_ptr, s_ptr,
+    w_rows,  # [1, BLOCK_N, 1, 1] int32 pointers to the program's rows of expert 0
+    n4,  # [1, BLOCK_N, 1, 1] the output rows
+    m_n4,  # n4 < H
+    token, step, pieces, inter, stride_at, stride_we, stride_se, stride_sn,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    """Where one step of the down kernel reads: (valid, piece, pair, expert, routing weight),
-    each [S]. Chunk j (16 columns) of the token's TOP_K * I is columns [16 p, +16) of the down
-    rows of slot j // (I / 16), p = j % (I / 16): a step's chunks may span two experts, so no
-    column is masked off unless the last step overruns TOP_K * I. The slots' experts and
-    weights are read from `ids_ptr` / `weights_ptr`, or (ROUTED) picked from the token's
-    routing in registers (`idxs`, `vals`: [BLOCK_TOPK], `_route`)."""
+    """The operands of one step of the down kernel: (weights [1, BLOCK_N, S, 4] int32, the
+    activations at each thread's first and last 8 columns [1, 1, S, 8] fp32, the scale of each
+    row and chunk times the chunk's routing weight [1, BLOCK_N, S]). Chunk j (16 columns)
+    of the token's TOP_K * I is columns [16 p, +16) of the down rows of slot j // (I / 16),
+    p = j % (I / 16): a step's chunks may span two experts, so no column is masked off unless
+    the last step overruns TOP_K * I. Past the last step, nothing loads. EVEN (whole steps and
+    BLOCK_N rows, no step past the last): no masks, so no zeroing of the registers that masked
+    loads would leave (~5% of the loop's instructions at the Qwen3-30B-A3B shape)."""
     S: tl.constexpr = BLOCK_K // 16
     j = step * S + tl.arange(0, S)
     valid = j < TOP_K * pieces
     slot = j // pieces
     piece = j - slot * pieces
     pair = token * TOP_K + slot
-    if ROUTED:  # past the last slot: no slot matches, expert 0 and weight 0
-        hit = slot[:, None] == tl.arange(0, idxs.shape[0])[None, :]
-        expert = tl.sum(tl.where(hit, idxs[None, :], 0), 1)
-        routing = tl.sum(tl.where(hit, vals[None, :], 0.0), 1)
-    elif EVEN:
+    if EVEN:
         expert = tl.load(ids_ptr + pair)
         routing = tl.load(weights_ptr + pair)
     else:
         expert = tl.load(ids_ptr + pair, mask=valid, other=0)
         routing = tl.load(weights_ptr + pair, mask=valid, other=0.0)
-    return valid, piece, pair, expert, routing
-
-
-@triton.jit
-def _pair_down_fp8_weights(
-    s_ptr,
-    w_rows,  # [1, BLOCK_N, 1, 1] int32 pointers to the program's rows of expert 0
-    n4,  # [1, BLOCK_N, 1, 1] the output rows
-    m_n4,  # n4 < H
-    valid, piece, expert, routing,  # a step's chunks (`_pair_down_fp8_chunks`)
-    stride_we, stride_se, stride_sn, W_SCALE: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    """A step's weights ([1, BLOCK_N, S, 4] int32) and the scale of each row and chunk times
-    the chunk's routing weight ([1, BLOCK_N, S]): nothing the gate/up kernel writes. EVEN
-    (whole steps and BLOCK_N rows, no step past the last): no masks, so no zeroing of the
-    registers that masked loads would leave (~5% of the loop's instructions at the
-    Qwen3-30B-A3B shape)."""
     # Declared 16-byte aligned and, like `_steps_cols`, contiguous in pairs along S (they are
     # not; only the layout order comes from it: threads along S, each holding 4 words).
     col_w = tl.multiple_of(expert * (stride_we // 4) + piece * 4, 4)
     words = tl.max_contiguous(col_w[:, None] + tl.arange(0, 4)[None, :], [2, 4])[None, None]
     v4 = valid[None, None, :, None]
+    cols = tl.max_contiguous(tl.multiple_of(piece * 16, 16)[:, None] + tl.arange(0, 8)[None, :],
+                             [2, 8])[None, None]  # fmt: skip
+    a_rows = (act_ptr + pair * stride_at)[None, None, :, None]
     if EVEN:
         w = tl.load(w_rows + words, eviction_policy="evict_first")
+        a = tl.load(a_rows + cols).to(tl.float32)
+        a2 = tl.load(a_rows + cols + 8).to(tl.float32)
     else:
         w = tl.load(w_rows + words, mask=m_n4 & v4, other=0, eviction_policy="evict_first")
+        a, a2, _ = _x_step(a_rows, act_ptr, s_ptr, cols, inter, v4, False, False, 0, 2, 8)
     n = tl.reshape(n4, [n4.shape[1]])
     if W_SCALE == 1:
         s_offs = _along_chunks(n, expert * stride_se)
@@ -1126,42 +1117,7 @@ def _pair_down_fp8_weights(
     else:
         s_mask = tl.reshape(m_n4, [1, n4.shape[1], 1]) & valid[None, None, :]
         s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
-    return w, s * routing[None, None, :]
-
-
-@triton.jit
-def _pair_down_fp8_act(act_ptr, valid, piece, pair, inter, stride_at, EVEN: tl.constexpr):
-    """A step's activations at each thread's first and last 8 columns ([1, 1, S, 8] fp32 each):
-    the gate/up kernel's output."""
-    cols = tl.max_contiguous(tl.multiple_of(piece * 16, 16)[:, None] + tl.arange(0, 8)[None, :],
-                             [2, 8])[None, None]  # fmt: skip
-    a_rows = (act_ptr + pair * stride_at)[None, None, :, None]
-    if EVEN:
-        a = tl.load(a_rows + cols).to(tl.float32)
-        a2 = tl.load(a_rows + cols + 8).to(tl.float32)
-    else:
-        v4 = valid[None, None, :, None]
-        a, a2, _ = _x_step(a_rows, act_ptr, act_ptr, cols, inter, v4, False, False, 0, 2, 8)
-    return a, a2
-
-
-@triton.jit
-def _pair_down_fp8_loads(
-    act_ptr, ids_ptr, weights_ptr, s_ptr, w_rows, n4, m_n4, token, step, pieces, inter,
-    stride_at, stride_we, stride_se, stride_sn, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_SCALE: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    """The operands of one step of the down kernel: (weights, activations, activations of the
-    last 8 columns, scales times routing weights), the routing read from memory. Past the last
-    step, nothing loads."""
-    valid, piece, pair, expert, routing = _pair_down_fp8_chunks(
-        ids_ptr, weights_ptr, ids_ptr, weights_ptr, token, step, pieces, TOP_K, BLOCK_K, False,
-        EVEN,
-    )  # fmt: skip
-    w, s = _pair_down_fp8_weights(s_ptr, w_rows, n4, m_n4, valid, piece, expert, routing,
-                                  stride_we, stride_se, stride_sn, W_SCALE, EVEN)  # fmt: skip
-    a, a2 = _pair_down_fp8_act(act_ptr, valid, piece, pair, inter, stride_at, EVEN)
-    return w, a, a2, s
+    return w, a, a2, s * routing[None, None, :]
 
 
 @triton.jit
@@ -1191,13 +1147,6 @@ def _pair_down_fp8_kernel(
     AHEAD: tl.constexpr,  # a step's loads issued during the previous step's products
     EVEN: tl.constexpr,  # not AHEAD, H % BLOCK_N == 0, TOP_K * I a multiple of BLOCK_K: no masks
     PDL: tl.constexpr,
-    logits_ptr,  # [T, E] router logits (ROUTE)
-    stride_l,
-    num_experts,
-    ROUTE: tl.constexpr,  # route from the logits, before the PDL wait, and preload step 0
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
 ):
     """`_pair_down_kernel` for e4m3 experts: program (t, n) is columns [n * BLOCK_N, +BLOCK_N)
     of token t's output. The reduction is the token's TOP_K experts' I columns end to end,
@@ -1208,14 +1157,8 @@ def _pair_down_fp8_kernel(
     scaled by its row's scale (per expert) times its routing weight, and added to the thread's
     partial sum of the row. With AHEAD the next step's loads are in flight during a step's
     products (two steps of registers, and a copy of each at the end of every step; without,
-    the other resident programs hide the loads' latency).
-
-    ROUTE: the first step's routing comes from the router logits, chosen here as the gate/up
-    kernel chose it (`_route`), before the PDL wait, and its weights and scales are loaded
-    before the wait too: only its activations wait for the gate/up kernel (later steps read
-    the routing that kernel wrote). The logits were written two launches back, by a kernel that
-    completed before the gate/up kernel's programs passed their own wait, and this launch is
-    scheduled only after all of them had."""
+    the other resident programs hide the loads' latency)."""
+    pdl_prologue(PDL)
     # 32-bit offsets (`pair_down` checks that the stack and the activations fit): the address
     # arithmetic of every chunk in the loop is half the instructions of 64-bit.
     token = tl.program_id(0)
@@ -1227,27 +1170,12 @@ def _pair_down_fp8_kernel(
     w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n4 * (stride_wn // 4)
     pieces = inter // 16
     acc = tl.zeros([1, BLOCK_N, S], tl.float32)
-    if ROUTE:
-        vals, idxs = _route(logits_ptr, token, stride_l, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E,
-                            RENORMALIZE)  # fmt: skip
-        valid, piece, pair, expert, routing = _pair_down_fp8_chunks(
-            ids_ptr, weights_ptr, idxs, vals, token, 0, pieces, TOP_K, BLOCK_K, True, EVEN
-        )
-        w, s = _pair_down_fp8_weights(s_ptr, w_rows, n4, m_n4, valid, piece, expert, routing,
-                                      stride_we, stride_se, stride_sn, W_SCALE, EVEN)  # fmt: skip
-        pdl_prologue(PDL)
-        a, a2 = _pair_down_fp8_act(act_ptr, valid, piece, pair, inter, stride_at, EVEN)
-    else:
-        pdl_prologue(PDL)
-        if AHEAD:
-            w, a, a2, s = _pair_down_fp8_loads(
-                act_ptr, ids_ptr, weights_ptr, s_ptr, w_rows, n4, m_n4, token, 0, pieces, inter,
-                stride_at, stride_we, stride_se, stride_sn, TOP_K, BLOCK_K, W_SCALE, False,
-            )  # fmt: skip
-    steps = tl.cdiv(TOP_K * pieces, S)
-    if ROUTE and not AHEAD:  # step 0 is loaded: its products, then the loop from step 1
-        acc += _chunk_dots(tl.zeros([1, BLOCK_N, S], tl.float32), w, a, a2, WIDEN) * s
-    for step in range(1 if ROUTE and not AHEAD else 0, steps):
+    if AHEAD:
+        w, a, a2, s = _pair_down_fp8_loads(
+            act_ptr, ids_ptr, weights_ptr, s_ptr, w_rows, n4, m_n4, token, 0, pieces, inter,
+            stride_at, stride_we, stride_se, stride_sn, TOP_K, BLOCK_K, W_SCALE, False,
+        )  # fmt: skip
+    for step in range(0, tl.cdiv(TOP_K * pieces, S)):
         if AHEAD:  # the next step's (nothing past the last)
             w_next, a_next, a2_next, s_next = _pair_down_fp8_loads(
                 act_ptr, ids_ptr, weights_ptr, s_ptr, w_rows, n4, m_n4, token, step + 1, pieces,
@@ -1369,13 +1297,8 @@ def pair_down(
     tile: GemmTile | VecTile,  # a VecTile: the e4m3 kernel (`pair_fp8_supported`)
     residual: torch.Tensor | None = None,  # [T, H] added to the result
     scale: torch.Tensor | None = None,  # e4m3 w2: ExpertScales.w2
-    logits: torch.Tensor | None = None,  # [T, E]: the router logits `routing` came from
-    renormalize: bool = False,  # as `routing` was chosen
 ) -> torch.Tensor:  # [T, H]
-    """sum_k weight_k * down_{expert_k}(act of pair (t, k)) for every token t (+ residual).
-    Given the `logits` that the gate/up kernel routed from (launched right before, with its
-    `renormalize`), the e4m3 kernel chooses the same routing itself, ahead of its PDL wait, and
-    loads its first weights there: the weights stream while the gate/up kernel drains."""
+    """sum_k weight_k * down_{expert_k}(act of pair (t, k)) for every token t (+ residual)."""
     num_tokens = act.shape[0] // top_k
     hidden, inter = w2.shape[1], w2.shape[2]
     assert residual is None or (residual.shape == (num_tokens, hidden) and residual.stride(1) == 1)
@@ -1393,15 +1316,9 @@ def pair_down(
     if isinstance(tile, VecTile):
         assert w2.numel() < 2**31 and act.numel() < 2**31, "32-bit offsets"
         even = hidden % tile.block_n == 0 and top_k * inter % tile.block_k == 0
-        route = logits is not None
-        src = logits if logits is not None else routing.weights  # unread unless ROUTE
-        assert not route or (src.shape[0] == num_tokens and src.stride(1) == 1)
         _pair_down_fp8_kernel[grid](
             *args, out.stride(0), res.stride(0), stride_se, stride_sn, EVEN=even and not tile.ahead,
-            logits_ptr=src, stride_l=src.stride(0), num_experts=w2.shape[0], ROUTE=route,
-            BLOCK_TOPK=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(w2.shape[0]),
-            RENORMALIZE=renormalize, **_vec_args(tile, _pair_down_fp8_kernel, act.device),
-            **flags,
+            **_vec_args(tile, _pair_down_fp8_kernel, act.device), **flags,
         )  # fmt: skip
         return out
     _pair_down_kernel[grid](
@@ -1495,8 +1412,7 @@ def fused_moe(
         gate_up, down = pair_tiles(cfg, x, w13, w2)
         act, routing = pair_gate_up(x, w13, top_k, gate_up, logits=router_logits,
                                     renormalize=renormalize, scale=s13)  # fmt: skip
-        return pair_down(act, w2, routing, top_k, down, scale=s2, logits=router_logits,
-                         renormalize=renormalize)  # fmt: skip
+        return pair_down(act, w2, routing, top_k, down, scale=s2)
     weights, ids = fused_topk(router_logits, top_k, renormalize)
     return fused_experts(x, w13, w2, weights, ids, cfg, scales)
 
@@ -1527,5 +1443,4 @@ def one_row_moe(
     act, routing = pair_gate_up(x, w13, top_k, gate_up, logits=logits,
                                 renormalize=renormalize, norm_weight=norm_weight, eps=eps,
                                 scale=s13)  # fmt: skip
-    return pair_down(act, w2, routing, top_k, down, residual=x, scale=s2, logits=logits,
-                     renormalize=renormalize)  # fmt: skip
+    return pair_down(act, w2, routing, top_k, down, residual=x, scale=s2)

@@ -319,10 +319,6 @@ def test_pair_fp8_kernels_match_dequantized(
     act, routing = K.pair_gate_up(x, q13, top_k, gate_up, logits=logits, renormalize=True,
                                   norm_weight=norm_w, eps=eps, scale=scales.w13)  # fmt: skip
     out = K.pair_down(act, q2, routing, top_k, down, residual=x, scale=scales.w2)
-    # routing its first step itself, from the logits, ahead of the PDL wait: the same sums
-    routed = K.pair_down(act, q2, routing, top_k, down, residual=x, scale=scales.w2,
-                         logits=logits, renormalize=True)  # fmt: skip
-    assert torch.equal(routed, out)
     want_routing = select_experts(logits, top_k, True)
     assert torch.equal(routing.ids.long(), want_routing.ids.view(-1))
     torch.testing.assert_close(routing.weights, want_routing.weights.view(-1))
@@ -470,7 +466,7 @@ def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
 # launcher's EVEN: no masks without AHEAD), with the PTX widen: (gate/up: route, norm; down:
 # residual) x W_SCALE.
 _VEC_GATE_UP = ((True, True, 1), (True, True, 2), (False, False, 1))
-_VEC_DOWN = ((True, 1, True), (True, 2, True), (False, 1, False), (True, 1, False))
+_VEC_DOWN = ((True, 1), (True, 2), (False, 1))
 
 
 def _vec_variants(gate_up: Any, down: Any) -> list[tuple[str, Any, dict[str, Any], Any, int]]:
@@ -486,11 +482,10 @@ def _vec_variants(gate_up: Any, down: Any) -> list[tuple[str, Any, dict[str, Any
             (name, K._pair_gate_up_fp8_kernel, c, gate_up, 2 * gate_up.block_n * 16 * chunks)
         )
     chunks = down.block_k // 16 // (32 * down.num_warps)
-    for res, w_scale, route in _VEC_DOWN:
+    for res, w_scale in _VEC_DOWN:
         c = dict(TOP_K=8, BLOCK_N=down.block_n, BLOCK_K=down.block_k, HAS_RES=res,
-                 W_SCALE=w_scale, WIDEN=2, AHEAD=down.ahead, EVEN=not down.ahead, ROUTE=route,
-                 BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True)  # fmt: skip
-        name = f"_pair_down_fp8_kernel residual={res} w_scale={w_scale} route={route} {down}"
+                 W_SCALE=w_scale, WIDEN=2, AHEAD=down.ahead, EVEN=not down.ahead)  # fmt: skip
+        name = f"_pair_down_fp8_kernel residual={res} w_scale={w_scale} {down}"
         out.append((name, K._pair_down_fp8_kernel, c, down, down.block_n * 16 * chunks))
     return out
 
@@ -527,8 +522,7 @@ def _compile_all() -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_pair_fp8_kernels_compile_for_sm90() -> None:
     """The e4m3 pair kernels of the default configs, with the PTX widen, at the Qwen3-30B-A3B
-    shape: no spills, no shared memory but the final reductions' (and the down kernel's
-    routing's, before its loop; the products meet x in the
+    shape: no spills, no shared memory but the final reductions' (the products meet x in the
     weights' own layout: nothing moves between threads in the loop), and their loops at ~4
     SASS instructions a weight or fewer, as the one-row FP8 GEMV's (printed with -s)."""
     results = run_compile_script(__file__, "fp8")
@@ -541,11 +535,7 @@ def test_pair_fp8_kernels_compile_for_sm90() -> None:
             f"iteration for {r['weights']} weights a thread: {r['per_weight']:.2f} a weight"
         )
     assert not [r for r in results if r["local"] > 0], f"register spills: {results}"
-    # (the down kernel's own routing, `ROUTE`, reduces the 128 logits across its 4 warps once,
-    # before the loop: up to 512 bytes)
-    limit = {True: 512, False: 256}
-    moved = [r for r in results if r["shared"] > limit["route=True" in r["name"]]]
-    assert not moved, f"shared memory in the loop: {results}"
+    assert not [r for r in results if r["shared"] > 256], f"shared memory in the loop: {results}"
     # A program's fixed work per 16-column piece (its routing weight and scale) weighs more
     # with few rows: the down kernel's measured-best 2-row tile is ~5.1 a weight, and faster on
     # the H200 than 8 rows at ~4.1 (1024 programs at one token, against 256).
