@@ -29,10 +29,22 @@ try:
 except ImportError:  # the plain runner at the bottom needs no pytest
     pytest = None  # type: ignore[assignment]
 
-if pytest is not None:
+if pytest is not None and __name__ != "__main__":  # (the plain runner says SKIP itself)
     pytestmark = pytest.mark.gpu
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+def parametrize(name: str, values: list[Any], **kwargs: Any) -> Any:
+    """`pytest.mark.parametrize` of one argument, which the plain runner below expands too
+    (and the only form of it there is without pytest)."""
+
+    def mark(fn: Any) -> Any:
+        fn.plain_params = (name, values)
+        return pytest.mark.parametrize(name, values, **kwargs)(fn) if pytest is not None else fn
+
+    return mark
+
 
 from helpers import assert_kv_clean, random_prompts  # noqa: E402
 
@@ -186,7 +198,7 @@ def test_fast_path_matches_reference() -> None:
     assert len(replays) >= NUM_TOKENS - 1, "decode steps should replay CUDA graphs"
 
 
-@pytest.mark.parametrize("whole_step", [False, True], ids=["pieces", "whole_step"])
+@parametrize("whole_step", [False, True], ids=["pieces", "whole_step"])
 def test_piecewise_graph_steps_match_reference(whole_step: bool) -> None:
     """A small prefill budget: every step that prefills (chunks beside decodes) replays the
     piecewise graphs of its token bucket, with attention launched between the pieces; or, with
@@ -504,7 +516,13 @@ def main() -> int:
         print("SKIP: needs a CUDA GPU")
         return 0
     failed = 0
-    tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
+    tests = []
+    for name, fn in globals().items():
+        if name.startswith("test_") and callable(fn):
+            arg, values = getattr(fn, "plain_params", (None, [None]))
+            for v in values:  # one call per parameter (`parametrize`)
+                call = fn if arg is None else functools.partial(fn, **{arg: v})
+                tests.append((name if arg is None else f"{name}[{v}]", call))
     for name, fn in tests:
         start = time.perf_counter()
         try:
