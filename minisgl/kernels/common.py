@@ -245,6 +245,14 @@ def v_row_ptrs(
 
 
 @triton.jit
+def row_block_scales(s_ptr, rows, block_col, stride_sn, mask):
+    """Block-scaled FP8 weights ([cdiv(N, 128), cdiv(K, 128)] fp32 scales, rows `stride_sn`
+    apart): the scale of each of `rows`' 128-row block at block column `block_col`; 0 where
+    `mask` is off."""
+    return tl.load(s_ptr + (rows // 128) * stride_sn + block_col, mask=mask, other=0.0)
+
+
+@triton.jit
 def token_slots(table_row_ptr, pos, PAGE_SIZE: tl.constexpr):
     """KV slots (int64) of positions `pos` of one request whose page ids start at `table_row_ptr`.
 

@@ -52,7 +52,13 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from minisgl.kernels import moe_fp8
-from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue, sorted_block
+from minisgl.kernels.common import (
+    is_interpreted,
+    pdl_args,
+    pdl_prologue,
+    row_block_scales,
+    sorted_block,
+)
 from minisgl.kernels.fp8 import ExpertScales, expert_scale_args, expert_scale_kind
 from minisgl.kernels.gemv import WIDEN, _block_scales, _bytes, _steps_cols, _x_step, gemv
 
@@ -456,10 +462,8 @@ def _gate_up_kernel(
             u = u.to(a.dtype)
         if W_SCALE == 2:  # BLOCK_K divides 128: one scale per column in this K step
             kb = k * BLOCK_K // 128
-            sg = tl.load(s_expert + (offs_n // 128) * stride_sn + kb, mask=mask_n, other=0.0)
-            su = tl.load(
-                s_expert + ((inter + offs_n) // 128) * stride_sn + kb, mask=mask_n, other=0.0
-            )
+            sg = row_block_scales(s_expert, offs_n, kb, stride_sn, mask_n)
+            su = row_block_scales(s_expert, inter + offs_n, kb, stride_sn, mask_n)
             zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_g += _dot(a, g, zero, IEEE, UPCAST) * sg[None, :]
             acc_u += _dot(a, u, zero, IEEE, UPCAST) * su[None, :]
@@ -527,9 +531,7 @@ def _down_kernel(
         if W_SCALE != 0:  # e4m3 weights, widened exactly to the activations' type
             w = w.to(a.dtype)
         if W_SCALE == 2:  # BLOCK_K divides 128: one scale per column in this K step
-            sw = tl.load(
-                s_expert + (offs_n // 128) * stride_sn + k * BLOCK_K // 128, mask=mask_n, other=0.0
-            )
+            sw = row_block_scales(s_expert, offs_n, k * BLOCK_K // 128, stride_sn, mask_n)
             acc += _dot(a, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, UPCAST) * sw[None, :]
         else:
             acc = _dot(a, w, acc, IEEE, UPCAST)

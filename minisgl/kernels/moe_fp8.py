@@ -53,6 +53,7 @@ from minisgl.kernels.common import (
     pdl_args,
     pdl_prologue,
     round_e4m3,
+    row_block_scales,
     sorted_block,
 )
 from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
@@ -201,10 +202,8 @@ def _w8a8_gate_up_kernel(
         u = tl.load(u_ptrs, mask=w_mask, other=0.0)
         if W_SCALE == 2:  # and the weight block's scale (the block column is the group)
             kg = k * BLOCK_K // 128
-            sg = tl.load(s_expert + (offs_n // 128) * stride_sn + kg, mask=mask_n, other=0.0)
-            su = tl.load(
-                s_expert + ((inter + offs_n) // 128) * stride_sn + kg, mask=mask_n, other=0.0
-            )
+            sg = row_block_scales(s_expert, offs_n, kg, stride_sn, mask_n)
+            su = row_block_scales(s_expert, inter + offs_n, kg, stride_sn, mask_n)
             acc_g += _dot_wt(g, a) * (sg[:, None] * sa[None, :])
             acc_u += _dot_wt(u, a) * (su[:, None] * sa[None, :])
         else:
@@ -289,7 +288,7 @@ def _w8a8_down_kernel(
         w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if W_SCALE == 2:
             kg = k * BLOCK_K // 128
-            sw = tl.load(s_expert + (offs_n // 128) * stride_sn + kg, mask=mask_n, other=0.0)
+            sw = row_block_scales(s_expert, offs_n, kg, stride_sn, mask_n)
             acc += _dot_wt(w, a) * (sw[:, None] * sa[None, :])
         else:
             acc += _dot_wt(w, a) * sa[None, :]
