@@ -803,16 +803,11 @@ def run_w8a8_kernels(seed: int, token_counts: Sequence[int], tune: bool) -> list
     `moe_align` rows, each timed as a CUDA graph; and their error against the bf16 layer on
     the dequantized weights."""
     from minisgl.kernels import moe_fp8
-    from minisgl.kernels.fp8 import FP8_MAX, ExpertScales
+    from minisgl.kernels.fp8 import ExpertScales
     from minisgl.kernels.moe import FusedMoEConfig, default_config
 
     w13, w2 = random_weights(NUM_EXPERTS, HIDDEN, INTER, seed)
-    q = []  # one scale per output row, as `minisgl.kernels.fp8.quantize_rows` (whole stacks)
-    for w in (w13, w2):
-        scale = (w.float().abs().amax(dim=2) / FP8_MAX).clamp_min(1e-12)  # [E, N]
-        wq = (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        q.append((wq, scale))
-    (q13, s13), (q2, s2) = q
+    (q13, s13), (q2, s2) = fp8_rows(w13), fp8_rows(w2)
     scales = ExpertScales(s13, s2)
     rows_out: list[Row] = []
     for tokens in token_counts:
