@@ -1381,7 +1381,7 @@ def fused_experts(
         act, _ = pair_gate_up(x, w13, top_k, gate_up, routing=routing, scale=s13)
         return pair_down(act, w2, routing, top_k, down, scale=s2)
     if s13 is not None and s2 is not None and moe_fp8.use_w8a8(x, w13, cfg.block_m):
-        # e4m3 activations too, on FP8 wgmma (`minisgl.kernels.moe_fp8`; off by default)
+        # e4m3 activations too, on FP8 wgmma (`minisgl.kernels.moe_fp8`; MINISGL_MOE_W8A8=0: off)
         rows = moe_align(ids, w13.shape[0], moe_fp8.w8a8_block_m(cfg.block_m))
         out = moe_fp8.w8a8_experts(x, w13, w2, (s13, s2), weights, rows)
     else:
