@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,6 +55,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from minisgl.kernels import moe_fp8
 from minisgl.kernels.common import (
     is_interpreted,
+    num_sms,
     pdl_args,
     pdl_prologue,
     row_block_scales,
@@ -1349,6 +1351,434 @@ def pair_tiles(
 # ---- the whole layer ---------------------------------------------------------------------------
 
 
+# ---- batch 1, FP8 experts: gate/up and down in one launch ---------------------------------------
+#
+# `one_row_moe` with e4m3 experts runs the pair kernels' two launches as one
+# (`_one_row_experts_fp8_kernel`): a grid of G four-warp programs, each resident for the whole
+# layer (G is at most what fits on the SMs at once). Every program routes the token itself, in
+# registers (`_route_ranks`); phase A walks gate/up items (a slot k and BLOCK_N columns of I,
+# the next item's weights in flight during an item's products) and writes silu(gate) * up;
+# then each program issues the loads of its first down item's weights (they depend on the
+# routing alone), arrives at a grid barrier (`_grid_barrier`) and, once every program has
+# written its activations, reads them and finishes the down rows it preloaded (plus the
+# residual). The barrier takes the place of a kernel boundary: the down weights stream while
+# the slowest gate/up programs finish, where two launches leave the memory idle between them.
+# The interpreter runs programs one after another, so there phase A and phase B are two
+# launches of the same kernel (PHASE 1, then 2); CUDA runs PHASE 3.
+
+
+@triton.jit
+def _route_ranks(
+    logits_ptr, stride_l, token, num_experts,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """`_route`'s (weights [BLOCK_K], ids [BLOCK_K]) by ranks rather than TOP_K argmax rounds:
+    expert i's rank is the count of experts above it (ties: the lower id first, as there), and
+    slot k takes the expert of rank k. A [BLOCK_E, BLOCK_E] comparison and five reductions,
+    where the rounds take 2 * TOP_K (each one across warps in a four-warp program)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    row = logits_ptr + token * stride_l
+    x = tl.load(row + offs_e, mask=offs_e < num_experts, other=-float("inf")).to(tl.float32)
+    x_col = tl.load(row + offs_e, mask=offs_e < num_experts, other=-float("inf")).to(tl.float32)
+    ahead = (x[None, :] > x_col[:, None]) | (
+        (x[None, :] == x_col[:, None]) & (offs_e[None, :] < offs_e[:, None])
+    )
+    rank = tl.sum(ahead.to(tl.int32), 1)  # [BLOCK_E]: experts ahead of expert i
+    p = tl.exp(x_col - tl.max(x_col, 0))
+    p = p / tl.sum(p, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    pick = (rank[None, :] == offs_k[:, None]) & (offs_k[:, None] < TOP_K)  # [BLOCK_K, BLOCK_E]
+    idxs = tl.sum(tl.where(pick, offs_e[None, :], 0), 1)
+    vals = tl.sum(tl.where(pick, p[None, :], 0.0), 1)
+    if RENORMALIZE:
+        vals = vals / tl.sum(vals, 0)
+    return vals, idxs
+
+
+@triton.jit
+def _route_ranks_kernel(
+    logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts, TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    vals, idxs = _route_ranks(logits_ptr, stride_l, t, num_experts, TOP_K, BLOCK_K, BLOCK_E,
+                              RENORMALIZE)  # fmt: skip
+    offs_k = tl.arange(0, BLOCK_K)
+    tl.store(weights_ptr + t * TOP_K + offs_k, vals, mask=offs_k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + offs_k, idxs, mask=offs_k < TOP_K)
+
+
+def route_ranks(logits: torch.Tensor, top_k: int, renormalize: bool) -> PairRouting:
+    """`_route_ranks` of every row of `logits` [T, E] (what the one-launch kernel routes by),
+    as `fused_topk`'s weights and ids flattened."""
+    num_tokens, num_experts = logits.shape
+    out = PairRouting(
+        torch.empty(num_tokens * top_k, dtype=torch.int32, device=logits.device),
+        torch.empty(num_tokens * top_k, dtype=torch.float32, device=logits.device),
+    )
+    _route_ranks_kernel[(num_tokens,)](
+        logits, out.weights, out.ids, logits.stride(0), num_experts, TOP_K=top_k,
+        BLOCK_K=_topk_block(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize,
+    )  # fmt: skip
+    return out
+
+@triton.jit
+def _pick(values, at):
+    """values[at] for a tensor `at` of slot indices (a select and a small sum per element)."""
+    slots = tl.arange(0, values.shape[0])
+    return tl.sum(tl.where(at[:, None] == slots[None, :], values[None, :], 0), 1)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, num_programs, PHASE: tl.constexpr):
+    """Every program of the grid waits here until all `num_programs` have arrived, and sees
+    the global writes each made before arriving (CUDA; a no-op unless PHASE is 3). sync_ptr:
+    two int32, an arrival count and a generation: the last to arrive resets the count and
+    bumps the generation, which the others poll (so the pair is reusable launch after launch
+    with no reset). The arrival's release, after a CTA barrier, publishes the whole program's
+    writes; the pollers' acquire makes them visible to it, as cooperative groups' grid sync
+    does. Every program must be resident at once: the caller bounds the grid by occupancy."""
+    if PHASE == 3:
+        tl.debug_barrier()
+        gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_programs - 1:
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+        else:
+            while tl.load(sync_ptr + 1, volatile=True) == gen:
+                pass
+            tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+
+@triton.jit
+def _row_gate_up_loads(
+    w_ptr, s_ptr, idxs, item, n_items, tiles, inter, hidden, stride_we, stride_wn, stride_se,
+    stride_sn, BLOCK_N: tl.constexpr, S: tl.constexpr, W_SCALE: tl.constexpr,
+):  # fmt: skip
+    """The weights (and block scales) of gate/up item `item` (slot item // tiles, columns
+    [item % tiles * BLOCK_N, +BLOCK_N) of I), all masked off past the last item."""
+    slot = item // tiles
+    pid_n = item - slot * tiles
+    expert = tl.sum(tl.where(tl.arange(0, idxs.shape[0]) == slot, idxs, 0), 0).to(tl.int64)
+    R: tl.constexpr = 2 * BLOCK_N
+    r = tl.arange(0, R)
+    mask_r = (pid_n * BLOCK_N + r % BLOCK_N < inter) & (r * 0 + item < n_items)  # a tensor
+    row = pid_n * BLOCK_N + r % BLOCK_N + (r // BLOCK_N) * inter
+    words = _steps_cols(S, 4)[None, None]
+    w_rows = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_we // 4)
+              + row[None, :, None, None].to(tl.int64) * (stride_wn // 4) + words)  # fmt: skip
+    w, sb = _gate_up_fp8_loads(w_rows, words, mask_r[None, :, None, None], mask_r, row,
+                               s_ptr + expert * stride_se, 0, hidden, stride_sn, W_SCALE,
+                               False)  # fmt: skip
+    return w, sb
+
+
+@triton.jit
+def _row_gate_up_store(
+    acc, act_ptr, s_ptr, idxs, item, tiles, inter, rstd, stride_at, stride_se,
+    BLOCK_N: tl.constexpr, W_SCALE: tl.constexpr,
+):  # fmt: skip
+    """silu(gate) * up of item `item` from its products [1, 2 * BLOCK_N, S] (one token)."""
+    slot = item // tiles
+    pid_n = item - slot * tiles
+    R: tl.constexpr = 2 * BLOCK_N
+    r = tl.arange(0, R)
+    mask_r = pid_n * BLOCK_N + r % BLOCK_N < inter
+    y = tl.reshape(tl.sum(acc, 2), [R])
+    if W_SCALE == 1:
+        expert = tl.sum(tl.where(tl.arange(0, idxs.shape[0]) == slot, idxs, 0), 0).to(tl.int64)
+        row = pid_n * BLOCK_N + r % BLOCK_N + (r // BLOCK_N) * inter
+        y = y * tl.load(s_ptr + expert * stride_se + row, mask=mask_r, other=0.0)
+    y = y * rstd
+    gate, up = tl.split(tl.permute(tl.reshape(y, [2, BLOCK_N]), [1, 0]))
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(act_ptr + slot * stride_at + offs_n, h.to(act_ptr.dtype.element_ty),
+             mask=offs_n < inter)  # fmt: skip
+
+
+@triton.jit
+def _row_down_loads(
+    w_ptr, s_ptr, idxs, item, step, pieces, hidden, stride_we, stride_wn, stride_se, stride_sn,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr,
+):  # fmt: skip
+    """The weights [1, BLOCK_N, S, 4] and scales [1, BLOCK_N, S] of one step of down item
+    `item` (rows [item * BLOCK_N, +BLOCK_N) of H), experts from the program's own routing:
+    `_pair_down_fp8_loads` without the activations, which the barrier guards."""
+    S: tl.constexpr = BLOCK_K // 16
+    j = step * S + tl.arange(0, S)
+    valid = j < TOP_K * pieces
+    slot = j // pieces
+    piece = j - slot * pieces
+    expert = _pick(idxs, slot)
+    n = item * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n4 = (n < hidden)[None, :, None, None]
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n[None, :, None, None] * (stride_wn // 4)
+    col_w = tl.multiple_of(expert * (stride_we // 4) + piece * 4, 4)
+    words = tl.max_contiguous(col_w[:, None] + tl.arange(0, 4)[None, :], [2, 4])[None, None]
+    w = tl.load(w_rows + words, mask=m_n4 & valid[None, None, :, None], other=0,
+                eviction_policy="evict_first")  # fmt: skip
+    if W_SCALE == 1:
+        s_offs = _along_chunks(n, expert * stride_se)
+    else:
+        s_offs = _along_chunks(n // 128 * stride_sn, expert * stride_se + piece // 8)
+    s_mask = tl.reshape(m_n4, [1, BLOCK_N, 1]) & valid[None, None, :]
+    s = tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)
+    return w, s
+
+
+@triton.jit
+def _row_down_dots(
+    acc, w, s, act_ptr, vals, step, pieces, stride_at,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr,
+):  # fmt: skip
+    """acc + one down step's products, each chunk's sum times its row's scale and its slot's
+    routing weight. The activations are read past L1 (`.cg`): other programs wrote them."""
+    S: tl.constexpr = BLOCK_K // 16
+    j = step * S + tl.arange(0, S)
+    valid = j < TOP_K * pieces
+    slot = j // pieces
+    piece = j - slot * pieces
+    routing = tl.where(valid, _pick(vals, slot), 0.0)
+    cols = tl.max_contiguous(tl.multiple_of(piece * 16, 16)[:, None] + tl.arange(0, 8)[None, :],
+                             [2, 8])[None, None]  # fmt: skip
+    a_rows = (act_ptr + slot * stride_at)[None, None, :, None]
+    v4 = valid[None, None, :, None]
+    a = tl.load(a_rows + cols, mask=v4, other=0.0, cache_modifier=".cg").to(tl.float32)
+    a2 = tl.load(a_rows + cols + 8, mask=v4, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc + _chunk_dots(tl.zeros(acc.shape, tl.float32), w, a, a2, WIDEN) * (
+        s * routing[None, None, :]
+    )
+
+
+@triton.jit
+def _row_down_store(acc, x_ptr, out_ptr, item, hidden, BLOCK_N: tl.constexpr):
+    n = item * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = tl.reshape(tl.sum(acc, 2), [BLOCK_N])
+    out += tl.load(x_ptr + n, mask=n < hidden, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n < hidden)
+
+
+@triton.jit(do_not_specialize=["num_programs"])
+def _one_row_experts_fp8_kernel(
+    x_ptr,  # [1, H] 16-bit: the residual stream (not normalised), rows 16-byte aligned
+    norm_ptr,  # [H] RMSNorm weight
+    logits_ptr,  # [1, E] router logits
+    w13_ptr,  # [E, 2I, H] e4m3
+    s13_ptr,  # per row [E, 2I] or per block [E, cdiv(2I, 128), cdiv(H, 128)] fp32
+    w2_ptr,  # [E, H, I] e4m3
+    s2_ptr,  # per row [E, H] or per block [E, cdiv(H, 128), cdiv(I, 128)] fp32
+    act_ptr,  # [K, I] scratch: silu(gate) * up of each slot
+    out_ptr,  # [1, H]: x + the layer's output
+    sync_ptr,  # [2] int32 (`_grid_barrier`)
+    num_programs,
+    inter,
+    hidden,
+    num_experts,
+    eps,
+    stride_l,
+    stride_we13,
+    stride_wn13,
+    stride_se13,
+    stride_sn13,
+    stride_we2,
+    stride_wn2,
+    stride_se2,
+    stride_sn2,
+    stride_at,
+    TOP_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    W_SCALE13: tl.constexpr,
+    W_SCALE2: tl.constexpr,
+    BLOCK_N_A: tl.constexpr,  # columns of I per gate/up item
+    BLOCK_K_A: tl.constexpr,  # >= H, one step: every thread 16 columns of each of its rows
+    BLOCK_N_B: tl.constexpr,  # rows of H per down item
+    BLOCK_K_B: tl.constexpr,  # chunk columns (of TOP_K * I) a down step
+    STEPS_B: tl.constexpr,  # cdiv(TOP_K * I, BLOCK_K_B), 1 to 3
+    WIDEN: tl.constexpr,
+    PHASE: tl.constexpr,  # 1: gate/up, 2: down, 3: both with the grid barrier between
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    vals, idxs = _route_ranks(logits_ptr, stride_l, 0, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E,
+                              RENORMALIZE)  # fmt: skip
+    if PHASE & 1:
+        S: tl.constexpr = BLOCK_K_A // 16
+        XV: tl.constexpr = 8
+        xk = (_steps_cols(S, XV) + (16 - XV) * tl.arange(0, S)[:, None])[None, None]
+        every = tl.full([1, 1, 1, 1], 1, tl.int1)
+        x, x2, ss = _x_step(x_ptr, norm_ptr, s13_ptr, xk, hidden, every, False, True, 0, 2, XV)
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.reshape(ss, [S]), 0) / hidden + eps)
+        tiles = tl.cdiv(inter, BLOCK_N_A)
+        n_items = TOP_K * tiles
+        w, sb = _row_gate_up_loads(w13_ptr, s13_ptr, idxs, pid, n_items, tiles, inter, hidden,
+                                   stride_we13, stride_wn13, stride_se13, stride_sn13, BLOCK_N_A,
+                                   S, W_SCALE13)  # fmt: skip
+        for item in range(pid, n_items, num_programs):
+            w_next, sb_next = _row_gate_up_loads(
+                w13_ptr, s13_ptr, idxs, item + num_programs, n_items, tiles, inter, hidden,
+                stride_we13, stride_wn13, stride_se13, stride_sn13, BLOCK_N_A, S, W_SCALE13,
+            )  # fmt: skip
+            acc = _gate_up_fp8_dots(tl.zeros([1, 2 * BLOCK_N_A, S], tl.float32), w, sb, x, x2,
+                                    W_SCALE13, WIDEN)  # fmt: skip
+            _row_gate_up_store(acc, act_ptr, s13_ptr, idxs, item, tiles, inter, rstd, stride_at,
+                               stride_se13, BLOCK_N_A, W_SCALE13)  # fmt: skip
+            w = w_next
+            sb = sb_next
+    if PHASE & 2:
+        pieces = inter // 16
+        tiles_b = tl.cdiv(hidden, BLOCK_N_B)
+        SB: tl.constexpr = BLOCK_K_B // 16
+        # the first item's weights go out before the barrier (masked off past the last item)
+        first = tl.where(pid < tiles_b, pid, tiles_b)
+        w0, s0 = _row_down_loads(w2_ptr, s2_ptr, idxs, first, 0, pieces, hidden, stride_we2,
+                                 stride_wn2, stride_se2, stride_sn2, TOP_K, BLOCK_N_B, BLOCK_K_B,
+                                 W_SCALE2)  # fmt: skip
+        w1, s1 = w0, s0
+        w2, s2 = w0, s0
+        if STEPS_B > 1:
+            w1, s1 = _row_down_loads(w2_ptr, s2_ptr, idxs, first, 1, pieces, hidden, stride_we2,
+                                     stride_wn2, stride_se2, stride_sn2, TOP_K, BLOCK_N_B,
+                                     BLOCK_K_B, W_SCALE2)  # fmt: skip
+        if STEPS_B > 2:
+            w2, s2 = _row_down_loads(w2_ptr, s2_ptr, idxs, first, 2, pieces, hidden, stride_we2,
+                                     stride_wn2, stride_se2, stride_sn2, TOP_K, BLOCK_N_B,
+                                     BLOCK_K_B, W_SCALE2)  # fmt: skip
+        _grid_barrier(sync_ptr, num_programs, PHASE)
+        if pid < tiles_b:
+            acc = tl.zeros([1, BLOCK_N_B, SB], tl.float32)
+            acc = _row_down_dots(acc, w0, s0, act_ptr, vals, 0, pieces, stride_at, TOP_K,
+                                 BLOCK_K_B, WIDEN)  # fmt: skip
+            if STEPS_B > 1:
+                acc = _row_down_dots(acc, w1, s1, act_ptr, vals, 1, pieces, stride_at, TOP_K,
+                                     BLOCK_K_B, WIDEN)  # fmt: skip
+            if STEPS_B > 2:
+                acc = _row_down_dots(acc, w2, s2, act_ptr, vals, 2, pieces, stride_at, TOP_K,
+                                     BLOCK_K_B, WIDEN)  # fmt: skip
+            _row_down_store(acc, x_ptr, out_ptr, pid, hidden, BLOCK_N_B)
+        for item in range(pid + num_programs, tiles_b, num_programs):
+            acc = tl.zeros([1, BLOCK_N_B, SB], tl.float32)
+            for step in range(0, STEPS_B):
+                wq, sq = _row_down_loads(w2_ptr, s2_ptr, idxs, item, step, pieces, hidden,
+                                         stride_we2, stride_wn2, stride_se2, stride_sn2, TOP_K,
+                                         BLOCK_N_B, BLOCK_K_B, W_SCALE2)  # fmt: skip
+                acc = _row_down_dots(acc, wq, sq, act_ptr, vals, step, pieces, stride_at, TOP_K,
+                                     BLOCK_K_B, WIDEN)  # fmt: skip
+            _row_down_store(acc, x_ptr, out_ptr, item, hidden, BLOCK_N_B)
+
+
+_GRID_SYNC: dict[torch.device, torch.Tensor] = {}
+# "0": batch-1 FP8 experts in the pair kernels' two launches; "A,B": ONE_LAUNCH_TILES for a run
+ENV_ONE_LAUNCH = "MINISGL_MOE_ONE_LAUNCH"
+# (gate/up columns of I, down rows of H) per item of `_one_row_experts_fp8_kernel`
+ONE_LAUNCH_TILES = (4, 4)
+
+
+def _grid_sync(device: torch.device) -> torch.Tensor:
+    """The device's `_grid_barrier` words (kept for the process: a barrier leaves them ready
+    for the next launch)."""
+    sync = _GRID_SYNC.get(device)
+    if sync is None:
+        sync = _GRID_SYNC[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return sync
+
+
+def _one_launch_steps(top_k: int, hidden: int, inter: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_K_A, BLOCK_K_B) of the one-launch kernel, or (0, 0) where it does not fit: gate/up
+    in one step of H, down in at most 3 steps of TOP_K * I (on CUDA a step gives each of the
+    128 threads 16 columns: 2048)."""
+    least = 2048 if device.type == "cuda" else 16
+    block_a = max(least, triton.next_power_of_2(hidden))
+    block_b = least
+    while -(-top_k * inter // block_b) > 3:
+        block_b *= 2
+    if block_a > 4096 or block_b > 4096:
+        return 0, 0
+    return block_a, block_b
+
+
+def _resident_programs(kernel: object, num_warps: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel fit on the device's SMs at once (registers,
+    threads, shared memory): the most a grid barrier may wait for."""
+    regs = max(int(getattr(kernel, "n_regs", 255)), 1)
+    per_warp = -(-regs * 32 // 256) * 256
+    shared = int(getattr(getattr(kernel, "metadata", None), "shared", 0))
+    per_sm = min(65536 // (per_warp * num_warps), 2048 // (32 * num_warps), 32,
+                 (227 * 1024) // (shared + 1024))  # fmt: skip
+    return max(per_sm, 1) * num_sms(device)
+
+
+def one_launch_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+    """Whether `one_row_moe` takes its experts in one launch (`_one_row_experts_fp8_kernel`)."""
+    if os.environ.get(ENV_ONE_LAUNCH) == "0" or x.shape[0] != 1:
+        return False
+    hidden, inter = w2.shape[1], w2.shape[2]
+    fits = pair_fp8_supported(x, w13) and _fp8_vec_fits(x.dtype, inter, w2)
+    return fits and _one_launch_steps(top_k, hidden, inter, x.device)[0] > 0 and (
+        w2.numel() < 2**31
+    )
+
+
+def one_row_experts_fp8(
+    x: torch.Tensor,  # [1, H] the residual stream
+    logits: torch.Tensor,  # [1, E]
+    w13: torch.Tensor,  # [E, 2I, H] e4m3
+    w2: torch.Tensor,  # [E, H, I] e4m3
+    scales: ExpertScales,
+    top_k: int,
+    renormalize: bool,
+    norm_weight: torch.Tensor,
+    eps: float,
+    tiles: tuple[int, int] = ONE_LAUNCH_TILES,
+) -> torch.Tensor:  # [1, H]: x + the experts' sum
+    """The experts of `one_row_moe` in one launch (see the comment above the kernel)."""
+    hidden, inter = w2.shape[1], w2.shape[2]
+    num_experts = w13.shape[0]
+    block_a, block_b = _one_launch_steps(top_k, hidden, inter, x.device)
+    assert block_a and pair_fp8_supported(x, w13)
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    s13, se13, sn13 = expert_scale_args(scales.w13, out)
+    s2, se2, sn2 = expert_scale_args(scales.w2, out)
+    bn_a, bn_b = tiles
+    if os.environ.get(ENV_ONE_LAUNCH, "1") not in ("0", "1"):  # "A,B": tiles (measurement)
+        bn_a, bn_b = (int(v) for v in os.environ[ENV_ONE_LAUNCH].split(","))
+    kernel = _one_row_experts_fp8_kernel
+    interpreted = is_interpreted(kernel)
+    args = (x, norm_weight, logits, w13, s13, w2, s2, act, out, _grid_sync(x.device))
+    rest = (inter, hidden, num_experts, eps, logits.stride(0), w13.stride(0), w13.stride(1), se13,
+            sn13, w2.stride(0), w2.stride(1), se2, sn2, act.stride(0))  # fmt: skip
+    flags = dict(TOP_K=top_k, BLOCK_TOPK=_topk_block(top_k),
+                 BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+                 W_SCALE13=expert_scale_kind(w13, scales.w13),
+                 W_SCALE2=expert_scale_kind(w2, scales.w2), BLOCK_N_A=bn_a, BLOCK_K_A=block_a,
+                 BLOCK_N_B=bn_b, BLOCK_K_B=block_b, STEPS_B=-(-top_k * inter // block_b),
+                 WIDEN=0 if interpreted else WIDEN["ptx"], num_warps=4)  # fmt: skip
+    tiles_b = triton.cdiv(hidden, bn_b)
+    if interpreted:  # programs run one after another: the two phases as two launches
+        for phase in (1, 2):
+            kernel[(tiles_b,)](*args, tiles_b, *rest, PHASE=phase, PDL=False, **flags)
+        return out
+    compiled = _ONE_LAUNCH_COMPILED.get((x.device, *flags.items()))
+    if compiled is None:
+        compiled = kernel.warmup(*args, 3, *rest, PHASE=3, grid=(1,), **pdl_args(x.device),
+                                 **flags)  # fmt: skip
+        compiled._init_handles()
+        _ONE_LAUNCH_COMPILED[(x.device, *flags.items())] = compiled
+    programs = min(tiles_b, _resident_programs(compiled, 4, x.device))
+    kernel[(programs,)](*args, programs, *rest, PHASE=3, **pdl_args(x.device), **flags)
+    return out
+
+
+_ONE_LAUNCH_COMPILED: dict[tuple[object, ...], object] = {}
+
+
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     if w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w13.shape[1] != 2 * w2.shape[2]:
         raise ValueError(
@@ -1441,6 +1871,9 @@ def one_row_moe(
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     s13, s2 = scales if scales is not None else (None, None)
     logits = gemv(x, router, norm_weight=norm_weight, eps=eps)  # [1, E]
+    if config is None and scales is not None and one_launch_fits(x, w13, w2, top_k):
+        return one_row_experts_fp8(x, logits, w13, w2, scales, top_k, renormalize, norm_weight,
+                                   eps)  # fmt: skip
     gate_up, down = pair_tiles(cfg, x, w13, w2)
     act, routing = pair_gate_up(x, w13, top_k, gate_up, logits=logits,
                                 renormalize=renormalize, norm_weight=norm_weight, eps=eps,
