@@ -1423,6 +1423,7 @@ def route_ranks(logits: torch.Tensor, top_k: int, renormalize: bool) -> PairRout
     )  # fmt: skip
     return out
 
+
 @triton.jit
 def _pick(values, at):
     """values[at] for a tensor `at` of slot indices (a select and a small sum per element)."""
@@ -1720,8 +1721,8 @@ def one_launch_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k:
         return False
     hidden, inter = w2.shape[1], w2.shape[2]
     fits = pair_fp8_supported(x, w13) and _fp8_vec_fits(x.dtype, inter, w2)
-    return fits and _one_launch_steps(top_k, hidden, inter, x.device)[0] > 0 and (
-        w2.numel() < 2**31
+    return (
+        fits and _one_launch_steps(top_k, hidden, inter, x.device)[0] > 0 and (w2.numel() < 2**31)
     )
 
 

@@ -367,8 +367,10 @@ def test_one_row_moe_fp8(layout: str, config: K.PairConfig) -> None:
     assert rel_err(out, want) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize(("layout", "hidden", "inter", "experts", "top_k"),
-                         [("row", 64, 48, 8, 2), ("row", 48, 32, 5, 3), ("block", 128, 128, 4, 2)])
+@pytest.mark.parametrize(
+    ("layout", "hidden", "inter", "experts", "top_k"),
+    [("row", 64, 48, 8, 2), ("row", 48, 32, 5, 3), ("block", 128, 128, 4, 2)],
+)
 def test_one_row_moe_fp8_in_one_launch(
     layout: str, hidden: int, inter: int, experts: int, top_k: int
 ) -> None:
