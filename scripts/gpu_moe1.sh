@@ -12,7 +12,7 @@ fi
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 step() { local n=$1 t=$2; shift 2; echo "== $n"; local t0=$(date +%s); timeout -k 5 "$t" "$@" > "$O/$n.log" 2>&1; echo "rc=$? $(( $(date +%s)-t0 ))s"; tail -"${TAILN:-3}" "$O/$n.log" | cut -c1-220; }
 MOE="python3 -m minisgl.benchmark.moe --skip-kernels --decode-batches 1"
-TAILN=6 step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_moe_kernel.py -k "one_launch or route_ranks or one_row or pair"
+TAILN=6 step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_moe_kernel.py tests/gpu/test_fp8_gpu.py -k "one_launch or route_ranks or one_row or pair or fp8_moe"
 for t in ${TILES:-1}; do
   MINISGL_MOE_ONE_LAUNCH=$t step "fp8_one_$t" 80 $MOE --quantization fp8
 done
