@@ -1766,18 +1766,20 @@ def one_row_experts_fp8(
         for phase in (1, 2):
             kernel[(tiles_b,)](*args, tiles_b, *rest, PHASE=phase, PDL=False, **flags)
         return out
-    compiled = _ONE_LAUNCH_COMPILED.get((x.device, *flags.items()))
-    if compiled is None:
+    key = (x.device, tuple(flags.items()))
+    programs = _ONE_LAUNCH_PROGRAMS.get(key)
+    if programs is None:  # compiled (not launched) once, for its occupancy
         compiled = kernel.warmup(*args, 3, *rest, PHASE=3, grid=(1,), **pdl_args(x.device),
                                  **flags)  # fmt: skip
         compiled._init_handles()
-        _ONE_LAUNCH_COMPILED[(x.device, *flags.items())] = compiled
-    programs = min(tiles_b, _resident_programs(compiled, 4, x.device))
+        programs = _ONE_LAUNCH_PROGRAMS[key] = min(
+            tiles_b, _resident_programs(compiled, 4, x.device)
+        )
     kernel[(programs,)](*args, programs, *rest, PHASE=3, **pdl_args(x.device), **flags)
     return out
 
 
-_ONE_LAUNCH_COMPILED: dict[tuple[object, ...], object] = {}
+_ONE_LAUNCH_PROGRAMS: dict[tuple[object, ...], int] = {}
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
