@@ -1364,7 +1364,7 @@ def pair_tiles(
 # residual). The barrier takes the place of a kernel boundary: the down weights stream while
 # the slowest gate/up programs finish, where two launches leave the memory idle between them.
 # The interpreter runs programs one after another, so there phase A and phase B are two
-# launches of the same kernel (PHASE 1, then 2); CUDA runs PHASE 3.
+# launches of the same kernel (PHASE 1, then 2); CUDA runs PHASE 7 (both, the barrier between).
 
 
 @triton.jit
@@ -1432,15 +1432,15 @@ def _pick(values, at):
 
 
 @triton.jit
-def _grid_barrier(sync_ptr, num_programs, PHASE: tl.constexpr):
+def _grid_barrier(sync_ptr, num_programs, ON: tl.constexpr):
     """Every program of the grid waits here until all `num_programs` have arrived, and sees
-    the global writes each made before arriving (CUDA; a no-op unless PHASE is 3). sync_ptr:
+    the global writes each made before arriving (CUDA; a no-op unless ON). sync_ptr:
     two int32, an arrival count and a generation: the last to arrive resets the count and
     bumps the generation, which the others poll (so the pair is reusable launch after launch
     with no reset). The arrival's release, after a CTA barrier, publishes the whole program's
     writes; the pollers' acquire makes them visible to it, as cooperative groups' grid sync
     does. Every program must be resident at once: the caller bounds the grid by occupancy."""
-    if PHASE == 3:
+    if ON:
         tl.debug_barrier()
         gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
         arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
@@ -1602,13 +1602,22 @@ def _one_row_experts_fp8_kernel(
     BLOCK_K_B: tl.constexpr,  # chunk columns (of TOP_K * I) a down step
     STEPS_B: tl.constexpr,  # cdiv(TOP_K * I, BLOCK_K_B), 1 to 3
     WIDEN: tl.constexpr,
-    PHASE: tl.constexpr,  # 1: gate/up, 2: down, 3: both with the grid barrier between
+    PHASE: tl.constexpr,  # bits: 1 gate/up, 2 down, 4 the grid barrier before down (CUDA: 7)
+    RANKS: tl.constexpr,  # route by ranks (else TOP_K argmax rounds)
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
-    vals, idxs = _route_ranks(logits_ptr, stride_l, 0, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E,
-                              RENORMALIZE)  # fmt: skip
+    if RANKS:
+        vals, idxs = _route_ranks(logits_ptr, stride_l, 0, num_experts, TOP_K, BLOCK_TOPK,
+                                  BLOCK_E, RENORMALIZE)  # fmt: skip
+    else:
+        vals, idxs = _route(logits_ptr, 0, stride_l, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E,
+                            RENORMALIZE)  # fmt: skip
+    if PHASE & 3 == 0:  # the routing (and the barrier) alone, for measurement
+        _grid_barrier(sync_ptr, num_programs, (PHASE & 4) != 0)
+        offs_k = tl.arange(0, BLOCK_TOPK)
+        tl.store(act_ptr + pid * 0 + offs_k, (vals + idxs).to(act_ptr.dtype.element_ty))
     if PHASE & 1:
         S: tl.constexpr = BLOCK_K_A // 16
         XV: tl.constexpr = 8
@@ -1651,7 +1660,7 @@ def _one_row_experts_fp8_kernel(
             w2, s2 = _row_down_loads(w2_ptr, s2_ptr, idxs, first, 2, pieces, hidden, stride_we2,
                                      stride_wn2, stride_se2, stride_sn2, TOP_K, BLOCK_N_B,
                                      BLOCK_K_B, W_SCALE2)  # fmt: skip
-        _grid_barrier(sync_ptr, num_programs, PHASE)
+        _grid_barrier(sync_ptr, num_programs, (PHASE & 4) != 0)
         if pid < tiles_b:
             acc = tl.zeros([1, BLOCK_N_B, SB], tl.float32)
             acc = _row_down_dots(acc, w0, s0, act_ptr, vals, 0, pieces, stride_at, TOP_K,
@@ -1737,6 +1746,9 @@ def one_row_experts_fp8(
     norm_weight: torch.Tensor,
     eps: float,
     tiles: tuple[int, int] = ONE_LAUNCH_TILES,
+    phase: int = 7,  # other PHASE bits and grid sizes: for measurement (scripts/moe_one_launch_probe.py)
+    programs: int | None = None,
+    ranks: bool = True,  # route by `_route_ranks` (else `_route`'s argmax rounds)
 ) -> torch.Tensor:  # [1, H]: x + the experts' sum
     """The experts of `one_row_moe` in one launch (see the comment above the kernel)."""
     hidden, inter = w2.shape[1], w2.shape[2]
@@ -1760,22 +1772,21 @@ def one_row_experts_fp8(
                  W_SCALE13=expert_scale_kind(w13, scales.w13),
                  W_SCALE2=expert_scale_kind(w2, scales.w2), BLOCK_N_A=bn_a, BLOCK_K_A=block_a,
                  BLOCK_N_B=bn_b, BLOCK_K_B=block_b, STEPS_B=-(-top_k * inter // block_b),
-                 WIDEN=0 if interpreted else WIDEN["ptx"], num_warps=4)  # fmt: skip
+                 WIDEN=0 if interpreted else WIDEN["ptx"], RANKS=ranks, num_warps=4)  # fmt: skip
     tiles_b = triton.cdiv(hidden, bn_b)
     if interpreted:  # programs run one after another: the two phases as two launches
-        for phase in (1, 2):
-            kernel[(tiles_b,)](*args, tiles_b, *rest, PHASE=phase, PDL=False, **flags)
+        for part in (1, 2):
+            kernel[(tiles_b,)](*args, tiles_b, *rest, PHASE=part, PDL=False, **flags)
         return out
     key = (x.device, tuple(flags.items()))
-    programs = _ONE_LAUNCH_PROGRAMS.get(key)
-    if programs is None:  # compiled (not launched) once, for its occupancy
-        compiled = kernel.warmup(*args, 3, *rest, PHASE=3, grid=(1,), **pdl_args(x.device),
+    resident = _ONE_LAUNCH_PROGRAMS.get(key)
+    if resident is None:  # compiled (not launched) once, for its occupancy
+        compiled = kernel.warmup(*args, 3, *rest, PHASE=7, grid=(1,), **pdl_args(x.device),
                                  **flags)  # fmt: skip
         compiled._init_handles()
-        programs = _ONE_LAUNCH_PROGRAMS[key] = min(
-            tiles_b, _resident_programs(compiled, 4, x.device)
-        )
-    kernel[(programs,)](*args, programs, *rest, PHASE=3, **pdl_args(x.device), **flags)
+        resident = _ONE_LAUNCH_PROGRAMS[key] = _resident_programs(compiled, 4, x.device)
+    grid = min(tiles_b, resident, programs or resident)
+    kernel[(grid,)](*args, grid, *rest, PHASE=phase, **pdl_args(x.device), **flags)
     return out
 
 
