@@ -192,50 +192,6 @@ def test_fp8_moe_matches_reference(
         assert rel_err(out, want) <= tol, w8a8
 
 
-@pytest.mark.parametrize("layout", ["row", "block"])
-def test_fp8_one_row_moe_in_one_launch(layout: str) -> None:
-    """Batch-1 FP8 experts in one launch (`one_row_experts_fp8`: gate/up, a grid barrier, down)
-    at Qwen3-30B-A3B's layer: within 1e-2 of the math on the values the experts stand for and
-    of the two-launch pair kernels; then 200 replays of a CUDA graph of 4 layers' calls (the
-    barrier's words reused launch after launch) give the same output every time."""
-    from helpers import quantize_expert_stack
-
-    from minisgl.kernels import moe as K
-    from minisgl.kernels.fp8 import ExpertScales
-
-    e, top_k, h, i = 128, 8, 2048, 768
-    gen = torch.Generator().manual_seed(7)
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * h**-0.5
-    w2 = torch.randn(e, h, i, generator=gen) * i**-0.5
-    q13, s13, d13 = quantize_expert_stack(w13.to(DEVICE), layout)
-    q2, s2, d2 = quantize_expert_stack(w2.to(DEVICE), layout)
-    scales = ExpertScales(s13, s2)
-    router = (torch.randn(e, h, generator=gen) * h**-0.5).to(DEVICE, torch.bfloat16)
-    norm_w = (torch.rand(h, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
-    x = torch.randn(1, h, generator=gen).to(DEVICE, torch.bfloat16)
-    assert K.one_launch_fits(x, q13, q2, top_k)
-    out = K.one_row_moe(x, router, q13, q2, top_k, True, norm_w, 1e-6, None, scales)
-    xn = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float()
-    routing = select_experts(xn @ router.float().T, top_k, True)
-    want = x.float() + moe_reference(xn, d13, d2, routing)
-    assert rel_err(out, want) <= 1e-2
-    two = K.one_row_moe(x, router, q13, q2, top_k, True, norm_w, 1e-6, K.ONE_ROW_CONFIG, scales)
-    assert rel_err(out, two) <= 1e-2
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = x
-        for _ in range(4):
-            y = K.one_row_moe(y, router, q13, q2, top_k, True, norm_w, 1e-6, None, scales)
-    graph.replay()
-    first = y.clone()
-    for _ in range(200):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, first)
-    assert K._grid_sync(x.device)[0].item() == 0  # every barrier's arrivals were reset
-
-
 # ---- engines -------------------------------------------------------------------------------------
 
 # Twice the bf16 engine's budget: the fast path rounds k, v and activations to bf16 before they

@@ -367,44 +367,6 @@ def test_one_row_moe_fp8(layout: str, config: K.PairConfig) -> None:
     assert rel_err(out, want) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize(
-    ("layout", "hidden", "inter", "experts", "top_k"),
-    [("row", 64, 48, 8, 2), ("row", 48, 32, 5, 3), ("block", 128, 128, 4, 2)],
-)
-def test_one_row_moe_fp8_in_one_launch(
-    layout: str, hidden: int, inter: int, experts: int, top_k: int
-) -> None:
-    """The default FP8 batch-1 path: gate/up and down in one launch (in the interpreter as its
-    two phases), routed by ranks, against the dequantized reference and the two-launch pair
-    kernels."""
-    q13, q2, scales, d13, d2 = fp8_experts(experts, hidden, inter, layout, seed=21)
-    g = torch.Generator().manual_seed(5)
-    router = (torch.randn(experts, hidden, generator=g) / 4).to(DEVICE, torch.bfloat16)
-    norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
-    x = (torch.randn(1, hidden, generator=g) * 3).to(DEVICE, torch.bfloat16)
-    assert K.one_launch_fits(x, q13, q2, top_k)
-    out = K.one_row_moe(x, router, q13, q2, top_k, True, norm_w, 1e-5, None, scales)
-    xn = rms_normed(x, norm_w, 1e-5).float()
-    routing = select_experts(xn @ router.float().T, top_k, True)
-    want = x.float() + moe_reference(xn, d13, d2, routing)
-    assert out.dtype == torch.bfloat16 and rel_err(out, want) <= TOL[torch.bfloat16]
-    pair = K.one_row_moe(x, router, q13, q2, top_k, True, norm_w, 1e-5, PAIR_FP8, scales)
-    assert rel_err(out, pair) <= TOL[torch.bfloat16]
-
-
-def test_route_ranks_match_topk() -> None:
-    """Routing by ranks picks `select_experts`' experts and weights, ties to the lower id."""
-    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0, 0.1, 3.0, -4.0],
-                           [1.0, 1.0, 1.0, 0.0, 0.0, 5.0, 1.0]], device=DEVICE)  # fmt: skip
-    probs = torch.softmax(logits, -1)
-    order = torch.sort(probs, stable=True, descending=True).indices  # ties: lower id first
-    for top_k, renormalize in ((1, False), (3, True), (4, False)):
-        want = select_experts(logits, top_k, renormalize)
-        routing = K.route_ranks(logits, top_k, renormalize)
-        assert routing.ids.view(2, top_k).tolist() == order[:, :top_k].tolist()
-        torch.testing.assert_close(routing.weights.view(2, top_k), want.weights)
-
-
 @pytest.mark.parametrize("config", [None, SMALL, PAIR], ids=["default", "blocked", "pair"])
 def test_no_tokens(config: K.MoEConfig | None) -> None:
     w13, w2 = random_experts(4, 32, 16, torch.float32)
