@@ -335,9 +335,8 @@ def w8a8_gate_up(
         xq.shape[0] * top_k, inter, hidden, xq.stride(0), xs.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), acts.stride(0), stride_se, stride_sn, TOP_K=top_k,
         BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, W_SCALE=w_scale,
-        QUANT_OUT=fused,
-        EMULATE_FP8=emulate_fp8(_w8a8_gate_up_kernel), num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl_args(dev),
+        QUANT_OUT=fused, EMULATE_FP8=emulate_fp8(_w8a8_gate_up_kernel),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(dev),
     )  # fmt: skip
     if fused:
         return act, acts
