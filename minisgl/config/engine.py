@@ -70,7 +70,7 @@ class EngineConfig:
     # ... each as ONE graph of the whole forward, attention included (`kernels.mixed`; backends
     # with `supports_mixed_step`, else the pieces with attention between them). On the H200 (W4
     # at 16 req/s) it took a step that prefills from ~15 ms to 3.5-6.8 ms and the ITL p99 from
-    # 18.8 to 3.3 ms (docs/benchmarks.md, fourteenth session).
+    # 18.8 to 3.3 ms.
     piecewise_whole_step: bool = True
     overlap: bool = True  # overlap scheduling (CUDA only)
     # The engine runs a few synthetic steps at start-up so serving never waits on a JIT
@@ -86,8 +86,8 @@ class EngineConfig:
     # prefills only the prompt tokens that the step-time model says fit in it. "auto": 2.5x the
     # predicted time of the step's decodes alone; milliseconds; 0: off (the token limit alone).
     # None (the default): auto on CUDA, off on the CPU. On the H200 with whole-step graphs,
-    # auto took W4's saturated ITL p99 from 48 to 16 ms at 5% more throughput
-    # (docs/benchmarks.md, fourteenth session); the CPU has no prefilling graphs to keep cheap.
+    # auto took W4's saturated ITL p99 from 48 to 16 ms at 5% more throughput; the CPU has no
+    # prefilling graphs to keep cheap.
     itl_target_ms: float | str | None = None
     # fcfs | priority (`minisgl.scheduler.policy`): the waiting queue's order and who is
     # retracted first; under priority a request gains one level per `priority_aging_s` seconds
@@ -280,7 +280,7 @@ def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
         dtype = model_dtype if on_cuda and model_dtype in DTYPES else "float32"
         if on_cuda and dtype == "float32":
             dtype = "bfloat16"
-    # H200 decode sweep (docs/benchmarks.md): 1: 3.68, 16: 4.17, 32: 4.25, 64: 4.30 TB/s; 32 is
+    # H200 decode sweep (W3): 1: 3.68, 16: 4.17, 32: 4.25, 64: 4.30 TB/s; 32 is
     # within 1% of 64 and halves what a prefix match loses to page rounding.
     page_size = cfg.page_size or (32 if on_cuda else 1)
     backend = cfg.attention_backend

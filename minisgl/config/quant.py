@@ -18,14 +18,14 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: e4m3 conversions and tensor cores
 # Rows (tokens) up to which an FP8 linear layer runs the weight-only GEMV (FP8 weights
 # dequantized in registers, 16-bit activations) instead of the FP8 tensor-core GEMM with
 # per-token activation scales. At one row cuBLASLt's FP8 GEMM read its weights at 1.1-2.7 TB/s
-# on the H200 (docs/benchmarks.md, W7); `python -m minisgl.benchmark.kernels --fp8-gemm` put the
+# on the H200 (W7); `python -m minisgl.benchmark.kernels --fp8-gemm` put the
 # crossover at one row on the H200 (the GEMV reads its weights once per row of x).
 FP8_GEMV_MAX_ROWS = 1
 # Models up to this hidden size run unquantized linear layers of 2-16 rows (a speculative
 # verify step, a small decode batch) on CUDA through the skinny tensor-core GEMM
 # (`minisgl.kernels.skinny`) and their dense decoder layers on its fused few-row path, unless
-# `skinny_max_rows` says otherwise. H200 (`python -m minisgl.benchmark.gemv --skinny`, session
-# 13): it beats cuBLAS on SmolLM2-135M's and Qwen3-0.6B's layers (0.6B o_proj 4.2 against
+# `skinny_max_rows` says otherwise. H200 (`python -m minisgl.benchmark.gemv --skinny`): it
+# beats cuBLAS on SmolLM2-135M's and Qwen3-0.6B's layers (0.6B o_proj 4.2 against
 # 8.3 us at 5 rows) and loses on Llama-3-8B's (down 50.8 against 32.7 us; a K = 4 verify step
 # 1.83x a decode step against 1.29x with cuBLAS); SmolLM2's copy workload with K = 8 drafts went
 # from 1.60x to 2.14x the tokens/s of plain decoding.

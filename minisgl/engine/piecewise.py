@@ -3,7 +3,7 @@ token-count bucket, attention launched eagerly between them.
 
 An eager step of a 28-layer model launches ~600 kernels from Python: on the H200 that took
 15-16 ms of host time for a step whose kernels take 2-3 ms, and 20-30 ms when the token count
-was new to cuBLAS (issue 23: every arriving prompt stalled the streams beside it by that much).
+was new to cuBLAS (so every arriving prompt stalled the streams beside it by that much).
 The attention of a prefilling step depends on host-side numbers (which requests prefill, their
 lengths), so the step cannot be one graph; everything else depends only on the token count.
 So a step of T tokens runs at the smallest bucket Tp >= T: a graph from each layer's attention

@@ -92,8 +92,8 @@ def model_dir() -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:  # unit-variance outputs
                 # A hotter LM head (2x) made bf16 rounding alone move top-1 log-probs by 0.079
-                # on the H200 (docs/benchmarks.md, GPU correctness noise), more than the
-                # 5e-2 budget, whatever the fast path does; unit scale keeps that noise inside.
+                # on the H200, more than the 5e-2 budget, whatever the fast path does; unit
+                # scale keeps that noise inside.
                 scale = 1.0 / p.shape[1] ** 0.5
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     path = Path(tempfile.mkdtemp(prefix="minisgl-gpu-test-"))
