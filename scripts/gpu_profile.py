@@ -2,17 +2,14 @@
 
 PYTHONPATH=. python3 scripts/gpu_profile.py [--parts w1,w2] [--host-detail]
 
-- w1: the W1 workload (Qwen3-0.6B shape, dummy weights; --kv-cache-dtype) with each scheduler phase timed on the
-  host: `schedule`, `forward_batch` (until it returns: input copies, graph replay or eager
-  launches, sampling launches), `process` split into waiting for the step's tokens and the
-  Python work after. Mean ms per step by step kind, against the step period.
-- w4mix: issue 23's stall: ~20 requests decoding at W4's load, then one new prompt at a time
-  (a new length each time, as arrivals bring): each step's wall time (synced) by kind, host
-  phases, a cProfile of the mixed steps' forward_batch (--host-detail), and the kernels of one
-  mixed step against its wall time.
-- w2: torch.profiler over 20 decode steps at batch 1 of the Llama-3-8B shape (--quantization fp8:
-  FP8 weights): per-step kernel
-  time, kernel count and the sum of gaps, against the measured step period.
+- w1: the W1 workload (Qwen3-0.6B shape, dummy weights; --kv-cache-dtype) with each scheduler
+  phase timed on the host: `schedule`, `forward_batch` (until it returns: input copies, graph
+  replay or eager launches, sampling launches), `process` split into waiting for the step's
+  tokens and the Python work after. Mean ms per step by step kind, against the step period;
+  then the kernels of a mixed step and of decode steps at W1's batch sizes.
+- w2: torch.profiler over 20 decode steps at batch 1 of the Llama-3-8B shape (--quantization
+  fp8: FP8 weights): per-step kernel time, kernel count and the sum of gaps, against the
+  measured step period.
 """
 
 from __future__ import annotations
@@ -202,68 +199,6 @@ def profile_decode(llm: Any, batch: int, context: int) -> None:
         sched.step()
 
 
-def run_w4mix(host_detail: bool, lens: list[int], whole_step: bool = False) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    llm = TokenIdLLM(
-        str(MODELS / "qwen3-0.6b"),
-        load_format="dummy",
-        show_progress=False,
-        piecewise_whole_step=whole_step,
-    )
-    sched = llm.scheduler
-    params = SamplingParams(max_tokens=4000, temperature=0.6, ignore_eos=True)
-    for i in range(20):
-        sched.add_request(Req(rid=f"d{i}", prompt_ids=[(i * 31 + j) % 9000 for j in range(300)],
-                              params=params, seed=i))  # fmt: skip
-    for _ in range(30):
-        sched.step()
-    timer = PhaseTimer(llm, host_detail)
-    rows: list[tuple[int, int, float]] = []
-    sync()
-    start = time.perf_counter()
-    for trial, n in enumerate(lens):
-        for _ in range(8):
-            sched.step()
-        sched.add_request(Req(rid=f"p{trial}", prompt_ids=[(trial * 17 + j) % 9000 for j in
-                              range(n)], params=params, seed=trial))  # fmt: skip
-        for k in range(4):
-            sync()
-            t = time.perf_counter()
-            sched.step()
-            sync()
-            rows.append((n, k, (time.perf_counter() - t) * 1e3))
-    sync()
-    print(
-        "\n== w4mix: 20+ decoding, one new prompt of n tokens; synced wall ms of the 4 steps after"
-        f" (whole-step graphs: {whole_step})"
-    )
-    for n, k, ms in rows:
-        print(f"  n={n:5d} step+{k}: {ms:7.2f} ms")
-    timer.table(time.perf_counter())
-    del start
-    if timer.host_detail is not None:
-        print("\n== host time of the mixed steps' forward_batch, by function (top 30 by own time)")
-        pstats.Stats(timer.host_detail).sort_stats("tottime").print_stats(30)
-    sched.add_request(Req(rid="prof", prompt_ids=[(j * 5) % 9000 for j in range(613)],
-                          params=params, seed=99))  # fmt: skip
-    sync()
-    t = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        sched.step()
-        sched.step()
-        sync()
-    print(
-        f"\n== one new 613-token prompt beside the decodes: 2 steps, {(time.perf_counter() - t) * 1e3:.2f} ms wall (profiled)"
-    )
-    print_kernel_table(prof, 1, top=25)
-    for r in list(sched.running) + list(sched.waiting):
-        sched.abort(r.rid)
-    while sched.has_work:
-        sched.step()
-    llm.close()
-
-
 def run_w2(tp_size: int = 1, quantization: str | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -309,25 +244,12 @@ def main() -> None:
     ap.add_argument(
         "--host-detail",
         action="store_true",
-        help="w1, w4mix: cProfile and sync warnings, mixed steps",
-    )
-    ap.add_argument(
-        "--whole-step",
-        action="store_true",
-        help="w4mix: prefilling steps as one graph each (--piecewise-whole-step)",
-    )
-    ap.add_argument(
-        "--mix-lens",
-        default=",".join(str(100 + i * 77) for i in range(12)),
-        help="w4mix: the new prompts' lengths, one per trial",
+        help="w1: cProfile and sync warnings of the mixed steps",
     )
     args = ap.parse_args()
     parts = args.parts.split(",")
     if "w1" in parts:
         run_w1(args.scale, args.host_detail, args.kv_cache_dtype)
-        release_memory()
-    if "w4mix" in parts:
-        run_w4mix(args.host_detail, [int(n) for n in args.mix_lens.split(",")], args.whole_step)
         release_memory()
     if "w2" in parts:
         run_w2(args.tp_size, args.quantization)

@@ -1,6 +1,6 @@
 """When the symmetric-memory all-reduce is tried (never on the CPU, across nodes, at one rank, or
 when switched off), and that gloo ranks keep to plain torch.distributed. The kernel itself runs
-in tests/gpu/test_symm_all_reduce_gpu.py (scripts/allreduce_check.py on two GPUs)."""
+in tests/gpu/test_symm_all_reduce_gpu.py (tests/gpu/allreduce_check.py on two GPUs)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from minisgl.distributed.symm_all_reduce import (
     unavailable_reason,
 )
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "allreduce_check.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu" / "allreduce_check.py"
 CUDA = torch.device("cuda", 0)
 
 

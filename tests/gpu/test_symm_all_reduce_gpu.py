@@ -1,5 +1,5 @@
 """The symmetric-memory one-shot all-reduce equals NCCL, eagerly and in CUDA graphs, on two GPUs
-(scripts/allreduce_check.py, which also prints its timings against NCCL)."""
+(tests/gpu/allreduce_check.py, which also prints its timings against NCCL)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "allreduce_check.py"
+SCRIPT = Path(__file__).resolve().parent / "allreduce_check.py"
 
 
 def test_symm_all_reduce_equals_nccl() -> None:

@@ -1,7 +1,7 @@
 """The symmetric-memory one-shot all-reduce against NCCL on 2+ GPUs of one host.
 
-    python scripts/allreduce_check.py [--nproc 2]        # spawns one process per GPU
-    torchrun --nproc-per-node 2 scripts/allreduce_check.py
+    python tests/gpu/allreduce_check.py [--nproc 2]        # spawns one process per GPU
+    torchrun --nproc-per-node 2 tests/gpu/allreduce_check.py
 
 (a) Through `minisgl.distributed.all_reduce` (the call the layers make), the result equals
 NCCL's on random bf16 and fp32 tensors of several sizes, eagerly and replayed from a CUDA graph
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # minisgl without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # minisgl without installing it
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
