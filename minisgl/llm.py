@@ -6,15 +6,20 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from tqdm import tqdm
 
-from minisgl.config import EngineConfig
+from minisgl.config import ChatConfig, EngineConfig, resolve_chat_template
 from minisgl.core import InvalidRequestError, Req, SamplingParams
 from minisgl.engine import Engine
+from minisgl.message import ChatOptions
 from minisgl.runtime.ranks import TPLaunch, start_scheduler
 from minisgl.tokenizer.output import OutputDelta, OutputOptions, RequestOutput
+from minisgl.tokenizer.parsers import THINK_END, detect_tool_call_parser
+from minisgl.tokenizer.tokenize import chat_ids, message_from_dict, single_token
+from minisgl.tokenizer.tools import ToolPlan, assistant_message, output_parser, tool_plan
 from minisgl.weights import load_tokenizer, resolve_source
 
 Prompt = str | list[int]
@@ -26,13 +31,26 @@ class LLM:
 
     `model` is None (the embedded SmolLM2-135M-Instruct), an HF directory or a `.gguf` file.
     Options are the fields of `EngineConfig` (dtype, device, load_format, page_size,
-    max_prefill_tokens, max_running_requests, num_pages, cache, tp_size, seed, ...).
+    max_prefill_tokens, max_running_requests, num_pages, cache, tp_size, seed, ...). The chat
+    options are the server's: `chat_template` (a file or Jinja text in place of the model's),
+    `tool_call_parser` (None: detected from the template) and `reasoning_parser`.
     """
 
-    def __init__(self, model: str | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        **options: Any,
+    ) -> None:
         unknown = set(options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise ValueError(f"LLM: unknown options {sorted(unknown)}")
+        self.chat_config = ChatConfig(
+            resolve_chat_template(chat_template), tool_call_parser, reasoning_parser
+        )
         config = EngineConfig(model=model, **options)
         # At tp > 1 this process is rank 0; ranks 1..N-1 run in processes of their own.
         self._tp: TPLaunch | None = None
@@ -67,7 +85,15 @@ class LLM:
         """The model's tokenizer, loaded on first use (token-id prompts never need it)."""
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(resolve_source(self._model))
+            if self.chat_config.template is not None:
+                self._tokenizer.chat_template = self.chat_config.template
         return self._tokenizer
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        """The format of the model's tool calls: the option, or detected from the template."""
+        parser = self.chat_config.tool_call_parser
+        return parser or detect_tool_call_parser(self.tokenizer.chat_template)
 
     @property
     def has_tokenizer(self) -> bool:
@@ -107,22 +133,57 @@ class LLM:
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """Apply the model's chat template to each conversation, then generate."""
-        convs = (
-            [conversations]
-            if conversations and isinstance(conversations[0], dict)
-            else conversations
-        )
-        prompts = [self.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        """Apply the chat template to each conversation (OpenAI-style messages, with `tools`
+        and `chat_template_kwargs`), then generate. Tool calls and reasoning are handled as the
+        server handles them: `tool_choice` (`none`, `auto`, `required` or a named function)
+        offers, forces or withholds the tools, and each result gets OpenAI's assistant
+        `message` (`content`, `reasoning_content` with a reasoning parser, `tool_calls`) with
+        `finish_reason` "tool_calls" for an answer that stopped after its calls."""
+        single = bool(conversations) and isinstance(conversations[0], dict)
+        convs = cast(list[Conversation], [conversations] if single else list(conversations))
+        params = self._params_per_prompt(len(convs), sampling_params)
+        other = next((p.constraint.kind for p in params if p.constraint is not None), None)
+        plan = tool_plan(list(tools or ()), tool_choice, parallel_tool_calls,
+                         self.tool_call_parser, other)  # fmt: skip
+        kwargs = dict(chat_template_kwargs or {})
+        thinking = kwargs.get("enable_thinking", True) is not False
+        prompts = [self.apply_chat_template(c, plan.template_tools, kwargs) for c in convs]
+        params = [self._chat_params(p, plan, thinking) for p in params]
+        outs = self.generate(prompts, params, use_tqdm)
+        reasoning = self.chat_config.reasoning_parser
+        for out in outs:
+            parser = None
+            if plan.parse or reasoning is not None:
+                parser = output_parser(plan.parse, self.tool_call_parser, reasoning, thinking)
+            out.update(assistant_message(out["text"], out["finish_reason"], parser))
+        return outs
 
-    def apply_chat_template(self, conversation: Conversation) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True
-        )
-        ids = out["input_ids"] if not isinstance(out, list) else out
-        return list(ids)
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids, rendered as the server renders a chat request."""
+        options = ChatOptions(list(tools or ()), [], dict(chat_template_kwargs or {}))
+        return chat_ids(self.tokenizer, [message_from_dict(m) for m in conversation], options)
+
+    def _chat_params(
+        self, params: SamplingParams, plan: ToolPlan, thinking: bool
+    ) -> SamplingParams:
+        """A forced call's grammar; with a reasoning parser and thinking on, any grammar starts
+        after the end of the thinking (when the vocabulary has it as one token)."""
+        if plan.grammar is not None:
+            params = replace(params, tool_calls=plan.grammar)
+        if thinking and self.chat_config.reasoning_parser and params.constraint is not None:
+            params = replace(params, grammar_after_token=single_token(self.tokenizer, THINK_END))
+        return params
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -12,11 +12,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from minisgl.message import ChatMessage, ChatOptions, GenerateReq, TokenLogprob, ToolCall
-from minisgl.server.chat import ChatParsing, parser_factory, tool_call_json, tool_plan
+from minisgl.server.chat import ChatParsing, parser_factory, tool_plan
 from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
-from minisgl.server.sampling import choice_seeds, new_rid, request_grammar, sampling_params
+from minisgl.server.sampling import (
+    GrammarField,
+    choice_seeds,
+    new_rid,
+    request_grammar,
+    sampling_params,
+)
 from minisgl.server.streaming import (
     DONE,
     ChoiceResult,
@@ -27,6 +33,7 @@ from minisgl.server.streaming import (
     submit,
 )
 from minisgl.tokenizer.parsers import THINK_END, ChatDelta, ChatOutputParser
+from minisgl.tokenizer.tools import assistant_message, calls_finish
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -80,7 +87,8 @@ def chat_request(body: ChatCompletionRequest, parsing: ChatParsing) -> ChatPlan:
         parsing.tool_call_parser,
         other.field.split(".")[0] if other is not None else None,
     )
-    params, grammar_field = sampling_params(body, body.logprobs, top, plan.grammar)
+    forced = GrammarField("tool_calls", plan.grammar, "tools") if plan.grammar else None
+    params, grammar_field = sampling_params(body, body.logprobs, top, forced)
     base = new_rid()
     options = chat_options(body, plan.template_tools)
     req = GenerateReq(
@@ -257,7 +265,9 @@ async def chat_completions(
         choices = [
             {
                 "index": i,
-                **chat_message_out(r.text, r.finish_reason, make_parser, parsing),
+                **assistant_message(
+                    r.text, r.finish_reason, make_parser() if make_parser else None
+                ),
                 "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
             }
             for i, r in enumerate(results)
@@ -268,30 +278,6 @@ async def chat_completions(
         }
 
     return await _run(request, client, [req], body.n, respond)
-
-
-def chat_message_out(
-    text: str,
-    finish_reason: str | None,
-    make_parser: Callable[[], ChatOutputParser] | None,
-    parsing: ChatParsing,
-) -> dict[str, Any]:
-    """A whole choice's `message` and `finish_reason`, its output split by the parsers."""
-    if make_parser is None:
-        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-    d = make_parser().parse(text)
-    message: dict[str, Any] = {"role": "assistant"}
-    message["content"] = d.content if d.content.strip() or not d.calls else None
-    if parsing.reasoning_parser is not None:
-        message["reasoning_content"] = d.reasoning or None
-    if d.calls:
-        message["tool_calls"] = [tool_call_json(c) for c in d.calls]
-    return {"message": message, "finish_reason": calls_finish(finish_reason, bool(d.calls))}
-
-
-def calls_finish(reason: str | None, called: bool) -> str | None:
-    """OpenAI's finish reason: "tool_calls" for an answer that stopped after its calls."""
-    return "tool_calls" if called and reason == "stop" else reason
 
 
 def chat_deltas(d: ChatDelta) -> list[dict[str, Any]]:

@@ -11,7 +11,14 @@ import jinja2
 
 from minisgl.core import InvalidRequestError
 from minisgl.core import resolve_max_tokens as core_resolve_max_tokens
-from minisgl.message import ChatMessage, ChatOptions, EngineInfo, GenerateReq, TokenizedReq
+from minisgl.message import (
+    ChatMessage,
+    ChatOptions,
+    EngineInfo,
+    GenerateReq,
+    TokenizedReq,
+    ToolCall,
+)
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, info: EngineInfo) -> int:
@@ -55,6 +62,72 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+def message_from_dict(m: dict[str, Any]) -> ChatMessage:
+    """An OpenAI-style message (the offline API's conversations) as the server's `ChatMessage`:
+    string content or text parts, an assistant's `tool_calls` with JSON-text arguments."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content)
+    calls = [
+        ToolCall(c.get("id", ""), c["function"]["name"], _arguments_text(c["function"]))
+        for c in m.get("tool_calls") or ()
+    ]
+    return ChatMessage(m["role"], content or "", m.get("name"), calls, m.get("tool_call_id"))
+
+
+def _arguments_text(function: dict[str, Any]) -> str:
+    args = function.get("arguments", "{}")
+    return args if isinstance(args, str) else json.dumps(args)
+
+
+def chat_prompt(
+    tokenizer: Any, messages: list[ChatMessage], chat: ChatOptions | None = None
+) -> str:
+    """The conversation rendered by the chat template, with its tools and documents."""
+    chat = chat or ChatOptions()
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "messages: this model's tokenizer has no chat template; send a prompt to "
+            "/v1/completions instead (or start the server with --chat-template)"
+        )
+    reserved = sorted(set(chat.template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs: {reserved[0]!r} is set by the server; remove it"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            [template_message(m) for m in messages],
+            tools=chat.tools or None,
+            documents=chat.documents or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **chat.template_kwargs,
+        )
+    except jinja2.TemplateError as e:
+        # Templates reject conversations they cannot render (say, roles out of order).
+        raise InvalidRequestError(f"messages: the chat template refused them: {e}") from e
+    assert isinstance(text, str)
+    return text
+
+
+def chat_ids(
+    tokenizer: Any, messages: list[ChatMessage], chat: ChatOptions | None = None
+) -> list[int]:
+    # What apply_chat_template(tokenize=True) does: the template's text holds its special tokens
+    # already.
+    text = chat_prompt(tokenizer, messages, chat)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def single_token(tokenizer: Any, text: str | None) -> int | None:
+    """The id of the vocabulary token spelled `text`, if there is one."""
+    if text is None:
+        return None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return int(ids[0]) if len(ids) == 1 else None
+
+
 class RequestTokenizer:
     def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
@@ -64,53 +137,12 @@ class RequestTokenizer:
         if req.text is not None:
             return list(self.tokenizer(req.text)["input_ids"])
         if req.messages is not None:
-            return self.chat_ids(req.messages, req.chat)
+            return chat_ids(self.tokenizer, req.messages, req.chat)
         assert req.input_ids is not None
         vocab = self.info.vocab_size
         if any(not 0 <= t < vocab for t in req.input_ids):
             raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
         return list(req.input_ids)
-
-    def chat_ids(self, messages: list[ChatMessage], chat: ChatOptions | None = None) -> list[int]:
-        # What apply_chat_template(tokenize=True) does: the template's text holds its special
-        # tokens already.
-        text = self.chat_prompt(messages, chat)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def chat_prompt(self, messages: list[ChatMessage], chat: ChatOptions | None = None) -> str:
-        """The conversation rendered by the chat template, with its tools and documents."""
-        chat = chat or ChatOptions()
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "messages: this model's tokenizer has no chat template; send a prompt to "
-                "/v1/completions instead (or start the server with --chat-template)"
-            )
-        reserved = sorted(set(chat.template_kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise InvalidRequestError(
-                f"chat_template_kwargs: {reserved[0]!r} is set by the server; remove it"
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [template_message(m) for m in messages],
-                tools=chat.tools or None,
-                documents=chat.documents or None,
-                add_generation_prompt=True,
-                tokenize=False,
-                **chat.template_kwargs,
-            )
-        except jinja2.TemplateError as e:
-            # Templates reject conversations they cannot render (say, roles out of order).
-            raise InvalidRequestError(f"messages: the chat template refused them: {e}") from e
-        assert isinstance(text, str)
-        return text
-
-    def single_token(self, text: str | None) -> int | None:
-        """The id of the vocabulary token spelled `text`, if there is one."""
-        if text is None:
-            return None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return int(ids[0]) if len(ids) == 1 else None
 
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
         req.params.check_vocab(self.info.vocab_size)
@@ -119,7 +151,7 @@ class RequestTokenizer:
         params = replace(
             req.params,
             max_tokens=max_tokens,
-            grammar_after_token=self.single_token(req.grammar_after),
+            grammar_after_token=single_token(self.tokenizer, req.grammar_after),
         )
         return [
             TokenizedReq(rid, ids, params, seed)

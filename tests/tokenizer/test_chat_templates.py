@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from minisgl.message import ChatMessage, ChatOptions, EngineInfo, ToolCall
+from minisgl.message import ChatMessage, ChatOptions, ToolCall
 from minisgl.tokenizer.parsers import ReasoningSplitter, detect_tool_call_parser, tool_call_parser
-from minisgl.tokenizer.tokenize import RequestTokenizer
+from minisgl.tokenizer.tokenize import chat_prompt
 
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 REQUIREMENT = "llama-cpp-python==0.3.36"
@@ -71,10 +71,7 @@ def templates() -> Path:
 def render(tokenizer: Any, template: str, **options: Any) -> str:
     tok = copy.copy(tokenizer)
     tok.chat_template = template
-    info = EngineInfo("m", 4096, 64, 64, 49152)
-    return RequestTokenizer(tok, info).chat_prompt(
-        CONVERSATION, ChatOptions(tools=[WEATHER_TOOL], **options)
-    )
+    return chat_prompt(tok, CONVERSATION, ChatOptions(tools=[WEATHER_TOOL], **options))
 
 
 def only_call(delta: Any) -> tuple[str, str]:

@@ -9,7 +9,12 @@ import pytest
 
 from minisgl.core import InvalidRequestError, SamplingParams
 from minisgl.message import ChatMessage, ChatOptions, EngineInfo, GenerateReq, ToolCall
-from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars, resolve_max_tokens
+from minisgl.tokenizer.tokenize import (
+    RequestTokenizer,
+    chat_prompt,
+    max_token_chars,
+    resolve_max_tokens,
+)
 
 INFO = EngineInfo("m", max_context=64, num_pages=100, page_size=1, vocab_size=49152)
 
@@ -121,9 +126,7 @@ def test_developer_tools_and_tool_messages_reach_the_template(tokenizer: Any) ->
     ]
     options = ChatOptions(tools=[{"type": "function", "function": {"name": "f"}}],
                           template_kwargs={"flag": "!"})  # fmt: skip
-    text = RequestTokenizer(tok, INFO).chat_prompt(messages, options)
+    text = chat_prompt(tok, messages, options)
     assert text == "[system|Be brief.||][assistant|||f5][tool|ok|c1|]1!"
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs: 'tokenize'"):
-        RequestTokenizer(tok, INFO).chat_prompt(
-            messages, ChatOptions(template_kwargs={"tokenize": 1})
-        )
+        chat_prompt(tok, messages, ChatOptions(template_kwargs={"tokenize": 1}))
