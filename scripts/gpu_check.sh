@@ -14,8 +14,8 @@
 # BUDGET: seconds for every step (default 570).
 STEPS=${STEPS:-tests w1 w2 w2_fp8 w3}
 BUDGET=${BUDGET:-570}
-source "$(dirname "$0")/lib.sh"
 BASE=${BASE:+$(cd "$BASE" && pwd)}
+source "$(dirname "$0")/lib.sh"
 AB=${AB:-}
 
 bench() {  # bench NAME LIMIT_S CMD...: CMD on this tree, and on the other side when A/B

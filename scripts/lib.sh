@@ -4,10 +4,10 @@
 # Environment: OUT (log folder), PY (python), BUDGET (seconds for all steps), STEPS (the steps
 # to run; a step NAME.x counts as NAME), SKIP (steps not to run).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PY:-$(command -v python || command -v python3)}
 OUT=${OUT:-/tmp/minisgl-$(basename "$0" .sh)}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 M=minisgl/benchmark/models
 START=$(date +%s)
 : > "$OUT/status.tsv"
