@@ -13,9 +13,10 @@ from minisgl.config.engine import (
     EngineConfig,
     apply_env_switches,
     resolve_engine_config,
+    resolve_model_quantization,
 )
 from minisgl.config.model import ModelConfig, MoEConfig, RopeConfig, model_config_from_dict
-from minisgl.config.quant import QuantConfig, resolve_model_quantization
+from minisgl.config.quant import QuantConfig
 
 __all__ = [
     "REASONING_PARSERS",

@@ -5,7 +5,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from minisgl.config import env
-from minisgl.config.quant import FP8_GEMV_MAX_ROWS, KV_CACHE_DTYPES, QUANTIZATIONS
+from minisgl.config.model import ModelConfig
+from minisgl.config.quant import (
+    FP8_GEMV_MAX_ROWS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    check_fp8_device,
+    resolve_quantization,
+    resolve_skinny_max_rows,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -307,3 +315,18 @@ def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
     if env.DEBUG_KV.get():
         cfg = replace(cfg, debug_kv=True)
     return cfg
+
+
+def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
+    """The model config with the weight format the engine builds it in and the rows up to which
+    its linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA checks the
+    device), checking the device for an FP8 KV cache too."""
+    quant = resolve_quantization(
+        cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny
+    )
+    if quant is not None:
+        check_fp8_device(cfg.torch_device, "FP8 weights")
+    if cfg.kv_cache_dtype == "fp8_e4m3":
+        check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
+    rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
+    return replace(mcfg, quant=quant, skinny_max_rows=rows)
