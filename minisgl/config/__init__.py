@@ -17,6 +17,7 @@ from minisgl.config.engine import (
 )
 from minisgl.config.model import ModelConfig, MoEConfig, RopeConfig, model_config_from_dict
 from minisgl.config.quant import QuantConfig
+from minisgl.config.server import Deadlines, Limits, ServerConfig
 
 __all__ = [
     "REASONING_PARSERS",
@@ -26,11 +27,14 @@ __all__ = [
     "DTYPES",
     "SCHEDULE_POLICIES",
     "SPECULATIVE_ALGORITHMS",
+    "Deadlines",
     "EngineConfig",
+    "Limits",
     "ModelConfig",
     "MoEConfig",
     "QuantConfig",
     "RopeConfig",
+    "ServerConfig",
     "apply_env_switches",
     "model_config_from_dict",
     "resolve_engine_config",
