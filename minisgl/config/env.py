@@ -1,9 +1,9 @@
 """Every `MINISGL_*` environment switch, in one typed and documented registry.
 
 A switch is read when its user asks (`Switch.get`), not when this module is imported, so a
-test or a benchmark that sets one before it starts an engine is heard. A value that is not of the switch's type raises an
-error naming the switch. The README's table of switches is this registry's `markdown()`
-(`python -m minisgl.config.env` prints it).
+test or a benchmark that sets one before it starts an engine is heard. A value that is not of
+the switch's type raises an error naming the switch. The README's table of switches is this
+registry's `markdown()` (`python -m minisgl.config` prints it).
 """
 
 from __future__ import annotations
@@ -62,57 +62,21 @@ class Switch(Generic[T]):
             raise ValueError(f"{self.name}={raw!r}: {e} ({self.doc})") from None
 
 
-DEBUG_KV = Switch(
-    "MINISGL_DEBUG_KV", bool, False,
-    "KV debug mode: pages given back are overwritten with NaN, and giving back a page or slot "
-    "that a step in flight references fails an assertion (the tests turn it on)",
-)  # fmt: skip
+# fmt: off
+DEBUG_KV = Switch("MINISGL_DEBUG_KV", bool, False, "KV debug mode: freed pages hold NaN; freeing a page that a step in flight uses fails an assertion (the tests turn it on)")
 DISABLE_OVERLAP = Switch("MINISGL_DISABLE_OVERLAP", bool, False, "overlap scheduling off (CUDA)")
-DISABLE_CUDA_GRAPH = Switch(
-    "MINISGL_DISABLE_CUDA_GRAPH", bool, False, "decode and prefill CUDA graphs off"
-)
-DISABLE_FUSED = Switch(
-    "MINISGL_DISABLE_FUSED", bool, False,
-    "the fused Triton norm / RoPE / SiLU kernels off (the torch code runs)",
-)  # fmt: skip
-DISABLE_PDL = Switch(
-    "MINISGL_DISABLE_PDL", bool, False,
-    "programmatic dependent launch of the Triton kernels off (Hopper and newer)",
-)  # fmt: skip
-DISABLE_ONE_ROW_GEMV = Switch(
-    "MINISGL_DISABLE_ONE_ROW_GEMV", bool, False,
-    "batch-1 steps skip the fused one-row GEMVs (cuBLAS instead)",
-)  # fmt: skip
-DISABLE_CUSTOM_ALLREDUCE = Switch(
-    "MINISGL_DISABLE_CUSTOM_ALLREDUCE", bool, False,
-    "tensor-parallel all-reduces go through NCCL, not the symmetric-memory one-shot kernel",
-)  # fmt: skip
-MOE_W8A8 = Switch(
-    "MINISGL_MOE_W8A8", bool, True,
-    "FP8 experts run the W8A8 kernels (FP8 activations); 0: weight-only GEMMs with 16-bit "
-    "activations",
-)  # fmt: skip
-MOE_W8A8_BLOCK_M = Switch(
-    "MINISGL_MOE_W8A8_BLOCK_M", int, 16, "the W8A8 expert kernels' least BLOCK_M"
-)
-API_KEY: Switch[str | None] = Switch(
-    "MINISGL_API_KEY", str, None,
-    "the server's API key when neither --api-key nor --api-key-file is given (unset: no "
-    "authentication)",
-)  # fmt: skip
-
-SWITCHES: tuple[Switch, ...] = (
-    DEBUG_KV,
-    DISABLE_OVERLAP,
-    DISABLE_CUDA_GRAPH,
-    DISABLE_FUSED,
-    DISABLE_PDL,
-    DISABLE_ONE_ROW_GEMV,
-    DISABLE_CUSTOM_ALLREDUCE,
-    MOE_W8A8,
-    MOE_W8A8_BLOCK_M,
-    API_KEY,
-)
+DISABLE_CUDA_GRAPH = Switch("MINISGL_DISABLE_CUDA_GRAPH", bool, False, "decode and prefill CUDA graphs off")
+DISABLE_FUSED = Switch("MINISGL_DISABLE_FUSED", bool, False, "the fused Triton norm / RoPE / SiLU kernels off (the torch code runs)")
+DISABLE_PDL = Switch("MINISGL_DISABLE_PDL", bool, False, "programmatic dependent launch of the Triton kernels off (Hopper and newer)")
+DISABLE_ONE_ROW_GEMV = Switch("MINISGL_DISABLE_ONE_ROW_GEMV", bool, False, "batch-1 steps skip the fused one-row GEMVs (cuBLAS instead)")
+DISABLE_CUSTOM_ALLREDUCE = Switch("MINISGL_DISABLE_CUSTOM_ALLREDUCE", bool, False, "tensor-parallel all-reduces through NCCL only (no symmetric-memory one-shot kernel)")
+MOE_W8A8 = Switch("MINISGL_MOE_W8A8", bool, True, "FP8 experts run the W8A8 kernels (0: weight-only GEMMs with 16-bit activations)")
+MOE_W8A8_BLOCK_M = Switch("MINISGL_MOE_W8A8_BLOCK_M", int, 16, "the W8A8 expert kernels' least BLOCK_M")
+API_KEY: Switch[str | None] = Switch("MINISGL_API_KEY", str, None, "the server's API key when neither --api-key nor --api-key-file is given (unset: none)")
+# fmt: on
+SWITCHES: tuple[Switch, ...] = tuple(
+    v for v in list(globals().values()) if isinstance(v, Switch)
+)  # in order
 
 
 def check_all() -> None:
@@ -128,7 +92,3 @@ def markdown() -> str:
         default = "unset" if s.default is None else str(int(s.default))
         rows.append(f"| `{s.name}` | {_KINDS[s.type][1]} | {default} | {s.doc} |")
     return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")

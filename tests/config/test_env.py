@@ -4,6 +4,8 @@ asked, every switch of the package registered and named in the README."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,8 +69,12 @@ def test_every_switch_of_the_package_is_registered() -> None:
 
 
 def test_the_readme_lists_every_switch() -> None:
-    """The README holds the registry's table as `python -m minisgl.config.env` prints it."""
+    """The README holds the registry's table as `python -m minisgl.config` prints it."""
     readme = (ROOT / "README.md").read_text()
     assert env.markdown() in readme
+    printed = subprocess.run(
+        [sys.executable, "-m", "minisgl.config"], capture_output=True, text=True, check=True
+    )
+    assert printed.stdout == env.markdown() and not printed.stderr
     for s in env.SWITCHES:
         assert f"`{s.name}`" in readme
