@@ -7,7 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from minisgl.server.args import ServerConfig, parse_args
+from minisgl.config import ServerConfig
+from minisgl.server.args import parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,11 +11,11 @@ import asyncio
 import sys
 from typing import TextIO
 
+from minisgl.config import ServerConfig
 from minisgl.core import SamplingParams
 from minisgl.message import ChatMessage, EngineInfo, GenerateReq
 from minisgl.runtime.launch import Workers, running_workers
 from minisgl.server.app import ServerState, start_supervisor
-from minisgl.server.args import ServerConfig
 from minisgl.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from minisgl.server.metrics import Metrics
 from minisgl.server.sampling import choice_seeds, new_rid

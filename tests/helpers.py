@@ -108,6 +108,7 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 3, hi: int = 40) -> 
 def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through the engine's real model, pool and backend."""
     from minisgl.core import Batch, Req, SamplingParams
+    from minisgl.engine.step import batch_inputs
     from minisgl.layers import ForwardContext
 
     sched, engine = llm.scheduler, llm.engine
@@ -118,8 +119,8 @@ def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
         page_writes, token_writes, _ = sched.kv.take_writes()
         engine.table.apply(page_writes, token_writes)
         batch = Batch([req.seq], [req.num_computed], [len(ids) - req.num_computed], [False], [0])
-        inputs = engine._attention_inputs(batch)
-        pos = engine._positions(batch)
+        step = batch_inputs(batch, engine.device)
+        inputs, pos = step.attn, step.positions
         slot_ids = torch.full_like(pos, req.slot)
         inputs.out_loc = (
             engine.table.page_table[slot_ids, pos // engine.page_size].long() * engine.page_size

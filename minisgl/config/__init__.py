@@ -13,9 +13,11 @@ from minisgl.config.engine import (
     EngineConfig,
     apply_env_switches,
     resolve_engine_config,
+    resolve_model_quantization,
 )
 from minisgl.config.model import ModelConfig, MoEConfig, RopeConfig, model_config_from_dict
-from minisgl.config.quant import QuantConfig, resolve_model_quantization
+from minisgl.config.quant import QuantConfig
+from minisgl.config.server import Deadlines, Limits, ServerConfig
 
 __all__ = [
     "REASONING_PARSERS",
@@ -25,11 +27,14 @@ __all__ = [
     "DTYPES",
     "SCHEDULE_POLICIES",
     "SPECULATIVE_ALGORITHMS",
+    "Deadlines",
     "EngineConfig",
+    "Limits",
     "ModelConfig",
     "MoEConfig",
     "QuantConfig",
     "RopeConfig",
+    "ServerConfig",
     "apply_env_switches",
     "model_config_from_dict",
     "resolve_engine_config",

@@ -1,23 +1,25 @@
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
-from minisgl.config.quant import FP8_GEMV_MAX_ROWS, KV_CACHE_DTYPES, QUANTIZATIONS
+from minisgl.config import env
+from minisgl.config.model import ModelConfig
+from minisgl.config.quant import (
+    FP8_GEMV_MAX_ROWS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    check_fp8_device,
+    resolve_quantization,
+    resolve_skinny_max_rows,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 KV_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 SCHEDULE_POLICIES = ("fcfs", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
-
-# Environment switches (for benchmarks, bisecting and tests), read here and nowhere else in
-# the engine's config: "1" turns the feature off (on, for the debug mode).
-ENV_DISABLE_OVERLAP = "MINISGL_DISABLE_OVERLAP"
-ENV_DISABLE_CUDA_GRAPH = "MINISGL_DISABLE_CUDA_GRAPH"
-ENV_DEBUG_KV = "MINISGL_DEBUG_KV"
 
 
 @dataclass(frozen=True)
@@ -302,12 +304,29 @@ def resolve_engine_config(cfg: EngineConfig, model_dtype: str) -> EngineConfig:
 
 
 def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
-    """`MINISGL_DISABLE_OVERLAP=1` / `MINISGL_DISABLE_CUDA_GRAPH=1` turn those features off;
-    `MINISGL_DEBUG_KV=1` turns the KV debug mode on."""
-    if os.environ.get(ENV_DISABLE_OVERLAP) == "1":
+    """`MINISGL_DISABLE_OVERLAP` / `MINISGL_DISABLE_CUDA_GRAPH` turn those features off;
+    `MINISGL_DEBUG_KV` turns the KV debug mode on (`minisgl.config.env`). Every switch is
+    checked here (a bad value raises ValueError naming it)."""
+    env.check_all()
+    if env.DISABLE_OVERLAP.get():
         cfg = replace(cfg, overlap=False)
-    if os.environ.get(ENV_DISABLE_CUDA_GRAPH) == "1":
+    if env.DISABLE_CUDA_GRAPH.get():
         cfg = replace(cfg, cuda_graph_max_bs=0)
-    if os.environ.get(ENV_DEBUG_KV) == "1":
+    if env.DEBUG_KV.get():
         cfg = replace(cfg, debug_kv=True)
     return cfg
+
+
+def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
+    """The model config with the weight format the engine builds it in and the rows up to which
+    its linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA checks the
+    device), checking the device for an FP8 KV cache too."""
+    quant = resolve_quantization(
+        cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny
+    )
+    if quant is not None:
+        check_fp8_device(cfg.torch_device, "FP8 weights")
+    if cfg.kv_cache_dtype == "fp8_e4m3":
+        check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
+    rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
+    return replace(mcfg, quant=quant, skinny_max_rows=rows)

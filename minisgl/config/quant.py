@@ -4,13 +4,9 @@ flags and from a checkpoint's `quantization_config`, resolved once by pure funct
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from minisgl.config.engine import EngineConfig
-    from minisgl.config.model import ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
@@ -148,18 +144,3 @@ def fp8_capability_error(gpu: str, capability: tuple[int, int], what: str) -> st
         f"{what} needs a GPU of compute capability >= 8.9 (Ada, Hopper); {gpu} is "
         f"{major}.{minor}: drop the FP8 option (or use an unquantized checkpoint)"
     )
-
-
-def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
-    """The model config with the weight format the engine builds it in and the rows up to which
-    its linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA checks the
-    device), checking the device for an FP8 KV cache too."""
-    quant = resolve_quantization(
-        cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny
-    )
-    if quant is not None:
-        check_fp8_device(cfg.torch_device, "FP8 weights")
-    if cfg.kv_cache_dtype == "fp8_e4m3":
-        check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
-    rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
-    return replace(mcfg, quant=quant, skinny_max_rows=rows)

@@ -1,13 +1,14 @@
-"""The server's API key, from a flag, a file or the environment (the only environment switch of
-the HTTP server, read here as every switch is). The key itself never enters an error message."""
+"""The server's API key, from a flag, a file or the environment (`MINISGL_API_KEY`, the HTTP
+server's only environment switch). The key itself never enters an error message."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
-ENV_API_KEY = "MINISGL_API_KEY"
+from minisgl.config.env import API_KEY
+
+ENV_API_KEY = API_KEY.name
 
 
 def resolve_api_key(
@@ -22,7 +23,7 @@ def resolve_api_key(
         return _non_empty(key, "--api-key")
     if key_file is not None:
         return _non_empty(_read_key_file(key_file), f"--api-key-file {key_file}")
-    value = (os.environ if environ is None else environ).get(ENV_API_KEY)
+    value = API_KEY.get(environ)
     return None if value is None else _non_empty(value.strip(), ENV_API_KEY)
 
 

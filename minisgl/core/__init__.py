@@ -4,7 +4,7 @@ from minisgl.core.batch import Batch, BatchKind, SeqInfo, TableWrite
 from minisgl.core.constraint import CONSTRAINT_KINDS, JSON_OBJECT, Constraint
 from minisgl.core.errors import InvalidRequestError
 from minisgl.core.limits import resolve_max_tokens
-from minisgl.core.req import FinishReason, Req, ReqStatus
+from minisgl.core.req import FinishReason, Req, ReqStatus, pages_for
 from minisgl.core.sampling import SamplingParams
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "SamplingParams",
     "SeqInfo",
     "TableWrite",
+    "pages_for",
     "resolve_max_tokens",
 ]

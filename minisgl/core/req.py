@@ -8,6 +8,11 @@ from minisgl.core.batch import SeqInfo
 from minisgl.core.sampling import SamplingParams
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages of `page_size` tokens that hold `tokens` tokens."""
+    return -(-tokens // page_size)
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

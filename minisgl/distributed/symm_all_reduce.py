@@ -19,16 +19,16 @@ P2P needs nothing from the fabric but peer access.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from minisgl.config import env
+
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "MINISGL_DISABLE_CUSTOM_ALLREDUCE"
 # The dtypes PyTorch compiles the one-shot kernel for; float16 goes to NCCL.
 DTYPES = (torch.bfloat16, torch.float32)
 # The kernel moves 16-byte vectors when the size allows, and stores the sums straight into the
@@ -46,8 +46,8 @@ def default_max_bytes(world: int) -> int:
 
 def unavailable_reason(device: torch.device, world: int, nnodes: int) -> str | None:
     """Why the symmetric-memory all-reduce cannot serve this rank, or None if it may try."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return f"{DISABLE_ENV} is set"
+    if env.DISABLE_CUSTOM_ALLREDUCE.get():
+        return f"{env.DISABLE_CUSTOM_ALLREDUCE.name} is set"
     if world < 2:
         return "a single rank has nothing to reduce"
     if nnodes > 1:

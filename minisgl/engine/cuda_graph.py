@@ -25,8 +25,7 @@ import torch
 from minisgl.attention import AttentionBackend, AttentionInputs
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.core import Batch
-from minisgl.engine.sampler import host_tensor
-from minisgl.engine.step import StepInputs, StepRows
+from minisgl.engine.step import StepInputs, StepRows, host_tensor
 from minisgl.kvcache import ReqTable
 from minisgl.layers import ForwardContext
 

@@ -17,20 +17,17 @@ decides every token, so outputs never depend on it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl.attention import make_backend
 from minisgl.config import ModelConfig, resolve_model_quantization
 from minisgl.core import Batch, SeqInfo
-from minisgl.engine.cuda_graph import CudaGraphRunner, eager_forward
+from minisgl.engine.cuda_graph import CudaGraphRunner, GraphHost, eager_forward
 from minisgl.engine.model_loading import load_model
+from minisgl.engine.step import step_inputs
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.weights import load_model_config, resolve_source
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
 
 
 @dataclass
@@ -41,9 +38,10 @@ class _Seen:
 
 class DraftModel:
     """The draft model, its pool and backend (and, on CUDA, its decode graphs). It has what
-    `CudaGraphRunner` reads of an engine (`GraphHost`)."""
+    `CudaGraphRunner` reads of an engine (`GraphHost`), over the target's (`engine`) request
+    table and page table."""
 
-    def __init__(self, engine: Engine, path: str) -> None:
+    def __init__(self, engine: GraphHost, path: str) -> None:
         src = resolve_source(path)
         cfg = engine.config
         mcfg = resolve_model_quantization(load_model_config(src), cfg)
@@ -132,8 +130,11 @@ class DraftModel:
         rows = [(s, self.seen(s), n - 1) for s, n in zip(slots, seq_lens) if self.seen(s) < n - 1]
         if not rows:
             return
-        step = self.engine.step_inputs(
-            [s for s, _, _ in rows], [a for _, a, _ in rows], [b - a for _, a, b in rows]
+        step = step_inputs(
+            [s for s, _, _ in rows],
+            [a for _, a, _ in rows],
+            [b - a for _, a, b in rows],
+            self.device,
         )
         eager_forward(self, step)
         for s, _, b in rows:

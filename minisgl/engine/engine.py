@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from minisgl.attention import AttentionInputs, make_backend
+from minisgl.attention import make_backend
 from minisgl.config import (
     EngineConfig,
     ModelConfig,
@@ -15,24 +14,23 @@ from minisgl.config import (
     resolve_engine_config,
     resolve_model_quantization,
 )
-from minisgl.core import Batch, SeqInfo
+from minisgl.core import Batch
 from minisgl.engine.cuda_graph import CudaGraphRunner, eager_forward
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.kv_calibration import init_kv_scales
 from minisgl.engine.memory import graph_reserve_bytes, piecewise_reserve_bytes, plan_num_pages
 from minisgl.engine.model_loading import load_model
 from minisgl.engine.piecewise import PiecewiseGraphRunner
-from minisgl.engine.sampler import (
-    LogitBias,
-    PenaltyInputs,
-    SampleOutput,
-    SamplingInputs,
-    StopMask,
-    sample,
+from minisgl.engine.sampler import SampleOutput, sample, sampling_inputs
+from minisgl.engine.speculative import make_device_proposer, verify_step
+from minisgl.engine.step import (
+    ForwardOutput,
+    StepInputs,
+    StepRows,
+    TokenMask,
+    batch_inputs,
     to_device,
 )
-from minisgl.engine.speculative import make_device_proposer, verify_step
-from minisgl.engine.step import ForwardOutput, StepInputs, StepRows, TokenMask
 from minisgl.kvcache import KVPool, ReqTable
 from minisgl.weights import (
     ModelSource,
@@ -198,13 +196,8 @@ class Engine:
         return self._sample(batch, rows, mask)
 
     def _run_eager(self, batch: Batch) -> StepRows | None:
-        step = self._step_inputs(batch)
-        return self.sampled_rows(batch, step, self.eager_forward(step))
-
-    def eager_forward(self, step: StepInputs, num_layers: int | None = None) -> torch.Tensor:
-        """The model on a step's inputs, launched eagerly -> final hidden states [T, hidden]
-        (`num_layers`: the first layers only, then the final norm: a layer-skip draft)."""
-        return eager_forward(self, step, num_layers)
+        step = batch_inputs(batch, self.device)
+        return self.sampled_rows(batch, step, eager_forward(self, step))
 
     def sampled_rows(self, batch: Batch, step: StepInputs, hidden: torch.Tensor) -> StepRows | None:
         """The rows of the step's final hidden states [T, hidden] that sample (each such
@@ -226,54 +219,6 @@ class Engine:
         pages = self.table.page_table[req_slots, positions // ps].long()
         return pages * ps + positions % ps
 
-    def _step_inputs(self, batch: Batch) -> StepInputs:
-        return self.step_inputs(batch.slots, batch.prefix_lens, batch.extend_lens)
-
-    def step_inputs(self, slots: list[int], prefix: list[int], ext: list[int]) -> StepInputs:
-        """The device inputs of an eager step (rows: request slot, tokens already in KV, new
-        tokens), from one host-to-device copy of every per-request number of the step;
-        per-token numbers are built on the device."""
-        b, t = len(slots), sum(ext)
-        seq_lens_host = [p + e for p, e in zip(prefix, ext)]
-        cu = [0, *itertools.accumulate(ext)]
-        decode = t == b
-        # New token i of request r is step row cu[r] + i at position prefix[r] + i: its row
-        # plus shift[r]. (A host list of T positions cost 0.7 ms at T = 8,000: building it
-        # and converting it to a tensor.) In a decode step the shift is the position.
-        shift = prefix if decode else [p - c for p, c in zip(prefix, cu)]
-        # Shifts first: in a decode step they are the positions, which the fused RoPE kernel
-        # reads, and Triton compiles a kernel per pointer alignment (the buffer's start is
-        # aligned; an offset of 8 * k bytes is not for odd k).
-        host = shift + slots + seq_lens_host + prefix + ext + cu
-        packed = to_device(host, torch.int64, self.device)
-        per_req, seq_lens, prefix_t, ext_t, cu_t = packed.split([2 * b, b, b, b, b + 1])
-        req_slots = per_req[b:]
-        if decode:
-            positions, token_slots = per_req[:b], req_slots
-        else:
-            # [2, T]: the shift and the request slot of each new token's request
-            per_token = per_req.view(2, b).repeat_interleave(ext_t, dim=1, output_size=t)
-            positions = torch.arange(t, device=self.device) + per_token[0]
-            token_slots = per_token[1]
-        inputs = AttentionInputs(
-            req_slots=req_slots,
-            seq_lens=seq_lens.int(),
-            prefix_lens=prefix_t.int(),
-            extend_lens=ext_t.int(),
-            cu_extend=cu_t.int(),
-            out_loc=torch.empty(0, dtype=torch.int64, device=self.device),
-            is_decode=decode,
-            seq_lens_host=seq_lens_host,
-            extend_lens_host=list(ext),
-        )
-        return StepInputs(inputs, positions, token_slots, seq_lens, cu_t)
-
-    def _attention_inputs(self, batch: Batch) -> AttentionInputs:
-        return self._step_inputs(batch).attn
-
-    def _positions(self, batch: Batch) -> torch.Tensor:
-        return self._step_inputs(batch).positions
-
     # ---- sampling ----------------------------------------------------------------------------
 
     def _sample(
@@ -286,49 +231,11 @@ class Engine:
         logits = self.model.compute_logits(rows.hidden)  # type: ignore[operator]  # [S, V]
         seqs = [batch.seqs[i] for i in sample_rows]
         out_index = [batch.out_index[i] for i in sample_rows]
-        sin = SamplingInputs.build(seqs, out_index, self.model_config.vocab_size, self.device)
-        if any(s.params.has_penalties for s in seqs):
-            sin.penalties = self._penalties(seqs, out_index, rows)
-        if any(s.params.min_tokens for s in seqs):  # out_index: outputs before this one
-            pending = [n < s.params.min_tokens for s, n in zip(seqs, out_index)]
-            stop_ids = [s.stop_ids for s in seqs]
-            sin.stop_mask = StopMask.build(pending, stop_ids, logits.shape[1], self.device)
-        if any(s.params.logit_bias for s in seqs):
-            biases = [s.params.logit_bias for s in seqs]
-            sin.logit_bias = LogitBias.build(biases, logits.shape[1], self.device)
-        if mask is not None:
-            sin.token_mask = mask().to(self.device)
-        out = sample(logits, sin)
+        table, vocab = self.table.token_table, self.model_config.vocab_size
+        out = sample(logits, sampling_inputs(seqs, out_index, rows.req_slots, table, vocab, mask))
         # The sampled token becomes the input of the request's next step.
-        self.table.token_table[rows.req_slots, rows.seq_lens] = out.tokens.int()
+        table[rows.req_slots, rows.seq_lens] = out.tokens.int()
         return self._to_host(sample_rows, out)
-
-    def _penalties(self, seqs: list[SeqInfo], num_out: list[int], rows: StepRows) -> PenaltyInputs:
-        """Prompt and the `num_out` earlier output tokens of each row, read from the token
-        table on the device: with overlap scheduling the host does not know the previous
-        step's token yet."""
-        prompt_lens = [s.prompt_len for s in seqs]
-        plen = to_device(prompt_lens, torch.int64, self.device)
-
-        def gather(start: torch.Tensor, lens: list[int]) -> torch.Tensor:
-            width = max(1, max(lens))
-            cols = start.unsqueeze(1) + torch.arange(width, device=self.device)  # [S, W]
-            n = to_device(lens, torch.int64, self.device).unsqueeze(1)
-            valid = cols < start.unsqueeze(1) + n
-            cols = cols.clamp(max=self.table.token_table.shape[1] - 1)
-            ids = self.table.token_table[rows.req_slots.unsqueeze(1), cols].long()
-            return torch.where(valid, ids, -1)
-
-        def f(vals: list[float]) -> torch.Tensor:
-            return to_device(vals, torch.float32, self.device)
-
-        return PenaltyInputs(
-            prompt_tokens=gather(torch.zeros_like(plen), prompt_lens),
-            output_tokens=gather(plen, num_out),
-            presence=f([s.params.presence_penalty for s in seqs]),
-            frequency=f([s.params.frequency_penalty for s in seqs]),
-            repetition=f([s.params.repetition_penalty for s in seqs]),
-        )
 
     def _to_host(self, rows: list[int], out: SampleOutput) -> ForwardOutput:
         on_cuda = self.device.type == "cuda"

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl.core import Batch
-from minisgl.engine.step import StepRows
+from minisgl.engine.step import StepRows, batch_inputs
 from minisgl.layers import ForwardContext
 
 if TYPE_CHECKING:
@@ -109,8 +109,8 @@ class Pieces:
 class PiecewiseGraphRunner:
     """Captures every bucket of `token_buckets(max_tokens)` at construction (with `capture`)
     and runs prefilling steps of up to `max_tokens` tokens through them. `engine` is the
-    `Engine`: its device, dtype, configs, model, backend, token table, `token_locations`,
-    `_step_inputs` and `sampled_rows`."""
+    `Engine`: its device, dtype, configs, model, backend, token table, `token_locations` and
+    `sampled_rows`."""
 
     def __init__(
         self, engine: Any, max_tokens: int, capture: bool = True, whole_step: bool = False
@@ -193,7 +193,7 @@ class PiecewiseGraphRunner:
         """The bucket's one graph (or, uncaptured, the same padded forward eagerly)."""
         assert self.mixed is not None
         e = self.engine
-        step = e._step_inputs(batch)
+        step = batch_inputs(batch, e.device)
         t = batch.num_tokens
         tp = self.sizes[bisect.bisect_left(self.sizes, t)]
         self.ids[:t].copy_(e.table.token_table[step.token_slots, step.positions])
@@ -212,7 +212,7 @@ class PiecewiseGraphRunner:
         if self.mixed is not None:
             return self._run_whole(batch)
         e = self.engine
-        step = e._step_inputs(batch)
+        step = batch_inputs(batch, e.device)
         t = batch.num_tokens
         tp = self.sizes[bisect.bisect_left(self.sizes, t)]
         self.ids[:t].copy_(e.table.token_table[step.token_slots, step.positions])

@@ -7,40 +7,46 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from minisgl.core import Batch, SeqInfo
 from minisgl.engine.cuda_graph import CudaGraphRunner, GraphHost, eager_forward
+from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.sampler import (
-    LogitBias,
     SamplingInputs,
-    StopMask,
     adjust_logits,
     hashed_uniform,
+    sampling_inputs,
     sampling_probs,
-    to_device,
     uniform_at,
     use_fused,
     with_logprobs,
 )
-from minisgl.engine.step import ForwardOutput, StepRows, TokenMask
+from minisgl.engine.step import ForwardOutput, TokenMask, batch_inputs, step_inputs, to_device
 from minisgl.spec import DeviceDraftProposer, DraftRow
 from minisgl.spec.verify import Verdict, accepted_tokens, greedy_verify, rejection_sample
 
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+
+class SpecEngine(GraphHost, Protocol):
+    """What speculative decoding uses of the engine (`minisgl.engine.Engine`), beyond what
+    its graphs read."""
+
+    num_pages: int
+    graphs: CudaGraphRunner | None
+    draft_model: DraftModel | None
+    drafter: DeviceDraftProposer | None
 
 
-def draft_layers(engine: Engine) -> int:
+def draft_layers(engine: SpecEngine) -> int:
     """The layer-skip draft's depth: the configured one, or a quarter of the layers."""
     n = engine.model_config.num_layers
     want = engine.config.speculative_draft_layers or max(1, n // 4)
     return min(want, n)
 
 
-def make_device_proposer(engine: Engine) -> DeviceDraftProposer | None:
+def make_device_proposer(engine: SpecEngine) -> DeviceDraftProposer | None:
     """The engine's device proposer for `speculative_algorithm` "draft" (the layer-skip draft,
     or the separate draft model); None otherwise (host proposers run in the scheduler)."""
     if engine.config.speculative_algorithm != "draft":
@@ -76,7 +82,7 @@ def make_device_proposer(engine: Engine) -> DeviceDraftProposer | None:
 
 @torch.inference_mode()
 def draft_step(
-    engine: Engine,
+    engine: SpecEngine,
     host: GraphHost,
     slots: list[int],
     positions: list[int],
@@ -92,7 +98,7 @@ def draft_step(
         rows = graphs.run_rows(slots, positions, [p + 1 for p in positions])
         hidden, req_slots, next_pos = rows.hidden, rows.req_slots, rows.seq_lens
     else:
-        step = engine.step_inputs(slots, positions, [1] * len(slots))
+        step = step_inputs(slots, positions, [1] * len(slots), engine.device)
         hidden = eager_forward(host, step, num_layers=layers)  # [B, hidden]
         req_slots, next_pos = step.token_slots, step.positions + 1
     tokens = host.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
@@ -131,7 +137,7 @@ def _scored(batch: Batch) -> _Scored:
     return sc
 
 
-def propose_on_device(engine: Engine, proposer: DeviceDraftProposer, batch: Batch) -> None:
+def propose_on_device(engine: SpecEngine, proposer: DeviceDraftProposer, batch: Batch) -> None:
     """Launch the drafts of the plan's verify rows into the token table (the verify step reads
     them there: no wait for the device in between)."""
     rows = [
@@ -144,7 +150,7 @@ def propose_on_device(engine: Engine, proposer: DeviceDraftProposer, batch: Batc
 
 @torch.inference_mode()
 def verify_step(
-    engine: Engine, batch: Batch, mask: Callable[[], TokenMask] | None
+    engine: SpecEngine, batch: Batch, mask: Callable[[], TokenMask] | None
 ) -> ForwardOutput:
     """Run a plan with verify rows (table writes already applied); waits for its tokens."""
     if engine.drafter is not None:
@@ -157,7 +163,9 @@ def verify_step(
     has = has_int.bool()
     scored = hidden[idx]  # [N, hidden]
     logits = engine.model.compute_logits(scored)  # type: ignore[operator]  # [N, V]
-    sin = _sampling_inputs(engine, sc, StepRows(scored, slots, pos + 1), mask)
+    # Each scored position samples its own output number: penalties see the drafts before it.
+    vocab, table = engine.model_config.vocab_size, engine.table.token_table
+    sin = sampling_inputs(sc.seqs, sc.out_index, slots, table, vocab, mask)
     adjusted = adjust_logits(logits, sin)
     width = engine.table.token_table.shape[1]
     draft = engine.table.token_table[slots, (pos + 1).clamp(max=width - 1)].long()  # [N]
@@ -208,7 +216,7 @@ def fused_rejection(
     return Verdict(accept, gumbel_argmax(residual, temperature, keys))
 
 
-def _verify_forward(engine: Engine, batch: Batch) -> torch.Tensor:
+def _verify_forward(engine: SpecEngine, batch: Batch) -> torch.Tensor:
     """Final hidden states of every token of a verify plan [T, hidden]. A plan of decode and
     verify rows only replays the decode CUDA graph of T rows: token j of a row is a decode row
     of its own at position prefix + j that attends up to itself (causal within the drafts, the
@@ -218,7 +226,7 @@ def _verify_forward(engine: Engine, batch: Batch) -> torch.Tensor:
     drafts = batch.draft_lens or [0] * batch.size
     decode_like = all(e == d + 1 for e, d in zip(batch.extend_lens, drafts))
     if graphs is None or not decode_like or not 0 < batch.num_tokens <= graphs.max_bs:
-        return engine.eager_forward(engine._step_inputs(batch))
+        return eager_forward(engine, batch_inputs(batch, engine.device))
     slots: list[int] = []
     positions: list[int] = []
     for slot, p, e in zip(batch.slots, batch.prefix_lens, batch.extend_lens):
@@ -227,35 +235,13 @@ def _verify_forward(engine: Engine, batch: Batch) -> torch.Tensor:
     return graphs.run_rows(slots, positions, [p + 1 for p in positions]).hidden
 
 
-def _sampling_inputs(
-    engine: Engine, sc: _Scored, rows: StepRows, mask: Callable[[], TokenMask] | None
-) -> SamplingInputs:
-    """The plain sampler's inputs, one row per scored position (its own output number, so
-    penalties see the drafts before it and min_tokens counts them)."""
-    dev, vocab = engine.device, engine.model_config.vocab_size
-    sin = SamplingInputs.build(sc.seqs, sc.out_index, vocab, dev)
-    if any(s.params.has_penalties for s in sc.seqs):
-        sin.penalties = engine._penalties(sc.seqs, sc.out_index, rows)
-    if any(s.params.min_tokens for s in sc.seqs):
-        pending = [n < s.params.min_tokens for s, n in zip(sc.seqs, sc.out_index)]
-        stops = [s.stop_ids for s in sc.seqs]
-        sin.stop_mask = StopMask.build(pending, stops, vocab, dev)
-    if any(s.params.logit_bias for s in sc.seqs):
-        sin.logit_bias = LogitBias.build([s.params.logit_bias for s in sc.seqs], vocab, dev)
-    if mask is not None:  # a row per scored position (the scheduler's grammars, through drafts)
-        m = mask()
-        assert m.bits.shape[0] == len(sc.rows)
-        sin.token_mask = m.to(dev)
-    return sin
-
-
 def _spans(sc: _Scored) -> list[tuple[int, int]]:
     ends = sc.start[1:] + [len(sc.rows)]
     return list(zip(sc.start, ends))
 
 
 def _outputs(
-    engine: Engine,
+    engine: SpecEngine,
     sc: _Scored,
     logits: torch.Tensor,
     sin: SamplingInputs,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from minisgl.config import env
 
 # SM count assumed when sizing grids off CUDA (the interpreter): an H100/H200's.
 _NOMINAL_NUM_SMS = 132
@@ -31,13 +32,10 @@ def num_sms(device: torch.device) -> int:
     return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-ENV_DISABLE_PDL = "MINISGL_DISABLE_PDL"
-
-
 @functools.cache
 def _pdl_capable(index: int) -> bool:
     """Read once per device (a launch calls this: it must cost next to nothing)."""
-    if os.environ.get(ENV_DISABLE_PDL) == "1":
+    if env.DISABLE_PDL.get():
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 

@@ -39,7 +39,6 @@ accuracy on a real MoE checkpoint is not measured (none can be carried to the GP
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.config import env
 from minisgl.kernels.common import (
     emulate_fp8,
     is_interpreted,
@@ -63,17 +63,17 @@ if TYPE_CHECKING:
     from minisgl.kernels.moe import AlignedRows
 
 GROUP = 128  # columns per activation scale (and the weights' block size)
-ENV_W8A8 = "MINISGL_MOE_W8A8"
+ENV_W8A8 = env.MOE_W8A8.name
 # The switch: read once at import; the benchmark's `--moe-fp8-weight-only` clears both.
-ENABLED = os.environ.get(ENV_W8A8, "1") == "1"
+ENABLED = env.MOE_W8A8.get()
 MAX_BLOCK_M = 64  # taller blocks (prefill) keep the weight-only path: tiles not sized for them
 # The W8A8 path's own floor on BLOCK_M (`w8a8_block_m`). The token rows are wgmma's N side, so
 # a taller block costs no MMA throughput while the step is memory-bound: at ~16 rows per expert
 # (decode batch 256) BLOCK_M 32 holds most experts' rows in one block, which reads each weight
 # tile once rather than leaning on L2 for the second block. 16 (the weight-only table's) until
 # measured; `MINISGL_MOE_W8A8_BLOCK_M=32` (or `--w8a8-block-m 32` in benchmark.moe) tries it.
-ENV_W8A8_BLOCK_M = "MINISGL_MOE_W8A8_BLOCK_M"
-MIN_BLOCK_M = int(os.environ.get(ENV_W8A8_BLOCK_M, "16"))
+ENV_W8A8_BLOCK_M = env.MOE_W8A8_BLOCK_M.name
+MIN_BLOCK_M = env.MOE_W8A8_BLOCK_M.get()
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,11 @@ A CUDA graph keeps the path that was on when it was captured."""
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
-ENV_DISABLE_FUSED = "MINISGL_DISABLE_FUSED"
+from minisgl.config import env
 
 
 class _Switch:
@@ -33,7 +32,7 @@ def reset_fused() -> None:
 
 @functools.cache
 def _kernels() -> ModuleType | None:
-    if os.environ.get(ENV_DISABLE_FUSED) == "1":
+    if env.DISABLE_FUSED.get():
         return None
     try:
         from minisgl.kernels import fused

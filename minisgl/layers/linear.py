@@ -17,7 +17,7 @@ weights quantize per 128 columns, which shards do not cut.)
 
 from __future__ import annotations
 
-import os
+import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.config import QuantConfig
+from minisgl.config import QuantConfig, env
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernels.fp8 import FP8_DTYPE, is_fp8, round_trip_activations
 from minisgl.layers.fused import fused_kernels
@@ -373,8 +373,12 @@ class OneRowGemv(Protocol):
     ) -> torch.Tensor: ...
 
 
-ENV_DISABLE_ONE_ROW = "MINISGL_DISABLE_ONE_ROW_GEMV"
-_ONE_ROW = os.environ.get(ENV_DISABLE_ONE_ROW) != "1"
+@functools.cache
+def _one_row_disabled() -> bool:
+    """`MINISGL_DISABLE_ONE_ROW_GEMV` (A/B runs), read once: when a layer first asks."""
+    return env.DISABLE_ONE_ROW_GEMV.get()
+
+
 SKINNY_MAX_ROWS = 16  # what the skinny GEMM takes (`minisgl.kernels.skinny.MAX_ROWS`)
 
 
@@ -395,7 +399,7 @@ def one_row_gemv(
     rows of unquantized weights, or FP8 weight-only rows with `quant.skinny`: the skinny GEMM.
     None: use the layers as they are (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B
     runs)."""
-    if not _ONE_ROW or x.dim() != 2 or get_tp_info().size != 1:
+    if x.dim() != 2 or get_tp_info().size != 1 or _one_row_disabled():
         return None
     fused = fused_kernels(x)
     if fused is None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from minisgl.config import ServerConfig
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.runtime.child import ChildFailed, ChildReady, ParentLink, named_main
@@ -33,7 +34,6 @@ from minisgl.runtime.ranks import NodeMemory
 from minisgl.runtime.ranks import run_node as run_node_ranks
 from minisgl.runtime.supervise import ChildProcess, first_exited, stop_processes
 from minisgl.runtime.workers import detokenizer_main, scheduler_main, tokenizer_main
-from minisgl.server.args import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from minisgl.core import pages_for
 from minisgl.engine import Engine
 from minisgl.kvcache import PageAllocator
-from minisgl.scheduler.kv_manager import pages_for
 from minisgl.scheduler.step_time import StepShape
 from minisgl.scheduler.warmup import GREEDY, WarmupRun
 

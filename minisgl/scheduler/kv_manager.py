@@ -7,12 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core import Req, SeqInfo, TableWrite
+from minisgl.core import Req, SeqInfo, TableWrite, pages_for
 from minisgl.kvcache import BasePrefixCache, PageAllocator, SlotAllocator
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from minisgl.core import (
     Req,
     ReqStatus,
     SamplingParams,
+    pages_for,
     resolve_max_tokens,
 )
 from minisgl.engine import Engine, ForwardOutput, TokenMask
@@ -23,13 +24,13 @@ from minisgl.kvcache import PageAllocator, SlotAllocator, make_prefix_cache
 from minisgl.scheduler.budget import PrefillBudget, token_budget
 from minisgl.scheduler.calibrate import calibrate
 from minisgl.scheduler.grammars import Grammars
-from minisgl.scheduler.kv_manager import KVManager, pages_for
+from minisgl.scheduler.kv_manager import KVManager
 from minisgl.scheduler.policy import SchedulePolicy, WaitingQueue
 from minisgl.scheduler.step_time import LinearStepTime, StepShape, StepTimeModel
 from minisgl.scheduler.sync import RequestSync
 from minisgl.scheduler.timing import Sample, StepTimer
 from minisgl.scheduler.warmup import run_warmup
-from minisgl.spec import DraftRow, NgramProposer, SpecPolicy
+from minisgl.spec import DraftPlanner
 from minisgl.weights import load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -146,16 +147,10 @@ class Scheduler:
             tokenizer_loader or self._model_tokenizer, vocab, cfg.ranks_per_node
         )
         self._refused: list[StepEvent] = []  # finished before running (a grammar that failed)
-        # Speculative decoding: who speculates (None: off) and the host proposer (n-gram;
-        # device drafts are made in the engine).
-        self.spec: SpecPolicy | None = None
-        self.ngram: NgramProposer | None = None
-        self._expected_drafts: set[str] = set()  # see `run_overlapped`
-        self._draft_ids: dict[str, list[int]] = {}  # the last plan's host drafts, by request
+        # Speculative decoding's drafts per step (None: off).
+        self.spec: DraftPlanner | None = None
         if cfg.speculative_algorithm is not None:
-            self.spec = SpecPolicy(cfg.speculative_num_draft_tokens, cfg.speculative_max_batch)
-        if cfg.speculative_algorithm == "ngram":
-            self.ngram = NgramProposer(cfg.speculative_ngram_n, cfg.speculative_ngram_min_n)
+            self.spec = DraftPlanner(cfg, self.page_size, self.max_context)
         self._arrivals = 0
         self.stats = {
             "prompt_tokens": 0,
@@ -299,15 +294,15 @@ class Scheduler:
         engine launches the model, then calls back, and the previous step is processed (and
         the mask filled) while the device runs the new step's forward.
         """
-        if self._in_flight is not None:
-            expected = self._speculates_next()
-            if expected:
-                # Drafts need every token on the host: finish the step in flight, then verify.
-                # A request that then has no draft after all (the token that was in flight
-                # ended its match) cost that wait for nothing: its policy counts it as a miss.
-                last, self._in_flight = self._in_flight, None
-                self._expected_drafts = expected
-                return self.process(last) + self.run_normal()
+        last = self._in_flight
+        # Drafts need every token on the host: finish the step in flight, then verify.
+        if (
+            last is not None
+            and self.spec is not None
+            and self.spec.expects_drafts(self._decoding())
+        ):
+            self._in_flight = None
+            return self.process(last) + self.run_normal()
         planned = self.schedule()
         prev, events = self._in_flight, None
 
@@ -335,9 +330,9 @@ class Scheduler:
             # through the drafts); `batch.draft_lens` are the host drafts' lengths.
             drafts = None
             if batch.speculative:
+                assert self.spec is not None
                 lens = [d for d, s in zip(batch.draft_lens, batch.sample) if s]
-                # (a device draft's rows are unconstrained: their ids are never read)
-                drafts = [self._draft_ids.get(r.rid, [0] * d) for r, d in zip(sampling, lens)]
+                drafts = self.spec.host_drafts(sampling, lens)
 
             def mask() -> TokenMask:
                 if before_mask is not None:
@@ -364,10 +359,12 @@ class Scheduler:
         self._reclaim()
         if self.policy.by_priority:
             self._preempt_for_waiting()
-        decode = [r for r in self.running if self._ready_to_decode(r)]
-        decode = self._make_room_for_decode(decode)
+        decode = self._make_room_for_decode(self._decoding())
         room = self.kv.available_pages - self._pages_needed(decode)
-        drafts, room = self._plan_drafts(decode, room)
+        drafts = [0] * len(decode)
+        if self.spec is not None:
+            in_flight, valid = self._in_flight is not None, self.grammars.valid_drafts
+            drafts, room = self.spec.plan(decode, room, in_flight, valid, self.kv.write_tokens)
         prefill = self._prefill_chunks(room, self._budget(decode))
         stuck = [r for r in self.running if self._needs_step(r)]
         if not decode and not prefill and stuck:
@@ -409,85 +406,16 @@ class Scheduler:
         )
         return reqs, batch
 
-    # ---- speculative decoding ----------------------------------------------------------
-
-    def _draft_limit(self, r: Req) -> int:
-        """Drafts `r` may verify now: within max_tokens and the context (the step's own token
-        comes on top), 0 when it should not speculate."""
-        assert self.spec is not None
-        if not self._may_draft(r) or len(r.output_ids) != r.num_sampled:
-            return 0  # tokens still in flight
-        room = min(r.params.max_tokens - r.num_sampled, self.max_context - r.seq_len) - 1
-        return max(0, min(self.spec.k, room))
-
-    def _speculates_next(self) -> set[str]:
-        """The requests that would verify drafts next if all tokens were on the host (the
-        overlap loop then finishes the step in flight first); empty: none."""
-        if self.spec is None:
-            return set()
-        ready = []
-        for r in self.running:
-            if self._ready_to_decode(r):
-                ready.append(r)
-                if len(ready) > self.spec.max_batch:
-                    return set()
-        ok = [r for r in ready if self.spec.allows(r.rid) and self._may_draft(r)]
-        if self.ngram is not None:  # a device draft always proposes
-            ok = [r for r in ok if self.ngram.hit(r.rid, r.prompt_ids, r.output_ids)]
-        return {r.rid for r in ok}
-
-    def _may_draft(self, r: Req) -> bool:
-        """Constrained requests speculate with host drafts only: the grammar is advanced
-        through them to build each position's mask (a device draft's tokens are not on the
-        host)."""
-        return r.params.constraint is None or self.ngram is not None
-
-    def _plan_drafts(self, decode: list[Req], room: int) -> tuple[list[int], int]:
-        """Drafts per decoding request (0: a plain decode) within `room` free pages; host
-        drafts are queued as token writes. Returns them and the room left."""
-        drafts = [0] * len(decode)
-        self._draft_ids = {}
-        if self.spec is None:
-            return drafts, room
-        chosen = self.spec.select([r.rid for r in decode])
-        if self._in_flight is not None:  # tokens in flight: drafts wait for the host
-            return drafts, room
-        want = [(i, r, self._draft_limit(r)) for i, r in enumerate(decode) if r.rid in chosen]
-        want = [(i, r, k) for i, r, k in want if k]
-        if self.ngram is not None:
-            slots = [r.slot for _, r, _ in want]
-            assert None not in slots  # running requests hold a slot
-            rows = [
-                DraftRow(r.prompt_ids, r.output_ids, s, k, r.seq_len, r.rid)  # type: ignore[arg-type]
-                for (_, r, k), s in zip(want, slots)
-            ]
-            proposed = self.ngram.propose(rows)
-            # A draft the grammar refuses could never be accepted.
-            proposed = [self.grammars.valid_drafts(r, p) for (_, r, _), p in zip(want, proposed)]
-        else:
-            proposed = [[0] * k for _, _, k in want]  # lengths only: the engine drafts
-        expected, self._expected_drafts = self._expected_drafts, set()
-        for (_, r, _), ids in zip(want, proposed):
-            if not ids and r.rid in expected:
-                self.spec.missed(r.rid)
-        for (i, r, _), ids in zip(want, proposed):
-            need = pages_for(r.seq_len + len(ids), self.page_size)
-            extra = need - max(len(r.pages), pages_for(r.seq_len, self.page_size))
-            if not ids or extra > room:
-                continue
-            room -= max(0, extra)
-            drafts[i] = len(ids)
-            if self.ngram is not None:
-                self.kv.write_tokens(r, r.seq_len, ids)
-                self._draft_ids[r.rid] = ids
-        return drafts, room
-
     def _can_sample_more(self, r: Req) -> bool:
         """False once the launched steps have sampled every token `r` may get."""
         return r.num_sampled < r.params.max_tokens and r.seq_len < self.max_context
 
     def _ready_to_decode(self, r: Req) -> bool:
         return r.num_computed == r.seq_len - 1 and self._can_sample_more(r)
+
+    def _decoding(self) -> list[Req]:
+        """The running requests ready to decode."""
+        return [r for r in self.running if self._ready_to_decode(r)]
 
     def _needs_step(self, r: Req) -> bool:
         """Prefilling or decoding; not a request only waiting for its last token to land."""
@@ -661,7 +589,10 @@ class Scheduler:
                 if req.finished:
                     break
             if drafts[row]:
-                self._verified(req, batch.prefix_lens[row], drafts[row], count)
+                assert self.spec is not None
+                self.spec.verified(req, batch.prefix_lens[row], drafts[row], count)
+                if not req.finished:  # (released with its step: nothing left to roll back)
+                    self.kv.shrink(req, req.seq_len, self._launched)  # the rejected drafts' pages
             events.append(StepEvent(req, new, req.finished))
         # After the tokens: a request's next step (in flight) may already count the KV of the
         # token just appended, and the cache needs the ids of every page it takes.
@@ -670,17 +601,6 @@ class Scheduler:
                 self.kv.cache_prefix(r, self._launched)
         self.kv.reclaim(self._completed)
         return events
-
-    def _verified(self, req: Req, prefix: int, proposed: int, count: int) -> None:
-        """A verify row of `req` kept `count` tokens: its lengths follow, and the pages of
-        the rejected drafts go back."""
-        assert self.spec is not None
-        self.spec.record(req.rid, proposed, count - 1)
-        if req.finished:  # released with its step: nothing left to roll back
-            return
-        req.num_sampled += count - 1
-        req.num_computed = req.num_stored = prefix + count
-        self.kv.shrink(req, req.seq_len, self._launched)
 
     def _append_token(self, req: Req, token: int, out: ForwardOutput, k: int) -> None:
         req.output_ids.append(token)
@@ -709,8 +629,6 @@ class Scheduler:
         self.grammars.drop(req.rid)
         if self.spec is not None:
             self.spec.drop(req.rid)
-        if self.ngram is not None:
-            self.ngram.drop(req.rid)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req, self._launched)

@@ -44,11 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.constrain import bitmask_width
-from minisgl.core import Batch, Req, SamplingParams, SeqInfo, TableWrite
+from minisgl.core import Batch, Req, SamplingParams, SeqInfo, TableWrite, pages_for
 from minisgl.engine import Engine, ForwardOutput, TokenMask
 from minisgl.kvcache import PageAllocator, SlotAllocator
 from minisgl.layers.fused import fused_kernels
-from minisgl.scheduler.kv_manager import pages_for
 
 logger = logging.getLogger(__name__)
 

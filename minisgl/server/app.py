@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minisgl.config import ChatConfig
+from minisgl.config.server import DEFAULT_SHUTDOWN_TIMEOUT_S
 from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
@@ -43,7 +44,7 @@ from minisgl.server.protocol import (
     GenerateRequest,
     ResponsesRequest,
 )
-from minisgl.server.shutdown import DEFAULT_TIMEOUT_S, Gate, GateMiddleware, drain
+from minisgl.server.shutdown import Gate, GateMiddleware, drain
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class ServerState:
     api_key: str | None = field(default=None, repr=False)
     limits: Limits = field(default_factory=Limits)
     # How long requests in flight may take to finish once shutdown begins.
-    shutdown_timeout: float = DEFAULT_TIMEOUT_S
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     metrics: Metrics | None = None
     client: EngineClient | None = None
     gate: Gate = field(default_factory=Gate)

@@ -1,10 +1,10 @@
-"""Command-line flags of `python -m minisgl` and the frozen config they resolve to."""
+"""Command-line flags of `python -m minisgl` and the frozen config they resolve to
+(`minisgl.config.ServerConfig`)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from minisgl.config import (
     DTYPES,
@@ -18,45 +18,9 @@ from minisgl.config import (
 )
 from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
+from minisgl.config.server import LOG_LEVELS, Deadlines, Limits, ServerConfig
 from minisgl.kvcache import CACHE_KINDS
-from minisgl.server.connection import Deadlines
-from minisgl.server.limits import Limits
-from minisgl.server.shutdown import DEFAULT_TIMEOUT_S
 from minisgl.weights import resolve_source
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    chat: ChatConfig = field(default_factory=ChatConfig)
-    host: str = "127.0.0.1"
-    port: int = 1919
-    api_key: str | None = field(default=None, repr=False)  # None: no authentication
-    shell: bool = False
-    log_level: str = "info"
-    limits: Limits = field(default_factory=Limits)
-    deadlines: Deadlines = field(default_factory=Deadlines)
-    # On SIGINT/SIGTERM, how long requests in flight may take to finish before they get 503.
-    shutdown_timeout: float = DEFAULT_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
-        if self.api_key == "":
-            raise ValueError("api_key: must not be empty (leave it out to disable authentication)")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
-        if self.shell and self.engine.node_rank > 0:
-            raise ValueError("shell: runs on node 0 only; leave --shell out with --node-rank > 0")
-
-    @property
-    def serves_http(self) -> bool:
-        """Node 0 takes the requests; the other nodes only run their ranks."""
-        return self.engine.node_rank == 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,31 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from minisgl.config.server import Deadlines
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Seconds a connection may take for each step (nginx's `client_header_timeout`,
-    `client_body_timeout`, `send_timeout`, `keepalive_timeout`)."""
-
-    # From the connection (or the request's first byte) to the header's end.
-    header_timeout: float = 60.0
-    body_timeout: float = 60.0  # from the header's end to the body's end
-    # A client that reads nothing this long while an answer waits to be written is dropped.
-    send_timeout: float = 60.0
-    keep_alive_timeout: float = 75.0  # idle time between two requests on one connection
-
-    def __post_init__(self) -> None:
-        for name in ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
 
 
 def _timeout_response(what: str, seconds: float) -> bytes:

@@ -4,38 +4,17 @@ asks for, and (in `EngineClient.submit`) the sequences queued server-wide."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from minisgl.config.server import Limits
 from minisgl.core import InvalidRequestError
 from minisgl.message import EngineInfo, GenerateReq
 from minisgl.server.errors import ApiError, error_response
 from minisgl.tokenizer.tokenize import resolve_max_tokens
 
 CLOSE = {"Connection": "close"}  # the rest of a refused body is never read
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_request_bytes: int = 8 * 2**20
-    max_seqs_per_request: int = 256  # prompts x n
-    # Sequences accepted but without their first token yet (waiting to be tokenized, admitted
-    # or prefilled); a request that would pass this gets 503 with Retry-After.
-    max_queued_seqs: int = 4096
-
-    def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_seqs_per_request", "max_queued_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_seqs_per_request > self.max_queued_seqs:
-            raise ValueError(
-                f"max_seqs_per_request: {self.max_seqs_per_request} is more than "
-                f"max_queued_seqs ({self.max_queued_seqs}) lets wait; such a request could never "
-                "be served"
-            )
 
 
 class BodyTooLarge(HTTPException):

@@ -28,9 +28,6 @@ from minisgl.server.errors import error_response
 logger = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "the server is shutting down"
-# --shutdown-timeout's default: long enough for most answers to finish, short enough for an
-# orchestrator's own grace period (Kubernetes waits 30 s before SIGKILL).
-DEFAULT_TIMEOUT_S = 5.0
 # After the drain answered what was left: how long those answers may take to be written.
 ANSWER_GRACE_S = 2.0
 

@@ -12,15 +12,13 @@ import pytest
 import torch
 
 from minisgl import LLM
+from minisgl.config.env import DISABLE_CUSTOM_ALLREDUCE
 from minisgl.distributed import get_tp_info
-from minisgl.distributed.symm_all_reduce import (
-    DISABLE_ENV,
-    default_max_bytes,
-    unavailable_reason,
-)
+from minisgl.distributed.symm_all_reduce import default_max_bytes, unavailable_reason
 
 SCRIPT = Path(__file__).resolve().parents[1] / "gpu" / "allreduce_check.py"
 CUDA = torch.device("cuda", 0)
+DISABLE_ENV = DISABLE_CUSTOM_ALLREDUCE.name
 
 
 def test_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -173,15 +173,16 @@ def test_retraction_while_a_token_is_in_flight(model_path, monkeypatch, page_siz
 
 def test_penalty_inputs_come_from_the_token_table(model_path, monkeypatch):
     """The device-side gather of earlier tokens equals the host's lists (plain loop)."""
+    from minisgl.engine import sampler
+
     llm = make_llm(model_path, overlap=False)
-    engine = llm.engine
-    original = engine._penalties
+    original = sampler.penalty_inputs
     checked = []
 
     reqs = {}
 
-    def check(seqs, num_out, rows):
-        pen = original(seqs, num_out, rows)
+    def check(seqs, num_out, req_slots, token_table):
+        pen = original(seqs, num_out, req_slots, token_table)
         for i, s in enumerate(seqs):
             r = reqs[s]
             prompt = [t for t in pen.prompt_tokens[i].tolist() if t >= 0]
@@ -199,7 +200,7 @@ def test_penalty_inputs_come_from_the_token_table(model_path, monkeypatch):
 
     monkeypatch.setattr(llm.scheduler, "_launch", remember)
 
-    monkeypatch.setattr(engine, "_penalties", check)
+    monkeypatch.setattr(sampler, "penalty_inputs", check)
     params = SamplingParams(max_tokens=8, temperature=0.5, frequency_penalty=0.4, seed=1)
     generate(llm, random_prompts(3, 384, seed=12), [params] * 3)
     assert checked

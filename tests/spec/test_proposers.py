@@ -140,7 +140,7 @@ def test_stats_reach_the_metrics(tiny_model_dir) -> None:
     llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     spec = llm.scheduler.spec
     assert spec is not None and spec.stats.verify_rows > 0
-    spec.missed("a request")  # (the overlapped loop's waits that found no draft)
+    spec.policy.missed("a request")  # (the overlapped loop's waits that found no draft)
     stats = SchedulerProcess(llm.scheduler, None, None).stats()  # type: ignore[arg-type]
     assert (stats.spec_verify_rows, stats.spec_proposed, stats.spec_accepted) == (
         spec.stats.verify_rows,
