@@ -1,5 +1,5 @@
-"""The GEMV tuner: the fused Triton GEMV (`minisgl.kernels.gemv`) against cuBLAS at batch-1
-decode shapes, and the tile configs for `minisgl.kernels.gemv.TUNED`.
+"""The GEMV tuner: the fused Triton GEMV (`minisgl.kernels.gemv.gemv`) against cuBLAS at batch-1
+decode shapes, and the tile configs for `minisgl.kernels.gemv.gemv.TUNED`.
 
 1. Per shape, cuBLAS `F.linear` and a sweep of GEMV configs, each timed as a CUDA graph of
    back-to-back calls over weight copies of >= 600 MB (L2 never holds them), with the fused
@@ -14,7 +14,7 @@ decode shapes, and the tile configs for `minisgl.kernels.gemv.TUNED`.
    worth of distinct weights, with the default configs and again with the best of the sweep.
 
 Run on a GPU host: `python -m minisgl.benchmark.gemv [--quick]`; it prints a `TUNED` table to
-paste into `minisgl/kernels/gemv.py`. `--fp8`: the same sweep (part 1) with e4m3 weights and a
+paste into `minisgl/kernels/gemv/gemv.py`. `--fp8`: the same sweep (part 1) with e4m3 weights and a
 scale per row, the FP8 linear layers' weight-only path (bytes at one per weight; cuBLAS stays
 the bf16 reference), printing `TUNED_FP8`. Its sweep adds the one-row FP8 variants of the
 vec layout (`GemvConfig.layout` "vec": 16-byte e4m3 loads, int32 words, PTX or converting
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from minisgl.benchmark.common import emit_json, time_graph
 from minisgl.kernels.fused import rms_norm, silu_and_mul
-from minisgl.kernels.gemv import TUNED, TUNED_FP8, GemvConfig, default_config, gemv
+from minisgl.kernels.gemv.gemv import TUNED, TUNED_FP8, GemvConfig, default_config, gemv
 
 # name -> (N, K, how the model calls it)
 SHAPES = {

@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 import torch
 
 from minisgl.benchmark.common import time_graph
-from minisgl.kernels.reference import decode_attention_ref, extend_attention_ref
-from minisgl.kernels.testing import cu_seqlens, random_paged_kv
+from minisgl.kernels.attention.reference import decode_attention_ref, extend_attention_ref
+from minisgl.kernels.attention.testing import cu_seqlens, random_paged_kv
 
 # W1's head layout (Qwen3-0.6B).
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -149,8 +149,12 @@ def run_decode(
     heads: Heads = Heads(),
 ) -> Row:
     """Decode attention over `decode_case(...)`: achieved bytes/s against the copy bandwidth."""
+    from minisgl.kernels.attention.decode import (
+        choose_num_splits,
+        decode_attention,
+        default_decode_config,
+    )
     from minisgl.kernels.common import num_sms
-    from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
 
     case = decode_case(batch, context, page_size, spread, kv_dtype, heads)
     kv, tables, lens, q = case.kv, case.tables, case.lens, case.q
@@ -212,7 +216,7 @@ def run_extend(
     kv_dtype: torch.dtype = DTYPE,
 ) -> Row:
     """Extend attention: `num_reqs` requests of `new_tokens` each on `cached` cached tokens."""
-    from minisgl.kernels.extend import default_extend_config, extend_attention
+    from minisgl.kernels.attention.extend import default_extend_config, extend_attention
 
     seq_lens = [cached + new_tokens] * num_reqs
     kv = random_paged_kv(
@@ -316,10 +320,14 @@ def run_mixed(
     against today's pair (`decode_attention` on the decode rows, `extend_attention` on the
     prompt, as `TritonBackend` launches them), device time in a CUDA graph and host time of an
     eager call each, and the mixed kernel's error against the torch reference."""
+    from minisgl.kernels.attention.decode import (
+        choose_num_splits,
+        decode_attention,
+        default_decode_config,
+    )
+    from minisgl.kernels.attention.extend import default_extend_config, extend_attention
+    from minisgl.kernels.attention.mixed import default_mixed_config, mixed_attention
     from minisgl.kernels.common import num_sms
-    from minisgl.kernels.decode import choose_num_splits, decode_attention, default_decode_config
-    from minisgl.kernels.extend import default_extend_config, extend_attention
-    from minisgl.kernels.mixed import default_mixed_config, mixed_attention
 
     nd, ctx, prompt = shape
     case = mixed_case(nd, ctx, prompt, page_size, max_requests, kv_dtype)
@@ -385,7 +393,7 @@ def _eager_host_us(fn: Callable[[int], object], calls: int = 50) -> float:
 
 
 def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row:
-    from minisgl.kernels.mixed import MixedConfig, default_mixed_config
+    from minisgl.kernels.attention.mixed import MixedConfig, default_mixed_config
 
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     ps = args.page_size
@@ -429,7 +437,7 @@ def _attempt(label: Row, fn: Callable[..., Row], *args: Any, **kwargs: Any) -> R
 def tune_decode(
     timer: Timer, copy_bw: float, page_size: int, kv_dtype: torch.dtype = DTYPE
 ) -> list[Row]:
-    from minisgl.kernels.decode import DecodeConfig
+    from minisgl.kernels.attention.decode import DecodeConfig
 
     dec = functools.partial(run_decode, kv_dtype=kv_dtype)
     blocks = (32, 64, 128) if kv_dtype == DTYPE else (64, 128, 256)  # FP8: half the bytes
@@ -462,7 +470,7 @@ def fp8_decode_grid() -> list[Any]:
     """Keys per step, warps and pipeline depth (how many blocks of page ids and K/V are loaded
     ahead), the default first. What the session-13 sweep on the H200 showed cannot win is left
     out: register caps, P V as (V^T P^T)^T, e4m3 scores, 2 stages."""
-    from minisgl.kernels.decode import DecodeConfig, default_decode_config
+    from minisgl.kernels.attention.decode import DecodeConfig, default_decode_config
 
     grid = [default_decode_config(HEAD_DIM, kv_fp8=True)]
     for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 4, 5)):
@@ -554,7 +562,7 @@ def tune_w1_decode(
     timer: Timer, copy_bw: float, page_size: int, kv_dtype: torch.dtype = DTYPE
 ) -> list[Row]:
     """Decode tiles and split counts on W1-like ragged batches (None: the default split)."""
-    from minisgl.kernels.decode import DecodeConfig
+    from minisgl.kernels.attention.decode import DecodeConfig
 
     dec = functools.partial(run_decode, kv_dtype=kv_dtype)
     rows = []
@@ -573,7 +581,7 @@ def tune_w1_decode(
 def tune_extend(
     timer: Timer, matmul_rate: float, page_size: int, kv_dtype: torch.dtype = DTYPE
 ) -> list[Row]:
-    from minisgl.kernels.extend import ExtendConfig
+    from minisgl.kernels.attention.extend import ExtendConfig
 
     ext = functools.partial(run_extend, kv_dtype=kv_dtype)
     rows = []
@@ -709,8 +717,8 @@ def _time_linears(
 ) -> Row:
     import torch.nn.functional as F
 
-    from minisgl.kernels.fp8_gemm import fp8_linear
-    from minisgl.kernels.gemv import gemv
+    from minisgl.kernels.fp8.gemm import fp8_linear
+    from minisgl.kernels.gemv.gemv import gemv
 
     n, k = w16[0].shape
     x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)

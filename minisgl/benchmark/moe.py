@@ -14,14 +14,14 @@ On one CUDA GPU, in one run:
 
 `--tune` runs only a tile sweep per token count: both paths of the fused MoE (pair and
 blocked, every block height worth trying), the best whole layer per token count, and that as a
-`DEFAULT_CONFIGS` dict to paste into `minisgl/kernels/moe.py`. `--tune-fp8` runs only the pair
+`DEFAULT_CONFIGS` dict to paste into `minisgl/kernels/moe/tiles.py`. `--tune-fp8` runs only the pair
 path's sweep with e4m3 experts (a scale per row): the [BLOCK_N, BLOCK_K] kernels' best tiles
 (the baseline) and the vec-layout kernels' (`VecTile`), each kernel alone and the layer with
 each, and the `FP8_PAIR_TILES` to paste. `--profile` runs only
 torch.profiler over a few decode steps (batch 1 by default, CUDA graphs as in serving) and
 prints the top GPU kernels by time with their counts per step.
 `--w8a8-kernels` runs only a kernel-level A/B of FP8 experts on the blocked path: the
-weight-only grouped GEMMs against the W8A8 kernels (`minisgl.kernels.moe_fp8`);
+weight-only grouped GEMMs against the W8A8 kernels (`minisgl.kernels.moe.w8a8`);
 `--moe-fp8-weight-only` keeps FP8 experts off the W8A8 path (the default since session 17)
 for the rest of the run (the decode table).
 Prints tables, then one JSON object as the last line.
@@ -61,7 +61,7 @@ from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_ex
 
 if TYPE_CHECKING:
     from minisgl.kernels.fp8 import ExpertScales
-    from minisgl.kernels.moe import FusedMoEConfig, GemmTile, MoEConfig, VecTile
+    from minisgl.kernels.moe.tiles import FusedMoEConfig, GemmTile, MoEConfig, VecTile
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
 # Qwen3-30B-A3B's MoE layer.
@@ -157,7 +157,9 @@ def mismatched_rows(ids: torch.Tensor, ref_ids: torch.Tensor) -> int:
 
 
 def run_kernel_case(inp: MoEInputs, copy_bw: float, time_reference: bool) -> Row:
-    from minisgl.kernels.moe import PairConfig, default_config, fused_experts, fused_moe, fused_topk
+    from minisgl.kernels.moe.layer import fused_experts, fused_moe
+    from minisgl.kernels.moe.routing import fused_topk
+    from minisgl.kernels.moe.tiles import PairConfig, default_config
 
     routing = inp.routing
     truth = fp32_truth(inp, routing)
@@ -530,7 +532,7 @@ def best_tile(
     make: Callable[..., Any] | None = None,  # a candidate's tile (default: GemmTile)
 ) -> tuple[Any, float]:
     """The fastest tile for `launch(tile, set_index)`."""
-    from minisgl.kernels.moe import GemmTile
+    from minisgl.kernels.moe.tiles import GemmTile
 
     best: tuple[Any, float] | None = None
     for candidate in candidates:
@@ -553,7 +555,7 @@ class TuneCase:
 
     def time_moe(self, config: MoEConfig) -> float | None:
         """The whole layer after the router, as decode runs it."""
-        from minisgl.kernels.moe import fused_moe
+        from minisgl.kernels.moe.layer import fused_moe
 
         inp = self.inp
         return time_quietly(
@@ -566,7 +568,8 @@ class TuneCase:
 
 def tune_pair(case: TuneCase) -> Row:
     """Best gate/up GEMV tile (routing inside), then the best down tile on its output."""
-    from minisgl.kernels.moe import GemmTile, PairConfig, pair_down, pair_gate_up
+    from minisgl.kernels.moe.pair import pair_down, pair_gate_up
+    from minisgl.kernels.moe.tiles import GemmTile, PairConfig
 
     inp, sets = case.inp, case.logit_sets
     first = GemmTile(16, 256, 4, 1)  # any tile: the down sweep needs activations and routing
@@ -606,7 +609,8 @@ def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def tune_pair_fp8(case: TuneCase) -> Row:
     """e4m3 experts: the best [BLOCK_N, BLOCK_K] tiles (the kernels the FP8 path ran before the
     vec layout), then the best `VecTile`s, each kernel alone; the layer with each pair."""
-    from minisgl.kernels.moe import PairConfig, VecTile, pair_down, pair_gate_up
+    from minisgl.kernels.moe.pair import pair_down, pair_gate_up
+    from minisgl.kernels.moe.tiles import PairConfig, VecTile
 
     inp, sets, scales = case.inp, case.logit_sets, case.scales
     assert scales is not None
@@ -662,7 +666,9 @@ def tune_fp8(seed: int, token_counts: Sequence[int]) -> list[Row]:
 
 def tune_blocked(case: TuneCase, block_m: int) -> Row:
     """Best gate/up tile, then the best down tile on its output, for one block height."""
-    from minisgl.kernels.moe import FusedMoEConfig, down_gemm, fused_topk, gate_up_gemm, moe_align
+    from minisgl.kernels.moe.blocked import down_gemm, gate_up_gemm
+    from minisgl.kernels.moe.routing import fused_topk, moe_align
+    from minisgl.kernels.moe.tiles import FusedMoEConfig
 
     inp = case.inp
     routed = [fused_topk(lg, inp.top_k, True) for lg in case.logit_sets]
@@ -691,7 +697,7 @@ def tune_row(
 
 
 def config_source(config: MoEConfig) -> str:
-    from minisgl.kernels.moe import PairConfig
+    from minisgl.kernels.moe.tiles import PairConfig
 
     def tile(t: GemmTile) -> str:
         return f"GemmTile({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
@@ -730,7 +736,7 @@ def best_per_tokens(rows: list[Row]) -> list[Row]:
 
 
 def config_table_source(best: list[Row]) -> str:
-    """`DEFAULT_CONFIGS` of minisgl/kernels/moe.py as Python source, from the sweep's winners:
+    """`DEFAULT_CONFIGS` of minisgl/kernels/moe/tiles.py as Python source, from the sweep's winners:
     each token count's config covers the rows per expert above the previous count's, up to its
     own; the largest count's covers everything above."""
     lines = [
@@ -799,12 +805,12 @@ W8A8_TOKENS = (64, 128, 256, 512)
 def run_w8a8_kernels(seed: int, token_counts: Sequence[int], tune: bool) -> list[Row]:
     """FP8 experts (one scale per row) at the Qwen3-30B-A3B shape: the blocked path's two
     grouped GEMMs with bf16 activations (weight-only, the default) against the W8A8 kernels
-    (`minisgl.kernels.moe_fp8`: the activation quantization, gate/up, down), on the same
+    (`minisgl.kernels.moe.w8a8`: the activation quantization, gate/up, down), on the same
     `moe_align` rows, each timed as a CUDA graph; and their error against the bf16 layer on
     the dequantized weights."""
-    from minisgl.kernels import moe_fp8
     from minisgl.kernels.fp8 import ExpertScales
-    from minisgl.kernels.moe import FusedMoEConfig, default_config
+    from minisgl.kernels.moe import w8a8
+    from minisgl.kernels.moe.tiles import FusedMoEConfig, default_config
 
     w13, w2 = random_weights(NUM_EXPERTS, HIDDEN, INTER, seed)
     (q13, s13), (q2, s2) = fp8_rows(w13), fp8_rows(w2)
@@ -813,7 +819,7 @@ def run_w8a8_kernels(seed: int, token_counts: Sequence[int], tune: bool) -> list
     for tokens in token_counts:
         inp = random_inputs(tokens, (w13, w2), TOP_K, seed + tokens)
         cfg = default_config(tokens, TOP_K, NUM_EXPERTS)
-        if not isinstance(cfg, FusedMoEConfig) or cfg.block_m > moe_fp8.MAX_BLOCK_M:
+        if not isinstance(cfg, FusedMoEConfig) or cfg.block_m > w8a8.MAX_BLOCK_M:
             continue
         row = w8a8_row(inp, cfg, q13, q2, scales, tune)
         print(f"  w8a8 {row}", file=sys.stderr)
@@ -832,18 +838,19 @@ def w8a8_row(
     """One token count of `run_w8a8_kernels`: each path's gate/up and down launches timed on
     their own (the W8A8 gate/up includes the quantization of x) and together; with `tune`,
     the W8A8 tiles of W8A8_TUNE_* too (gate/up first, then down with the best gate/up)."""
-    from minisgl.kernels import moe_fp8
-    from minisgl.kernels.fp8_gemm import quantize_activations
-    from minisgl.kernels.moe import down_gemm, fused_topk, gate_up_gemm, moe_align
+    from minisgl.kernels.fp8.gemm import quantize_activations
+    from minisgl.kernels.moe import w8a8
+    from minisgl.kernels.moe.blocked import down_gemm, gate_up_gemm
+    from minisgl.kernels.moe.routing import fused_topk, moe_align
 
     tokens = inp.x.shape[0]
     s13, s2 = scales
     sets = routing_sets(inp)
     routed = [fused_topk(lg, TOP_K, True) for lg in sets]
     aligned = [moe_align(ids, NUM_EXPERTS, cfg.block_m) for _, ids in routed]
-    w8_m = moe_fp8.w8a8_block_m(cfg.block_m)  # the W8A8 path's own rows (MIN_BLOCK_M)
+    w8_m = w8a8.w8a8_block_m(cfg.block_m)  # the W8A8 path's own rows (MIN_BLOCK_M)
     w8_rows = [moe_align(ids, NUM_EXPERTS, w8_m) for _, ids in routed]
-    w8 = moe_fp8.w8a8_config(w8_m)
+    w8 = w8a8.w8a8_config(w8_m)
 
     def wo_gate_up(i: int) -> torch.Tensor:
         return gate_up_gemm(inp.x, q13, aligned[i], TOP_K, cfg.gate_up, s13)
@@ -858,17 +865,17 @@ def w8a8_row(
         return down_gemm(act, q2, routed[i][0], aligned[i], cfg.down, s2)
 
     def w8_gate_up(i: int, tile: Any = w8.gate_up) -> tuple[torch.Tensor, torch.Tensor]:
-        xq, xs = quantize_activations(inp.x, moe_fp8.GROUP)
-        return moe_fp8.w8a8_gate_up(xq, xs, q13, s13, w8_rows[i], TOP_K, tile, inp.x.dtype)
+        xq, xs = quantize_activations(inp.x, w8a8.GROUP)
+        return w8a8.w8a8_gate_up(xq, xs, q13, s13, w8_rows[i], TOP_K, tile, inp.x.dtype)
 
     qacts = [w8_gate_up(i) for i in range(len(sets))]
 
     def w8_down(i: int, tile: Any = w8.down) -> torch.Tensor:
         aq, a_scale = qacts[i]
-        return moe_fp8.w8a8_down(aq, a_scale, q2, s2, routed[i][0], w8_rows[i], tile, inp.x.dtype)
+        return w8a8.w8a8_down(aq, a_scale, q2, s2, routed[i][0], w8_rows[i], tile, inp.x.dtype)
 
     def w8_all(i: int, config: Any = w8) -> torch.Tensor:
-        return moe_fp8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], w8_rows[i], config)
+        return w8a8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], w8_rows[i], config)
 
     truth = moe_reference(
         inp.x.float(), q13, q2, Routing(routed[0][0], routed[0][1].long()), scales
@@ -885,7 +892,7 @@ def w8a8_row(
     row["w8_err"] = rel_err(w8_all(0).view(tokens, TOP_K, -1).sum(dim=1), truth)
     row["w8_config"] = str(w8)
     if tune:
-        from minisgl.kernels.moe_fp8 import W8A8Config, W8A8Tile
+        from minisgl.kernels.moe.w8a8 import W8A8Config, W8A8Tile
 
         best_gu = min(
             (W8A8Tile(*t) for t in W8A8_TUNE_GATE_UP),
@@ -942,14 +949,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--moe-fp8-weight-only",
         action="store_true",
         help="FP8 experts on the blocked path keep the weight-only grouped GEMMs, not the W8A8 "
-        "kernels (minisgl.kernels.moe_fp8; sets MINISGL_MOE_W8A8=0 for this process and its "
+        "kernels (minisgl.kernels.moe.w8a8; sets MINISGL_MOE_W8A8=0 for this process and its "
         "children)",
     )
     ap.add_argument(
         "--w8a8-block-m",
         type=int,
         default=None,
-        help="the W8A8 path's least BLOCK_M (moe_fp8.MIN_BLOCK_M; sets MINISGL_MOE_W8A8_BLOCK_M)",
+        help="the W8A8 path's least BLOCK_M (w8a8.MIN_BLOCK_M; sets MINISGL_MOE_W8A8_BLOCK_M)",
     )
     ap.add_argument(
         "--w8a8-kernels",
@@ -985,16 +992,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
     if args.moe_fp8_weight_only:
-        from minisgl.kernels import moe_fp8
+        from minisgl.kernels.moe import w8a8
 
-        os.environ[moe_fp8.ENV_W8A8] = "0"  # engine processes started from here
-        moe_fp8.ENABLED = False
+        os.environ[w8a8.ENV_W8A8] = "0"  # engine processes started from here
+        w8a8.ENABLED = False
         result["moe_fp8_weight_only"] = True
     if args.w8a8_block_m is not None:
-        from minisgl.kernels import moe_fp8
+        from minisgl.kernels.moe import w8a8
 
-        os.environ[moe_fp8.ENV_W8A8_BLOCK_M] = str(args.w8a8_block_m)
-        moe_fp8.MIN_BLOCK_M = args.w8a8_block_m
+        os.environ[w8a8.ENV_W8A8_BLOCK_M] = str(args.w8a8_block_m)
+        w8a8.MIN_BLOCK_M = args.w8a8_block_m
         result["w8a8_block_m"] = args.w8a8_block_m
     if args.tune_fp8:
         tokens = [t for t in args.tune_tokens if t * TOP_K / NUM_EXPERTS <= PAIR_TUNE_MAX_ROWS]
@@ -1013,7 +1020,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["tune_best"] = best_per_tokens(result["tune"])
         print_table("tile sweep: best per path and block_m", result["tune"], TUNE_COLUMNS)
         print_table("tile sweep: best per token count", result["tune_best"], TUNE_COLUMNS)
-        print("\npaste into minisgl/kernels/moe.py:\n" + config_table_source(result["tune_best"]))
+        print(
+            "\npaste into minisgl/kernels/moe/tiles.py:\n"
+            + config_table_source(result["tune_best"])
+        )
     elif args.profile:
         kernels, totals = profile_decode(args.seed, args.attention_backend, args.profile_batch,
                                          args.profile_steps, not args.profile_eager,

@@ -1,4 +1,4 @@
-"""The skinny-GEMM tuner: the tensor-core GEMM for 1..16 rows of x (`minisgl.kernels.skinny`)
+"""The skinny-GEMM tuner: the tensor-core GEMM for 1..16 rows of x (`minisgl.kernels.gemv.skinny`)
 against cuBLAS, the fused GEMV and the FP8 tensor-core GEMM, at the decode shapes of Llama-3-8B
 and Qwen3-0.6B, and the numbers that set its switches.
 
@@ -11,7 +11,7 @@ at one row, as the model runs it; FP8: at every M, the weight-only path up to
 kernel: a sweep of configs (the default among them) at M = 5 (a verify step of 4 drafts; the
 best again with its first weight tile loaded after the PDL wait), then the best and the default
 config at every M. Prints microseconds and TB/s of weight bytes per shape and M, a `TUNED`
-table to paste into `minisgl/kernels/skinny.py`, and the switches: the largest M up to which
+table to paste into `minisgl/kernels/gemv/skinny.py`, and the switches: the largest M up to which
 the skinny kernel beats cuBLAS for a whole decoder layer at every M from 2 (for
 `SKINNY_MAX_HIDDEN` in `minisgl/config/quant.py`); FP8: whether it beats the GEMV (`fp8_skinny`) and up to which M
 the weight-only kernels beat the FP8 GEMM (`FP8_GEMV_MAX_ROWS`). The last line is one JSON
@@ -69,7 +69,7 @@ def sweep_configs(n: int, k: int, fmt: str, quick: bool) -> list[Any]:
     """Tiles to sweep for one shape, each unsplit and with the split count that gives the SMs two
     programs each (at least 4 K steps a split). e4m3 weights are one byte: per-row scaled ones
     take twice the columns per step for the same bytes; block-scaled ones need 128."""
-    from minisgl.kernels.skinny import SkinnyConfig
+    from minisgl.kernels.gemv.skinny import SkinnyConfig
 
     tiles: list[tuple[int, int, int, int]] = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3)]
     if fmt == "row":
@@ -143,14 +143,14 @@ class Probe:
         return {}
 
     def skinny_us(self, x: torch.Tensor, r: torch.Tensor, cfg: Any) -> float:
-        from minisgl.kernels.skinny import skinny
+        from minisgl.kernels.gemv.skinny import skinny
 
         kw = self.fused_kwargs(r)
         ws = self.ws
         return 1e6 * time_graph(lambda i: skinny(x, ws[i][0], config=cfg, weight_scale=ws[i][1], **kw), len(ws))  # fmt: skip
 
     def gemv_us(self, x: torch.Tensor, r: torch.Tensor) -> float:
-        from minisgl.kernels.gemv import gemv
+        from minisgl.kernels.gemv.gemv import gemv
 
         kw = self.fused_kwargs(r)
         ws = self.ws
@@ -162,7 +162,7 @@ class Probe:
         return 1e6 * time_graph(lambda i: F.linear(xk, dense[i]), len(dense))
 
     def fp8_gemm_us(self, x: torch.Tensor) -> float:
-        from minisgl.kernels.fp8_gemm import fp8_linear
+        from minisgl.kernels.fp8.gemm import fp8_linear
 
         xk = x[:, : self.k].contiguous()
         ws = self.ws
@@ -170,7 +170,7 @@ class Probe:
 
     def rel_err(self, x: torch.Tensor, r: torch.Tensor, cfg: Any) -> float:
         """The skinny GEMM's result against fp32 torch on the same values."""
-        from minisgl.kernels.skinny import skinny
+        from minisgl.kernels.gemv.skinny import skinny
 
         xf = x.float()
         if self.kind == "act_residual":
@@ -191,7 +191,7 @@ def _label(c: Any) -> str:
 
 def probe_shape(name: str, n: int, k: int, kind: str, fmt: str, quick: bool) -> list[Row]:
     """One row per M for this shape; the chosen config rides along under "config"."""
-    from minisgl.kernels.skinny import default_config
+    from minisgl.kernels.gemv.skinny import default_config
 
     p = Probe(n, k, kind, fmt)
     x, r = p.inputs(SWEEP_ROWS)
@@ -264,7 +264,7 @@ def summarize(rows: list[Row], fmt: str) -> Row:
 
 
 def print_tuned(rows: list[Row], fmt: str) -> None:
-    print(f"\n# {fmt} weights: paste into TUNED in minisgl/kernels/skinny.py")
+    print(f"\n# {fmt} weights: paste into TUNED in minisgl/kernels/gemv/skinny.py")
     seen = set()
     for r in rows:
         key = (r["N"], r["K"], "act" in r["gemm"], fmt)

@@ -12,20 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
     check_kv_scales,
-    emulate_fp8,
     key_shift,
-    pdl_args,
-    pdl_prologue,
     quantize_fp8,
     v_page_size,
     v_row_ptrs,
 )
-from minisgl.kernels.fp8_gemm import fp8_linear
-from minisgl.kernels.gemv import gemv
-from minisgl.kernels.moe import one_row_moe
-from minisgl.kernels.skinny import skinny
+from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
+from minisgl.kernels.fp8.gemm import fp8_linear
+from minisgl.kernels.gemv.gemv import gemv
+from minisgl.kernels.gemv.skinny import skinny
+from minisgl.kernels.moe.layer import one_row_moe
 
 __all__ = [
     "fp8_linear",

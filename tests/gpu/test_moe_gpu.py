@@ -13,15 +13,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
-from minisgl.kernels.moe import (  # noqa: E402
-    FusedMoEConfig,
-    GemmTile,
-    PairConfig,
-    default_config,
-    fused_experts,
-    fused_moe,
-    fused_topk,
-)
+from minisgl.kernels.moe.layer import fused_experts, fused_moe  # noqa: E402
+from minisgl.kernels.moe.routing import fused_topk  # noqa: E402
+from minisgl.kernels.moe.tiles import FusedMoEConfig, GemmTile, PairConfig, default_config  # noqa: E402
 from minisgl.layers.moe import (  # noqa: E402
     Routing,
     SparseMoeBlock,

@@ -1,4 +1,4 @@
-"""The one-row GEMV with its fused prologue / epilogue (`minisgl.kernels.gemv`) against the same
+"""The one-row GEMV with its fused prologue / epilogue (`minisgl.kernels.gemv.gemv`) against the same
 math in fp32 torch. Without CUDA it runs in Triton's CPU interpreter (small shapes); the sm_90
 compile check runs the real compiler without a GPU."""
 
@@ -20,8 +20,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _gemv_module():
-    from minisgl.kernels import gemv
     from minisgl.kernels.common import is_interpreted
+    from minisgl.kernels.gemv import gemv
 
     if DEVICE == "cpu" and not is_interpreted(gemv._gemv_kernel):
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
@@ -209,7 +209,7 @@ def test_gemv_rows_are_independent():
 
 
 def test_gemv_supported_rejects_what_it_cannot_run():
-    from minisgl.kernels.gemv import gemv_supported
+    from minisgl.kernels.gemv.gemv import gemv_supported
 
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert gemv_supported(torch.zeros(1, 16, dtype=torch.bfloat16), w)
@@ -289,7 +289,7 @@ COMPILE_VEC = [
 def _compile_all() -> list[dict[str, object]]:
     from sm90 import compile_sm90
 
-    from minisgl.kernels.gemv import _gemv_kernel, _gemv_persist_kernel, _gemv_rows_kernel
+    from minisgl.kernels.gemv.gemv import _gemv_kernel, _gemv_persist_kernel, _gemv_rows_kernel
 
     out = []
     vec = [

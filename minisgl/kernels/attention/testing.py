@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernels.attention.reference import context_slots
 from minisgl.kernels.fp8 import is_fp8, quantize_kv, v_pages
-from minisgl.kernels.reference import context_slots
 
 
 @dataclass

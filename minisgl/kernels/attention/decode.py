@@ -18,22 +18,24 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
     check_kv_scales,
     check_paged_args,
     combine_splits,
-    dot,
-    dot_flags,
     fp8_operand,
     kv_split_len,
     load_v_block,
-    num_sms,
     online_softmax_step,
+    token_slots,
+)
+from minisgl.kernels.common import (
+    dot,
+    dot_flags,
+    num_sms,
     pdl_args,
     pdl_prologue,
     round_bf16,
     split_counters,
-    token_slots,
 )
 
 

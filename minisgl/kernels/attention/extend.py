@@ -15,19 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
     check_kv_scales,
     check_paged_args,
-    dot,
-    dot_flags,
     fp8_operand,
     load_v_block,
     online_softmax_step,
-    pdl_args,
-    pdl_prologue,
-    round_bf16,
     token_slots,
 )
+from minisgl.kernels.common import dot, dot_flags, pdl_args, pdl_prologue, round_bf16
 
 
 @dataclass(frozen=True)

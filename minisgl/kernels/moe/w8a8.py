@@ -15,11 +15,11 @@ Activations are quantized per token and group of 128 columns (the DeepSeek-V3 / 
 "per-token-group" scheme): each K step of 128 columns is one e4m3 dot started from zero, then
 added to the fp32 accumulator times the activation group's scale (and a 128 x 128 weight block's
 scale). Promoting every 128 columns also bounds the reduced precision of Hopper's FP8 MMA
-accumulator (`minisgl.kernels.fp8_gemm`); per-row weight scales are applied once at the end.
+accumulator (`minisgl.kernels.fp8.gemm`); per-row weight scales are applied once at the end.
 
 Launches per layer after `fused_topk` and `moe_align` (shared with the weight-only path):
 
-1. `quantize_activations` (`minisgl.kernels.fp8_gemm`): x [T, H] -> e4m3 + [T, H/128] scales.
+1. `quantize_activations` (`minisgl.kernels.fp8.gemm`): x [T, H] -> e4m3 + [T, H/128] scales.
 2. `_w8a8_gate_up_kernel`: silu(gate) * up of each sorted row. With BLOCK_N == 128 a program
    holds whole 128-column groups of I, so its epilogue quantizes the result itself (e4m3 +
    one scale per row and group); narrower tiles write 16-bit activations and a separate
@@ -33,7 +33,7 @@ measured 1.05x in session 10): e4m3 experts on CUDA take it (`use_w8a8`) on rows
 `moe_align` pads to the path's own BLOCK_M (`w8a8_block_m`: the table's, at least MIN_BLOCK_M,
 `MINISGL_MOE_W8A8_BLOCK_M`); `MINISGL_MOE_W8A8=0` in the environment (or `ENABLED = False`
 here) keeps them on the weight-only grouped GEMMs. The dense FP8 layers quantize activations
-per token above their GEMV rows the same way (`minisgl.kernels.fp8_gemm`); this path's
+per token above their GEMV rows the same way (`minisgl.kernels.fp8.gemm`); this path's
 accuracy on a real MoE checkpoint is not measured (none can be carried to the GPU here).
 """
 
@@ -47,20 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
-    emulate_fp8,
-    is_interpreted,
-    pdl_args,
-    pdl_prologue,
-    round_e4m3,
-    row_block_scales,
-    sorted_block,
-)
+from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
 from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
-from minisgl.kernels.fp8_gemm import quantize_activations
+from minisgl.kernels.fp8.gemm import quantize_activations
+from minisgl.kernels.moe.common import row_block_scales, sorted_block
 
 if TYPE_CHECKING:
-    from minisgl.kernels.moe import AlignedRows
+    from minisgl.kernels.moe.routing import AlignedRows
 
 GROUP = 128  # columns per activation scale (and the weights' block size)
 ENV_W8A8 = "MINISGL_MOE_W8A8"

@@ -36,21 +36,23 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
     check_kv_scales,
     check_paged_args,
     combine_splits,
-    dot,
-    dot_flags,
     fp8_operand,
     kv_split_len,
     load_v_block,
     online_softmax_step,
+    token_slots,
+)
+from minisgl.kernels.common import (
+    dot,
+    dot_flags,
     pdl_args,
     pdl_prologue,
     round_bf16,
     split_counters,
-    token_slots,
 )
 
 
@@ -410,7 +412,7 @@ def mixed_attention(
     out: torch.Tensor | None = None,  # [Tp, Hq, D], written in place if given
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
 ) -> torch.Tensor:  # [Tp, Hq, D], dtype of q; padding rows are zeros
-    """Attention of every row of a mixed step (`minisgl.kernels.mixed`), one launch whose grid
+    """Attention of every row of a mixed step (`minisgl.kernels.attention.mixed`), one launch whose grid
     and buffers depend only on the shapes (Tp, Bmax, P) and `num_splits`: no host sync, no
     allocation that depends on the step, so a CUDA graph captured with these buffers replays it
     for any composition. Run it once outside a capture first (its split counters)."""

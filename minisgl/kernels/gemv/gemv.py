@@ -708,7 +708,7 @@ def check_fused_linear(
     act: bool,
     weight_scale: torch.Tensor | None,
 ) -> tuple[int, int, int, int]:
-    """The shapes of a fused linear call of a few rows (`gemv`, `minisgl.kernels.skinny.skinny`):
+    """The shapes of a fused linear call of a few rows (`gemv`, `minisgl.kernels.gemv.skinny.skinny`):
     (M, N, K, the W_SCALE variant)."""
     m = x.shape[0]
     n, k = weight.shape

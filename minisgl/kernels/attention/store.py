@@ -7,16 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
     check_kv_scales,
-    emulate_fp8,
     key_shift,
-    pdl_args,
-    pdl_prologue,
     quantize_fp8,
     v_page_size,
     v_row_ptrs,
 )
+from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Skinny GEMMs: linear layers with a few rows of x (M = 1..16) on tensor cores, reading each
 weight tile from DRAM exactly once for all M rows: y[M, N] = epilogue(prologue(x)[M, K] W[N, K]^T).
 
-Where it sits. At one row the fused GEMV (`minisgl.kernels.gemv`) reads the weights near the
+Where it sits. At one row the fused GEMV (`minisgl.kernels.gemv.gemv`) reads the weights near the
 copy bandwidth; it holds a [BLOCK_N, BLOCK_K] fp32 partial sum per row of x, so several rows
 cost one program (and one pass over the tile, from L2 after the first) each. cuBLAS at 2..16
 rows (a speculative verify step, a small decode batch) is a GEMM sized for large M. Here one
@@ -19,7 +19,7 @@ operand (its M side), x its narrow one (N = 16): the same tensor-core work at an
 - FP8 (e4m3) weights: widened to x's dtype in registers (exact) before the dot. A scale per
   output row multiplies the output columns at the end; 128 x 128 block scales multiply each
   128-column K step's dot (BLOCK_K = 128), whose fp32 sum is added to the accumulator (as in
-  `minisgl.kernels.fp8_gemm`).
+  `minisgl.kernels.fp8.gemm`).
 - Split-K (`SkinnyConfig.split_k`) for shapes with too few BLOCK_N tiles to fill the SMs: each
   split writes its fp32 partial (and its rows' partial sums of squares) to a scratch buffer; the
   last split of a tile to finish (a counter per tile, zeroed again by it) adds the splits in a
@@ -50,7 +50,7 @@ from minisgl.kernels.common import (
     round_bf16,
     split_counters,
 )
-from minisgl.kernels.gemv import check_fused_linear
+from minisgl.kernels.gemv.gemv import check_fused_linear
 
 BLOCK_M = 16  # rows of x per program: tl.dot's smallest side
 MAX_ROWS = BLOCK_M
@@ -320,7 +320,7 @@ def skinny(
     config: SkinnyConfig | None = None,
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
 ) -> torch.Tensor:  # [M, N], dtype of x
-    """The same call as `minisgl.kernels.gemv.gemv` (a drop-in for its few-row uses)."""
+    """The same call as `minisgl.kernels.gemv.gemv.gemv` (a drop-in for its few-row uses)."""
     assert skinny_supported(x, weight, x.shape[0])
     m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     cfg = config or default_config(n, k, act, FORMATS[w_scale], num_sms(x.device))
