@@ -80,9 +80,9 @@ def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
     127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
     represent."""
     # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference. A
-    # product by one reciprocal per head was tried (session 16): it moved ~1e-7 of random
-    # values' bytes, yet SmolLM2's calibrated FP8-KV perplexity went from +0.45% to +0.60%
-    # (noise at this size, but the target is 1%), for a store kernel of ~6 us a layer.
+    # product by one reciprocal per head moved ~1e-7 of random values' bytes, yet SmolLM2's
+    # calibrated FP8-KV perplexity went from +0.45% to +0.60% (noise at this size, but the
+    # target is 1%), for a store kernel of ~6 us a layer: not worth it.
     y = tl.math.div_rn(x.to(tl.float32) - shift, scale[:, None] + tl.zeros_like(x.to(tl.float32)))
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EMULATE_FP8:
@@ -110,10 +110,8 @@ def load_v_block(
     mask_n,  # [BLOCK_N] positions inside the context, or None: all of them
     offs_d,  # [HEAD_DIM]
     stride_vt,  # V's stride of a token (16-bit pools) or of a page (PAGED_T)
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGED_T: tl.constexpr,
-):
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED_T: tl.constexpr,
+):  # fmt: skip
     """A [BLOCK_N, HEAD_DIM] block of V. PAGED_T (an FP8 pool, `minisgl.kernels.fp8`): pages
     stored [Hkv, D, PAGE_SIZE], read as [HEAD_DIM, BLOCK_N] with a page's keys side by side, the
     layout the P V product takes without byte shuffles, and not masked (a mask along the keys
@@ -139,15 +137,9 @@ def load_v_block(
 
 @triton.jit
 def v_row_ptrs(
-    v_ptr,
-    slot,
-    offs_h,
-    offs_d,
-    stride_vt,
-    stride_vh,
-    PAGE_SIZE: tl.constexpr,
+    v_ptr, slot, offs_h, offs_d, stride_vt, stride_vh, PAGE_SIZE: tl.constexpr,
     PAGED_T: tl.constexpr,
-):
+):  # fmt: skip
     """[H, D] pointers of token `slot`'s V in a V cache: rows [slots, Hkv, D] (`stride_vt` a
     token's stride), or PAGED_T, an FP8 pool's pages [Hkv, D, PAGE_SIZE] (`stride_vt` a page's)."""
     if PAGED_T:
@@ -172,15 +164,9 @@ def token_slots(table_row_ptr, pos, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def online_softmax_step(
-    qk,
-    v,
-    m_i,
-    l_i,
-    acc,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    qk, v, m_i, l_i, acc, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
     MAY_BE_EMPTY: tl.constexpr = False,
-):
+):  # fmt: skip
     """Fold one key block into the running softmax (base-2 domain).
 
     qk [M, N] fp32 scores already multiplied by sm_scale * log2(e), masked keys at -inf; v [N, D];
@@ -204,6 +190,78 @@ def online_softmax_step(
 
 
 @triton.jit
+def load_q(ptrs, mask, scale_log2, k_scale_ptr, kv_head, KV_FP8: tl.constexpr):
+    """A tile of queries (rows where `mask`, zeros elsewhere) and the factor of its scores,
+    sm_scale * log2(e): with an FP8 cache q is widened to the dots' operand type and the factor
+    takes K's scale (the e4m3 K/V tiles are widened in registers; their scales act on scores
+    and output)."""
+    q = tl.load(ptrs, mask=mask[:, None], other=0.0)
+    qk_scale = scale_log2
+    if KV_FP8:
+        q = fp8_operand(q, q)
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
+    return q, qk_scale
+
+
+@triton.jit
+def attend_keys(
+    q,  # [ROWS, D], widened for FP8 K/V
+    q_pos,  # [ROWS] positions of the rows' tokens (CAUSAL)
+    table_row,  # pointer to the request's page ids
+    k_base,  # [1, D] pointers of the KV head at slot 0
+    v_base,  # the V of the KV head (a scalar pointer: `load_v_block`)
+    stride_kt, stride_vt, m_i, l_i, acc,
+    start,  # first key
+    end,  # keys are < end
+    qk_scale,
+    CAUSAL: tl.constexpr,  # mask key k of row r unless k <= q_pos[r] (else: only k < end)
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, MAY_BE_EMPTY: tl.constexpr = False,
+    MASKED: tl.constexpr = True,  # False: whole blocks, every key visible to every row
+):  # fmt: skip
+    """Fold keys start .. end - 1 of one request into a tile's running softmax: the loop of
+    every attention kernel (decode, extend, mixed)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, q.shape[1])
+    for n in range(start, end, BLOCK_N):
+        k_pos = n + offs_n
+        if MASKED:
+            mask_n = k_pos < end
+            slots = token_slots(table_row, tl.minimum(k_pos, end - 1), PAGE_SIZE)
+            k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
+        else:
+            mask_n = None
+            slots = token_slots(table_row, k_pos, PAGE_SIZE)
+            k = tl.load(k_base + slots[:, None] * stride_kt)
+        if KV_FP8:
+            k = fp8_operand(k, q)
+        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
+        if MASKED:
+            visible = mask_n[None, :]
+            if CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        v = load_v_block(
+            v_base, slots, k_pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
+        )
+        if KV_FP8:
+            v = fp8_operand(v, q)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16, MAY_BE_EMPTY)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def normalize(acc, l_i, v_scale_ptr, kv_head, KV_FP8: tl.constexpr):
+    """(acc / l: the attention output of each row, zeros for a row that saw no key, times V's
+    scale for an FP8 cache; l with those rows at 1, for the log-sum-exp)."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
+    return out, l_safe
+
+
+@triton.jit
 def kv_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """Keys per split when a request of `seq_len` keys is split `num_splits` ways (flash
     decoding): a whole number of BLOCK_N blocks, so splits past the end of a short request are
@@ -220,10 +278,8 @@ def combine_splits(
     rows,  # [BLOCK_H] index of split 0 of each tile row in the partial buffers
     num_valid,  # splits that wrote partials
     mask_h,  # [BLOCK_H] real rows of the tile
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-):
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
     """Softmax-weighted sum of the splits' normalised partial outputs (base-2 log-sum-exps),
     run by the last split to finish (decode and mixed attention). The partials were written by
     other programs: the loads bypass L1 (.cg)."""

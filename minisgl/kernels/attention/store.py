@@ -19,30 +19,16 @@ from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
 
 @triton.jit
 def _store_kv_kernel(
-    k_cache_ptr,
-    v_cache_ptr,
-    loc_ptr,
-    k_ptr,
-    v_ptr,
+    k_cache_ptr, v_cache_ptr, loc_ptr, k_ptr, v_ptr,
     k_scale_ptr,  # [NUM_HEADS] fp32 (KV_FP8)
     v_scale_ptr,
     k_shift_ptr,  # [NUM_HEADS, HEAD_DIM] fp32 (KV_FP8)
-    stride_ck,
-    stride_ckh,
-    stride_cv,
-    stride_cvh,
-    stride_k,
-    stride_kh,
-    stride_v,
-    stride_vh,
-    NUM_HEADS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    stride_ck, stride_ckh, stride_cv, stride_cvh, stride_k, stride_kh, stride_v, stride_vh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
     PAGE_SIZE: tl.constexpr,  # of an FP8 V cache, whose pages are [NUM_HEADS, HEAD_DIM, PAGE_SIZE]
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0)
     slot = tl.load(loc_ptr + t).to(tl.int64)
