@@ -69,8 +69,8 @@ class SkinnyConfig:
 
 # Weight formats: 16-bit, e4m3 with a scale per row, e4m3 with 128 x 128 block scales.
 FORMATS = ("bf16", "row", "block")
-# (N, K, act, format) -> config measured best on an H200 (`python -m minisgl.benchmark.gemv
-# --skinny --quick`, session 13; us at M = 5, cuBLAS beside it). Slower than cuBLAS on the
+# (N, K, act, format) -> config measured best on an H200 (`python -m minisgl.benchmark.tune
+# skinny --quick`; us at M = 5, cuBLAS beside it). Slower than cuBLAS on the
 # Llama-3-8B shapes (gate_up 68.8 vs 63.1, down 50.8 vs 32.7), faster on small ones (0.6B
 # o_proj 4.2 vs 8.3); e4m3 weights ran at 1.1-1.6 TB/s, behind the FP8 GEMV: not tabled.
 TUNED: dict[tuple[int, int, bool, str], SkinnyConfig] = {
@@ -110,13 +110,10 @@ def _x_tile(
     g_ptr,  # [K] RMSNorm weight (NORM)
     offs_k,  # [BLOCK_K] columns
     offs_m,  # [BLOCK_M] rows
-    M,
-    K,
+    M, K,
     k_end,  # columns from here on read as zeros (K, or less for an empty tile)
-    stride_xm,
-    NORM: tl.constexpr,
-    ACT: tl.constexpr,
-):
+    stride_xm, NORM: tl.constexpr, ACT: tl.constexpr,
+):  # fmt: skip
     """(x^T [BLOCK_K, BLOCK_M] fp32 as multiplied (times the norm weight with NORM; silu(gate)
     * up with ACT), its raw values' column sums of squares [BLOCK_M]); zeros past M and K."""
     mask = (offs_k < k_end)[:, None] & (offs_m < M)[None, :]
@@ -137,9 +134,8 @@ def _tile_dot(
     w,  # [BLOCK_N, BLOCK_K] weight tile as loaded (x's dtype or e4m3)
     x,  # [BLOCK_K, BLOCK_M] fp32
     x_ptr,  # x's pointer: its dtype is the operands'
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-):
+    IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
     """w @ x on tensor cores with fp32 accumulation; both operands in x's dtype (e4m3 widens
     exactly), x rounded to it first."""
     if EMULATE_BF16:  # the CPU interpreter (see `common.dot_flags`): bf16 values kept in fp32
@@ -164,28 +160,12 @@ def _skinny_kernel(
     part_ptr,  # [tiles, SPLIT_K, BLOCK_N, BLOCK_M] fp32 partial products (SPLIT_K > 1)
     ss_ptr,  # [tiles, SPLIT_K, BLOCK_M] fp32 partial sums of squares (SPLIT_K > 1)
     counter_ptr,  # [tiles] int32, zero between launches (SPLIT_K > 1)
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    NORM: tl.constexpr,
-    ACT: tl.constexpr,
+    M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per output row, 2: per 128 x 128 block
-    SPLIT_K: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    SPLIT_K: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
