@@ -48,29 +48,15 @@ def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]: gate rows [0, I), up rows [I, 2I)
     act_ptr,  # [max_blocks * BLOCK_M, I]: silu(gate) * up, in sorted order
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     s_ptr,  # e4m3 w: [E, 2I] fp32 per row (W_SCALE 1), [E, 2I/128, H/128] per block (2)
     numel,
     inter,  # I
     hidden,  # H
-    stride_xt,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_at,
-    stride_se,
-    stride_sn,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    W_SCALE: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    stride_xt, stride_we, stride_wn, stride_wk, stride_at, stride_se, stride_sn,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # Program (m, n): block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I. The
     # grid runs m fastest, so neighbouring programs share an expert's weight tile in L2.
@@ -127,28 +113,15 @@ def _down_kernel(
     w_ptr,  # [E, H, I]
     out_ptr,  # [T * K, H]: row t * K + k
     topk_weights_ptr,  # [T * K] fp32
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     s_ptr,  # e4m3 w: [E, H] fp32 per row (W_SCALE 1), [E, H/128, I/128] per block (2)
     numel,
     hidden,  # H (the output columns)
     inter,  # I (the reduction)
-    stride_at,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_ot,
-    stride_se,
-    stride_sn,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    W_SCALE: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    stride_at, stride_we, stride_wn, stride_wk, stride_ot, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)

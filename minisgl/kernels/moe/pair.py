@@ -57,27 +57,11 @@ def _pair_gate_up_kernel(
     s_ptr,  # e4m3 w: [E, 2I] fp32 per row (W_SCALE 1), [E, 2I/128, H/128] per block (2)
     inter,  # I
     hidden,  # H
-    num_experts,
-    eps,
-    stride_xt,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_at,
-    stride_l,
-    stride_se,
-    stride_sn,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROUTE: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    NORM: tl.constexpr,
-    W_SCALE: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    num_experts, eps, stride_xt, stride_we, stride_wn, stride_wk, stride_at, stride_l, stride_se,
+    stride_sn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # Program (p, n): pair p = t * K + k x columns [n * BLOCK_N, +BLOCK_N) of I. With ROUTE every
     # program of token t routes t again (a few hundred cycles; cheaper than a launch) and the
@@ -164,19 +148,11 @@ def _pair_down_loads(
     ids,  # [BLOCK_TOPK] the token's experts
     token,
     i,  # the step: (slot, I tile) = divmod(i, k_tiles); past the last step, nothing loads
-    k_tiles,
-    inter,
-    mask_n,
-    stride_at,
-    stride_we,
-    stride_wk,
+    k_tiles, inter, mask_n, stride_at, stride_we, stride_wk,
     s_rows,  # [BLOCK_N] pointers to expert 0's row scales (W_SCALE 1) or [1] to its block row
-    stride_se,
-    TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
+    stride_se, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     W_SCALE: tl.constexpr,
-):
+):  # fmt: skip
     slot = i // k_tiles
     offs = (i - slot * k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs < tl.where(slot < TOP_K, inter, 0)
@@ -206,22 +182,10 @@ def _pair_down_kernel(
     s_ptr,  # e4m3 w: [E, H] fp32 per row (W_SCALE 1), [E, H/128, I/128] per block (2)
     hidden,  # H (the output columns)
     inter,  # I (the reduction)
-    stride_at,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_ot,
-    stride_rt,
-    stride_se,
-    stride_sn,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    W_SCALE: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    stride_at, stride_we, stride_wn, stride_wk, stride_ot, stride_rt, stride_se, stride_sn,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+    HAS_RES: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of token t's output, summed over its K
     # experts in registers (no atomics, no separate sum). One flat loop over (k, I tile) steps
@@ -282,8 +246,8 @@ def _pair_down_kernel(
 # per thread, reduced across threads once at the end. Compiled for sm_90 at FP8_PAIR_TILES
 # (`test_pair_fp8_kernels_compile_for_sm90`): a loop step of gate/up 3.4-4.1 instructions a
 # weight (96-116 registers), of down ~5.1 (2 rows a program, 32 registers; 8 rows: ~4, but
-# slower on the H200). Measured there (docs/benchmarks.md, seventeenth session): the
-# Qwen3-30B-A3B layer's experts at one token 19.2 us against 28.8 with the kernels above.
+# slower on the H200). Measured there: the Qwen3-30B-A3B layer's experts at one token 19.2 us
+# against 28.8 with the kernels above.
 
 
 @triton.jit
@@ -395,29 +359,18 @@ def _pair_gate_up_fp8_kernel(
     s_ptr,  # [E, 2I] fp32 per row (W_SCALE 1), [E, cdiv(2I, 128), cdiv(H, 128)] per block (2)
     inter,  # I
     hidden,  # H
-    num_experts,
-    eps,
-    stride_xt,
-    stride_we,
-    stride_wn,
-    stride_at,
-    stride_l,
-    stride_se,
-    stride_sn,
+    num_experts, eps, stride_xt, stride_we, stride_wn, stride_at, stride_l, stride_se, stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns of I: BLOCK_N gate rows and the BLOCK_N matching up rows
     BLOCK_K: tl.constexpr,  # columns of H a step; BLOCK_K // 16 >= 32 * num_warps on CUDA
-    ROUTE: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    NORM: tl.constexpr,
+    ROUTE: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
     W_SCALE: tl.constexpr,  # 1: per row, 2: per 128 x 128 block
     WIDEN: tl.constexpr,  # 0: byte extraction (the interpreter), 2: inline PTX (`_bytes`)
     AHEAD: tl.constexpr,  # a step's weights loaded during the previous step's products
     EVEN: tl.constexpr,  # not AHEAD, I % BLOCK_N == 0, H % BLOCK_K == 0: unmasked weights
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     """`_pair_gate_up_kernel` for e4m3 experts: program (p, n) is pair p = t * K + k x columns
     [n * BLOCK_N, +BLOCK_N) of I, its 2 x BLOCK_N weight rows (gate, then the matching up) one
     [1, 2 * BLOCK_N, BLOCK_K // 16, 4] int32 tile a step. Routing, NORM and the output are
@@ -557,23 +510,14 @@ def _pair_down_fp8_kernel(
     s_ptr,  # [E, H] fp32 per row (W_SCALE 1), [E, cdiv(H, 128), cdiv(I, 128)] per block (2)
     hidden,  # H (the output columns)
     inter,  # I (the reduction)
-    stride_at,
-    stride_we,
-    stride_wn,
-    stride_ot,
-    stride_rt,
-    stride_se,
-    stride_sn,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    stride_at, stride_we, stride_wn, stride_ot, stride_rt, stride_se, stride_sn,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # chunk columns a step (of TOP_K * I); BLOCK_K // 16 >= 32 * warps
-    HAS_RES: tl.constexpr,
-    W_SCALE: tl.constexpr,
-    WIDEN: tl.constexpr,
+    HAS_RES: tl.constexpr, W_SCALE: tl.constexpr, WIDEN: tl.constexpr,
     AHEAD: tl.constexpr,  # a step's loads issued during the previous step's products
     EVEN: tl.constexpr,  # not AHEAD, H % BLOCK_N == 0, TOP_K * I a multiple of BLOCK_K: no masks
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     """`_pair_down_kernel` for e4m3 experts: program (t, n) is columns [n * BLOCK_N, +BLOCK_N)
     of token t's output. The reduction is the token's TOP_K experts' I columns end to end,
     TOP_K * I, in 16-column chunks (one per thread and step, `_pair_down_fp8_loads`): at

@@ -18,14 +18,9 @@ from minisgl.kernels.common import pdl_args, pdl_prologue
 @triton.jit
 def _route(
     logits_ptr,  # [T, E]
-    token,
-    stride_l,
-    num_experts,
-    TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
+    token, stride_l, num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+):  # fmt: skip
     """(weights [BLOCK_K] fp32, ids [BLOCK_K] int32) of one token; slots past TOP_K are 0.
     Ties go to the lower expert id."""
     offs_e = tl.arange(0, BLOCK_E)
@@ -55,14 +50,9 @@ def _topk_kernel(
     logits_ptr,  # [T, E]
     weights_ptr,  # [T, K] fp32
     ids_ptr,  # [T, K] int32
-    stride_l,
-    num_experts,
-    TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    stride_l, num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     vals, idxs = _route(logits_ptr, t, stride_l, num_experts, TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
@@ -128,13 +118,9 @@ def _align_kernel(
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
     block_expert_ptr,  # [max_blocks] int32
     num_padded_ptr,  # [1] int32
-    numel,
-    NUM_EXPERTS: tl.constexpr,
-    BINS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    numel, NUM_EXPERTS: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # One program per expert. Each counts every expert's pairs (cheap next to the GEMMs) to find
     # where its run starts, then writes its own pairs in their original order, its padding and

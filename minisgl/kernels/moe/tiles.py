@@ -68,8 +68,8 @@ class VecTile:
 MoEConfig = FusedMoEConfig | PairConfig
 
 # The pair path's e4m3 tiles (gate/up, down) in DEFAULT_CONFIGS and ONE_ROW_CONFIG: the best of
-# `python -m minisgl.benchmark.moe --tune-fp8 --tune-tokens 1` on the H200 (session 17,
-# Qwen3-30B-A3B shape, one token): gate/up 11.3 us, down 5.2 us, the layer 19.2 us against 28.8
+# `python -m minisgl.benchmark.tune moe-fp8 --tokens 1` on the H200 (Qwen3-30B-A3B shape, one
+# token): gate/up 11.3 us, down 5.2 us, the layer 19.2 us against 28.8
 # with the best [BLOCK_N, BLOCK_K] tiles of the 16-bit kernels (gate/up 19.4, down 9.4). Gate/up
 # 4 columns of I (8 weight rows) a one-warp program, 512 columns a step, the next step's loads
 # in flight; down 2 rows a program, TOP_K * I = 6144 columns in 3 steps of 2048.
@@ -80,10 +80,10 @@ FP8_PAIR_TILES = (VecTile(4, 512, 1, ahead=True), VecTile(2, 2048, 4, ahead=Fals
 # E=128, K=8 one token is 0.0625 rows per expert and 16 tokens are 1. Decode sizes are
 # memory-bound (narrow N tiles spread each expert's weights over many SMs); prefill sizes are
 # compute-bound (wide tiles reuse each weight tile). Starting points for an H200 at the
-# Qwen3-30B-A3B shape; `python -m minisgl.benchmark.moe --tune` measures the candidates on the
+# Qwen3-30B-A3B shape; `python -m minisgl.benchmark.tune moe` measures the candidates on the
 # GPU at hand and prints a dict in this form to paste here.
 DEFAULT_CONFIGS: dict[float, MoEConfig] = {
-    # `benchmark.moe --tune --tune-tokens 1,2,4,8,16` on an H200, Qwen3-30B-A3B shape (128
+    # `benchmark.tune moe --tokens 1,2,4,8,16` on an H200, Qwen3-30B-A3B shape (128
     # experts, top 8): 1 token 28.2 us per layer, 2: 48.7, 4: 82.5, 8: 129.1, 16: 199.8.
     # (FP8 tiles: `FP8_PAIR_TILES`, measured at one token.)
     0.0625: PairConfig(GemmTile(16, 256, 4, 1), GemmTile(8, 1024, 8, 1), *FP8_PAIR_TILES),
@@ -99,7 +99,7 @@ DEFAULT_CONFIGS: dict[float, MoEConfig] = {
 }
 
 # `one_row_moe` (batch-1 decode, the norm and residual inside): any expert count.
-# On an H200 at the Qwen3-30B-A3B shape (docs/benchmarks.md, fifth session): 31.1 us per layer
+# On an H200 at the Qwen3-30B-A3B shape: 31.1 us per layer
 # with the router's GEMV (2 x 2048, 8 warps; `minisgl.kernels.gemv.gemv.TUNED`), 37.8 with the tiles
 # of the pair path's DEFAULT_CONFIGS entry, 40.3 for the norm + router + pair kernels + add.
 ONE_ROW_CONFIG = PairConfig(GemmTile(16, 128, 4, 1), GemmTile(8, 1024, 4, 1), *FP8_PAIR_TILES)
