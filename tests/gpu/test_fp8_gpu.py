@@ -72,7 +72,7 @@ def test_fp8_decode_matches_reference(page_size: int, lens: list[int], num_split
 
 # The test above runs the FP8 default (128 keys, 4 warps, 5 stages at head_dim 128). These are
 # the default at head_dim 64 (256 keys) and configs of the FP8 sweep's grid that may replace it
-# (`benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune`): its smallest and largest
+# (`benchmark.tune decode --kv-cache-dtype fp8_e4m3`): its smallest and largest
 # tiles, 8 warps, fewer stages.
 FP8_DECODE_VARIANTS = {
     "d64_default": (64, default_decode_config(64, kv_fp8=True)),

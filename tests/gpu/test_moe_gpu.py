@@ -98,7 +98,7 @@ def test_every_block_height(block_m: int, qwen3_30b_weights) -> None:
     assert rel_err(out, truth) <= 1e-2
 
 
-# Pair-path tiles around the defaults, including the sweep's extremes (benchmark.moe --tune).
+# Pair-path tiles around the defaults, including the sweep's extremes (benchmark.tune moe).
 PAIR_TILES = [GemmTile(8, 1024, 4, 1), GemmTile(16, 256, 4, 1), GemmTile(32, 512, 8, 1),
               GemmTile(8, 256, 4, 1)]  # fmt: skip
 
