@@ -16,9 +16,14 @@ def check_paged_args(
     k_cache: torch.Tensor,  # [slots, Hkv, D]
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [B, P] int32
-    batch: int,
+    seq_lens: torch.Tensor,  # [B] int32
+    cu_extend: torch.Tensor | None = None,  # [B + 1] int32
+    extend_lens: torch.Tensor | None = None,  # [B] int32
 ) -> None:
     """What the paged attention kernels assume of their tensors (shapes, dtypes, strides)."""
+    batch = seq_lens.shape[0]
+    for t, n in ((seq_lens, batch), (cu_extend, batch + 1), (extend_lens, batch)):
+        assert t is None or (t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous())
     _, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     check_head_dim(head_dim)

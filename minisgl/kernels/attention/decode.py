@@ -190,7 +190,8 @@ def decode_attention(
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    _check_decode_args(q, k_cache, v_cache, block_table, seq_lens)
+    assert seq_lens.shape == (batch,)
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens)
     fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
     cfg = config or default_decode_config(head_dim, fp8)
     if num_splits is None:
@@ -223,16 +224,3 @@ def decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out
-
-
-def _check_decode_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
-    batch = q.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, batch)
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,)
-    assert seq_lens.is_contiguous()

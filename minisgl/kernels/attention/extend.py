@@ -139,7 +139,7 @@ def extend_attention(
     scales."""
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
-    _check_extend_args(q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend)
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend, extend_lens)
     fp8 = check_kv_scales(k_cache, kv_scales, k_cache.shape[1])
     cfg = config or default_extend_config(head_dim, q.element_size())
     if out is None:
@@ -160,20 +160,3 @@ def extend_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )  # fmt: skip
     return out
-
-
-def _check_extend_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    cu_extend: torch.Tensor,
-) -> None:
-    batch = seq_lens.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, batch)
-    for t in (seq_lens, extend_lens, cu_extend):
-        assert t.dtype == torch.int32
-    assert extend_lens.shape == (batch,) and cu_extend.shape == (batch + 1,)
-    assert all(t.is_contiguous() for t in (seq_lens, extend_lens, cu_extend))

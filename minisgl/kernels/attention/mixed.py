@@ -349,7 +349,7 @@ def mixed_attention(
     num_rows, num_q_heads, head_dim = q.shape
     num_requests = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[1]
-    _check_mixed_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend)
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend)
     fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
     cfg = config or default_mixed_config(head_dim, q.element_size())
     if num_splits < 1:
@@ -387,18 +387,3 @@ def mixed_attention(
         **pdl_args(q.device),
     )  # fmt: skip
     return out
-
-
-def _check_mixed_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_extend: torch.Tensor,
-) -> None:
-    batch = seq_lens.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, batch)
-    for t in (seq_lens, cu_extend):
-        assert t.dtype == torch.int32 and t.is_contiguous()
-    assert cu_extend.shape == (batch + 1,)

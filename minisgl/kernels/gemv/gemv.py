@@ -574,14 +574,10 @@ def gemv(
 
 
 def check_fused_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    act: bool,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor | None, norm_weight: torch.Tensor | None, act: bool,
     weight_scale: torch.Tensor | None,
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int]:  # fmt: skip
     """The shapes of a fused linear call of a few rows (`gemv`, `skinny.skinny`):
     (M, N, K, the W_SCALE variant)."""
     m = x.shape[0]

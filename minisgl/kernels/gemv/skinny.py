@@ -50,7 +50,7 @@ from minisgl.kernels.common import (
     round_bf16,
     split_counters,
 )
-from minisgl.kernels.gemv.gemv import check_fused_linear
+from minisgl.kernels.gemv.gemv import check_fused_linear, gemv_supported
 
 BLOCK_M = 16  # rows of x per program: tl.dot's smallest side
 MAX_ROWS = BLOCK_M
@@ -279,14 +279,7 @@ def _epilogue(
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """1..min(max_rows, 16) rows of x with a unit column stride, a float dtype shared with the
     weight or an e4m3 weight."""
-    return (
-        x.dim() == 2
-        and 1 <= x.shape[0] <= min(max_rows, MAX_ROWS)
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and weight.dtype in (x.dtype, torch.float8_e4m3fn)
-        and weight.dim() == 2
-        and x.stride(1) == 1
-    )
+    return gemv_supported(x, weight, min(max_rows, MAX_ROWS))
 
 
 def skinny(

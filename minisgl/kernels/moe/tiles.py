@@ -106,11 +106,8 @@ ONE_ROW_CONFIG = PairConfig(GemmTile(16, 128, 4, 1), GemmTile(8, 1024, 4, 1), *F
 
 
 def default_config(
-    num_tokens: int,
-    top_k: int,
-    num_experts: int,
-    table: dict[float, MoEConfig] | None = None,
-) -> MoEConfig:
+    num_tokens: int, top_k: int, num_experts: int, table: dict[float, MoEConfig] | None = None,
+) -> MoEConfig:  # fmt: skip
     rows_per_expert = num_tokens * top_k / num_experts
     configs = DEFAULT_CONFIGS if table is None else table
     return next(cfg for bound, cfg in configs.items() if rows_per_expert <= bound)
