@@ -21,21 +21,10 @@ from minisgl.kernels.attention.common import (
     v_row_ptrs,
 )
 from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
-from minisgl.kernels.fp8.gemm import fp8_linear
-from minisgl.kernels.gemv.gemv import gemv
-from minisgl.kernels.gemv.skinny import skinny
-from minisgl.kernels.moe.layer import one_row_moe
-
-__all__ = [
-    "fp8_linear",
-    "gemv",
-    "one_row_moe",
-    "qk_norm_rope",
-    "rms_norm",
-    "rotary_supported",
-    "silu_and_mul",
-    "skinny",
-]
+from minisgl.kernels.fp8.gemm import fp8_linear as fp8_linear
+from minisgl.kernels.gemv.gemv import gemv as gemv
+from minisgl.kernels.gemv.skinny import skinny as skinny
+from minisgl.kernels.moe.layer import one_row_moe as one_row_moe
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:

@@ -65,9 +65,8 @@ conversion in the loop when x's rows start 16-byte aligned, as the models' do:
 `tests/kernels/test_gemv.py` checks the compiled loop) and x is read once per program, not once
 per weight row. Per thread that is ROWS x BLOCK_N partial sums per VEC columns and ROWS x VEC
 values of x (one or two steps of it: `GemvConfig.x_ahead`), which is what bounds BLOCK_N as
-ROWS grows. (The same kernel as an engine option for 2..8 rows of 16-bit or FP8 weights, the
-"few-row GEMV", lost to cuBLAS and the skinny GEMM on the H200 and was removed:
-docs/benchmarks.md.)
+ROWS grows. (As an engine option for 2..8 rows of 16-bit or FP8 weights it lost to cuBLAS and
+the skinny GEMM on the H200.)
 """
 
 from __future__ import annotations

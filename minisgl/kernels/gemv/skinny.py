@@ -1,10 +1,9 @@
 """Skinny GEMMs: linear layers with a few rows of x (M = 1..16) on tensor cores, reading each
 weight tile from DRAM exactly once for all M rows: y[M, N] = epilogue(prologue(x)[M, K] W[N, K]^T).
 
-Where it sits. At one row the fused GEMV (`minisgl.kernels.gemv.gemv`) reads the weights near the
-copy bandwidth; it holds a [BLOCK_N, BLOCK_K] fp32 partial sum per row of x, so several rows
-cost one program (and one pass over the tile, from L2 after the first) each. cuBLAS at 2..16
-rows (a speculative verify step, a small decode batch) is a GEMM sized for large M. Here one
+Where it sits. The fused GEMV (`gemv.py`) costs a program (and a pass over the tile) per row of
+x; cuBLAS at 2..16 rows (a speculative verify step, a small decode batch) is a GEMM sized for
+large M. Here one
 program owns BLOCK_N weight rows and all (<= 16) rows of x: each K step is one
 `tl.dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])` (rows of x past M are zeros) into a
 [BLOCK_N, 16] fp32 accumulator, a few registers per thread, so tiles can be large and Triton's

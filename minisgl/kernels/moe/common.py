@@ -16,9 +16,17 @@ def row_block_scales(s_ptr, rows, block_col, stride_sn, mask):
 
 @triton.jit
 def sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel, BLOCK_M: tl.constexpr):
-    """Block `pid_m` of a blocked MoE grouped GEMM (`minisgl.kernels.moe.moe_align`'s sorted
+    """Block `pid_m` of a blocked MoE grouped GEMM (`routing.moe_align`'s sorted
     (token, k) pairs): (its rows in the sorted buffers [BLOCK_M], their pair ids, which of them
     are real pairs (not padding), and the block's expert as int64)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + rows)
     return rows, pair, pair < numel, tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
+def tile_cols(pid_n, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the output columns [BLOCK_N] of program column `pid_n`, a K step's offsets [BLOCK_K],
+    which output columns are < n)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, tl.arange(0, BLOCK_K), offs_n < n

@@ -18,11 +18,8 @@ latency-bound; two launches after the router GEMM:
 decode): the router as a one-row GEMV with the RMSNorm in its prologue, the gate/up kernel
 normalising x itself, the down kernel adding the residual.
 
-With e4m3 experts and 16-bit activations the pair path runs two other kernels of the same
-contract (`_pair_gate_up_fp8_kernel`, `_pair_down_fp8_kernel`; `PairConfig.fp8_gate_up`,
-`fp8_down`): the one-row FP8 GEMV's vec layout, where a thread widens 16 packed e4m3 weights of
-a row per 16-byte load by inline PTX and meets x in its own registers (the comment above the
-kernels says why); the down kernel reduces over the token's TOP_K experts' I columns end to end.
+With e4m3 experts and 16-bit activations the pair path runs two kernels of the same contract in
+the one-row FP8 GEMV's vec layout (`pair.py`, `PairConfig.fp8_gate_up`, `fp8_down`).
 
 Blocked path, for everything larger; five launches:
 
@@ -35,8 +32,8 @@ Blocked path, for everything larger; five launches:
    written to the row of each (token, k) pair.
 5. a sum over the k rows of each token.
 
-The math is `minisgl.layers.moe.moe_reference`; `align_reference` here is the torch
-specification of blocked step 2.
+With e4m3 experts at decode sizes steps 3 and 4 run on FP8 activations too (`w8a8.py`). The
+math is `minisgl.layers.moe.moe_reference`; `routing.align_reference` specifies step 2.
 """
 
 from __future__ import annotations

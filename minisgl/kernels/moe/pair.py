@@ -232,22 +232,15 @@ def _pair_down_kernel(
 
 # ---- pair path, e4m3 experts: the one-row GEMV's vec layout -------------------------------------
 #
-# The kernels above widen a [BLOCK_N, BLOCK_K] e4m3 tile with `.to(tl.float32)`: compiled for
-# sm_90 that is byte extraction, a conversion and shared-memory traffic, ~7-9 instructions a
-# weight, and an H200 SM must take in ~16 e4m3 bytes a clock at the copy bandwidth while it
-# issues 128 thread instructions a clock: instruction-bound (gate/up 15.8 us, down 10.5 us per
+# The kernels above widen a [BLOCK_N, BLOCK_K] e4m3 tile with `.to(tl.float32)`, ~7-9 sm_90
+# instructions a weight: instruction-bound on the H200 (gate/up 15.8 us, down 10.5 us per
 # Qwen3-30B-A3B layer, ~0.37 of the copy bandwidth). These two take the scheme of the one-row
-# FP8 GEMV (`minisgl.kernels.gemv.gemv`, `_gemv_rows_kernel` at ROWS 1 with words and the PTX
-# widen), whose helpers they call: every thread and warp lies along the reduction; each thread
-# owns 16 consecutive columns of each of its weight rows per step (one 16-byte load of e4m3,
-# kept packed as four int32 words, each widened by two hardware conversions of its 16-bit
-# halves: 1.5 instructions a weight) and the same 16 columns of the activation row (two 16-byte
-# loads of bf16 joined in registers), so nothing moves between threads in the loop; fp32 sums
-# per thread, reduced across threads once at the end. Compiled for sm_90 at FP8_PAIR_TILES
-# (`test_pair_fp8_kernels_compile_for_sm90`): a loop step of gate/up 3.4-4.1 instructions a
-# weight (96-116 registers), of down ~5.1 (2 rows a program, 32 registers; 8 rows: ~4, but
-# slower on the H200). Measured there: the Qwen3-30B-A3B layer's experts at one token 19.2 us
-# against 28.8 with the kernels above.
+# FP8 GEMV (`minisgl.kernels.gemv.gemv`, its FP8 section), whose helpers they call: threads
+# along the reduction, 16 e4m3 columns of each weight row a thread per step kept as int32 words
+# and widened by inline PTX, the activations joined in registers into the same layout. A loop
+# step compiles (`test_pair_fp8_kernels_compile_for_sm90`) to 3.4-4.1 instructions a weight for
+# gate/up, ~5.1 for down (2 rows a program; 8 rows: ~4, but slower on the H200). The
+# Qwen3-30B-A3B layer's experts at one token: 19.2 us against 28.8 with the kernels above.
 
 
 @triton.jit

@@ -28,13 +28,10 @@ Launches per layer after `fused_topk` and `moe_align` (shared with the weight-on
 4. the sum over k (as the weight-only path).
 
 On by default since measured on the H200 (Qwen3-30B-A3B shape, dummy weights, decode batch
-256: 16,041 tok/s against 10,964 with bf16 experts, 1.46x; FP8 experts on the weight-only
-path had reached 1.05x): e4m3 experts on CUDA take it (`use_w8a8`) on rows that
-`moe_align` pads to the path's own BLOCK_M (`w8a8_block_m`: the table's, at least MIN_BLOCK_M,
-`MINISGL_MOE_W8A8_BLOCK_M`); `MINISGL_MOE_W8A8=0` in the environment (or `ENABLED = False`
-here) keeps them on the weight-only grouped GEMMs. The dense FP8 layers quantize activations
-per token above their GEMV rows the same way (`minisgl.kernels.fp8.gemm`); this path's
-accuracy on a real MoE checkpoint is not measured (none can be carried to the GPU here).
+256: 16,041 tok/s against 10,964 with bf16 experts, 1.46x; the weight-only path: 1.05x):
+e4m3 experts on CUDA take it (`use_w8a8`) on rows `moe_align` pads to its own BLOCK_M
+(`w8a8_block_m`); `MINISGL_MOE_W8A8=0` keeps them on the weight-only grouped GEMMs. Its
+accuracy on a real MoE checkpoint is not measured.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ import triton.language as tl
 from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
 from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
 from minisgl.kernels.fp8.gemm import quantize_activations
-from minisgl.kernels.moe.common import row_block_scales, sorted_block
+from minisgl.kernels.moe.common import row_block_scales, sorted_block, tile_cols
 
 if TYPE_CHECKING:
     from minisgl.kernels.moe.routing import AlignedRows
@@ -156,9 +153,7 @@ def _w8a8_gate_up_kernel(
     rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
                                              BLOCK_M)  # fmt: skip
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < inter
+    offs_n, offs_k, mask_n = tile_cols(pid_n, inter, BLOCK_N, BLOCK_K)
     # Both tiles K-contiguous, as FP8 wgmma wants them in shared memory.
     a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -237,9 +232,7 @@ def _w8a8_down_kernel(
         return
     rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
                                              BLOCK_M)  # fmt: skip
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < hidden
+    offs_n, offs_k, mask_n = tile_cols(pid_n, hidden, BLOCK_N, BLOCK_K)
     a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
     as_rows = as_ptr + rows.to(tl.int64) * stride_ast  # [BLOCK_M]
