@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -49,9 +49,6 @@ from minisgl.benchmark.common import (
     trace_events,
 )
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
-
-if TYPE_CHECKING:
-    pass
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
 # Qwen3-30B-A3B's MoE layer.
@@ -435,7 +432,7 @@ def run_decode(
 
 PROFILE_STEPS = 8
 PROFILE_TOP = 25
-# The Triton kernels of minisgl.kernels.moe and .moe_fp8 (the router GEMM is a cuBLAS kernel
+# The Triton kernels of minisgl.kernels.moe (the router GEMM is a cuBLAS kernel
 # among the rest; the W8A8 path's x quantization, `_act_quant_kernel`, is shared with the FP8
 # linear layers and counted with them).
 MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_pair_gate_up_fp8_kernel",

@@ -11,7 +11,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from minisgl.kernels.common import pdl_args, pdl_prologue
 from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
-from minisgl.kernels.moe.common import row_block_scales, sorted_block, tile_cols
+from minisgl.kernels.moe.common import row_block_scales, sorted_block
 from minisgl.kernels.moe.routing import AlignedRows
 from minisgl.kernels.moe.tiles import (
     GemmTile,
@@ -67,7 +67,9 @@ def _gate_up_kernel(
     rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
                                              BLOCK_M)  # fmt: skip
     token = (pair // TOP_K).to(tl.int64)
-    offs_n, offs_k, mask_n = tile_cols(pid_n, inter, BLOCK_N, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < inter
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn  # [BLOCK_K, BLOCK_N]
@@ -127,7 +129,9 @@ def _down_kernel(
         return
     rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
                                              BLOCK_M)  # fmt: skip
-    offs_n, offs_k, mask_n = tile_cols(pid_n, hidden, BLOCK_N, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < hidden
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     s_expert = s_ptr + expert * stride_se

@@ -22,11 +22,3 @@ def sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel, BLOCK_M: tl.con
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + rows)
     return rows, pair, pair < numel, tl.load(block_expert_ptr + pid_m).to(tl.int64)
-
-
-@triton.jit
-def tile_cols(pid_n, n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(the output columns [BLOCK_N] of program column `pid_n`, a K step's offsets [BLOCK_K],
-    which output columns are < n)."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return offs_n, tl.arange(0, BLOCK_K), offs_n < n

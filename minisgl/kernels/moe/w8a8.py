@@ -47,7 +47,7 @@ import triton.language as tl
 from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
 from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
 from minisgl.kernels.fp8.gemm import quantize_activations
-from minisgl.kernels.moe.common import row_block_scales, sorted_block, tile_cols
+from minisgl.kernels.moe.common import row_block_scales, sorted_block
 
 if TYPE_CHECKING:
     from minisgl.kernels.moe.routing import AlignedRows
@@ -153,7 +153,9 @@ def _w8a8_gate_up_kernel(
     rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
                                              BLOCK_M)  # fmt: skip
     token = (pair // TOP_K).to(tl.int64)
-    offs_n, offs_k, mask_n = tile_cols(pid_n, inter, BLOCK_N, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < inter
     # Both tiles K-contiguous, as FP8 wgmma wants them in shared memory.
     a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -232,7 +234,9 @@ def _w8a8_down_kernel(
         return
     rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
                                              BLOCK_M)  # fmt: skip
-    offs_n, offs_k, mask_n = tile_cols(pid_n, hidden, BLOCK_N, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < hidden
     a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
     as_rows = as_ptr + rows.to(tl.int64) * stride_ast  # [BLOCK_M]
