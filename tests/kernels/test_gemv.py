@@ -289,7 +289,7 @@ def _compile_all() -> list[dict[str, object]]:
             if c.get("W_SCALE"):
                 types["w_ptr"] = "*fp8e4nv"
             c = {"ACT": False, "W_SCALE": 0, "HAS_RES": False, "NORM": False} | c
-            c |= dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
+            c |= dict(HAS_BIAS=False, stride_wk=1)
             aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
             if "ROWS" in c:  # a bf16 x whose rows start 16-byte aligned, as the models' do
                 c = {"X_AHEAD": True, "VEC": 8, "KEEP_VEC": False, "WORDS": False} | c

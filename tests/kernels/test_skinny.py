@@ -224,7 +224,7 @@ def _compile_all() -> list[dict[str, object]]:
         if c.get("W_SCALE"):
             types["w_ptr"] = "*fp8e4nv"
         base = dict(HAS_BIAS=False, HAS_RES=False, NORM=False, ACT=False, W_SCALE=0, SPLIT_K=1)
-        fixed = dict(PRELOAD=True, IEEE=False, EMULATE_BF16=False, BLOCK_M=BLOCK_M, stride_wk=1)
+        fixed = dict(IEEE=False, EMULATE_BF16=False, BLOCK_M=BLOCK_M, stride_wk=1)
         aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_xm", "stride_wn", "K", "N"]
         compiled = compile_sm90(_skinny_kernel, types, base | c | fixed, warps, stages, aligned)
         out.append({"name": name, **compiled})

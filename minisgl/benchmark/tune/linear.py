@@ -176,8 +176,8 @@ def label(c: Any) -> str:
 
 
 def tune_gemv(quick: bool, fp8: bool, only: list[str]) -> list[Row]:
-    """Per shape: cuBLAS, every config (checked, then timed), the best with its first weight
-    tile loaded after the PDL wait instead of before, the default; prints the table to paste."""
+    """Per shape: cuBLAS, every config (checked, then timed), the default; prints the table to
+    paste."""
     from minisgl.kernels.gemv.gemv import TUNED, TUNED_FP8, gemv
 
     rows, best = [], dict(TUNED_FP8 if fp8 else TUNED)
@@ -193,7 +193,6 @@ def tune_gemv(quick: bool, fp8: bool, only: list[str]) -> list[Row]:
         mb = n * k * (1 if fp8 else 2) / 1e6
         rows.append({"gemm": name, "MB": mb, "cublas_us": p.cublas_us(x),
                      "gemv_us": us, "TB/s": mb / us,
-                     "late_us": p.us(gemv, x, r, config=dataclasses.replace(cfg, preload=False)),
                      "default_us": p.us(gemv, x, r), "best": timed[0][1],
                      "top5": [f"{lab}: {t:.2f}" for t, lab, _ in timed[:5]],
                      "wrong": [label(c) for c, e in errs.items() if not e <= 2e-2]})  # fmt: skip
@@ -201,7 +200,7 @@ def tune_gemv(quick: bool, fp8: bool, only: list[str]) -> list[Row]:
     print_table(
         f"one-row GEMV, {'e4m3' if fp8 else 'bf16'} weights (us per call)",
         rows,
-        ["gemm", "MB", "cublas_us", "gemv_us", "TB/s", "late_us", "default_us", "best"],
+        ["gemm", "MB", "cublas_us", "gemv_us", "TB/s", "default_us", "best"],
     )
     print(f"\n{'TUNED_FP8' if fp8 else 'TUNED'} = {{")
     for key, c in best.items():

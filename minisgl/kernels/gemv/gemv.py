@@ -85,7 +85,6 @@ class GemvConfig:
     block_n: int = 16
     block_k: int = 512
     num_warps: int = 4
-    preload: bool = True  # first weight tile loaded before the PDL wait
     # "tile" (a [BLOCK_N, BLOCK_K] fp32 partial sum per program and row of x, `_gemv_kernel`)
     # or "vec" (`_gemv_rows_kernel`: all rows of x in one program, VEC columns summed in a
     # thread's registers each step, a [ROWS, BLOCK_N, BLOCK_K / VEC] partial sum; what e4m3
@@ -195,7 +194,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
-    PRELOAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Programs of the same weight rows (one per row of x) are neighbours: one DRAM read each.
     row = tl.program_id(0) % M
@@ -205,17 +204,14 @@ def _gemv_kernel(
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
     x_ptr += row.to(tl.int64) * stride_xm
     s_row = s_ptr + ((tl.program_id(0) // M) * BLOCK_N // 128).to(tl.int64) * stride_sn
-    # The first weight tile and the norm weight do not depend on the previous kernel: with
-    # PRELOAD they are read before the PDL wait, otherwise after it.
-    if not PRELOAD:
-        pdl_prologue(PDL)
+    # The first weight tile and the norm weight do not depend on the previous kernel: they are
+    # read before the PDL wait (after it: slower at every Llama-3-8B and Qwen3-30B-A3B shape).
     m0 = mask_n[:, None] & (offs_k < K)[None, :]
     w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
     if NORM:
         g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     s = _block_scales(s_row, offs_k, K, W_SCALE)
-    if PRELOAD:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)
     x = _load_x(x_ptr, offs_k, K, ACT)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -395,7 +391,6 @@ def _gemv_rows_kernel(
     M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
-    PRELOAD: tl.constexpr,
     X_AHEAD: tl.constexpr,  # x read one K step ahead of its use, else at its step
     ROWS: tl.constexpr,  # M rounded up to a power of two
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -431,11 +426,8 @@ def _gemv_rows_kernel(
         rows = w_ptr + n4.to(tl.int64) * stride_wn + offs_k * stride_wk
     x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm  # [ROWS, 1, 1, 1]
     s_row = s_ptr + (tile * BLOCK_N // 128).to(tl.int64) * stride_sn
-    if not PRELOAD:
-        pdl_prologue(PDL)
     w = tl.load(rows, mask=(n4 < N) & (offs_k < k_u), other=0.0, eviction_policy="evict_first")
-    if PRELOAD:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)  # the first weight tile is read before the wait
     m0 = 0 * offs_m[:, None, None, None]  # broadcasts a K step's columns to every row
     # x's columns: a thread's first XV of its VEC (all of them unless HALVES), in every row
     xk = (_steps_cols(S, XV) + (VEC - XV) * tl.arange(0, S)[:, None])[None, None] + m0
@@ -553,7 +545,7 @@ def gemv(
             norm_weight if norm_weight is not None else x, scale)  # fmt: skip
     sizes = (m, n, k, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), eps)
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                 NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale, PRELOAD=cfg.preload,
+                 NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                  **pdl_args(x.device))  # fmt: skip
     tiles = triton.cdiv(n, cfg.block_n)

@@ -24,7 +24,7 @@ operand (its M side), x its narrow one (N = 16): the same tensor-core work at an
   last split of a tile to finish (a counter per tile, zeroed again by it) adds the splits in a
   fixed order and runs the epilogue. No second kernel, no atomics on the data, deterministic.
 - Programmatic dependent launch: a program's first weight tile is loaded before the PDL wait
-  (`preload`) and multiplied after the pipelined loop over the rest, so its latency overlaps the
+  and multiplied after the pipelined loop over the rest, so its latency overlaps the
   previous kernel's tail and the whole loop.
 
 Nothing depends on the values of M beyond the masks, nothing syncs with the host, and the only
@@ -63,7 +63,6 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
-    preload: bool = True  # first weight tile loaded before the PDL wait
 
 
 # Weight formats: 16-bit, e4m3 with a scale per row, e4m3 with 128 x 128 block scales.
@@ -162,7 +161,7 @@ def _skinny_kernel(
     M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per output row, 2: per 128 x 128 block
-    SPLIT_K: tl.constexpr, PRELOAD: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
@@ -178,10 +177,8 @@ def _skinny_kernel(
     k_hi = tl.minimum(k_lo + per_split, steps)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // 128).to(tl.int64) * stride_sn  # W_SCALE == 2
-    # The first weight tile does not depend on the previous kernel: with PRELOAD it is read
-    # before the PDL wait and multiplied after the loop over the others.
-    if not PRELOAD:
-        pdl_prologue(PDL)
+    # The first weight tile does not depend on the previous kernel: it is read before the PDL
+    # wait and multiplied after the loop over the others.
     k0 = k_lo * BLOCK_K + offs_k
     k_end = tl.minimum(K, k_hi * BLOCK_K)  # a split past the last step gets an empty tile
     first_mask = mask_n[:, None] & (k0 < k_end)[None, :]
@@ -189,8 +186,7 @@ def _skinny_kernel(
     w0 = tl.load(
         w_rows + k0[None, :] * stride_wk, mask=first_mask, other=0.0, eviction_policy="evict_first"
     )
-    if PRELOAD:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for step in range(k_lo + 1, k_hi):
@@ -314,7 +310,7 @@ def skinny(
         norm_weight if norm_weight is not None else x, scale, part, ss, counters, m, n, k,
         x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), eps,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None,
-        ACT=act, W_SCALE=w_scale, SPLIT_K=split, PRELOAD=cfg.preload, IEEE=ieee,
+        ACT=act, W_SCALE=w_scale, SPLIT_K=split, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
