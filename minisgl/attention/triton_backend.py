@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionInputs, KVStore
-from minisgl.kernels.common import num_sms
-from minisgl.kernels.decode import (
+from minisgl.kernels.attention.decode import (
     DecodeConfig,
     choose_num_splits,
     decode_attention,
     default_decode_config,
 )
-from minisgl.kernels.extend import ExtendConfig, default_extend_config, extend_attention
-from minisgl.kernels.mixed import MixedConfig, default_mixed_config, mixed_attention
-from minisgl.kernels.store import store_kv
+from minisgl.kernels.attention.extend import ExtendConfig, default_extend_config, extend_attention
+from minisgl.kernels.attention.mixed import MixedConfig, default_mixed_config, mixed_attention
+from minisgl.kernels.attention.store import store_kv
+from minisgl.kernels.common import num_sms
 from minisgl.kvcache import KVPool, ReqTable
 
 

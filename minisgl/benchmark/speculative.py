@@ -17,7 +17,7 @@ greedy texts are identical. These need a model with a tokenizer (the default: th
 step of K drafts, the step a fully accepted draft would replace K + 1 decode steps with;
 `--profile` prints each step's GPU kernels (time, count, share of the step's span).
 `--skinny-max-rows 16` runs the verify step's linear layers (and LM head) through the skinny
-tensor-core GEMM (`minisgl.kernels.skinny`) instead of cuBLAS: run the command with and without
+tensor-core GEMM (`minisgl.kernels.gemv.skinny`) instead of cuBLAS: run the command with and without
 it for an A/B (`scripts/gpu_speculative.sh` part `verify_cost_skinny`). The FP8 options
 (`--quantization`, `--kv-cache-dtype`, `--fp8-skinny`, ...) are the engine benchmarks' own.
 Prints a table, then one JSON object as the last line.

@@ -69,7 +69,7 @@ class EngineConfig:
     # Steps that prefill up to this many tokens run as piecewise CUDA graphs (dense models at
     # tp = 1; `minisgl.engine.piecewise`); 0: eagerly. Off with CUDA graphs.
     piecewise_graph_max_tokens: int = 2048
-    # ... each as ONE graph of the whole forward, attention included (`kernels.mixed`; backends
+    # ... each as ONE graph of the whole forward, attention included (`kernels.attention.mixed`; backends
     # with `supports_mixed_step`, else the pieces with attention between them). On the H200 (W4
     # at 16 req/s) it took a step that prefills from ~15 ms to 3.5-6.8 ms and the ITL p99 from
     # 18.8 to 3.3 ms.

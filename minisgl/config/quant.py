@@ -19,8 +19,8 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: e4m3 conversions and tensor cores
 FP8_GEMV_MAX_ROWS = 1
 # Models up to this hidden size run unquantized linear layers of 2-16 rows (a speculative
 # verify step, a small decode batch) on CUDA through the skinny tensor-core GEMM
-# (`minisgl.kernels.skinny`) and their dense decoder layers on its fused few-row path, unless
-# `skinny_max_rows` says otherwise. H200 (`python -m minisgl.benchmark.gemv --skinny`): it
+# (`minisgl.kernels.gemv.skinny`) and their dense decoder layers on its fused few-row path, unless
+# `skinny_max_rows` says otherwise. H200 (`python -m minisgl.benchmark.tune skinny`): it
 # beats cuBLAS on SmolLM2-135M's and Qwen3-0.6B's layers (0.6B o_proj 4.2 against
 # 8.3 us at 5 rows) and loses on Llama-3-8B's (down 50.8 against 32.7 us; a K = 4 verify step
 # 1.83x a decode step against 1.29x with cuBLAS); SmolLM2's copy workload with K = 8 drafts went
@@ -51,7 +51,7 @@ class QuantConfig:
     weight_block: int | None = None  # 128: one scale per 128 x 128 block; None: per channel
     gemv_max_rows: int = FP8_GEMV_MAX_ROWS
     # The weight-only rows (up to gemv_max_rows, at most 16) take the skinny tensor-core GEMM
-    # (`minisgl.kernels.skinny`) instead of the GEMV; off until measured.
+    # (`minisgl.kernels.gemv.skinny`) instead of the GEMV; off until measured.
     skinny: bool = False
 
     def __post_init__(self) -> None:

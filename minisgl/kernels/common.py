@@ -1,4 +1,5 @@
-"""Triton building blocks shared by the attention kernels (imports Triton)."""
+"""Triton building blocks shared by every kernel family (imports Triton): grid sizing, programmatic
+dependent launch, the roundings and dot the CPU interpreter needs, split counters."""
 
 from __future__ import annotations
 
@@ -66,67 +67,6 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def check_paged_args(
-    q: torch.Tensor,  # [rows, Hq, D]
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [B, P] int32
-    batch: int,
-) -> None:
-    """What the paged attention kernels assume of their tensors (shapes, dtypes, strides)."""
-    _, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    check_head_dim(head_dim)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    assert k_cache.shape[2] == head_dim
-    v_page_size(k_cache, v_cache)
-    assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
-    for t in (q, k_cache, v_cache):
-        assert t.stride(-1) == 1, "head_dim must be contiguous"
-    assert block_table.stride(1) == 1
-
-
-def v_page_size(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """Checks a pool layer's K [slots, Hkv, D] against its V: the same shape, or an FP8 pool's
-    [pages, Hkv, D, page_size] (`KVPool`), whose page size it returns (1 otherwise)."""
-    if k_cache.dtype != torch.float8_e4m3fn:
-        assert k_cache.shape == v_cache.shape
-        return 1
-    pages, hkv, d, ps = v_cache.shape
-    assert (pages * ps, hkv, d) == k_cache.shape and v_cache.is_contiguous()
-    return ps
-
-
-def check_kv_scales(
-    k_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None, num_kv_heads: int
-) -> bool:
-    """True for an FP8 cache, which must come with its per-head scales."""
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    assert fp8 == (scales is not None), "an FP8 KV cache needs its scales (and only it)"
-    if scales is not None:
-        for s in scales:
-            assert s.shape == (num_kv_heads,) and s.dtype == torch.float32 and s.is_contiguous()
-    return fp8
-
-
-def key_shift(k_cache: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
-    """An FP8 cache's [Hkv, D] fp32 key shift (zeros when none is given; unread otherwise)."""
-    if shift is None:
-        return torch.zeros(k_cache.shape[1:], dtype=torch.float32, device=k_cache.device)
-    assert shift.shape == k_cache.shape[1:] and shift.dtype == torch.float32
-    assert shift.is_contiguous()
-    return shift
-
-
-def check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(
-            f"head_dim {head_dim} is not supported by the Triton attention kernels: "
-            "use a power of two between 16 and 256"
-        )
-
-
 def dot_flags(dtype: torch.dtype, kernel: object, kv_fp8: bool = False) -> tuple[bool, bool]:
     """(IEEE, EMULATE_BF16) flags: exact fp32 products (no TF32) for fp32 inputs, and a
     workaround for the CPU interpreter's bf16 (triton 3.9), which multiplies bf16 operands wrongly
@@ -138,24 +78,6 @@ def dot_flags(dtype: torch.dtype, kernel: object, kv_fp8: bool = False) -> tuple
     ieee = dtype == torch.float32
     emulate_bf16 = dtype == torch.bfloat16 and is_interpreted(kernel) and not kv_fp8
     return ieee, emulate_bf16
-
-
-@triton.jit
-def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
-    """(x [H, D] - shift [H, D] or 0) / scale [H] in fp32, clamped to e4m3's +-448 (a store then
-    rounds it to e4m3): `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter,
-    whose fp32 -> e4m3 cast rounds ties away from zero and drops the carry into the exponent, so
-    127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
-    represent."""
-    # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference. A
-    # product by one reciprocal per head was tried (session 16): it moved ~1e-7 of random
-    # values' bytes, yet SmolLM2's calibrated FP8-KV perplexity went from +0.45% to +0.60%
-    # (noise at this size, but the target is 1%), for a store kernel of ~6 us a layer.
-    y = tl.math.div_rn(x.to(tl.float32) - shift, scale[:, None] + tl.zeros_like(x.to(tl.float32)))
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    if EMULATE_FP8:
-        y = round_e4m3(y)
-    return y
 
 
 @triton.jit
@@ -172,94 +94,6 @@ def round_e4m3(x):
 def emulate_fp8(kernel: object) -> bool:
     """The EMULATE_FP8 flag of kernels that round to e4m3: True under the CPU interpreter."""
     return is_interpreted(kernel)
-
-
-@triton.jit
-def fp8_operand(x, q):
-    """`x` (an FP8 K/V tile, or q itself) widened for the dots with the query `q`: to fp16 for a
-    16-bit q (every e4m3 value is exact in fp16, and the conversion is one instruction per two
-    values; a bf16 q converts exactly unless it lies beyond fp16's 65504), to fp32 for fp32."""
-    if q.dtype == tl.float32:
-        out = x.to(tl.float32)
-    else:
-        out = x.to(tl.float16)
-    return out
-
-
-@triton.jit
-def load_v_block(
-    v_head_ptr,  # V of this program's KV head: v_ptr + kv_head * (V's head stride)
-    slots,  # [BLOCK_N] int64 slots of positions `pos` (clamped into the context: `token_slots`)
-    pos,  # [BLOCK_N] positions, the first a multiple of BLOCK_N
-    mask_n,  # [BLOCK_N] positions inside the context, or None: all of them
-    offs_d,  # [HEAD_DIM]
-    stride_vt,  # V's stride of a token (16-bit pools) or of a page (PAGED_T)
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGED_T: tl.constexpr,
-):
-    """A [BLOCK_N, HEAD_DIM] block of V. PAGED_T (an FP8 pool, `minisgl.kernels.fp8`): pages
-    stored [Hkv, D, PAGE_SIZE], read as [HEAD_DIM, BLOCK_N] with a page's keys side by side, the
-    layout the P V product takes without byte shuffles, and not masked (a mask along the keys
-    would split the 16-byte loads): keys past the context read their last page's other slots,
-    always finite in such a pool, which the caller's softmax weighs 0."""
-    if PAGED_T:
-        # Runs of keys in one page, aligned: the largest power of two dividing PAGE_SIZE (any
-        # page size works), at most BLOCK_N (blocks start at multiples of BLOCK_N).
-        low: tl.constexpr = PAGE_SIZE & (-PAGE_SIZE)
-        run: tl.constexpr = low if low < BLOCK_N else BLOCK_N
-        page = tl.max_constancy((slots // PAGE_SIZE) * stride_vt, run)
-        in_page = tl.max_contiguous(tl.multiple_of(pos % PAGE_SIZE, run), run)
-        v_t = tl.load(v_head_ptr + offs_d[:, None] * PAGE_SIZE + page[None, :] + in_page[None, :])
-        v = tl.trans(v_t)
-    else:
-        ptrs = v_head_ptr + slots[:, None] * stride_vt + offs_d[None, :]
-        if mask_n is None:
-            v = tl.load(ptrs)
-        else:
-            v = tl.load(ptrs, mask=mask_n[:, None], other=0.0)
-    return v
-
-
-@triton.jit
-def v_row_ptrs(
-    v_ptr,
-    slot,
-    offs_h,
-    offs_d,
-    stride_vt,
-    stride_vh,
-    PAGE_SIZE: tl.constexpr,
-    PAGED_T: tl.constexpr,
-):
-    """[H, D] pointers of token `slot`'s V in a V cache: rows [slots, Hkv, D] (`stride_vt` a
-    token's stride), or PAGED_T, an FP8 pool's pages [Hkv, D, PAGE_SIZE] (`stride_vt` a page's)."""
-    if PAGED_T:
-        base = v_ptr + (slot // PAGE_SIZE) * stride_vt + slot % PAGE_SIZE
-        ptrs = base + offs_h[:, None] * stride_vh + offs_d[None, :] * PAGE_SIZE
-    else:
-        ptrs = v_ptr + slot * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    return ptrs
-
-
-@triton.jit
-def row_block_scales(s_ptr, rows, block_col, stride_sn, mask):
-    """Block-scaled FP8 weights ([cdiv(N, 128), cdiv(K, 128)] fp32 scales, rows `stride_sn`
-    apart): the scale of each of `rows`' 128-row block at block column `block_col`; 0 where
-    `mask` is off."""
-    return tl.load(s_ptr + (rows // 128) * stride_sn + block_col, mask=mask, other=0.0)
-
-
-@triton.jit
-def token_slots(table_row_ptr, pos, PAGE_SIZE: tl.constexpr):
-    """KV slots (int64) of positions `pos` of one request whose page ids start at `table_row_ptr`.
-
-    Every `pos` must lie inside the request's pages (clamp positions past its end). The page
-    id of a block of positions is one small gather that stays in L1; the division and modulo
-    are shifts when PAGE_SIZE is a power of two.
-    """
-    page = tl.load(table_row_ptr + pos // PAGE_SIZE)
-    return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
 
 
 @triton.jit
@@ -283,87 +117,6 @@ def dot(a, b, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr):
     return out
 
 
-@triton.jit
-def online_softmax_step(
-    qk,
-    v,
-    m_i,
-    l_i,
-    acc,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    MAY_BE_EMPTY: tl.constexpr = False,
-):
-    """Fold one key block into the running softmax (base-2 domain).
-
-    qk [M, N] fp32 scores already multiplied by sm_scale * log2(e), masked keys at -inf; v [N, D];
-    m_i, l_i [M]; acc [M, D]. Without MAY_BE_EMPTY every row must have seen a finite score by
-    its first block; with it a row may see only masked keys for a while (it keeps m_i = -inf,
-    l_i = 0, acc = 0 until a visible key comes, and for good when none comes).
-    """
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = m_new
-    if MAY_BE_EMPTY:  # -inf - -inf would be NaN
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if EMULATE_BF16:
-        pv = dot(round_bf16(p), v, IEEE, EMULATE_BF16)
-    else:
-        pv = dot(p.to(v.dtype), v, IEEE, EMULATE_BF16)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
-
-
-@triton.jit
-def kv_split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Keys per split when a request of `seq_len` keys is split `num_splits` ways (flash
-    decoding): a whole number of BLOCK_N blocks, so splits past the end of a short request are
-    empty and `tl.cdiv(seq_len, kv_split_len(...))` of them hold keys."""
-    per_split = tl.cdiv(seq_len, num_splits)
-    return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
-
-
-@triton.jit
-def combine_splits(
-    part_o_ptr,  # [rows * num_splits, D] fp32: split s of row r at r * num_splits + s
-    part_lse_ptr,  # [rows * num_splits] fp32, base-2 log-sum-exps
-    o_dst,  # [BLOCK_H, D] output pointers of the tile's rows
-    rows,  # [BLOCK_H] index of split 0 of each tile row in the partial buffers
-    num_valid,  # splits that wrote partials
-    mask_h,  # [BLOCK_H] real rows of the tile
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-):
-    """Softmax-weighted sum of the splits' normalised partial outputs (base-2 log-sum-exps),
-    run by the last split to finish (decode and mixed attention). The partials were written by
-    other programs: the loads bypass L1 (.cg)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    weight = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for s in range(0, num_valid):
-        lse = tl.load(part_lse_ptr + rows + s, mask=mask_h, other=0.0, cache_modifier=".cg")
-        part = tl.load(
-            part_o_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=mask_h[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * part
-        weight = weight * alpha + w
-        m = m_new
-    out = acc / tl.where(weight > 0, weight, 1.0)[:, None]  # an empty request gets zeros
-    if EMULATE_BF16:
-        out = round_bf16(out)
-    tl.store(o_dst, out.to(o_dst.dtype.element_ty), mask=mask_h[:, None])
-
-
 # Per device: the split counters (`split_counters`); a grown buffer keeps the old ones alive
 # for the CUDA graphs that captured them.
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -382,13 +135,3 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
         size = max(n, 2 * held[-1].numel() if held else 1024)
         held.append(torch.zeros(size, dtype=torch.int32, device=device))
     return held[-1]
-
-
-@triton.jit
-def sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel, BLOCK_M: tl.constexpr):
-    """Block `pid_m` of a blocked MoE grouped GEMM (`minisgl.kernels.moe.moe_align`'s sorted
-    (token, k) pairs): (its rows in the sorted buffers [BLOCK_M], their pair ids, which of them
-    are real pairs (not padding), and the block's expert as int64)."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    return rows, pair, pair < numel, tl.load(block_expert_ptr + pid_m).to(tl.int64)

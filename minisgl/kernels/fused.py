@@ -1,9 +1,10 @@
-"""Fused elementwise kernels for the decoder layers: RMSNorm (with the residual add), q/k RMSNorm
-with rotary embedding, SiLU-and-multiply. One launch each instead of the 5-10 small torch kernels the
-reference layers issue; in a decode step at small batch those launches, not bytes, set the
-time. Numerics follow the torch layers (`minisgl.layers`): fp32 math, roundings to the model
-dtype at the same points (the residual sum, the normalised value before the weight, the SiLU
-output before the multiply).
+"""Fused elementwise kernels for the decoder layers: RMSNorm (with the residual add), q/k
+RMSNorm with rotary embedding (and the KV store), SiLU-and-multiply. One launch each instead of
+the 5-10 small torch kernels the reference layers issue; in a decode step at small batch those
+launches, not bytes, set the time. Numerics follow the torch layers (`minisgl.layers`): fp32
+math, roundings to the model dtype at the same points (the residual sum, the normalised value
+before the weight, the SiLU output before the multiply). The layers reach every kernel through
+this module (`minisgl.layers.fused`), the GEMVs and the MoE layer too.
 """
 
 from __future__ import annotations
@@ -12,31 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
     check_kv_scales,
-    emulate_fp8,
     key_shift,
-    pdl_args,
-    pdl_prologue,
     quantize_fp8,
     v_page_size,
     v_row_ptrs,
 )
-from minisgl.kernels.fp8_gemm import fp8_linear
-from minisgl.kernels.gemv import gemv
-from minisgl.kernels.moe import one_row_moe
-from minisgl.kernels.skinny import skinny
-
-__all__ = [
-    "fp8_linear",
-    "gemv",
-    "one_row_moe",
-    "qk_norm_rope",
-    "rms_norm",
-    "rotary_supported",
-    "silu_and_mul",
-    "skinny",
-]
+from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
+from minisgl.kernels.fp8.gemm import fp8_linear as fp8_linear
+from minisgl.kernels.gemv.gemv import gemv as gemv
+from minisgl.kernels.gemv.skinny import skinny as skinny
+from minisgl.kernels.moe.layer import one_row_moe as one_row_moe
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -54,15 +42,9 @@ def _rms_norm_kernel(
     w_ptr,  # [D]
     out_ptr,  # [T * H, D] contiguous
     res_out_ptr,  # [T, D] contiguous, x + residual (HAS_RESIDUAL)
-    stride_t,
-    stride_h,
-    num_heads,
-    dim,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    stride_t, stride_h, num_heads, dim, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     t = row // num_heads
@@ -112,20 +94,14 @@ def _norm_rope_heads(
     x_ptr,  # this token's first head, [H, D] with head stride `stride_h`
     out_ptr,  # where this token's first head goes, head stride `stride_out_h`
     w_ptr,  # [D] RMSNorm weight (HAS_NORM)
-    stride_h,
-    stride_out_h,
-    num_heads,
+    stride_h, stride_out_h, num_heads,
     cos,  # [1, HALF] fp32
-    sin,
-    eps,
+    sin, eps,
     scale_ptr,  # [H] fp32: each head's result is divided by its scale (QUANT)
     shift_ptr,  # [H, 2 * HALF] fp32: and first has this subtracted (QUANT)
-    HAS_NORM: tl.constexpr,
-    QUANT: tl.constexpr,
-    EMULATE_FP8: tl.constexpr,
-    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, QUANT: tl.constexpr, EMULATE_FP8: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
-):
+):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < num_heads)[:, None]
@@ -171,29 +147,12 @@ def _qk_norm_rope_kernel(
     k_w_ptr,  # [D] (HAS_NORM)
     pos_ptr,  # [T] int64 (any stride)
     cos_sin_ptr,  # [max_pos, D] fp32: cos in the first half, sin in the second
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ckt,
-    stride_ckh,
-    stride_cvt,
-    stride_cvh,
-    stride_pos,
-    num_q_heads,
-    num_kv_heads,
-    eps,
-    HAS_NORM: tl.constexpr,
-    STORE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    EMULATE_FP8: tl.constexpr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ckt, stride_ckh,
+    stride_cvt, stride_cvh, stride_pos, num_q_heads, num_kv_heads, eps, HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr, KV_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
     PAGE_SIZE: tl.constexpr,  # of an FP8 V cache, whose pages are [Hkv, D, PAGE_SIZE]
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t * stride_pos)

@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for every vocab shard, gathered across ranks, padding rows trimmed. On CUDA,
     2..`skinny_max_rows` rows (a speculative verify step) take the skinny GEMM
-    (`minisgl.kernels.skinny`) instead of cuBLAS."""
+    (`minisgl.kernels.gemv.skinny`) instead of cuBLAS."""
 
     def __init__(
         self,

@@ -357,7 +357,7 @@ class RowParallelLinear(LinearBase):
 
 
 class OneRowGemv(Protocol):
-    """`minisgl.kernels.gemv.gemv` (one row of x) or `minisgl.kernels.skinny.skinny` (1..16
+    """`minisgl.kernels.gemv.gemv.gemv` (one row of x) or `minisgl.kernels.gemv.skinny.skinny` (1..16
     rows): y = epilogue(W prologue(x)), the same call."""
 
     def __call__(
@@ -379,7 +379,7 @@ def _one_row_disabled() -> bool:
     return env.DISABLE_ONE_ROW_GEMV.get()
 
 
-SKINNY_MAX_ROWS = 16  # what the skinny GEMM takes (`minisgl.kernels.skinny.MAX_ROWS`)
+SKINNY_MAX_ROWS = 16  # what the skinny GEMM takes (`minisgl.kernels.gemv.skinny.MAX_ROWS`)
 
 
 def _skinny_rows(x: torch.Tensor, quant: QuantConfig | None) -> bool:

@@ -130,7 +130,7 @@ def _reference_impl(
 def moe_impl(device_type: str) -> MoEImpl:
     """The fused Triton kernels on CUDA when Triton is installed, the torch reference otherwise."""
     if device_type == "cuda" and importlib.util.find_spec("triton") is not None:
-        from minisgl.kernels.moe import fused_moe
+        from minisgl.kernels.moe.layer import fused_moe
 
         return fused_moe
     return _reference_impl

@@ -137,7 +137,7 @@ class DecoderLayer(nn.Module):
         assert isinstance(mlp, LlamaMLP)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         # SiLU-and-multiply in the down GEMV's prologue: the Llama-3-8B layer on the H200 took
-        # 112.1 us against 114.4 with it in a gate/up epilogue (`minisgl.benchmark.gemv`).
+        # 112.1 us against 114.4 with it in a gate/up epilogue (`minisgl.benchmark.tune gemv`).
         h = gate_up.one_row(gemv, x, norm_weight=ln2.weight, eps=ln2.eps)
         return down.one_row(gemv, h, residual=x, act=True), None
 

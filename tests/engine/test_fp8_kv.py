@@ -171,7 +171,7 @@ def test_the_key_shift_leaves_attention_unchanged(qwen3):
     """Attention over keys minus a per-(head, channel) constant is the same attention: every
     score of a query moves by the same amount. An fp32 reference check of the invariance the
     FP8 pool relies on (the torch backend's attention, fp32 pool, shifted keys)."""
-    from minisgl.kernels import reference as ref
+    from minisgl.kernels.attention import reference as ref
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(30, h, 16, generator=gen) for h in (4, 2, 2))

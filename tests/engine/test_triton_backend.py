@@ -30,8 +30,8 @@ NUM_TOKENS = 12
 def _interpreted():
     if torch.cuda.is_available():
         pytest.skip("the GPU suite (tests/gpu) covers this natively")
+    from minisgl.kernels.attention.decode import _decode_split_kernel
     from minisgl.kernels.common import is_interpreted
-    from minisgl.kernels.decode import _decode_split_kernel
 
     if not is_interpreted(_decode_split_kernel):
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")

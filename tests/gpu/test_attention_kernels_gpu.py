@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
-from minisgl.kernels import reference as ref  # noqa: E402
-from minisgl.kernels.decode import decode_attention  # noqa: E402
-from minisgl.kernels.extend import extend_attention  # noqa: E402
-from minisgl.kernels.store import store_kv  # noqa: E402
-from minisgl.kernels.testing import PagedKV, cu_seqlens, random_paged_kv  # noqa: E402
+from minisgl.kernels.attention import reference as ref  # noqa: E402
+from minisgl.kernels.attention.decode import decode_attention  # noqa: E402
+from minisgl.kernels.attention.extend import extend_attention  # noqa: E402
+from minisgl.kernels.attention.store import store_kv  # noqa: E402
+from minisgl.kernels.attention.testing import PagedKV, cu_seqlens, random_paged_kv  # noqa: E402
 
 DEVICE = "cuda"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}

@@ -247,7 +247,7 @@ def test_batch_one_steps_match_reference() -> None:
 
 def test_few_row_steps_on_the_skinny_gemm_match_reference() -> None:
     """`skinny_max_rows=16`, four requests at a time: decode steps of 2..16 rows run the dense
-    layers' fused few-row path on the skinny tensor-core GEMM (`minisgl.kernels.skinny`,
+    layers' fused few-row path on the skinny tensor-core GEMM (`minisgl.kernels.gemv.skinny`,
     captured in the CUDA graphs of 2, 4, 8 and 16 rows), and the LM head on it too."""
     from minisgl.models.llama import DecoderLayer
 

@@ -31,14 +31,14 @@ from helpers import assert_kv_clean, random_prompts  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.kernels import fp8 as R  # noqa: E402
-from minisgl.kernels import reference as ref  # noqa: E402
-from minisgl.kernels.decode import DecodeConfig, decode_attention, default_decode_config  # noqa: E402
-from minisgl.kernels.extend import extend_attention  # noqa: E402
-from minisgl.kernels.fp8_gemm import fp8_linear  # noqa: E402
-from minisgl.kernels.gemv import gemv  # noqa: E402
-from minisgl.kernels.moe import fused_moe  # noqa: E402
-from minisgl.kernels.store import store_kv  # noqa: E402
-from minisgl.kernels.testing import cu_seqlens, random_paged_kv  # noqa: E402
+from minisgl.kernels.attention import reference as ref  # noqa: E402
+from minisgl.kernels.attention.decode import DecodeConfig, decode_attention, default_decode_config  # noqa: E402
+from minisgl.kernels.attention.extend import extend_attention  # noqa: E402
+from minisgl.kernels.attention.store import store_kv  # noqa: E402
+from minisgl.kernels.attention.testing import cu_seqlens, random_paged_kv  # noqa: E402
+from minisgl.kernels.fp8.gemm import fp8_linear  # noqa: E402
+from minisgl.kernels.gemv.gemv import gemv  # noqa: E402
+from minisgl.kernels.moe.layer import fused_moe  # noqa: E402
 from minisgl.layers.moe import moe_reference, select_experts  # noqa: E402
 
 DEVICE = "cuda"
@@ -72,7 +72,7 @@ def test_fp8_decode_matches_reference(page_size: int, lens: list[int], num_split
 
 # The test above runs the FP8 default (128 keys, 4 warps, 5 stages at head_dim 128). These are
 # the default at head_dim 64 (256 keys) and configs of the FP8 sweep's grid that may replace it
-# (`benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune`): its smallest and largest
+# (`benchmark.tune decode --kv-cache-dtype fp8_e4m3`): its smallest and largest
 # tiles, 8 warps, fewer stages.
 FP8_DECODE_VARIANTS = {
     "d64_default": (64, default_decode_config(64, kv_fp8=True)),
@@ -162,13 +162,13 @@ def test_fp8_moe_matches_reference(
     """Qwen3-30B-A3B's layer (128 experts, top 8, hidden 2048, moe_intermediate 768): the
     weight-only kernels (the pair path at one token; the blocked path's grouped GEMMs with the
     W8A8 path switched off) within 1e-2 of the math on the values the experts stand for; then
-    the default (the blocked path's W8A8 kernels above one token, `minisgl.kernels.moe_fp8`)
+    the default (the blocked path's W8A8 kernels above one token, `minisgl.kernels.moe.w8a8`)
     within 8e-2: the layer input and the SwiGLU output are rounded to e4m3 per token and group
     of 128 (each element by at most 2^-4 relative, errors of either sign: the H200 measured
     0.036-0.050; their kernel-level check against a model of the same roundings, within 2e-2,
     is tests/kernels/test_moe_fp8.py)."""
-    from minisgl.kernels import moe_fp8
     from minisgl.kernels.fp8 import ExpertScales
+    from minisgl.kernels.moe import w8a8
 
     e, top_k, h, i = 128, 8, 2048, 768
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
@@ -186,10 +186,10 @@ def test_fp8_moe_matches_reference(
     x = torch.randn(tokens, h, device=DEVICE, generator=gen).bfloat16()
     logits = torch.randn(tokens, e, device=DEVICE, generator=gen)
     want = moe_reference(x.float(), d13, d2, select_experts(logits, top_k, True))
-    for w8a8, tol in ((False, 1e-2), (moe_fp8.ENABLED, 8e-2)):
-        monkeypatch.setattr(moe_fp8, "ENABLED", w8a8)
+    for on, tol in ((False, 1e-2), (w8a8.ENABLED, 8e-2)):
+        monkeypatch.setattr(w8a8, "ENABLED", on)
         out = fused_moe(x, q13, q2, logits, top_k, True, scales=ExpertScales(s13, s2))
-        assert rel_err(out, want) <= tol, w8a8
+        assert rel_err(out, want) <= tol, on
 
 
 # ---- engines -------------------------------------------------------------------------------------

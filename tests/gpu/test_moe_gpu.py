@@ -13,15 +13,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
-from minisgl.kernels.moe import (  # noqa: E402
-    FusedMoEConfig,
-    GemmTile,
-    PairConfig,
-    default_config,
-    fused_experts,
-    fused_moe,
-    fused_topk,
-)
+from minisgl.kernels.moe.layer import fused_experts, fused_moe  # noqa: E402
+from minisgl.kernels.moe.routing import fused_topk  # noqa: E402
+from minisgl.kernels.moe.tiles import FusedMoEConfig, GemmTile, PairConfig, default_config  # noqa: E402
 from minisgl.layers.moe import (  # noqa: E402
     Routing,
     SparseMoeBlock,
@@ -104,7 +98,7 @@ def test_every_block_height(block_m: int, qwen3_30b_weights) -> None:
     assert rel_err(out, truth) <= 1e-2
 
 
-# Pair-path tiles around the defaults, including the sweep's extremes (benchmark.moe --tune).
+# Pair-path tiles around the defaults, including the sweep's extremes (benchmark.tune moe).
 PAIR_TILES = [GemmTile(8, 1024, 4, 1), GemmTile(16, 256, 4, 1), GemmTile(32, 512, 8, 1),
               GemmTile(8, 256, 4, 1)]  # fmt: skip
 

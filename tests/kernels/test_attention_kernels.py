@@ -15,18 +15,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
-from minisgl.kernels import reference as ref  # noqa: E402
-from minisgl.kernels.common import is_interpreted, split_counters  # noqa: E402
-from minisgl.kernels.decode import (  # noqa: E402
+from minisgl.kernels.attention import reference as ref  # noqa: E402
+from minisgl.kernels.attention.decode import (
     DecodeConfig,
     _decode_split_kernel,
     choose_num_splits,
     decode_attention,
     default_decode_config,
 )
-from minisgl.kernels.extend import ExtendConfig, extend_attention  # noqa: E402
-from minisgl.kernels.store import store_kv  # noqa: E402
-from minisgl.kernels.testing import cu_seqlens, random_paged_kv  # noqa: E402
+from minisgl.kernels.attention.extend import ExtendConfig, extend_attention  # noqa: E402
+from minisgl.kernels.attention.store import store_kv  # noqa: E402
+from minisgl.kernels.attention.testing import cu_seqlens, random_paged_kv  # noqa: E402
+from minisgl.kernels.common import is_interpreted, split_counters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not is_interpreted(_decode_split_kernel):

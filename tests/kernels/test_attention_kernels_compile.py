@@ -44,9 +44,9 @@ def _compile(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], war
 
 
 def _compile_all() -> list[dict[str, Any]]:
-    from minisgl.kernels.decode import _decode_split_kernel
-    from minisgl.kernels.extend import _extend_kernel
-    from minisgl.kernels.store import _store_kv_kernel
+    from minisgl.kernels.attention.decode import _decode_split_kernel
+    from minisgl.kernels.attention.extend import _extend_kernel
+    from minisgl.kernels.attention.store import _store_kv_kernel
 
     results = []
     for name, dtype, c, warps, stages in DECODE:

@@ -1,4 +1,4 @@
-"""FP8 GEMMs for linear layers (`minisgl.kernels.fp8_gemm`): per-token activation quantization
+"""FP8 GEMMs for linear layers (`minisgl.kernels.fp8.gemm`): per-token activation quantization
 against `minisgl.kernels.fp8`, the Triton FP8 GEMM (per-channel and 128 x 128 block weight
 scales) against fp64 math on the dequantized operands, and `fp8_linear`'s two routes. Without
 CUDA the kernels run in Triton's CPU interpreter; the sm_90 compile runs in a subprocess."""
@@ -18,8 +18,8 @@ if not torch.cuda.is_available() and not COMPILE_MODE:
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
 from minisgl.kernels import fp8 as R  # noqa: E402
-from minisgl.kernels import fp8_gemm as G  # noqa: E402
 from minisgl.kernels.common import is_interpreted  # noqa: E402
+from minisgl.kernels.fp8 import gemm as G  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not COMPILE_MODE and not is_interpreted(G._fp8_gemm_kernel):

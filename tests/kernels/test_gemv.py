@@ -1,4 +1,4 @@
-"""The one-row GEMV with its fused prologue / epilogue (`minisgl.kernels.gemv`) against the same
+"""The one-row GEMV with its fused prologue / epilogue (`minisgl.kernels.gemv.gemv`) against the same
 math in fp32 torch. Without CUDA it runs in Triton's CPU interpreter (small shapes); the sm_90
 compile check runs the real compiler without a GPU."""
 
@@ -20,8 +20,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _gemv_module():
-    from minisgl.kernels import gemv
     from minisgl.kernels.common import is_interpreted
+    from minisgl.kernels.gemv import gemv
 
     if DEVICE == "cpu" and not is_interpreted(gemv._gemv_kernel):
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
@@ -106,23 +106,19 @@ VEC_VARIANTS = {
     "e4m3 8 cvt": dict(vec=8),
     "words cvt": dict(vec=16, words=True),
     "words cvt keep x_at": dict(vec=16, words=True, keep_vec=True, x_ahead=False),
-    # a persistent grid (one SM here: 2 or 3 programs walking the 5 tiles)
-    "words cvt persist": dict(vec=16, words=True, persist=2),
-    "e4m3 cvt keep x_at persist": dict(vec=16, keep_vec=True, x_ahead=False, persist=3),
+    "words cvt x_at": dict(vec=16, words=True, x_ahead=False),
+    "e4m3 cvt keep x_at": dict(vec=16, keep_vec=True, x_ahead=False),
 }
 if DEVICE == "cuda":
     VEC_VARIANTS["words ptx keep"] = dict(vec=16, words=True, widen="ptx", keep_vec=True)
-    VEC_VARIANTS["words ptx persist"] = dict(vec=16, words=True, widen="ptx", persist=3)
+    VEC_VARIANTS["words ptx"] = dict(vec=16, words=True, widen="ptx")
 
 
 @pytest.mark.parametrize("variant", list(VEC_VARIANTS))
-def test_gemv_fp8_vec_variants(variant, monkeypatch):
+def test_gemv_fp8_vec_variants(variant):
     """Each one-row FP8 variant, per-row scales with norm + bias and 128 x 128 block scales
-    with SiLU + residual, against fp64 math on the values the weights stand for. (On the CPU a
-    persistent grid is sized for one SM, so that each program walks several tiles.)"""
+    with SiLU + residual, against fp64 math on the values the weights stand for."""
     gemv = _gemv_module()
-    if DEVICE == "cpu":
-        monkeypatch.setattr(gemv, "num_sms", lambda device: 1)
     gen = torch.Generator().manual_seed(hash(("vec", variant)) % 2**31)
     n, k = (40, 260) if DEVICE == "cpu" else (6144, 4096)  # ragged rows and K, a last word
     kw = VEC_VARIANTS[variant]
@@ -167,7 +163,7 @@ def _fp8_case(gen, q, scale, w_deq, rows, extras, spread=False):
 @pytest.mark.parametrize(
     "rows", [2, 5] + [pytest.param(m, marks=pytest.mark.slow) for m in (3, 8, 19)]
 )  # (about 1.7 s each in the interpreter; 19: chunks of VEC_MAX_ROWS)
-def test_gemv_fp8_vec_layout_takes_several_rows(layout, rows, monkeypatch):
+def test_gemv_fp8_vec_layout_takes_several_rows(layout, rows):
     """The vec layout with several rows of x in one program (what an FP8 layer's weight-only
     rows take with `fp8_gemv_max_rows` above 1 at the `TUNED_FP8` shapes), per-row or 128 x 128
     block scales, each fusion once; rows of different sizes, so a per-row rstd that mixed the
@@ -177,13 +173,10 @@ def test_gemv_fp8_vec_layout_takes_several_rows(layout, rows, monkeypatch):
     n, k = (136, 260) if DEVICE == "cpu" else (6144, 4096)  # ragged rows, K and blocks on the CPU
     q, scale, w_deq = _fp8_weight(gen, n, k, layout)
     # CUDA: the shape's tuned config (PTX widening); the interpreter: words widened by conversion.
-    # Five rows on a persistent grid of two programs (9 tiles).
     config = None
     if DEVICE == "cpu":
-        monkeypatch.setattr(gemv, "num_sms", lambda device: 1)
         config = gemv.GemvConfig(block_n=16, block_k=128, num_warps=4, layout="vec", vec=16,
-                                 words=True, keep_vec=rows % 2 == 0, x_ahead=rows != 5,
-                                 persist=2 if rows == 5 else 0)  # fmt: skip
+                                 words=True, keep_vec=rows % 2 == 0, x_ahead=rows != 5)  # fmt: skip
     for extras in ["plain", "norm+bias", "act+residual"]:
         dev, want = _fp8_case(gen, q, scale, w_deq, rows, extras, spread=True)
         got = gemv.gemv(
@@ -209,7 +202,7 @@ def test_gemv_rows_are_independent():
 
 
 def test_gemv_supported_rejects_what_it_cannot_run():
-    from minisgl.kernels.gemv import gemv_supported
+    from minisgl.kernels.gemv.gemv import gemv_supported
 
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert gemv_supported(torch.zeros(1, 16, dtype=torch.bfloat16), w)
@@ -277,38 +270,26 @@ COMPILE_VEC = [
     ("vec e4m3 8 cvt norm 8x1024 w4", dict(NORM=True, BLOCK_N=8, BLOCK_K=1024, VEC=8), 4),
     ("vec rows 2 words ptx keep norm 8x2048 w4", dict(ROWS=2, NORM=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True), 4),
     ("vec rows 4 words ptx act residual 8x2048 w4", dict(ROWS=4, ACT=True, HAS_RES=True, BLOCK_N=8, WORDS=True, WIDEN=2), 4),
-    # the persistent grid (`_gemv_persist_kernel`) at the Llama-3-8B layer's fusions
-    ("vec persist words ptx keep norm 8x2048 w4", dict(PERSIST=True, NORM=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True), 4),
-    ("vec persist words ptx norm 4x2048 w4", dict(PERSIST=True, NORM=True, BLOCK_N=4, WORDS=True, WIDEN=2), 4),
-    ("vec persist words ptx residual 4x2048 w4", dict(PERSIST=True, HAS_RES=True, BLOCK_N=4, WORDS=True, WIDEN=2), 4),
-    ("vec persist words ptx act residual 8x2048 w4", dict(PERSIST=True, ACT=True, HAS_RES=True, BLOCK_N=8, WORDS=True, WIDEN=2), 4),
-    ("vec persist words ptx keep norm block 8x2048 w4", dict(PERSIST=True, NORM=True, BLOCK_N=8, WORDS=True, WIDEN=2, KEEP_VEC=True, W_SCALE=2), 4),
 ]  # fmt: skip
 
 
 def _compile_all() -> list[dict[str, object]]:
     from sm90 import compile_sm90
 
-    from minisgl.kernels.gemv import _gemv_kernel, _gemv_persist_kernel, _gemv_rows_kernel
+    from minisgl.kernels.gemv.gemv import _gemv_kernel, _gemv_rows_kernel
 
     out = []
     vec = [
         (n, {"ROWS": 1, "VEC": 16, "BLOCK_K": 2048, "W_SCALE": 1} | c, w) for n, c, w in COMPILE_VEC
     ]
-    persist = [(n, c, w) for n, c, w in vec if c.pop("PERSIST", False)]
-    vec = [v for v in vec if v not in persist]
-    for kernel, variants in (
-        (_gemv_kernel, COMPILE),
-        (_gemv_rows_kernel, vec),
-        (_gemv_persist_kernel, persist),
-    ):
+    for kernel, variants in ((_gemv_kernel, COMPILE), (_gemv_rows_kernel, vec)):
         for name, c, warps in variants:
             types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "b_ptr", "r_ptr", "g_ptr")}
             types |= {"eps": "fp32", "s_ptr": "*fp32"}
             if c.get("W_SCALE"):
                 types["w_ptr"] = "*fp8e4nv"
             c = {"ACT": False, "W_SCALE": 0, "HAS_RES": False, "NORM": False} | c
-            c |= dict(HAS_BIAS=False, PRELOAD=True, stride_wk=1)
+            c |= dict(HAS_BIAS=False, stride_wk=1)
             aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_wn", "K"]
             if "ROWS" in c:  # a bf16 x whose rows start 16-byte aligned, as the models' do
                 c = {"X_AHEAD": True, "VEC": 8, "KEEP_VEC": False, "WORDS": False} | c

@@ -1,4 +1,4 @@
-"""The mixed-step attention kernel (`minisgl.kernels.mixed`) against the torch reference.
+"""The mixed-step attention kernel (`minisgl.kernels.attention.mixed`) against the torch reference.
 
 Every case pads the step to a capacity (Tp rows, Bmax requests) as a CUDA graph's bucket
 would, and one test reuses the same buffers for several compositions (what a replay does).
@@ -17,15 +17,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
-from minisgl.kernels import reference as ref  # noqa: E402
-from minisgl.kernels.common import is_interpreted, split_counters  # noqa: E402
-from minisgl.kernels.mixed import (  # noqa: E402
+from minisgl.kernels.attention import reference as ref  # noqa: E402
+from minisgl.kernels.attention.mixed import (
     MixedConfig,
     _mixed_kernel,
     max_work_items,
     mixed_attention,
 )
-from minisgl.kernels.testing import PagedKV, cu_seqlens, random_paged_kv  # noqa: E402
+from minisgl.kernels.attention.testing import PagedKV, cu_seqlens, random_paged_kv  # noqa: E402
+from minisgl.kernels.common import is_interpreted, split_counters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not is_interpreted(_mixed_kernel):

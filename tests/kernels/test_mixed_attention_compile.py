@@ -34,7 +34,7 @@ MIXED = [
 
 
 def _compile_all() -> list[dict[str, Any]]:
-    from minisgl.kernels.mixed import _mixed_kernel
+    from minisgl.kernels.attention.mixed import _mixed_kernel
 
     results = []
     for name, dtype, c, warps, stages in MIXED:

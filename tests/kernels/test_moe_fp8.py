@@ -1,4 +1,4 @@
-"""The W8A8 blocked MoE path (`minisgl.kernels.moe_fp8`): e4m3 activations x e4m3 experts.
+"""The W8A8 blocked MoE path (`minisgl.kernels.moe.w8a8`): e4m3 activations x e4m3 experts.
 
 What is tested how:
 - the kernels' numerics, in Triton's CPU interpreter without CUDA (the same kernels: its
@@ -29,10 +29,16 @@ if not torch.cuda.is_available() and not COMPILE_MODE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
-from minisgl.kernels import moe as K  # noqa: E402
-from minisgl.kernels import moe_fp8 as F  # noqa: E402
 from minisgl.kernels.common import is_interpreted  # noqa: E402
-from minisgl.kernels.fp8 import FP8_REL_ERR, round_trip_activations  # noqa: E402
+from minisgl.kernels.fp8 import (  # noqa: E402
+    FP8_REL_ERR,
+    ExpertScales,  # noqa: E402
+    round_trip_activations,
+)
+from minisgl.kernels.moe import w8a8 as F  # noqa: E402
+from minisgl.kernels.moe.layer import fused_experts  # noqa: E402
+from minisgl.kernels.moe.routing import moe_align  # noqa: E402
+from minisgl.kernels.moe.tiles import DEFAULT_CONFIGS, FusedMoEConfig, GemmTile  # noqa: E402
 from minisgl.layers.moe import Routing, moe_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,7 +63,7 @@ def experts(num_experts: int, hidden: int, inter: int, layout: str, seed: int) -
         q, s, deq = quantize_expert_stack(w, layout)
         out.append((q.to(DEVICE), s.to(DEVICE), deq.double()))
     (q13, s13, d13), (q2, s2, d2) = out
-    return q13, q2, K.ExpertScales(s13, s2), d13, d2
+    return q13, q2, ExpertScales(s13, s2), d13, d2
 
 
 def routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> Routing:
@@ -158,7 +164,7 @@ def test_w8a8_experts_match_reference(
     g = torch.Generator().manual_seed(num_tokens + top_k)
     x = (torch.randn(num_tokens, hidden, generator=g) * 2).to(torch.bfloat16)
     r = routing(num_tokens, num_experts, top_k, seed=top_k)
-    rows = K.moe_align(r.ids.to(DEVICE, torch.int32), num_experts, block_m)
+    rows = moe_align(r.ids.to(DEVICE, torch.int32), num_experts, block_m)
     pairs = F.w8a8_experts(x.to(DEVICE), q13, q2, scales, r.weights.to(DEVICE), rows, config)
     out = pairs.view(num_tokens, top_k, hidden).sum(dim=1).cpu().double()
     assert pairs.dtype == torch.bfloat16
@@ -203,8 +209,8 @@ def test_fused_experts_takes_the_w8a8_path_when_enabled(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "w8a8_experts", spy)
-    cfg = K.FusedMoEConfig(16, K.GemmTile(32, 128), K.GemmTile(32, 128))
-    out = K.fused_experts(
+    cfg = FusedMoEConfig(16, GemmTile(32, 128), GemmTile(32, 128))
+    out = fused_experts(
         x.to(DEVICE), q13, q2, r.weights.to(DEVICE), r.ids.to(DEVICE, torch.int32), cfg, scales
     )
     assert calls == ([min_block_m] if enabled else [])
@@ -235,7 +241,7 @@ def test_w8a8_is_not_taken_for_16_bit_experts_or_tall_blocks(monkeypatch: pytest
 
 
 def test_w8a8_tables_cover_the_blocked_decode_sizes() -> None:
-    sizes = {c.block_m for c in K.DEFAULT_CONFIGS.values() if isinstance(c, K.FusedMoEConfig)}
+    sizes = {c.block_m for c in DEFAULT_CONFIGS.values() if isinstance(c, FusedMoEConfig)}
     for m in sizes:
         if m <= F.MAX_BLOCK_M:
             cfg = F.w8a8_config(m)

@@ -23,11 +23,42 @@ if not torch.cuda.is_available() and not COMPILE_MODE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
-from minisgl.kernels import moe as K  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from minisgl.kernels.fp8 import ExpertScales  # noqa: E402
+from minisgl.kernels.moe.blocked import _down_kernel, _gate_up_kernel  # noqa: E402
+from minisgl.kernels.moe.layer import fused_experts, fused_moe, one_row_moe  # noqa: E402
+from minisgl.kernels.moe.pair import (  # noqa: E402
+    _pair_down_fp8_kernel,
+    _pair_down_kernel,
+    _pair_gate_up_fp8_kernel,
+    _pair_gate_up_kernel,
+    pair_down,
+    pair_gate_up,
+    pair_tiles,
+)
+from minisgl.kernels.moe.routing import (  # noqa: E402
+    _align_kernel,
+    _topk_kernel,
+    align_reference,
+    fused_topk,
+    moe_align,
+)
+from minisgl.kernels.moe.tiles import (  # noqa: E402
+    DEFAULT_CONFIGS,
+    ONE_ROW_CONFIG,
+    FusedMoEConfig,
+    GemmTile,
+    MoEConfig,
+    PairConfig,
+    VecTile,
+    _block_tile,
+    default_config,
+)
 from minisgl.layers.moe import Routing, moe_reference, select_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not COMPILE_MODE and not isinstance(K._align_kernel, K.InterpretedFunction):
+if DEVICE == "cpu" and not COMPILE_MODE and not isinstance(_align_kernel, InterpretedFunction):
     pytest.skip(
         "minisgl.kernels.moe was imported before TRITON_INTERPRET=1 was set; "
         "run with TRITON_INTERPRET=1 in the environment",
@@ -37,16 +68,16 @@ if DEVICE == "cpu" and not COMPILE_MODE and not isinstance(K._align_kernel, K.In
 # The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest), which about
 # doubles the error of each bf16 intermediate there.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2 if DEVICE == "cpu" else 1e-2}
-SMALL = K.FusedMoEConfig(16, K.GemmTile(16, 16), K.GemmTile(32, 16))
-PAIR = K.PairConfig(K.GemmTile(16, 32), K.GemmTile(16, 16))
+SMALL = FusedMoEConfig(16, GemmTile(16, 16), GemmTile(32, 16))
+PAIR = PairConfig(GemmTile(16, 32), GemmTile(16, 16))
 CONFIGS = pytest.mark.parametrize("config", [SMALL, PAIR], ids=["blocked", "pair"])
 
-# The pair path with its e4m3 kernels (`K.VecTile`; the interpreter widens by byte extraction, the
+# The pair path with its e4m3 kernels (`VecTile`; the interpreter widens by byte extraction, the
 # GPU by inline PTX). On the GPU a step must give every thread of its warps 16 columns (512 for
 # one warp); in the interpreter 64-column steps take the kernels' loops through several steps.
 VEC_K = 512 if DEVICE == "cuda" else 64
-PAIR_FP8 = K.PairConfig(PAIR.gate_up, PAIR.down, K.VecTile(16, VEC_K, 1),
-                        K.VecTile(16, VEC_K, 1, ahead=False))  # fmt: skip
+PAIR_FP8 = PairConfig(PAIR.gate_up, PAIR.down, VecTile(16, VEC_K, 1),
+                        VecTile(16, VEC_K, 1, ahead=False))  # fmt: skip
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -88,7 +119,7 @@ def test_topk_matches_select_experts(
     dtype: torch.dtype, num_tokens: int, num_experts: int, top_k: int, renormalize: bool
 ) -> None:
     logits = distinct_logits(num_tokens, num_experts, dtype)
-    weights, ids = K.fused_topk(logits, top_k, renormalize)
+    weights, ids = fused_topk(logits, top_k, renormalize)
     ref = select_experts(logits, top_k, renormalize)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     assert torch.equal(ids.long(), ref.ids)
@@ -103,8 +134,8 @@ def test_align_matches_reference(
     num_tokens: int, num_experts: int, top_k: int, block_m: int
 ) -> None:
     ids = skewed_ids(num_tokens, num_experts, top_k, seed=num_tokens)
-    got = K.moe_align(ids, num_experts, block_m)
-    want = K.align_reference(ids, num_experts, block_m)
+    got = moe_align(ids, num_experts, block_m)
+    want = align_reference(ids, num_experts, block_m)
     n = int(want.num_padded)
     assert int(got.num_padded) == n and n % block_m == 0
     assert n <= got.max_blocks * block_m
@@ -120,7 +151,7 @@ def test_align_matches_reference(
 def test_align_worst_case_fits() -> None:
     # Every token on its own expert: each run wastes block_m - 1 rows, the bound is tight.
     ids = torch.arange(8, device=DEVICE, dtype=torch.int32).view(8, 1)
-    got = K.moe_align(ids, 8, 16)
+    got = moe_align(ids, 8, 16)
     assert int(got.num_padded) == 8 * 16 == got.max_blocks * 16
 
 
@@ -133,7 +164,7 @@ def test_align_worst_case_fits() -> None:
      (24, 6, 3, 64, 32), (5, 6, 1, 32, 16)],
 )  # fmt: skip
 def test_fused_experts_matches_reference(
-    config: K.MoEConfig,
+    config: MoEConfig,
     dtype: torch.dtype,
     num_tokens: int,
     num_experts: int,
@@ -145,14 +176,14 @@ def test_fused_experts_matches_reference(
     x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
     ids = skewed_ids(num_tokens, num_experts, top_k, seed=1)
     weights = torch.rand(num_tokens, top_k, device=DEVICE)
-    out = K.fused_experts(x, w13, w2, weights, ids, config)
+    out = fused_experts(x, w13, w2, weights, ids, config)
     # The truth: the same (rounded) inputs in fp32.
     ref = moe_reference(x.float(), w13.float(), w2.float(), Routing(weights, ids.long()))
     assert out.dtype == dtype and out.shape == x.shape
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-BIG = K.FusedMoEConfig(32, K.GemmTile(32, 32), K.GemmTile(16, 16))
+BIG = FusedMoEConfig(32, GemmTile(32, 32), GemmTile(16, 16))
 
 
 @pytest.mark.parametrize("config", [BIG, PAIR], ids=["blocked", "pair"])
@@ -161,12 +192,12 @@ BIG = K.FusedMoEConfig(32, K.GemmTile(32, 32), K.GemmTile(16, 16))
     ("num_tokens", "num_experts", "top_k"), [(5, 8, 2), (1, 128, 8), (2, 128, 8), (4, 6, 1)]
 )
 def test_fused_moe_matches_layer_reference(
-    config: K.MoEConfig, renormalize: bool, num_tokens: int, num_experts: int, top_k: int
+    config: MoEConfig, renormalize: bool, num_tokens: int, num_experts: int, top_k: int
 ) -> None:
     w13, w2 = random_experts(num_experts, 32, 16, torch.float32, seed=3)
     x = torch.randn(num_tokens, 32, device=DEVICE)
     logits = distinct_logits(num_tokens, num_experts, torch.float32)
-    out = K.fused_moe(x, w13, w2, logits, top_k, renormalize, config)
+    out = fused_moe(x, w13, w2, logits, top_k, renormalize, config)
     ref = moe_reference(x, w13, w2, select_experts(logits, top_k, renormalize))
     assert rel_err(out, ref) <= TOL[torch.float32]
 
@@ -181,8 +212,8 @@ def test_pair_gate_up_routes_like_fused_topk(
     w13, _ = random_experts(num_experts, 48, 40, dtype, seed=5)
     x = torch.randn(num_tokens, 48, device=DEVICE).to(dtype)
     logits = distinct_logits(num_tokens, num_experts, dtype)
-    act, routing = K.pair_gate_up(x, w13, top_k, PAIR.gate_up, logits=logits, renormalize=True)
-    weights, ids = K.fused_topk(logits, top_k, True)
+    act, routing = pair_gate_up(x, w13, top_k, PAIR.gate_up, logits=logits, renormalize=True)
+    weights, ids = fused_topk(logits, top_k, True)
     assert torch.equal(routing.ids, ids.view(-1))
     assert torch.equal(routing.weights, weights.view(-1))
     gate, up = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(top_k, 0),
@@ -215,7 +246,7 @@ def test_one_row_moe_matches_reference(
     router = (torch.randn(num_experts, hidden, generator=g) / 4).to(DEVICE, dtype)
     norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
     x = (torch.randn(1, hidden, generator=g) * 3).to(DEVICE, dtype)
-    out = K.one_row_moe(x, router, w13, w2, top_k, renormalize, norm_w, eps, config)
+    out = one_row_moe(x, router, w13, w2, top_k, renormalize, norm_w, eps, config)
     assert out.shape == x.shape and out.dtype == dtype
 
     xn = rms_normed(x, norm_w, eps).float()  # [1, H]
@@ -233,22 +264,22 @@ def test_pair_kernels_norm_and_residual(dtype: torch.dtype) -> None:
     x = (torch.randn(num_tokens, hidden) * 2).to(DEVICE, dtype)
     norm_w = (torch.rand(hidden) + 0.5).to(DEVICE, dtype)
     logits = distinct_logits(num_tokens, num_experts, dtype)
-    act, routing = K.pair_gate_up(x, w13, top_k, PAIR.gate_up, logits=logits, renormalize=False,
+    act, routing = pair_gate_up(x, w13, top_k, PAIR.gate_up, logits=logits, renormalize=False,
                                   norm_weight=norm_w, eps=eps)  # fmt: skip
     xn = rms_normed(x, norm_w, eps).to(dtype)
-    want, want_routing = K.pair_gate_up(xn, w13, top_k, PAIR.gate_up, logits=logits)
+    want, want_routing = pair_gate_up(xn, w13, top_k, PAIR.gate_up, logits=logits)
     assert torch.equal(routing.ids, want_routing.ids)
     assert rel_err(act, want) <= TOL[dtype]
 
     residual = torch.randn(num_tokens, hidden).to(DEVICE, dtype)
-    plain = K.pair_down(act, w2, routing, top_k, PAIR.down)
-    got = K.pair_down(act, w2, routing, top_k, PAIR.down, residual=residual)
+    plain = pair_down(act, w2, routing, top_k, PAIR.down)
+    got = pair_down(act, w2, routing, top_k, PAIR.down, residual=residual)
     assert rel_err(got, plain.double() + residual.double()) <= TOL[dtype]
 
 
 def fp8_experts(
     num_experts: int, hidden: int, inter: int, layout: str, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, K.ExpertScales, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, ExpertScales, torch.Tensor, torch.Tensor]:
     """e4m3 stacks with their scales, and the fp32 values they stand for."""
     from helpers import quantize_expert_stack
 
@@ -258,7 +289,7 @@ def fp8_experts(
         q, s, deq = quantize_expert_stack(w, layout)
         out.append((q.to(DEVICE), s.to(DEVICE), deq.to(DEVICE)))
     (q13, s13, d13), (q2, s2, d2) = out
-    return q13, q2, K.ExpertScales(s13, s2), d13, d2
+    return q13, q2, ExpertScales(s13, s2), d13, d2
 
 
 # Blocks need whole 128-row gate and up halves; per-row scales take any shape.
@@ -269,21 +300,21 @@ FP8_SHAPES = {"row": (48, 40), "block": (128, 128)}
 @pytest.mark.parametrize("layout", ["row", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_experts_fp8_match_their_dequantized_values(
-    config: K.MoEConfig, layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    config: MoEConfig, layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FP8 experts (a scale per output row, or per 128 x 128 block), widened in the kernels,
     against the reference on the fp32 values they stand for. The blocked path's weight-only
     grouped GEMMs: the W8A8 kernels it takes by default quantize the activations too
     (`tests/kernels/test_moe_fp8.py`)."""
-    from minisgl.kernels import moe_fp8
+    from minisgl.kernels.moe import w8a8
 
-    monkeypatch.setattr(moe_fp8, "ENABLED", False)
+    monkeypatch.setattr(w8a8, "ENABLED", False)
     hidden, inter = FP8_SHAPES[layout]
     q13, q2, scales, d13, d2 = fp8_experts(6, hidden, inter, layout, seed=11)
     x = torch.randn(5, hidden, device=DEVICE).to(dtype)
     ids = skewed_ids(5, 6, 2, seed=2)
     weights = torch.rand(5, 2, device=DEVICE)
-    out = K.fused_experts(x, q13, q2, weights, ids, config, scales)
+    out = fused_experts(x, q13, q2, weights, ids, config, scales)
     ref = moe_reference(x.float(), d13, d2, Routing(weights, ids.long()))
     assert out.dtype == dtype
     assert rel_err(out, ref) <= TOL[dtype]
@@ -314,11 +345,11 @@ def test_pair_fp8_kernels_match_dequantized(
     x = (torch.randn(num_tokens, hidden, generator=g) * 2).to(DEVICE, torch.bfloat16)
     norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
     logits = distinct_logits(num_tokens, num_experts, torch.float32)
-    gate_up = K.VecTile(gate_up_n, VEC_K, 1, ahead=ahead)
-    down = K.VecTile(16, down_k, 1, ahead=ahead)
-    act, routing = K.pair_gate_up(x, q13, top_k, gate_up, logits=logits, renormalize=True,
+    gate_up = VecTile(gate_up_n, VEC_K, 1, ahead=ahead)
+    down = VecTile(16, down_k, 1, ahead=ahead)
+    act, routing = pair_gate_up(x, q13, top_k, gate_up, logits=logits, renormalize=True,
                                   norm_weight=norm_w, eps=eps, scale=scales.w13)  # fmt: skip
-    out = K.pair_down(act, q2, routing, top_k, down, residual=x, scale=scales.w2)
+    out = pair_down(act, q2, routing, top_k, down, residual=x, scale=scales.w2)
     want_routing = select_experts(logits, top_k, True)
     assert torch.equal(routing.ids.long(), want_routing.ids.view(-1))
     torch.testing.assert_close(routing.weights, want_routing.weights.view(-1))
@@ -340,27 +371,27 @@ def test_pair_tiles_take_the_fp8_kernels_where_they_fit() -> None:
     down over I)."""
     q13, q2, _, _, _ = fp8_experts(2, 64, 48, "row", seed=1)
     x = torch.zeros(1, 64, device=DEVICE, dtype=torch.bfloat16)
-    assert K.pair_tiles(PAIR_FP8, x, q13, q2) == (PAIR_FP8.fp8_gate_up, PAIR_FP8.fp8_down)
-    assert K.pair_tiles(PAIR, x, q13, q2) == (PAIR.gate_up, PAIR.down)
-    assert K.pair_tiles(PAIR_FP8, x.float(), q13, q2) == (PAIR.gate_up, PAIR.down)
+    assert pair_tiles(PAIR_FP8, x, q13, q2) == (PAIR_FP8.fp8_gate_up, PAIR_FP8.fp8_down)
+    assert pair_tiles(PAIR, x, q13, q2) == (PAIR.gate_up, PAIR.down)
+    assert pair_tiles(PAIR_FP8, x.float(), q13, q2) == (PAIR.gate_up, PAIR.down)
     w13, w2 = random_experts(2, 64, 48, torch.bfloat16)
-    assert K.pair_tiles(PAIR_FP8, x, w13, w2) == (PAIR.gate_up, PAIR.down)
+    assert pair_tiles(PAIR_FP8, x, w13, w2) == (PAIR.gate_up, PAIR.down)
     q13, q2, _, _, _ = fp8_experts(2, 64, 40, "row", seed=1)  # I = 40: not whole 16-byte loads
-    assert K.pair_tiles(PAIR_FP8, x, q13, q2) == (PAIR_FP8.fp8_gate_up, PAIR.down)
-    for config in (K.ONE_ROW_CONFIG, K.default_config(1, 8, 128)):
-        assert isinstance(config, K.PairConfig) and config.fp8_gate_up and config.fp8_down
+    assert pair_tiles(PAIR_FP8, x, q13, q2) == (PAIR_FP8.fp8_gate_up, PAIR.down)
+    for config in (ONE_ROW_CONFIG, default_config(1, 8, 128)):
+        assert isinstance(config, PairConfig) and config.fp8_gate_up and config.fp8_down
 
 
 @pytest.mark.parametrize("config", [PAIR, PAIR_FP8], ids=["pair", "pair_fp8"])
 @pytest.mark.parametrize("layout", ["row", "block"])
-def test_one_row_moe_fp8(layout: str, config: K.PairConfig) -> None:
+def test_one_row_moe_fp8(layout: str, config: PairConfig) -> None:
     hidden, inter = FP8_SHAPES[layout]
     q13, q2, scales, d13, d2 = fp8_experts(8, hidden, inter, layout, seed=13)
     g = torch.Generator().manual_seed(3)
     router = (torch.randn(8, hidden, generator=g) / 4).to(DEVICE)
     norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE)
     x = (torch.randn(1, hidden, generator=g) * 3).to(DEVICE)
-    out = K.one_row_moe(x, router, q13, q2, 2, True, norm_w, 1e-5, config, scales)
+    out = one_row_moe(x, router, q13, q2, 2, True, norm_w, 1e-5, config, scales)
     xn = rms_normed(x, norm_w, 1e-5).float()
     routing = select_experts(xn @ router.T, 2, True)
     want = x + moe_reference(xn, d13, d2, routing)
@@ -368,21 +399,21 @@ def test_one_row_moe_fp8(layout: str, config: K.PairConfig) -> None:
 
 
 @pytest.mark.parametrize("config", [None, SMALL, PAIR], ids=["default", "blocked", "pair"])
-def test_no_tokens(config: K.MoEConfig | None) -> None:
+def test_no_tokens(config: MoEConfig | None) -> None:
     w13, w2 = random_experts(4, 32, 16, torch.float32)
     x = torch.empty(0, 32, device=DEVICE)
-    out = K.fused_moe(x, w13, w2, torch.empty(0, 4, device=DEVICE), 2, True, config)
+    out = fused_moe(x, w13, w2, torch.empty(0, 4, device=DEVICE), 2, True, config)
     assert out.shape == (0, 32)
 
 
 def test_default_config_by_rows_per_expert() -> None:
-    assert list(K.DEFAULT_CONFIGS) == sorted(K.DEFAULT_CONFIGS)
-    assert list(K.DEFAULT_CONFIGS)[-1] == float("inf")
-    assert isinstance(K.default_config(1, 8, 128), K.PairConfig)  # decode at batch 1
-    prefill = K.default_config(8192, 8, 128)
-    assert isinstance(prefill, K.FusedMoEConfig)
-    blocked = [K.default_config(t, 8, 128) for t in (64, 256, 1024, 8192)]
-    sizes = [c.block_m for c in blocked if isinstance(c, K.FusedMoEConfig)]
+    assert list(DEFAULT_CONFIGS) == sorted(DEFAULT_CONFIGS)
+    assert list(DEFAULT_CONFIGS)[-1] == float("inf")
+    assert isinstance(default_config(1, 8, 128), PairConfig)  # decode at batch 1
+    prefill = default_config(8192, 8, 128)
+    assert isinstance(prefill, FusedMoEConfig)
+    blocked = [default_config(t, 8, 128) for t in (64, 256, 1024, 8192)]
+    sizes = [c.block_m for c in blocked if isinstance(c, FusedMoEConfig)]
     assert sizes == sorted(sizes) and len(sizes) == len(blocked)
 
 
@@ -391,7 +422,7 @@ def test_shape_mismatch_is_an_error() -> None:
     x = torch.randn(3, 48, device=DEVICE)
     ids = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="do not fit"):
-        K.fused_experts(x, w13, w2, torch.ones(3, 1, device=DEVICE), ids)
+        fused_experts(x, w13, w2, torch.ones(3, 1, device=DEVICE), ids)
 
 
 # ---- compile for sm_90 without a GPU -----------------------------------------------------------
@@ -419,22 +450,22 @@ def _compile(kernel: Any, dtype: str, constexprs: dict[str, Any], warps: int, st
 
 def _gemm_variants() -> list[tuple[str, Any, str, dict[str, Any], Any]]:
     out = []
-    for cfg in (*K.DEFAULT_CONFIGS.values(), K.ONE_ROW_CONFIG):
-        if isinstance(cfg, K.PairConfig):
+    for cfg in (*DEFAULT_CONFIGS.values(), ONE_ROW_CONFIG):
+        if isinstance(cfg, PairConfig):
             out += _pair_variants(cfg)
             continue
-        for kernel, tile in ((K._gate_up_kernel, cfg.gate_up), (K._down_kernel, cfg.down)):
+        for kernel, tile in ((_gate_up_kernel, cfg.gate_up), (_down_kernel, cfg.down)):
             for w_scale in (0, 1, 2):  # bf16 experts; FP8 per row; FP8 per 128 x 128 block
-                t = K._block_tile(tile, w_scale)
+                t = _block_tile(tile, w_scale)
                 c = dict(BLOCK_M=cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                          IEEE=False, UPCAST=False, W_SCALE=w_scale, stride_wk=1)  # fmt: skip
-                if kernel is K._gate_up_kernel:
+                if kernel is _gate_up_kernel:
                     c["TOP_K"] = 8
                 name = f"{kernel.__name__} m{cfg.block_m} {t} w_scale={w_scale}"
                 out.append((name, kernel, "bf16", c, t))
     fp32 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, IEEE=True, UPCAST=False, stride_wk=1, TOP_K=2,
                 W_SCALE=0)  # fmt: skip
-    out.append(("_gate_up_kernel fp32", K._gate_up_kernel, "fp32", fp32, K.GemmTile(32, 32, 4, 2)))
+    out.append(("_gate_up_kernel fp32", _gate_up_kernel, "fp32", fp32, GemmTile(32, 32, 4, 2)))
     return list({v[0]: v for v in out}.values())  # one of each: configs may share tiles
 
 
@@ -452,13 +483,13 @@ def _pair_variants(cfg: Any) -> list[tuple[str, Any, str, dict[str, Any], Any]]:
         c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, ROUTE=route, BLOCK_TOPK=8,
                  BLOCK_E=128, RENORMALIZE=True, NORM=norm, W_SCALE=w_scale, stride_wk=1)  # fmt: skip
         name = f"_pair_gate_up_kernel route={route} norm={norm} w_scale={w_scale} {tile}"
-        out.append((name, K._pair_gate_up_kernel, "bf16", c, tile))
+        out.append((name, _pair_gate_up_kernel, "bf16", c, tile))
     tile = cfg.down
     for res, w_scale in ((False, 0), (True, 0), (True, 1), (True, 2)):
         c = dict(TOP_K=8, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_TOPK=8, stride_wk=1,
                  HAS_RES=res, W_SCALE=w_scale)  # fmt: skip
         name = f"_pair_down_kernel residual={res} w_scale={w_scale} {tile}"
-        out.append((name, K._pair_down_kernel, "bf16", c, tile))
+        out.append((name, _pair_down_kernel, "bf16", c, tile))
     return out
 
 
@@ -478,22 +509,20 @@ def _vec_variants(gate_up: Any, down: Any) -> list[tuple[str, Any, dict[str, Any
                  BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True, NORM=norm, W_SCALE=w_scale,
                  WIDEN=2, AHEAD=gate_up.ahead, EVEN=not gate_up.ahead)  # fmt: skip
         name = f"_pair_gate_up_fp8_kernel route={route} norm={norm} w_scale={w_scale} {gate_up}"
-        out.append(
-            (name, K._pair_gate_up_fp8_kernel, c, gate_up, 2 * gate_up.block_n * 16 * chunks)
-        )
+        out.append((name, _pair_gate_up_fp8_kernel, c, gate_up, 2 * gate_up.block_n * 16 * chunks))
     chunks = down.block_k // 16 // (32 * down.num_warps)
     for res, w_scale in _VEC_DOWN:
         c = dict(TOP_K=8, BLOCK_N=down.block_n, BLOCK_K=down.block_k, HAS_RES=res,
                  W_SCALE=w_scale, WIDEN=2, AHEAD=down.ahead, EVEN=not down.ahead)  # fmt: skip
         name = f"_pair_down_fp8_kernel residual={res} w_scale={w_scale} {down}"
-        out.append((name, K._pair_down_fp8_kernel, c, down, down.block_n * 16 * chunks))
+        out.append((name, _pair_down_fp8_kernel, c, down, down.block_n * 16 * chunks))
     return out
 
 
 def _fp8_pair_tiles() -> list[tuple[Any, Any]]:
     """The (gate/up, down) e4m3 tiles of the default configs."""
-    tiles = {(c.fp8_gate_up, c.fp8_down) for c in (*K.DEFAULT_CONFIGS.values(), K.ONE_ROW_CONFIG)
-             if isinstance(c, K.PairConfig) and c.fp8_gate_up and c.fp8_down}  # fmt: skip
+    tiles = {(c.fp8_gate_up, c.fp8_down) for c in (*DEFAULT_CONFIGS.values(), ONE_ROW_CONFIG)
+             if isinstance(c, PairConfig) and c.fp8_gate_up and c.fp8_down}  # fmt: skip
     return sorted(tiles, key=str)
 
 
@@ -509,9 +538,9 @@ def _compile_vec() -> list[dict[str, Any]]:
 def _compile_all() -> list[dict[str, Any]]:
     results = []
     topk = dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True)
-    results.append({"name": "topk e128 k8", **_compile(K._topk_kernel, "bf16", topk, 4, 1)})
+    results.append({"name": "topk e128 k8", **_compile(_topk_kernel, "bf16", topk, 4, 1)})
     align = dict(NUM_EXPERTS=128, BINS=256, BLOCK_M=16, CHUNK=1024)
-    results.append({"name": "align e128", **_compile(K._align_kernel, "bf16", align, 4, 1)})
+    results.append({"name": "align e128", **_compile(_align_kernel, "bf16", align, 4, 1)})
     for name, kernel, dtype, c, tile in _gemm_variants():
         results.append(
             {"name": name, **_compile(kernel, dtype, c, tile.num_warps, tile.num_stages)}

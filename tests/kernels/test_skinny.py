@@ -1,4 +1,4 @@
-"""The skinny GEMM (`minisgl.kernels.skinny`: 1..16 rows of x on tensor cores) with its fused
+"""The skinny GEMM (`minisgl.kernels.gemv.skinny`: 1..16 rows of x on tensor cores) with its fused
 prologues / epilogues, FP8 weights and split-K, against fp64 torch math on the same values.
 Without CUDA it runs in Triton's CPU interpreter (tiny shapes); the sm_90 compile check runs the
 real compiler without a GPU.
@@ -29,8 +29,8 @@ ROWS = [1, 2, 5, 9, 16]
 
 
 def _skinny_module():
-    from minisgl.kernels import skinny
     from minisgl.kernels.common import is_interpreted
+    from minisgl.kernels.gemv import skinny
 
     if DEVICE == "cpu" and not is_interpreted(skinny._skinny_kernel):
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")
@@ -158,7 +158,7 @@ def test_skinny_reads_a_column_major_weight():
 
 
 def test_skinny_supported_rejects_what_it_cannot_run():
-    from minisgl.kernels.skinny import skinny_supported
+    from minisgl.kernels.gemv.skinny import skinny_supported
 
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert skinny_supported(torch.zeros(16, 16, dtype=torch.bfloat16), w)
@@ -172,7 +172,7 @@ def test_skinny_supported_rejects_what_it_cannot_run():
 def test_default_configs_fit_the_kernel():
     """The guessed defaults: tiles tl.dot takes, K steps of 128 (block-scaled FP8 needs them),
     splits only where the tiles alone leave SMs idle."""
-    from minisgl.kernels.skinny import FORMATS, TUNED, default_config
+    from minisgl.kernels.gemv.skinny import FORMATS, TUNED, default_config
 
     for n, k in [(5120, 2048), (2048, 12288), (24576, 2048), (100352, 2048), (960, 576)]:
         assert (n, k, False, "bf16") not in TUNED
@@ -214,7 +214,7 @@ COMPILE = [
 def _compile_all() -> list[dict[str, object]]:
     from sm90 import compile_sm90
 
-    from minisgl.kernels.skinny import BLOCK_M, _skinny_kernel
+    from minisgl.kernels.gemv.skinny import BLOCK_M, _skinny_kernel
 
     out = []
     for name, c, warps, stages in COMPILE:
@@ -224,7 +224,7 @@ def _compile_all() -> list[dict[str, object]]:
         if c.get("W_SCALE"):
             types["w_ptr"] = "*fp8e4nv"
         base = dict(HAS_BIAS=False, HAS_RES=False, NORM=False, ACT=False, W_SCALE=0, SPLIT_K=1)
-        fixed = dict(PRELOAD=True, IEEE=False, EMULATE_BF16=False, BLOCK_M=BLOCK_M, stride_wk=1)
+        fixed = dict(IEEE=False, EMULATE_BF16=False, BLOCK_M=BLOCK_M, stride_wk=1)
         aligned = ["x_ptr", "w_ptr", "y_ptr", "stride_xm", "stride_wn", "K", "N"]
         compiled = compile_sm90(_skinny_kernel, types, base | c | fixed, warps, stages, aligned)
         out.append({"name": name, **compiled})

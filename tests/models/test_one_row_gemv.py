@@ -28,7 +28,7 @@ def _interpreted():
     if torch.cuda.is_available():
         pytest.skip("tests/gpu/test_engine_gpu.py covers the path natively")
     from minisgl.kernels.common import is_interpreted
-    from minisgl.kernels.gemv import _gemv_kernel
+    from minisgl.kernels.gemv.gemv import _gemv_kernel
 
     if not is_interpreted(_gemv_kernel):
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")

@@ -39,8 +39,8 @@ from minisgl.scheduler.warmup import (  # noqa: E402
 
 def _needs_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
+    from minisgl.kernels.attention.decode import _decode_split_kernel
     from minisgl.kernels.common import is_interpreted
-    from minisgl.kernels.decode import _decode_split_kernel
 
     if not is_interpreted(_decode_split_kernel):
         pytest.skip("minisgl.kernels was imported before TRITON_INTERPRET=1 was set")

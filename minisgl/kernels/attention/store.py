@@ -7,44 +7,28 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
     check_kv_scales,
-    emulate_fp8,
     key_shift,
-    pdl_args,
-    pdl_prologue,
     quantize_fp8,
     v_page_size,
     v_row_ptrs,
 )
+from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_cache_ptr,
-    v_cache_ptr,
-    loc_ptr,
-    k_ptr,
-    v_ptr,
+    k_cache_ptr, v_cache_ptr, loc_ptr, k_ptr, v_ptr,
     k_scale_ptr,  # [NUM_HEADS] fp32 (KV_FP8)
     v_scale_ptr,
     k_shift_ptr,  # [NUM_HEADS, HEAD_DIM] fp32 (KV_FP8)
-    stride_ck,
-    stride_ckh,
-    stride_cv,
-    stride_cvh,
-    stride_k,
-    stride_kh,
-    stride_v,
-    stride_vh,
-    NUM_HEADS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    stride_ck, stride_ckh, stride_cv, stride_cvh, stride_k, stride_kh, stride_v, stride_vh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
     PAGE_SIZE: tl.constexpr,  # of an FP8 V cache, whose pages are [NUM_HEADS, HEAD_DIM, PAGE_SIZE]
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_prologue(PDL)
     t = tl.program_id(0)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -91,28 +75,9 @@ def store_kv(
     k_scale, v_scale = scales if scales is not None else (k, v)  # unread without KV_FP8
     shift = key_shift(k_cache, k_shift) if fp8 else k
     _store_kv_kernel[(num_tokens,)](
-        k_cache,
-        v_cache,
-        loc,
-        k,
-        v,
-        k_scale,
-        v_scale,
-        shift,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        NUM_HEADS=num_heads,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        HEAD_DIM=head_dim,
-        KV_FP8=fp8,
-        EMULATE_FP8=fp8 and emulate_fp8(_store_kv_kernel),
-        PAGE_SIZE=page_size,
-        num_warps=4 if num_heads * head_dim >= 1024 else 1,
-        **pdl_args(k.device),
-    )
+        k_cache, v_cache, loc, k, v, k_scale, v_scale, shift, k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        NUM_HEADS=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+        KV_FP8=fp8, EMULATE_FP8=fp8 and emulate_fp8(_store_kv_kernel), PAGE_SIZE=page_size,
+        num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_args(k.device),
+    )  # fmt: skip

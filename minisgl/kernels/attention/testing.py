@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernels.attention.reference import context_slots
 from minisgl.kernels.fp8 import is_fp8, quantize_kv, v_pages
-from minisgl.kernels.reference import context_slots
 
 
 @dataclass
@@ -28,16 +28,12 @@ class PagedKV:
 
 
 def random_paged_kv(
-    seq_lens: list[int],
-    page_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
+    seq_lens: list[int], page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     device: torch.device | str,
     *,
     spare_pages: int = 2,
     poison: bool = True,
-) -> PagedKV:
+) -> PagedKV:  # fmt: skip
     """Requests get disjoint pages in random order (not contiguous).
 
     With `poison`, every slot that is not part of some request's context (spare pages, the tail
@@ -77,13 +73,9 @@ def random_paged_kv(
 
 
 def _fp8_paged_kv(
-    shape: tuple[int, int, int],
-    table: torch.Tensor,
-    lens: torch.Tensor,
-    seq_lens: list[int],
-    page_size: int,
-    poison: bool,
-) -> PagedKV:
+    shape: tuple[int, int, int], table: torch.Tensor, lens: torch.Tensor, seq_lens: list[int],
+    page_size: int, poison: bool,
+) -> PagedKV:  # fmt: skip
     """e4m3 pools of normal values with a magnitude per KV head, quantized with 8 sigma of
     headroom, filled a chunk of slots at a time (a benchmark's pool has billions of values)."""
     device = table.device

@@ -15,11 +15,11 @@ Activations are quantized per token and group of 128 columns (the DeepSeek-V3 / 
 "per-token-group" scheme): each K step of 128 columns is one e4m3 dot started from zero, then
 added to the fp32 accumulator times the activation group's scale (and a 128 x 128 weight block's
 scale). Promoting every 128 columns also bounds the reduced precision of Hopper's FP8 MMA
-accumulator (`minisgl.kernels.fp8_gemm`); per-row weight scales are applied once at the end.
+accumulator (`minisgl.kernels.fp8.gemm`); per-row weight scales are applied once at the end.
 
 Launches per layer after `fused_topk` and `moe_align` (shared with the weight-only path):
 
-1. `quantize_activations` (`minisgl.kernels.fp8_gemm`): x [T, H] -> e4m3 + [T, H/128] scales.
+1. `quantize_activations` (`minisgl.kernels.fp8.gemm`): x [T, H] -> e4m3 + [T, H/128] scales.
 2. `_w8a8_gate_up_kernel`: silu(gate) * up of each sorted row. With BLOCK_N == 128 a program
    holds whole 128-column groups of I, so its epilogue quantizes the result itself (e4m3 +
    one scale per row and group); narrower tiles write 16-bit activations and a separate
@@ -27,14 +27,11 @@ Launches per layer after `fused_topk` and `moe_align` (shared with the weight-on
 3. `_w8a8_down_kernel`: the down projection times the routing weight, per (token, k) row.
 4. the sum over k (as the weight-only path).
 
-On by default since measured on the H200 (session 17, Qwen3-30B-A3B shape, dummy weights,
-decode batch 256: 16,041 tok/s against 10,964 with bf16 experts, 1.46x; the weight-only path
-measured 1.05x in session 10): e4m3 experts on CUDA take it (`use_w8a8`) on rows that
-`moe_align` pads to the path's own BLOCK_M (`w8a8_block_m`: the table's, at least MIN_BLOCK_M,
-`MINISGL_MOE_W8A8_BLOCK_M`); `MINISGL_MOE_W8A8=0` in the environment (or `ENABLED = False`
-here) keeps them on the weight-only grouped GEMMs. The dense FP8 layers quantize activations
-per token above their GEMV rows the same way (`minisgl.kernels.fp8_gemm`); this path's
-accuracy on a real MoE checkpoint is not measured (none can be carried to the GPU here).
+On by default since measured on the H200 (Qwen3-30B-A3B shape, dummy weights, decode batch
+256: 16,041 tok/s against 10,964 with bf16 experts, 1.46x; the weight-only path: 1.05x):
+e4m3 experts on CUDA take it (`use_w8a8`) on rows `moe_align` pads to its own BLOCK_M
+(`w8a8_block_m`); `MINISGL_MOE_W8A8=0` keeps them on the weight-only grouped GEMMs. Its
+accuracy on a real MoE checkpoint is not measured.
 """
 
 from __future__ import annotations
@@ -47,20 +44,13 @@ import triton
 import triton.language as tl
 
 from minisgl.config import env
-from minisgl.kernels.common import (
-    emulate_fp8,
-    is_interpreted,
-    pdl_args,
-    pdl_prologue,
-    round_e4m3,
-    row_block_scales,
-    sorted_block,
-)
+from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
 from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
-from minisgl.kernels.fp8_gemm import quantize_activations
+from minisgl.kernels.fp8.gemm import quantize_activations
+from minisgl.kernels.moe.common import row_block_scales, sorted_block
 
 if TYPE_CHECKING:
-    from minisgl.kernels.moe import AlignedRows
+    from minisgl.kernels.moe.routing import AlignedRows
 
 GROUP = 128  # columns per activation scale (and the weights' block size)
 ENV_W8A8 = env.MOE_W8A8.name
@@ -92,8 +82,8 @@ class W8A8Config:
 
 # Tiles by the blocked path's BLOCK_M (`FusedMoEConfig.block_m`, up to MAX_BLOCK_M): starting
 # points for an H200 at the Qwen3-30B-A3B shape, not swept yet (the BLOCK_M 16 entry gave the
-# session-17 decode figure at batch 256; `python -m minisgl.benchmark.moe --w8a8-kernels
-# --w8a8-tune` times them against the weight-only kernels and a few other tiles). Gate/up at
+# 1.46x decode figure above at batch 256; `python -m minisgl.benchmark.tune w8a8` times them
+# against the weight-only kernels and a few other tiles). Gate/up at
 # 128 columns of I quantizes its output in its epilogue; 4 stages of its 2 x 128 x 128 + 16 x
 # 128 bytes fill 136 KiB of shared memory (one program per SM, ~100 KiB of loads in flight).
 # Down at 64 columns of H spreads an expert's weights over more programs (its K loop is only
@@ -144,29 +134,15 @@ def _w8a8_gate_up_kernel(
     s_ptr,  # [E, 2I] fp32 per row (W_SCALE 1), [E, 2I/128, H/128] per block (2)
     act_ptr,  # [max_blocks * BLOCK_M, I] in sorted order: e4m3 (QUANT_OUT) or 16-bit
     acts_ptr,  # [max_blocks * BLOCK_M, cdiv(I, 128)] fp32 (QUANT_OUT)
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    numel,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, numel,
     inter,  # I
     hidden,  # H
-    stride_xt,
-    stride_xst,
-    stride_we,
-    stride_wn,
-    stride_at,
-    stride_ast,
-    stride_se,
-    stride_sn,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_at, stride_ast, stride_se, stride_sn,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_SCALE: tl.constexpr,
     QUANT_OUT: tl.constexpr,  # BLOCK_N == 128: quantize the output per 128-column group here
-    EMULATE_FP8: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    EMULATE_FP8: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # Program (m, n): block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I, as the
     # transposed tiles gate^T, up^T [BLOCK_N, BLOCK_M] (see the module docstring).
@@ -242,25 +218,13 @@ def _w8a8_down_kernel(
     s_ptr,  # [E, H] fp32 per row (W_SCALE 1), [E, H/128, I/128] per block (2)
     out_ptr,  # [T * K, H]: row t * K + k
     topk_weights_ptr,  # [T * K] fp32
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    numel,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, numel,
     hidden,  # H (the output columns)
     inter,  # I (the reduction)
-    stride_at,
-    stride_ast,
-    stride_we,
-    stride_wn,
-    stride_ot,
-    stride_se,
-    stride_sn,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    W_SCALE: tl.constexpr,
+    stride_at, stride_ast, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr,
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     pdl_prologue(PDL)
     # Program (m, n): block m of the sorted rows x columns [n * BLOCK_N, +BLOCK_N) of H, as the
     # transposed tile out^T [BLOCK_N, BLOCK_M].

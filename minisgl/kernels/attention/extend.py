@@ -15,19 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
+    attend_keys,
     check_kv_scales,
     check_paged_args,
-    dot,
-    dot_flags,
-    fp8_operand,
-    load_v_block,
-    online_softmax_step,
-    pdl_args,
-    pdl_prologue,
-    round_bf16,
-    token_slots,
+    load_q,
+    normalize,
 )
+from minisgl.kernels.common import dot_flags, pdl_args, pdl_prologue, round_bf16
 
 
 @dataclass(frozen=True)
@@ -69,26 +64,11 @@ def _extend_kernel(
     o_ptr,  # [T, Hq, D]
     k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    scale_log2,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ot,
+    stride_oh, scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # The last query blocks see the most keys: launch them first so the tail is short.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -104,20 +84,12 @@ def _extend_kernel(
     active = m_start < extend_len  # blocks past a short request's end do nothing
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < extend_len
     q_pos = prefix_len + offs_m  # [BLOCK_M]
     q_rows = first_row + offs_m
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None],
-        other=0.0,
-    )  # [BLOCK_M, D]
-    qk_scale = scale_log2
-    if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
-        q = fp8_operand(q, q)
-        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q, qk_scale = load_q(q_ptrs, mask_m, scale_log2, k_scale_ptr, kv_head, KV_FP8)  # [BLOCK_M, D]
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
@@ -128,41 +100,18 @@ def _extend_kernel(
 
     # Keys before this block's first query: visible to every row, no mask.
     full_end = tl.where(active, (prefix_len + m_start) // BLOCK_N * BLOCK_N, 0)
-    for n in range(0, full_end, BLOCK_N):
-        slots = token_slots(table_row, n + offs_n, PAGE_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt)
-        if KV_FP8:
-            k = fp8_operand(k, q)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
-        v = load_v_block(
-            v_base, slots, n + offs_n, None, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
-        )
-        if KV_FP8:
-            v = fp8_operand(v, q)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
-
+    m_i, l_i, acc = attend_keys(
+        q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, 0, full_end,
+        qk_scale, False, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, MASKED=False,
+    )  # fmt: skip
     # Diagonal blocks: key k is visible to query row r iff pos(k) <= pos(r).
     causal_end = tl.where(active, tl.minimum(seq_len, prefix_len + m_start + BLOCK_M), 0)
-    for n in range(full_end, causal_end, BLOCK_N):
-        k_pos = n + offs_n
-        mask_n = k_pos < causal_end
-        slots = token_slots(table_row, tl.minimum(k_pos, causal_end - 1), PAGE_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
-            k = fp8_operand(k, q)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        v = load_v_block(
-            v_base, slots, k_pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
-        )
-        if KV_FP8:
-            v = fp8_operand(v, q)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
+    m_i, l_i, acc = attend_keys(
+        q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, full_end,
+        causal_end, qk_scale, True, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16,
+    )  # fmt: skip
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if KV_FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
+    out, _ = normalize(acc, l_i, v_scale_ptr, kv_head, KV_FP8)
     if EMULATE_BF16:
         out = round_bf16(out)
     o_dst = o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -190,7 +139,7 @@ def extend_attention(
     scales."""
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
-    _check_extend_args(q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend)
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend, extend_lens)
     fp8 = check_kv_scales(k_cache, kv_scales, k_cache.shape[1])
     cfg = config or default_extend_config(head_dim, q.element_size())
     if out is None:
@@ -211,20 +160,3 @@ def extend_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )  # fmt: skip
     return out
-
-
-def _check_extend_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    cu_extend: torch.Tensor,
-) -> None:
-    batch = seq_lens.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, batch)
-    for t in (seq_lens, extend_lens, cu_extend):
-        assert t.dtype == torch.int32
-    assert extend_lens.shape == (batch,) and cu_extend.shape == (batch + 1,)
-    assert all(t.is_contiguous() for t in (seq_lens, extend_lens, cu_extend))

@@ -36,30 +36,31 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
+    attend_keys,
     check_kv_scales,
     check_paged_args,
     combine_splits,
-    dot,
-    dot_flags,
     fp8_operand,
     kv_split_len,
-    load_v_block,
-    online_softmax_step,
+    normalize,
+)
+from minisgl.kernels.common import (
+    dot_flags,
     pdl_args,
     pdl_prologue,
     round_bf16,
     split_counters,
-    token_slots,
 )
 
 
 @dataclass(frozen=True)
 class MixedConfig:
-    """Tuning knobs of `mixed_attention` (sweep them on the target GPU: `benchmark.kernels
-    --mixed --tune`). One kernel holds both tile shapes, so warps and stages are shared."""
+    """Tuning knobs of `mixed_attention` (sweep them on the target GPU: `python -m
+    minisgl.benchmark.tune mixed`). One kernel holds both tile shapes, so warps and stages are
+    shared."""
 
-    # The best by geometric mean of `benchmark.kernels --mixed --tune` on an NVIDIA H200
+    # The best by geometric mean of `benchmark.tune mixed` on an NVIDIA H200
     # (2026-12-02; head_dim 128, GQA 2, bf16, page 16, one layer's us): 54.1 at 20 decodes
     # (context ~1000) + a 1000-token prompt, 83.2 at 64 decodes + a 100-token prompt; the old
     # default (64, 64, 64, 8 warps, 2 stages) took ~99-105 and ~149. Per case the best were
@@ -132,53 +133,6 @@ def _load_q(q_ptr, rows, heads, valid, stride_qt, stride_qh, HEAD_DIM: tl.conste
     return tl.load(ptrs, mask=valid[:, None], other=0.0)
 
 
-@triton.jit
-def _attend_keys(
-    q,  # [ROWS, D], widened for FP8 K/V
-    q_pos,  # [ROWS] positions of the rows' tokens
-    table_row,  # pointer to the request's page ids
-    k_base,  # [1, D] pointers of the KV head at slot 0
-    v_base,  # the V of the KV head (a scalar pointer: `load_v_block`)
-    stride_kt,
-    stride_vt,
-    m_i,
-    l_i,
-    acc,
-    start,  # first key
-    end,  # keys are < end
-    qk_scale,
-    CAUSAL: tl.constexpr,  # mask key k of row r unless k <= q_pos[r] (else: only k < end)
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    MAY_BE_EMPTY: tl.constexpr,
-):
-    """Fold keys start .. end - 1 of one request into a tile's running softmax."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, q.shape[1])
-    for n in range(start, end, BLOCK_N):
-        k_pos = n + offs_n
-        mask_n = k_pos < end
-        slots = token_slots(table_row, tl.minimum(k_pos, end - 1), PAGE_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
-            k = fp8_operand(k, q)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale
-        visible = mask_n[None, :]
-        if CAUSAL:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        v = load_v_block(
-            v_base, slots, k_pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8
-        )
-        if KV_FP8:
-            v = fp8_operand(v, q)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16, MAY_BE_EMPTY)
-    return m_i, l_i, acc
-
-
 @triton.jit(do_not_specialize=["stride_bt", "num_requests", "num_rows", "num_splits"])
 def _mixed_kernel(
     q_ptr,  # [Tp, Hq, D]
@@ -193,34 +147,17 @@ def _mixed_kernel(
     counter_ptr,  # [Bmax, Hkv] int32, zero between launches (SPLIT)
     k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_ot,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ot,
     stride_oh,
     num_requests,  # Bmax
     num_rows,  # Tp
-    num_splits,
-    scale_log2,
-    GROUP: tl.constexpr,
-    GPAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    num_splits, scale_log2, GROUP: tl.constexpr, GPAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_B: tl.constexpr,  # next power of two >= Bmax
-    ROWS_W: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROWS_N: tl.constexpr,
-    BLOCK_N_NARROW: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    ROWS_W: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_N: tl.constexpr,
+    BLOCK_N_NARROW: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1
-    KV_FP8: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    KV_FP8: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     TOK_W: tl.constexpr = ROWS_W // GPAD
@@ -313,18 +250,16 @@ def _wide_item(
     acc = tl.zeros([ROWS_W, HEAD_DIM], tl.float32)
     # Keys before the block's first query: visible to every row, no mask but the length.
     full_end = (prefix_len + t0) // BLOCK_N * BLOCK_N
-    m_i, l_i, acc = _attend_keys(
+    m_i, l_i, acc = attend_keys(
         q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, 0,
         full_end, qk_scale, False, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
     )  # fmt: skip
     causal_end = tl.minimum(seq_len, prefix_len + t0 + TOK_W)
-    m_i, l_i, acc = _attend_keys(
+    m_i, l_i, acc = attend_keys(
         q, q_pos, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, full_end,
         causal_end, qk_scale, True, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16, False,
     )  # fmt: skip
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if KV_FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
+    out, _ = normalize(acc, l_i, v_scale_ptr, kv_head, KV_FP8)
     if EMULATE_BF16:
         out = round_bf16(out)
     rows = first_row + tok
@@ -359,15 +294,12 @@ def _narrow_item(
     l_i = tl.zeros([ROWS_N], tl.float32)
     acc = tl.zeros([ROWS_N, HEAD_DIM], tl.float32)
     # A split may lie wholly after an earlier token's position: MAY_BE_EMPTY.
-    m_i, l_i, acc = _attend_keys(
+    m_i, l_i, acc = attend_keys(
         q, seq_len - e + tok, block_table_ptr + b * stride_bt, k_base, v_base, stride_kt,
         stride_vt, m_i, l_i, acc, start, end, qk_scale, True, BLOCK_N_NARROW, PAGE_SIZE,
         KV_FP8, IEEE, EMULATE_BF16, SPLIT,
     )  # fmt: skip
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if KV_FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
+    out, l_safe = normalize(acc, l_i, v_scale_ptr, kv_head, KV_FP8)
     rows = first_row + tok
     o_dst = o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if SPLIT:
@@ -410,14 +342,14 @@ def mixed_attention(
     out: torch.Tensor | None = None,  # [Tp, Hq, D], written in place if given
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 cache: [Hkv] fp32 each
 ) -> torch.Tensor:  # [Tp, Hq, D], dtype of q; padding rows are zeros
-    """Attention of every row of a mixed step (`minisgl.kernels.mixed`), one launch whose grid
-    and buffers depend only on the shapes (Tp, Bmax, P) and `num_splits`: no host sync, no
+    """Attention of every row of a mixed step (the module docstring), one launch whose grid and
+    buffers depend only on the shapes (Tp, Bmax, P) and `num_splits`: no host sync, no
     allocation that depends on the step, so a CUDA graph captured with these buffers replays it
     for any composition. Run it once outside a capture first (its split counters)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_requests = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[1]
-    _check_mixed_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend)
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend)
     fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
     cfg = config or default_mixed_config(head_dim, q.element_size())
     if num_splits < 1:
@@ -455,18 +387,3 @@ def mixed_attention(
         **pdl_args(q.device),
     )  # fmt: skip
     return out
-
-
-def _check_mixed_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_extend: torch.Tensor,
-) -> None:
-    batch = seq_lens.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, batch)
-    for t in (seq_lens, cu_extend):
-        assert t.dtype == torch.int32 and t.is_contiguous()
-    assert cu_extend.shape == (batch + 1,)

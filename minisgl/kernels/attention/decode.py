@@ -18,22 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
+from minisgl.kernels.attention.common import (
+    attend_keys,
     check_kv_scales,
     check_paged_args,
     combine_splits,
-    dot,
-    dot_flags,
-    fp8_operand,
     kv_split_len,
-    load_v_block,
+    load_q,
+    normalize,
+)
+from minisgl.kernels.common import (
+    dot_flags,
     num_sms,
-    online_softmax_step,
     pdl_args,
     pdl_prologue,
     round_bf16,
     split_counters,
-    token_slots,
 )
 
 
@@ -60,12 +60,12 @@ class DecodeConfig:
 
 def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
     if kv_fp8:
-        # The best of `benchmark.kernels --kv-cache-dtype fp8_e4m3 --decode-only --tune` on an
-        # NVIDIA H200 (torch 2.11, triton 3.6, session 16, V pages transposed: `KVPool`),
-        # head_dim 128: 128 keys, 4 warps, 3 stages reach 0.933 of the copy bandwidth at batch
-        # 256 x 4096 tokens, 0.887 at 256 x 1024, 0.78 on W1's ragged 200 x ~820 (5 stages:
-        # 0.825 / 0.799; with V in rows, before: 0.72 / 0.64 / 0.52 at 200 registers a thread,
-        # the P V operand moved from shared memory a byte at a time; now ~120 registers).
+        # The best of `python -m minisgl.benchmark.tune decode --kv-cache-dtype fp8_e4m3` on an
+        # NVIDIA H200 (torch 2.11, triton 3.6, V pages transposed: `KVPool`), head_dim 128: 128
+        # keys, 4 warps, 3 stages reach 0.933 of the copy bandwidth at batch 256 x 4096 tokens,
+        # 0.887 at 256 x 1024, 0.78 on W1's ragged 200 x ~820 (5 stages: 0.825 / 0.799; with V
+        # in rows, before: 0.72 / 0.64 / 0.52 at 200 registers a thread, the P V operand moved
+        # from shared memory a byte at a time; now ~120 registers).
         block = max(16, min(256, 16384 // head_dim))
         return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=4, num_stages=3)
     # ~16 KiB per K (or V) tile in bf16: Triton keeps one K and one V tile in flight per program
@@ -101,29 +101,12 @@ def _decode_split_kernel(
     counter_ptr,  # [B, Hkv] int32, zero between launches: splits of a (request, KV head) done
     k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    num_q_heads,
-    num_splits,
-    scale_log2,
-    GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ob,
+    stride_oh, num_q_heads, num_splits, scale_log2, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # KV heads vary fastest: CTAs launched together read neighbouring 256-byte head slices of
     # the same tokens, so DRAM sees whole token rows (and whole pages) rather than scattered bits.
@@ -138,18 +121,10 @@ def _decode_split_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None],
-        other=0.0,
-    )  # [BLOCK_H, D]
-    qk_scale = scale_log2
-    if KV_FP8:  # e4m3 K/V are widened in registers; their scales act on scores and output
-        q = fp8_operand(q, q)
-        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q, qk_scale = load_q(q_ptrs, mask_h, scale_log2, k_scale_ptr, kv_head, KV_FP8)  # [BLOCK_H, D]
 
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
@@ -157,25 +132,13 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for n in range(start, end, BLOCK_N):
-        pos = n + offs_n
-        mask_n = pos < end
-        slots = token_slots(table_row, tl.minimum(pos, end - 1), PAGE_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt, mask=mask_n[:, None], other=0.0)
-        if KV_FP8:
-            k = fp8_operand(k, q)
-        qk = dot(q, tl.trans(k), IEEE, EMULATE_BF16) * qk_scale  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = load_v_block(v_base, slots, pos, mask_n, offs_d, stride_vt, PAGE_SIZE, BLOCK_N, KV_FP8)
-        if KV_FP8:
-            v = fp8_operand(v, q)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, IEEE, EMULATE_BF16)
+    m_i, l_i, acc = attend_keys(
+        q, None, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, start, end,
+        qk_scale, False, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16,
+    )  # fmt: skip
 
     # An empty request (seq_len 0, e.g. CUDA-graph padding) yields zeros, not NaN.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if KV_FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
+    out, l_safe = normalize(acc, l_i, v_scale_ptr, kv_head, KV_FP8)
     if SINGLE_SPLIT:
         if EMULATE_BF16:
             out = round_bf16(out)
@@ -227,7 +190,8 @@ def decode_attention(
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    _check_decode_args(q, k_cache, v_cache, block_table, seq_lens)
+    assert seq_lens.shape == (batch,)
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens)
     fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
     cfg = config or default_decode_config(head_dim, fp8)
     if num_splits is None:
@@ -260,16 +224,3 @@ def decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return out
-
-
-def _check_decode_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
-    batch = q.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, batch)
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,)
-    assert seq_lens.is_contiguous()

@@ -33,15 +33,16 @@ a clock. The one-row kernel's loop spends ~6.7 a weight (compiled for sm_90: byt
 F2FP and an f16 -> fp32 widening per weight, one FMA, plus x moved through shared memory every
 step, since x's 16-bit layout is not the e4m3 tile's), ~105 a clock at 16 weights: the 2-3
 TB/s measured. So the one-row FP8 variants (`GemvConfig.layout` "vec"; `TUNED_FP8` takes them
-for the Llama-3-8B shapes, `python -m minisgl.benchmark.gemv --fp8` chooses) run in the vec
+for the Llama-3-8B shapes, `python -m minisgl.benchmark.tune gemv --fp8` chooses) run in the vec
 layout's kernel (below) at ROWS 1, with 16 columns a thread per step (`vec` 16: one 16-byte
 load of e4m3 per weight row, the two 16-byte loads of x joined in registers into the same
 layout, nothing through shared memory), the bytes kept packed as int32 words (`words`), each
 word's four bytes widened by the hardware conversion of its two 16-bit halves (`widen` "ptx",
-inline PTX: 1.5 instructions a weight), and one fp32 partial sum per column (`keep_vec`: one FMA a weight): ~3.9 instructions a weight
-at 8 rows a program, ~3.6 at 16. (Measured on the H200 and dropped: widening by integer ops,
-~3 instructions a weight, and K split over programs with a reduction by the last one; both
-slower at every 8B shape, docs/benchmarks.md, fifteenth session.)
+inline PTX: 1.5 instructions a weight), and one fp32 partial sum per column (`keep_vec`: one
+FMA a weight): ~3.9 instructions a weight at 8 rows a program, ~3.6 at 16. (Measured on the
+H200 and dropped, slower at every 8B shape: widening by integer ops, ~3 instructions a weight;
+K split over programs with a reduction by the last one; a persistent grid, whose faster
+kernels did not reach W2's FP8 step: 2.692-2.705 ms against 2.677 without.)
 
 In the tile layout several rows of x (small batches) run as that many programs per BLOCK_N
 weight rows, launched next to each other, so all but the first read the weight tile from L2.
@@ -64,9 +65,8 @@ conversion in the loop when x's rows start 16-byte aligned, as the models' do:
 `tests/kernels/test_gemv.py` checks the compiled loop) and x is read once per program, not once
 per weight row. Per thread that is ROWS x BLOCK_N partial sums per VEC columns and ROWS x VEC
 values of x (one or two steps of it: `GemvConfig.x_ahead`), which is what bounds BLOCK_N as
-ROWS grows. (The same kernel as an engine option for 2..8 rows of 16-bit or FP8 weights, the
-"few-row GEMV", lost to cuBLAS and the skinny GEMM on the H200 and was removed:
-docs/benchmarks.md.)
+ROWS grows. (As an engine option for 2..8 rows of 16-bit or FP8 weights it lost to cuBLAS and
+the skinny GEMM on the H200.)
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import is_interpreted, num_sms, pdl_args, pdl_prologue
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,6 @@ class GemvConfig:
     block_n: int = 16
     block_k: int = 512
     num_warps: int = 4
-    preload: bool = True  # first weight tile loaded before the PDL wait
     # "tile" (a [BLOCK_N, BLOCK_K] fp32 partial sum per program and row of x, `_gemv_kernel`)
     # or "vec" (`_gemv_rows_kernel`: all rows of x in one program, VEC columns summed in a
     # thread's registers each step, a [ROWS, BLOCK_N, BLOCK_K / VEC] partial sum; what e4m3
@@ -108,14 +107,9 @@ class GemvConfig:
     # e4m3 weights loaded as int32 words (vec 16: four per thread and row, one 16-byte load),
     # each meeting x split by byte position: the bytes stay packed in registers.
     words: bool = False
-    # A persistent grid (vec layout): this many programs per SM, each walking every
-    # `programs`-th tile with the next K step's weights always in flight, across tile ends too
-    # (`_gemv_persist_kernel`); 0: one program per tile. Must not exceed the programs an SM
-    # holds at the kernel's registers, or the extra ones run after the rest as a tail.
-    persist: int = 0
 
 
-# (N, K, act) -> config measured best on an H200 (bf16, `python -m minisgl.benchmark.gemv`, the
+# (N, K, act) -> config measured best on an H200 (bf16, `python -m minisgl.benchmark.tune gemv`, the
 # best of 17 per shape); the default below for the rest (within 1% of the best for the
 # Llama-3-8B qkv and o_proj).
 TUNED: dict[tuple[int, int, bool], GemvConfig] = {
@@ -128,9 +122,9 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 }
 
 
-# The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.gemv --fp8` on the H200
-# (docs/benchmarks.md); other shapes take the bf16 table's tiles. Llama-3-8B (session 15, `--fp8
-# --quick --only 8b`): the vec layout at one row, 16-byte e4m3 loads widened by inline PTX,
+# The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.tune gemv --fp8` on the H200
+# (docs/benchmarks.md); other shapes take the bf16 table's tiles. Llama-3-8B (`--fp8 --quick
+# --only 8b`): the vec layout at one row, 16-byte e4m3 loads widened by inline PTX,
 # us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37 (3.13;
 # 7.39), gate_up 33.2 (3.54; 40.3), down 16.6 (3.54; 26.1), LM head 134.9 (3.89; 165.3).
 TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
@@ -139,7 +133,7 @@ TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
     (28672, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
     (4096, 14336, True): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
     (128256, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
-    # Qwen3-30B-A3B (session 17, `--fp8 --quick --only 30b`): qkv 5.63 us (the tiles before:
+    # Qwen3-30B-A3B (`--fp8 --quick --only 30b`): qkv 5.63 us (the tiles before:
     # 5.97), o_proj 3.64 (4.55)
     (5120, 2048, False): GemvConfig(8, 2048, 4, layout="vec", x_ahead=False, vec=16, widen="ptx", keep_vec=True, words=True),
     (2048, 4096, False): GemvConfig(4, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
@@ -197,24 +191,11 @@ def _gemv_kernel(
     r_ptr,  # [M, N] residual, contiguous (HAS_RES)
     g_ptr,  # [K] RMSNorm weight (NORM)
     s_ptr,  # W_SCALE 1: [N] fp32 per row; 2: [cdiv(N, 128), cdiv(K, 128)] fp32 per block
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    NORM: tl.constexpr,
-    ACT: tl.constexpr,
+    M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
-    PRELOAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     # Programs of the same weight rows (one per row of x) are neighbours: one DRAM read each.
     row = tl.program_id(0) % M
     offs_n = (tl.program_id(0) // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -223,17 +204,14 @@ def _gemv_kernel(
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
     x_ptr += row.to(tl.int64) * stride_xm
     s_row = s_ptr + ((tl.program_id(0) // M) * BLOCK_N // 128).to(tl.int64) * stride_sn
-    # The first weight tile and the norm weight do not depend on the previous kernel: with
-    # PRELOAD they are read before the PDL wait, otherwise after it.
-    if not PRELOAD:
-        pdl_prologue(PDL)
+    # The first weight tile and the norm weight do not depend on the previous kernel: they are
+    # read before the PDL wait (after it: slower at every Llama-3-8B and Qwen3-30B-A3B shape).
     m0 = mask_n[:, None] & (offs_k < K)[None, :]
     w = tl.load(rows, mask=m0, other=0.0, eviction_policy="evict_first")
     if NORM:
         g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     s = _block_scales(s_row, offs_k, K, W_SCALE)
-    if PRELOAD:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)
     x = _load_x(x_ptr, offs_k, K, ACT)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -410,24 +388,12 @@ def _gemv_rows_kernel(
     r_ptr,  # [M, N] residual, contiguous (HAS_RES)
     g_ptr,  # [K] RMSNorm weight (NORM)
     s_ptr,  # W_SCALE 1: [N] fp32 per row; 2: [cdiv(N, 128), cdiv(K, 128)] fp32 per block
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    NORM: tl.constexpr,
-    ACT: tl.constexpr,
+    M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
-    PRELOAD: tl.constexpr,
     X_AHEAD: tl.constexpr,  # x read one K step ahead of its use, else at its step
     ROWS: tl.constexpr,  # M rounded up to a power of two
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # columns of a K step summed in a thread's registers
     XV: tl.constexpr,  # columns of x in one 16-byte load (8 for a 16-bit x)
     HALVES: tl.constexpr,  # VEC // XV: 1, or 2 (16 e4m3 weights against two loads of x)
@@ -436,7 +402,7 @@ def _gemv_rows_kernel(
     ACC_W: tl.constexpr,  # partial sums per thread, row and VEC columns (1 without KEEP_VEC)
     WIDEN: tl.constexpr,  # e4m3 to fp32 with WORDS: 0 conversion, 2 inline PTX (`_bytes`)
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     """All M rows of x for BLOCK_N weight rows: each weight tile read once, M products each
     (the module docstring says how the partial sums are laid out)."""
     tile = tl.program_id(0)
@@ -460,11 +426,8 @@ def _gemv_rows_kernel(
         rows = w_ptr + n4.to(tl.int64) * stride_wn + offs_k * stride_wk
     x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm  # [ROWS, 1, 1, 1]
     s_row = s_ptr + (tile * BLOCK_N // 128).to(tl.int64) * stride_sn
-    if not PRELOAD:
-        pdl_prologue(PDL)
     w = tl.load(rows, mask=(n4 < N) & (offs_k < k_u), other=0.0, eviction_policy="evict_first")
-    if PRELOAD:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)  # the first weight tile is read before the wait
     m0 = 0 * offs_m[:, None, None, None]  # broadcasts a K step's columns to every row
     # x's columns: a thread's first XV of its VEC (all of them unless HALVES), in every row
     xk = (_steps_cols(S, XV) + (VEC - XV) * tl.arange(0, S)[:, None])[None, None] + m0
@@ -495,101 +458,6 @@ def _gemv_rows_kernel(
     out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     _epilogue(y, rstd, y_ptr, b_ptr, r_ptr, s_ptr, offs_n[None, :], mask_n[None, :], out,
               mask_m[:, None] & mask_n[None, :], HAS_BIAS, HAS_RES, NORM, W_SCALE)  # fmt: skip
-
-
-# M only enters the masks, as in `_gemv_rows_kernel`.
-@triton.jit(do_not_specialize=["M"])
-def _gemv_persist_kernel(
-    x_ptr, w_ptr, y_ptr, b_ptr, r_ptr, g_ptr, s_ptr,  # as `_gemv_rows_kernel`
-    M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
-    W_SCALE: tl.constexpr, PRELOAD: tl.constexpr, X_AHEAD: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, XV: tl.constexpr,
-    HALVES: tl.constexpr, KEEP_VEC: tl.constexpr, WORDS: tl.constexpr, ACC_W: tl.constexpr,
-    WIDEN: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """`_gemv_rows_kernel` on a persistent grid: program p owns tiles p, p + P, p + 2P, ... (P
-    programs) and walks their K steps as one flat loop, loading step i + 1's weights while it
-    multiplies step i's, the last step of a tile included. A program per tile keeps only its
-    own two tiles' loads in flight and drops to none while it reduces, stores and exits, so an
-    SM's bytes in flight dip at every tile end; here they do not, and there is no last partial
-    wave. The RMSNorm's sums of squares come first, from a pass over x (L2-resident), since a
-    program's first tile no longer sees all of K before its others."""
-    first = tl.program_id(0)
-    progs = tl.num_programs(0)
-    tiles = tl.cdiv(N, BLOCK_N)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    total = tl.cdiv(tiles - first, progs) * k_steps  # the grid never exceeds the tiles
-    offs_m = tl.arange(0, ROWS)
-    mask_m = offs_m < M
-    U: tl.constexpr = 1 + 3 * WORDS
-    S: tl.constexpr = BLOCK_K // VEC
-    offs_k = _steps_cols(S, VEC // U)[None, None]
-    k_u = K // U
-    n_loc = tl.arange(0, BLOCK_N)
-    n4 = n_loc[None, :, None, None]
-    m4 = mask_m[:, None, None, None]
-    if WORDS:
-        w_base = w_ptr.to(tl.pointer_type(tl.int32)) + offs_k
-        stride_n = stride_wn // 4
-    else:
-        w_base = w_ptr + offs_k * stride_wk
-        stride_n = stride_wn
-    x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm
-    if not PRELOAD:
-        pdl_prologue(PDL)
-    w = tl.load(w_base + (first * BLOCK_N + n4).to(tl.int64) * stride_n,
-                mask=(first * BLOCK_N + n4 < N) & (offs_k < k_u), other=0.0,
-                eviction_policy="evict_first")  # fmt: skip
-    if PRELOAD:
-        pdl_prologue(PDL)
-    m0 = 0 * offs_m[:, None, None, None]
-    xk = (_steps_cols(S, XV) + (VEC - XV) * tl.arange(0, S)[:, None])[None, None] + m0
-    rstd = 1.0
-    if NORM:
-        ss = tl.zeros([ROWS, 1, S], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            _, _, sq = _x_step(x_rows, g_ptr, s_ptr, xk + k0, K, m4, ACT, NORM, 0, HALVES, XV)
-            ss += sq
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, 2), 1) / K + eps)[:, None]
-    tile = first
-    ks = 0
-    if X_AHEAD:
-        x, x2, _ = _x_step(x_rows, g_ptr, s_ptr + (first * BLOCK_N // 128).to(tl.int64) * stride_sn,
-                           xk, K, m4, ACT, NORM, W_SCALE, HALVES, XV)  # fmt: skip
-    acc = tl.zeros([ROWS, BLOCK_N, S, ACC_W], dtype=tl.float32)
-    for _ in range(total):
-        wrap = ks + 1 == k_steps
-        n_ks = tl.where(wrap, 0, ks + 1)
-        n_tile = tl.where(wrap, tile + progs, tile)
-        kn = n_ks * BLOCK_K // U + offs_k
-        w_next = tl.load(w_base + (n_tile * BLOCK_N + n4).to(tl.int64) * stride_n
-                         + n_ks * BLOCK_K // U * stride_wk,
-                         mask=(n_tile * BLOCK_N + n4 < N) & (kn < k_u), other=0.0,
-                         eviction_policy="evict_first")  # fmt: skip
-        if X_AHEAD:
-            s_next = s_ptr + (n_tile * BLOCK_N // 128).to(tl.int64) * stride_sn
-            x_next, x2_next, _ = _x_step(x_rows, g_ptr, s_next, xk + n_ks * BLOCK_K, K, m4, ACT,
-                                         NORM, W_SCALE, HALVES, XV)  # fmt: skip
-        else:
-            s_row = s_ptr + (tile * BLOCK_N // 128).to(tl.int64) * stride_sn
-            x, x2, _ = _x_step(x_rows, g_ptr, s_row, xk + ks * BLOCK_K, K, m4, ACT, NORM,
-                               W_SCALE, HALVES, XV)  # fmt: skip
-        acc = _step_sums(acc, w, x, x2, WIDEN, HALVES, KEEP_VEC, WORDS, ROWS, S, XV)
-        if wrap:  # the tile's last step: its rows are done
-            offs_n = tile * BLOCK_N + n_loc
-            mask_n = offs_n < N
-            out = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            _epilogue(tl.sum(tl.sum(acc, 3), 2), rstd, y_ptr, b_ptr, r_ptr, s_ptr,
-                      offs_n[None, :], mask_n[None, :], out, mask_m[:, None] & mask_n[None, :],
-                      HAS_BIAS, HAS_RES, NORM, W_SCALE)  # fmt: skip
-            acc = tl.zeros([ROWS, BLOCK_N, S, ACC_W], dtype=tl.float32)
-        w = w_next
-        tile = n_tile
-        ks = n_ks
-        if X_AHEAD:
-            x = x_next
-            x2 = x2_next
 
 
 @triton.jit
@@ -661,7 +529,7 @@ def gemv(
         return torch.cat(chunks)
     vec = cfg.vec or rows_vec(x)
     assert cfg.layout in ("tile", "vec") and cfg.widen in WIDEN, cfg
-    assert rows_kernel or (cfg.widen == "cvt" and not cfg.persist), "the vec layout's knobs"
+    assert rows_kernel or cfg.widen == "cvt", "the vec layout's knobs"
     if rows_kernel:
         assert cfg.block_k % vec == 0
         # On the GPU every thread must own whole VEC-column pieces of a K step, no two threads
@@ -677,7 +545,7 @@ def gemv(
             norm_weight if norm_weight is not None else x, scale)  # fmt: skip
     sizes = (m, n, k, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), eps)
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                 NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale, PRELOAD=cfg.preload,
+                 NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                  **pdl_args(x.device))  # fmt: skip
     tiles = triton.cdiv(n, cfg.block_n)
@@ -690,25 +558,18 @@ def gemv(
         assert w_scale and vec == 16 and k % 4 == 0 and weight.stride(1) == 1, "words: e4m3 rows"
     assert cfg.widen != "ptx" or (cfg.words and not is_interpreted(_gemv_rows_kernel)), "ptx"
     acc_w = (vec // 4 if cfg.words else vec) if cfg.keep_vec else 1
-    kernel, grid = _gemv_rows_kernel, tiles
-    if cfg.persist:
-        kernel, grid = _gemv_persist_kernel, min(tiles, cfg.persist * num_sms(x.device))
-    kernel[(grid,)](*ptrs, *sizes, X_AHEAD=cfg.x_ahead, ROWS=rows, VEC=vec, XV=x_vec,
+    _gemv_rows_kernel[(tiles,)](*ptrs, *sizes, X_AHEAD=cfg.x_ahead, ROWS=rows, VEC=vec, XV=x_vec,
                     HALVES=vec // x_vec, KEEP_VEC=cfg.keep_vec, WORDS=cfg.words, ACC_W=acc_w,
                     WIDEN=WIDEN[cfg.widen], **flags)  # fmt: skip
     return y
 
 
 def check_fused_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    act: bool,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor | None, norm_weight: torch.Tensor | None, act: bool,
     weight_scale: torch.Tensor | None,
-) -> tuple[int, int, int, int]:
-    """The shapes of a fused linear call of a few rows (`gemv`, `minisgl.kernels.skinny.skinny`):
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """The shapes of a fused linear call of a few rows (`gemv`, `skinny.skinny`):
     (M, N, K, the W_SCALE variant)."""
     m = x.shape[0]
     n, k = weight.shape

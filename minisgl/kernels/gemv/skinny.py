@@ -1,10 +1,9 @@
 """Skinny GEMMs: linear layers with a few rows of x (M = 1..16) on tensor cores, reading each
 weight tile from DRAM exactly once for all M rows: y[M, N] = epilogue(prologue(x)[M, K] W[N, K]^T).
 
-Where it sits. At one row the fused GEMV (`minisgl.kernels.gemv`) reads the weights near the
-copy bandwidth; it holds a [BLOCK_N, BLOCK_K] fp32 partial sum per row of x, so several rows
-cost one program (and one pass over the tile, from L2 after the first) each. cuBLAS at 2..16
-rows (a speculative verify step, a small decode batch) is a GEMM sized for large M. Here one
+Where it sits. The fused GEMV (`gemv.py`) costs a program (and a pass over the tile) per row of
+x; cuBLAS at 2..16 rows (a speculative verify step, a small decode batch) is a GEMM sized for
+large M. Here one
 program owns BLOCK_N weight rows and all (<= 16) rows of x: each K step is one
 `tl.dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])` (rows of x past M are zeros) into a
 [BLOCK_N, 16] fp32 accumulator, a few registers per thread, so tiles can be large and Triton's
@@ -19,13 +18,13 @@ operand (its M side), x its narrow one (N = 16): the same tensor-core work at an
 - FP8 (e4m3) weights: widened to x's dtype in registers (exact) before the dot. A scale per
   output row multiplies the output columns at the end; 128 x 128 block scales multiply each
   128-column K step's dot (BLOCK_K = 128), whose fp32 sum is added to the accumulator (as in
-  `minisgl.kernels.fp8_gemm`).
+  `minisgl.kernels.fp8.gemm`).
 - Split-K (`SkinnyConfig.split_k`) for shapes with too few BLOCK_N tiles to fill the SMs: each
   split writes its fp32 partial (and its rows' partial sums of squares) to a scratch buffer; the
   last split of a tile to finish (a counter per tile, zeroed again by it) adds the splits in a
   fixed order and runs the epilogue. No second kernel, no atomics on the data, deterministic.
 - Programmatic dependent launch: a program's first weight tile is loaded before the PDL wait
-  (`preload`) and multiplied after the pipelined loop over the rest, so its latency overlaps the
+  and multiplied after the pipelined loop over the rest, so its latency overlaps the
   previous kernel's tail and the whole loop.
 
 Nothing depends on the values of M beyond the masks, nothing syncs with the host, and the only
@@ -50,7 +49,7 @@ from minisgl.kernels.common import (
     round_bf16,
     split_counters,
 )
-from minisgl.kernels.gemv import check_fused_linear
+from minisgl.kernels.gemv.gemv import check_fused_linear, gemv_supported
 
 BLOCK_M = 16  # rows of x per program: tl.dot's smallest side
 MAX_ROWS = BLOCK_M
@@ -64,13 +63,12 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
-    preload: bool = True  # first weight tile loaded before the PDL wait
 
 
 # Weight formats: 16-bit, e4m3 with a scale per row, e4m3 with 128 x 128 block scales.
 FORMATS = ("bf16", "row", "block")
-# (N, K, act, format) -> config measured best on an H200 (`python -m minisgl.benchmark.gemv
-# --skinny --quick`, session 13; us at M = 5, cuBLAS beside it). Slower than cuBLAS on the
+# (N, K, act, format) -> config measured best on an H200 (`python -m minisgl.benchmark.tune
+# skinny --quick`; us at M = 5, cuBLAS beside it). Slower than cuBLAS on the
 # Llama-3-8B shapes (gate_up 68.8 vs 63.1, down 50.8 vs 32.7), faster on small ones (0.6B
 # o_proj 4.2 vs 8.3); e4m3 weights ran at 1.1-1.6 TB/s, behind the FP8 GEMV: not tabled.
 TUNED: dict[tuple[int, int, bool, str], SkinnyConfig] = {
@@ -110,13 +108,10 @@ def _x_tile(
     g_ptr,  # [K] RMSNorm weight (NORM)
     offs_k,  # [BLOCK_K] columns
     offs_m,  # [BLOCK_M] rows
-    M,
-    K,
+    M, K,
     k_end,  # columns from here on read as zeros (K, or less for an empty tile)
-    stride_xm,
-    NORM: tl.constexpr,
-    ACT: tl.constexpr,
-):
+    stride_xm, NORM: tl.constexpr, ACT: tl.constexpr,
+):  # fmt: skip
     """(x^T [BLOCK_K, BLOCK_M] fp32 as multiplied (times the norm weight with NORM; silu(gate)
     * up with ACT), its raw values' column sums of squares [BLOCK_M]); zeros past M and K."""
     mask = (offs_k < k_end)[:, None] & (offs_m < M)[None, :]
@@ -137,9 +132,8 @@ def _tile_dot(
     w,  # [BLOCK_N, BLOCK_K] weight tile as loaded (x's dtype or e4m3)
     x,  # [BLOCK_K, BLOCK_M] fp32
     x_ptr,  # x's pointer: its dtype is the operands'
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-):
+    IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
     """w @ x on tensor cores with fp32 accumulation; both operands in x's dtype (e4m3 widens
     exactly), x rounded to it first."""
     if EMULATE_BF16:  # the CPU interpreter (see `common.dot_flags`): bf16 values kept in fp32
@@ -164,28 +158,12 @@ def _skinny_kernel(
     part_ptr,  # [tiles, SPLIT_K, BLOCK_N, BLOCK_M] fp32 partial products (SPLIT_K > 1)
     ss_ptr,  # [tiles, SPLIT_K, BLOCK_M] fp32 partial sums of squares (SPLIT_K > 1)
     counter_ptr,  # [tiles] int32, zero between launches (SPLIT_K > 1)
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    NORM: tl.constexpr,
-    ACT: tl.constexpr,
+    M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: none, 1: per output row, 2: per 128 x 128 block
-    SPLIT_K: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,10 +177,8 @@ def _skinny_kernel(
     k_hi = tl.minimum(k_lo + per_split, steps)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // 128).to(tl.int64) * stride_sn  # W_SCALE == 2
-    # The first weight tile does not depend on the previous kernel: with PRELOAD it is read
-    # before the PDL wait and multiplied after the loop over the others.
-    if not PRELOAD:
-        pdl_prologue(PDL)
+    # The first weight tile does not depend on the previous kernel: it is read before the PDL
+    # wait and multiplied after the loop over the others.
     k0 = k_lo * BLOCK_K + offs_k
     k_end = tl.minimum(K, k_hi * BLOCK_K)  # a split past the last step gets an empty tile
     first_mask = mask_n[:, None] & (k0 < k_end)[None, :]
@@ -210,8 +186,7 @@ def _skinny_kernel(
     w0 = tl.load(
         w_rows + k0[None, :] * stride_wk, mask=first_mask, other=0.0, eviction_policy="evict_first"
     )
-    if PRELOAD:
-        pdl_prologue(PDL)
+    pdl_prologue(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for step in range(k_lo + 1, k_hi):
@@ -299,14 +274,7 @@ def _epilogue(
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """1..min(max_rows, 16) rows of x with a unit column stride, a float dtype shared with the
     weight or an e4m3 weight."""
-    return (
-        x.dim() == 2
-        and 1 <= x.shape[0] <= min(max_rows, MAX_ROWS)
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and weight.dtype in (x.dtype, torch.float8_e4m3fn)
-        and weight.dim() == 2
-        and x.stride(1) == 1
-    )
+    return gemv_supported(x, weight, min(max_rows, MAX_ROWS))
 
 
 def skinny(
@@ -320,7 +288,7 @@ def skinny(
     config: SkinnyConfig | None = None,
     weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
 ) -> torch.Tensor:  # [M, N], dtype of x
-    """The same call as `minisgl.kernels.gemv.gemv` (a drop-in for its few-row uses)."""
+    """The same call as `minisgl.kernels.gemv.gemv.gemv` (a drop-in for its few-row uses)."""
     assert skinny_supported(x, weight, x.shape[0])
     m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     cfg = config or default_config(n, k, act, FORMATS[w_scale], num_sms(x.device))
@@ -342,7 +310,7 @@ def skinny(
         norm_weight if norm_weight is not None else x, scale, part, ss, counters, m, n, k,
         x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), eps,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None,
-        ACT=act, W_SCALE=w_scale, SPLIT_K=split, PRELOAD=cfg.preload, IEEE=ieee,
+        ACT=act, W_SCALE=w_scale, SPLIT_K=split, IEEE=ieee,
         EMULATE_BF16=emulate_bf16, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip

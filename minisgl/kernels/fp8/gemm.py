@@ -31,13 +31,10 @@ def _act_quant_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] e4m3 contiguous
     s_ptr,  # [M, cdiv(K, GROUP)] fp32 contiguous
-    K,
-    stride_xm,
+    K, stride_xm,
     GROUP: tl.constexpr,  # columns per scale (a multiple of BLOCK, or >= K for one per token)
-    BLOCK: tl.constexpr,
-    EMULATE_FP8: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    BLOCK: tl.constexpr, EMULATE_FP8: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
@@ -112,21 +109,10 @@ def _fp8_gemm_kernel(
     bs_ptr,  # [cdiv(N, 128), cdiv(K, 128)] fp32 (W_BLOCK) or [N] fp32
     c_ptr,  # [M, N] contiguous
     bias_ptr,  # [N] (HAS_BIAS)
-    M,
-    N,
-    K,
-    stride_asm,
-    stride_bn,
-    stride_bsn,
-    W_BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    M, N, K, stride_asm, stride_bn, stride_bsn, W_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_prologue(PDL)
     # Tiles in groups of GROUP_M rows of tiles: neighbouring programs share B tiles in L2.
     pid = tl.program_id(0)
