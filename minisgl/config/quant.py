@@ -14,7 +14,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: e4m3 conversions and tensor cores
 # Rows (tokens) up to which an FP8 linear layer runs the weight-only GEMV (FP8 weights
 # dequantized in registers, 16-bit activations) instead of the FP8 tensor-core GEMM with
 # per-token activation scales. At one row cuBLASLt's FP8 GEMM read its weights at 1.1-2.7 TB/s
-# on the H200 (W7); `python -m minisgl.benchmark.kernels --fp8-gemm` put the
+# on the H200 (W7); `python -m minisgl.benchmark.tune fp8-gemm` put the
 # crossover at one row on the H200 (the GEMV reads its weights once per row of x).
 FP8_GEMV_MAX_ROWS = 1
 # Models up to this hidden size run unquantized linear layers of 2-16 rows (a speculative
