@@ -95,6 +95,39 @@ def test_refused_keywords_are_really_ignored_by_llguidance(
         prepare(schema)
 
 
+# (schema, where the keyword is): keywords llguidance does not implement; it refuses them itself.
+BACKEND_REFUSES = {
+    "uniqueItems": (
+        obj({"a": {"type": "array", "items": INT, "uniqueItems": True}}),
+        "/properties/a",
+    ),
+    "not": (obj({"a": {"not": {"type": "string"}}}), "/properties/a"),
+    "if": ({**obj({"a": INT}), "if": {"required": ["a"]}, "then": {}}, "/"),
+    "contains": (
+        obj({"a": {"type": "array", "items": INT, "contains": {"const": 3}}}),
+        "/properties/a",
+    ),
+    "dependentRequired": ({**obj({"a": INT}, []), "dependentRequired": {"a": ["a"]}}, "/"),
+    "dependentSchemas": ({**obj({"a": INT}, []), "dependentSchemas": {"a": {}}}, "/"),
+    "dependencies": ({**obj({"a": INT}, []), "dependencies": {"a": ["a"]}}, "/"),
+    "unevaluatedProperties": (
+        {"type": "object", "properties": {"a": INT}, "unevaluatedProperties": False},
+        "/",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKEND_REFUSES))
+def test_what_llguidance_does_not_implement_is_refused_with_its_place(
+    compiler: GrammarCompiler, name: str
+) -> None:
+    schema, where = BACKEND_REFUSES[name]
+    prepare(schema)  # nothing of ours refuses it
+    with pytest.raises(GrammarError) as e:
+        compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    assert e.value.reason == f"at {where}: `{name}` is not enforced; remove it", e.value.reason
+
+
 # (schema, an instance it rejects): llguidance refuses each instance, so these are accepted.
 ENFORCED = {
     "integer multipleOf": (obj({"x": {"type": "integer", "multipleOf": 5}}), '{"x": 3}'),
