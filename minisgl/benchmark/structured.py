@@ -1,18 +1,27 @@
 """W9, structured output (BENCHMARKS.md): `python -m minisgl.benchmark.structured`.
 
-The same requests with and without a JSON-schema constraint, in one run. On a GPU by default:
+The same requests without a constraint and with a JSON-schema constraint on each grammar backend
+(llguidance, the default, and xgrammar when it is installed), in one run. On a GPU by default:
 dummy weights of the Qwen3-0.6B shape with a real 151k vocabulary from a tokenizer-only GGUF
 (`--tokenizer`, e.g. llama.cpp's `ggml-vocab-qwen2.gguf`), 64 and 256 concurrent requests; on
 the CPU: the embedded SmolLM2-135M-Instruct (its own weights and tokenizer), 16 concurrent.
-Prompts are random token ids. Every request runs to `--output-len` tokens (`ignore_eos`, and a
-schema that cannot be complete that soon: an object holding an array of at least 100,000
-strings), so both runs do the same steps and their periods compare directly.
+Prompts are random token ids. Every request runs to `--output-len` tokens (`ignore_eos`, and
+schemas that cannot be complete that soon: arrays of at least 100,000 items), so all runs do
+the same steps and their periods compare directly. Two modes:
+
+- random: the model's own pick among the allowed tokens (with dummy weights, an arbitrary
+  allowed token: the worst case, a new grammar state nearly every step) under an array of
+  strings;
+- realistic: each constrained row's grammar follows a real JSON document (records of names,
+  numbers, flags and tags, written by `json.dumps` and tokenized with the real vocabulary:
+  teacher-forced replay, whatever the model sampled under the document's mask).
 
 Per concurrency: output tokens/s of each run, the median period of full decode steps of each
-(the targets: constrained <= 1.05x unconstrained on the H200; >= 0.85x tokens/s on the CPU), the
-host time per step spent filling token masks, and the share of it the device's work hid (1 -
-the extra step period / the fill time; derived, not traced). Prints a table, then one JSON
-object as the last line.
+(the targets: realistic constrained <= 1.05x plain, random <= 1.15x at 64 and 1.3x at 256 on an
+H100/H200; >= 0.9x tokens/s on the CPU), the host time per step spent filling token masks, and
+the share of it the device's work hid (1 - the extra step period / the fill time; derived, not
+traced). Then one step's masks alone per backend (microseconds per row, by rows and threads, in
+both modes). Prints tables, then one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -39,6 +48,74 @@ SCHEMA = {
     "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 100000}},
     "required": ["items"],
 }
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0},
+        "name": {"type": "string"},
+        "city": {"type": "string"},
+        "score": {"type": "number"},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    },
+    "required": ["id", "name", "city", "score", "active", "tags"],
+    "additionalProperties": False,
+}
+REALISTIC = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 100000}},
+    "required": ["records"],
+    "additionalProperties": False,
+}
+_WORDS = ["Alice Johnson", "Bob Li", "Chen Wei", "Dana Kowalski", "Eve Martin", "Farid Haddad"]
+_CITIES = ["London", "Paris", "New York", "São Paulo", "Tokyo", "Lagos", "Zürich"]
+_TAGS = ["engineer", "runner", "coffee lover", "open source", "chess", "vegan", "pilot"]
+BACKENDS = ("llguidance", "xgrammar")
+MODES = ("random", "realistic")
+
+
+def document(seed: int, chars: int = 6000) -> str:
+    """The start of a JSON document of REALISTIC (never complete: more records always fit)."""
+    rng = random.Random(seed)
+    records: list[str] = []
+    while sum(len(r) for r in records) < chars:
+        record = {
+            "id": rng.randint(1, 99999),
+            "name": rng.choice(_WORDS),
+            "city": rng.choice(_CITIES),
+            "score": round(rng.uniform(0, 100), rng.randint(0, 3)),
+            "active": rng.random() < 0.5,
+            "tags": rng.sample(_TAGS, rng.randint(0, 3)),
+        }
+        records.append(json.dumps(record, ensure_ascii=False))
+    return '{"records": [' + ", ".join(records)
+
+
+class Replay:
+    """Teacher-forced replay: each constrained request's grammar accepts the tokens of a
+    document of its own instead of the ones sampled (wraps the scheduler's `Grammars.accept`),
+    so its masks are those of a real document's states."""
+
+    def __init__(self, llm: LLM, docs: list[list[int]]) -> None:
+        self.grammars = llm.scheduler.grammars
+        self.original: Callable[..., Any] = self.grammars.accept
+        self.docs = docs
+        self.position: dict[str, tuple[list[int], int]] = {}
+
+    def __enter__(self) -> Replay:
+        def accept(req: Any, token: int) -> bool:
+            doc, at = self.position.get(req.rid) or (
+                self.docs[len(self.position) % len(self.docs)],
+                0,
+            )
+            self.position[req.rid] = (doc, at + 1)
+            return bool(self.original(req, doc[at]))
+
+        self.grammars.accept = accept  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.grammars.accept = self.original  # type: ignore[method-assign]
 
 
 class MaskTimer:
@@ -131,65 +208,107 @@ def run_once(llm: LLM, ps: list[list[int]], params: SamplingParams) -> Row:
     }
 
 
-def compare(llm: LLM, n: int, args: argparse.Namespace) -> Row:
+def compare(llm: LLM, n: int, args: argparse.Namespace, backends: Sequence[str]) -> list[Row]:
+    """Plain, then each backend in each mode, on the same prompts' shapes (fresh prompts each run:
+    no prefix-cache hits on another run's)."""
     vocab = llm.engine.model_config.vocab_size
+    tokenizer = llm.scheduler.grammars.load_tokenizer()
+    docs = [tokenizer(document(i), add_special_tokens=False)["input_ids"] for i in range(8)]
+    assert min(len(d) for d in docs) > args.output_len + 8, "documents too short"
     plain = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    schema = SamplingParams(
-        max_tokens=args.output_len, temperature=0, ignore_eos=True, json_schema=json.dumps(SCHEMA)
-    )
+    schemas = {"random": SCHEMA, "realistic": REALISTIC}
+    seed = 10
     warm = prompts(n, args.input_len, vocab, seed=1)
-    for p in (plain, schema):  # compile the grammar, the kernels and the graphs first
-        llm.generate(warm, dataclasses.replace(p, max_tokens=8), use_tqdm=False)
-    ps = prompts(n, args.input_len, vocab, seed=2)
-    u = run_once(llm, ps, plain)
-    ps = prompts(n, args.input_len, vocab, seed=3)  # no prefix-cache hits on the first run's
-    c = run_once(llm, ps, schema)
+    llm.generate(warm, dataclasses.replace(plain, max_tokens=8), use_tqdm=False)
+    u = run_once(llm, prompts(n, args.input_len, vocab, seed=2), plain)
+    rows = [{"concurrency": n, "run": "plain", **_figures(u, u, llm)}]
+    for backend in backends:
+        llm.scheduler.grammars.use_backend(backend)
+        for mode in MODES:
+            p = dataclasses.replace(plain, json_schema=json.dumps(schemas[mode]))
+            llm.generate(warm, dataclasses.replace(p, max_tokens=8), use_tqdm=False)  # compile
+            seed += 1
+            ps = prompts(n, args.input_len, vocab, seed=seed)
+            if mode == "realistic":
+                with Replay(llm, docs):
+                    c = run_once(llm, ps, p)
+            else:
+                c = run_once(llm, ps, p)
+            rows.append({"concurrency": n, "run": f"{backend} {mode}", **_figures(c, u, llm)})
+    llm.scheduler.grammars.use_backend(BACKENDS[0])
+    return rows
+
+
+def _figures(c: Row, u: Row, llm: LLM) -> Row:
     extra = c["decode_step_ms"] - u["decode_step_ms"]
     on_gpu = llm.engine.device.type == "cuda"
     fill = c["mask_fill_ms_per_step"]
     return {
-        "concurrency": n,
-        "plain_tok_per_s": u["output_tok_per_s"],
-        "schema_tok_per_s": c["output_tok_per_s"],
+        "tok_per_s": c["output_tok_per_s"],
         "tok_per_s_ratio": c["output_tok_per_s"] / u["output_tok_per_s"],
-        "plain_step_ms": u["decode_step_ms"],
-        "schema_step_ms": c["decode_step_ms"],
+        "step_ms": c["decode_step_ms"],
         "step_period_ratio": c["decode_step_ms"] / u["decode_step_ms"],
         "mask_fill_ms_per_step": fill,
         "mask_loop_ms_per_step": c["mask_loop_ms_per_step"],
         # On the CPU the host is the device: nothing can hide the fill there.
         "hidden_share": 1.0 - max(0.0, extra) / fill if fill > 0 and on_gpu else float("nan"),
         "full_decode_steps": c["full_decode_steps"],
-        "schema_sample": c["texts"][:1],
     }
 
 
-def fill_scaling(llm: LLM, rows: Sequence[int], threads: Sequence[int]) -> list[Row]:
-    """Host time of one step's masks alone: `rows` matchers of SCHEMA inside a string (the state
-    the runs above spend their steps in), filled with each thread count."""
-    from minisgl.constrain import MaskFiller, RequestGrammar
+def fill_table(
+    llm: LLM, backends: Sequence[str], rows: Sequence[int], threads: Sequence[int], steps: int = 24
+) -> list[Row]:
+    """Host time of one step's masks alone, per backend and mode: `rows` matchers (random: inside
+    a string of SCHEMA, the state the random runs spend their steps in; realistic: each at its own
+    place in a document of REALISTIC, advanced by the document's next token after each fill, whose
+    time is `accept_us_per_row`), filled with each thread count; wall time, and CPU time of the
+    whole process (a measure that another process's load on the host does not inflate)."""
+    from minisgl.constrain import GrammarCompiler, MaskFiller, RequestGrammar
     from minisgl.core import Constraint
 
     grammars = llm.scheduler.grammars
-    compiled = grammars.compiler.compile(Constraint("json_schema", json.dumps(SCHEMA)))
-    prefix = grammars.load_tokenizer()('{"items": ["hello", "wor', add_special_tokens=False)
+    tokenizer = grammars.load_tokenizer()
+    string = tokenizer('{"items": ["hello", "wor', add_special_tokens=False)["input_ids"]
+    docs = [tokenizer(document(i), add_special_tokens=False)["input_ids"] for i in range(8)]
     out: list[Row] = []
-    for n in rows:
-        matchers: list[RequestGrammar | None] = []
-        for _ in range(n):
-            g = RequestGrammar(compiled, [])
-            assert all(g.accept(t) for t in prefix["input_ids"])
-            matchers.append(g)
-        for k in threads:
-            filler = MaskFiller(grammars.vocab_size, k)
-            filler.fill(matchers)
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                filler.fill(matchers)
-                times.append(time.perf_counter() - start)
-            ms = statistics.median(times) * 1e3
-            out.append({"rows": n, "threads": k, "fill_ms": ms, "us_per_row": ms * 1e3 / n})
+    for backend in backends:
+        compiler = GrammarCompiler(grammars.load_tokenizer, grammars.vocab_size, backend=backend)
+        for mode, schema in (("random", SCHEMA), ("realistic", REALISTIC)):
+            compiled = compiler.compile(Constraint("json_schema", json.dumps(schema)))
+            # As a served grammar's: the states a document passes through met once before.
+            warm, one = (
+                RequestGrammar(compiled, [compiled.backend.end_token]),
+                MaskFiller(grammars.vocab_size, 1),
+            )
+            for t in docs[0][:400] if mode == "realistic" else string:
+                one.fill([warm])
+                assert warm.accept(t)
+            for n in rows:
+                for k in threads:
+                    filler = MaskFiller(grammars.vocab_size, k)
+                    gs = [RequestGrammar(compiled, [compiled.backend.end_token]) for _ in range(n)]
+                    where = [(docs[i % len(docs)], (7 * i) % 200) for i in range(n)]
+                    for g, (doc, at) in zip(gs, where):
+                        assert all(g.accept(t) for t in (string if mode == "random" else doc[:at]))
+                    fill_s = accept_s = cpu_s = 0.0
+                    for step in range(steps):
+                        start, cpu = time.perf_counter(), time.process_time()
+                        filler.fill(gs)
+                        fill_s += time.perf_counter() - start
+                        cpu_s += time.process_time() - cpu
+                        if mode == "realistic":
+                            start = time.perf_counter()
+                            filler.accept([(g, d[at + step]) for g, (d, at) in zip(gs, where)])
+                            accept_s += time.perf_counter() - start
+                    assert not any(g.failed for g in gs)
+                    out.append({
+                        "backend": backend, "mode": mode, "rows": n, "threads": k,
+                        "fill_us_per_row": fill_s / steps / n * 1e6,
+                        "fill_cpu_us_per_row": cpu_s / steps / n * 1e6,
+                        "accept_us_per_row": accept_s / steps / n * 1e6,
+                    })  # fmt: skip
+        compiler.close()
     return out
 
 
@@ -212,6 +331,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--fill-only", action="store_true", help="only the masks-alone table")
     p.add_argument(
         "--fill-threads", type=int, nargs="*", default=[1, 4, 8, 14],
         help="thread counts for the mask-fill-only table (none: skip it)",
@@ -219,26 +340,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def available(backends: Sequence[str]) -> list[str]:
+    import importlib.util
+
+    return [b for b in backends if importlib.util.find_spec(b) is not None]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     llm = load_llm(args)
+    backends = available(args.backends)
     info = {"workload": "W9", "model": str(args.model or "SmolLM2-135M-Instruct")}
     info.update(device_info(llm.engine.device))
-    print(f"W9 structured output: {info['model']} on {info['device']}; JSON schema vs none, "
-          f"{args.input_len} prompt / {args.output_len} output tokens per request")  # fmt: skip
-    rows = [compare(llm, n, args) for n in args.concurrency]
-    print_table(
-        "constrained (JSON schema) vs unconstrained, same requests",
-        rows,
-        ["concurrency", "plain_tok_per_s", "schema_tok_per_s", "tok_per_s_ratio",
-         "plain_step_ms", "schema_step_ms", "step_period_ratio", "mask_fill_ms_per_step",
-         "mask_loop_ms_per_step", "hidden_share"],
-    )  # fmt: skip
-    scaling = fill_scaling(llm, args.concurrency, args.fill_threads) if args.fill_threads else []
-    if scaling:
-        print_table("one step's masks alone, by fill threads", scaling,
-                    ["rows", "threads", "fill_ms", "us_per_row"])  # fmt: skip
-    emit_json({**info, "schema": SCHEMA, "rows": rows, "fill_scaling": scaling})
+    print(f"W9 structured output: {info['model']} on {info['device']}; JSON schema on "
+          f"{', '.join(backends)} vs none, {args.input_len} prompt / {args.output_len} output "
+          "tokens per request")  # fmt: skip
+    runs = [] if args.fill_only else args.concurrency
+    rows = [r for n in runs for r in compare(llm, n, args, backends)]
+    if rows:
+        print_table("plain vs constrained (each backend, each mode), same request shapes", rows,
+                    ["concurrency", "run", "tok_per_s", "tok_per_s_ratio", "step_ms",
+                     "step_period_ratio", "mask_fill_ms_per_step", "mask_loop_ms_per_step",
+                     "hidden_share"])  # fmt: skip
+    table = (
+        fill_table(llm, backends, args.concurrency, args.fill_threads) if args.fill_threads else []
+    )
+    if table:
+        print_table("one step's masks alone, by backend, mode, rows and threads", table,
+                    ["backend", "mode", "rows", "threads", "fill_us_per_row",
+                     "fill_cpu_us_per_row", "accept_us_per_row"])  # fmt: skip
+    emit_json({**info, "schemas": {"random": SCHEMA, "realistic": REALISTIC}, "rows": rows,
+               "fill_table": table})  # fmt: skip
 
 
 if __name__ == "__main__":

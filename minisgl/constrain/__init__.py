@@ -1,11 +1,13 @@
-"""Grammar-constrained decoding: compile (xgrammar, cached, off the serving loop), per-request
+"""Grammar-constrained decoding: compile (llguidance, cached, off the serving loop), per-request
 matchers, and the token bitmask each constrained row of a step samples under."""
 
-from minisgl.constrain.grammar import CompileStats, GrammarCompiler, GrammarError
+from minisgl.constrain.base import GrammarError
+from minisgl.constrain.grammar import Compiled, CompileStats, GrammarCompiler
 from minisgl.constrain.matcher import MaskFiller, RequestGrammar, bitmask_width
 
 __all__ = [
     "CompileStats",
+    "Compiled",
     "GrammarCompiler",
     "GrammarError",
     "MaskFiller",

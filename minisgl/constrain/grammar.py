@@ -1,45 +1,35 @@
-"""Grammars compiled for one model's vocabulary: JSON schema, regex, EBNF (xgrammar).
+"""Grammars compiled for one model's vocabulary: JSON schema, regex, EBNF, forced tool calls.
 
-Compiling costs from under a millisecond to a second, so it never runs on a serving loop:
-`GrammarCompiler.submit` compiles on a small thread pool (xgrammar's C++ releases the GIL) and
-caches the result by the grammar's text (LRU, bounded in bytes, xgrammar's own cache). The
-tokenizer is loaded on the pool's first job too, so a process that never sees a constraint
-never pays for it.
+Compiling against the vocabulary costs milliseconds (up to a second for a large schema), so it
+never runs on a serving loop: `GrammarCompiler.submit` compiles on a small thread pool (the
+backend releases the GIL) and caches the result by the constraint (LRU). `check` is the cheap
+part alone (the grammar text, validated without the vocabulary): what the tokenizer worker
+does, so that a grammar is compiled only in the scheduler. The backend, and the tokenizer with
+it, is made on the pool's first job, so a process that never sees a constraint never pays.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from minisgl.constrain.schema import check_enforceable
-from minisgl.core import Constraint, InvalidRequestError
+from minisgl.constrain.base import Backend
+from minisgl.core import Constraint
 
-# Whitespace the JSON grammars allow between tokens: enough for pretty-printed nesting, not
-# so much that a model can idle in blanks until max_tokens.
-JSON_MAX_WHITESPACE = 8
-CACHE_BYTES = 256 << 20
-# Grammars remembered as compiled before, to count cache hits (their texts only; xgrammar's
-# cache, bounded in bytes, holds the compiled ones).
-KNOWN_GRAMMARS = 4096
-_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+CACHE_ENTRIES = 512  # compiled grammars kept (a schema's is tens to hundreds of kilobytes)
+BACKENDS = ("llguidance", "xgrammar")
 
 
-class GrammarError(InvalidRequestError):
-    """A schema, regex or grammar that cannot be compiled or enforced; the message is
-    "{kind}: {reason}"."""
+class Compiled(NamedTuple):
+    """A grammar compiled by `backend`."""
 
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(f"{kind}: {reason}")
-        self.kind = kind
-        self.reason = reason
+    backend: Backend
+    grammar: Any
 
 
 @dataclass
@@ -50,94 +40,75 @@ class CompileStats:
 
 
 class GrammarCompiler:
-    """Compiles constraints against a tokenizer's vocabulary (padded to `vocab_size`)."""
+    """Compiles constraints against a tokenizer's vocabulary (padded to `vocab_size`);
+    `end_token` (default: the tokenizer's EOS) is what masks allow where a grammar may end."""
 
     def __init__(
         self,
         load_tokenizer: Callable[[], Any],
         vocab_size: int,
-        stop_ids: list[int] | None = None,
+        end_token: int | None = None,
         threads: int = 2,
+        backend: str = "llguidance",
     ) -> None:
+        assert backend in BACKENDS, backend
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
-        self._stop_ids = stop_ids
+        self._end_token = end_token
+        self._kind = backend
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minisgl-grammar")
         self._lock = threading.Lock()
-        self._xgr: Any = None
-        self._info: Any = None
-        self._known: OrderedDict[Constraint, None] = OrderedDict()  # a repeat is a cache hit
+        self._backend: Backend | None = None
+        self._cache: OrderedDict[Constraint, Compiled] = OrderedDict()
         self.stats = CompileStats()
 
-    def submit(self, constraint: Constraint) -> Future[Any]:
+    @property
+    def backend(self) -> Backend:
+        with self._lock:
+            if self._backend is None:
+                if self._kind == "xgrammar":
+                    from minisgl.constrain.xgr import XGrammar
+
+                    self._backend = XGrammar(self._load_tokenizer, self.vocab_size, self._end_token)
+                else:
+                    from minisgl.constrain.llg import LLGuidance
+
+                    self._backend = LLGuidance(
+                        self._load_tokenizer, self.vocab_size, self._end_token
+                    )
+            return self._backend
+
+    def submit(self, constraint: Constraint) -> Future[Compiled]:
         """Compile on the pool; the future raises GrammarError for a bad grammar."""
         return self._pool.submit(self.compile, constraint)
 
-    def compile(self, constraint: Constraint) -> Any:
-        """The xgrammar CompiledGrammar of `constraint` (blocks; raises GrammarError)."""
-        compiler = self._compiler()
-        start = time.perf_counter()
-        try:
-            compiled = _compile(compiler, constraint)
-        except GrammarError:
-            raise
-        except (RuntimeError, ValueError) as e:
-            raise GrammarError(constraint.kind, _reason(e)) from None
+    def submit_check(self, constraint: Constraint) -> Future[str]:
+        """`check` on the pool."""
+        return self._pool.submit(self.check, constraint)
+
+    def check(self, constraint: Constraint) -> str:
+        """The grammar text, checked without the vocabulary (GrammarError): cheap, and all but
+        a few grammars that fail to compile fail here."""
+        return self.backend.source(constraint)
+
+    def compile(self, constraint: Constraint) -> Compiled:
+        """`constraint` compiled (blocks; raises GrammarError)."""
         with self._lock:
-            if constraint in self._known:
+            cached = self._cache.get(constraint)
+            if cached is not None:
+                self._cache.move_to_end(constraint)
                 self.stats.hits += 1
-                self._known.move_to_end(constraint)
-            else:
-                self._known[constraint] = None
-                if len(self._known) > KNOWN_GRAMMARS:
-                    self._known.popitem(last=False)
-                self.stats.compiled += 1
-                self.stats.seconds += time.perf_counter() - start
-        return compiled
-
-    def tokenizer_info(self) -> Any:
-        """The xgrammar TokenizerInfo the grammars are compiled against."""
-        self._compiler()
-        return self._info
-
-    def _compiler(self) -> Any:
+                return cached
+        backend = self.backend
+        start = time.perf_counter()
+        compiled = Compiled(backend, backend.compile(backend.source(constraint), constraint.kind))
         with self._lock:
-            if self._xgr is None:
-                import xgrammar as xgr
-
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._load_tokenizer(),
-                    vocab_size=self.vocab_size,
-                    stop_token_ids=self._stop_ids,
-                )
-                self._info = info
-                self._xgr = xgr.GrammarCompiler(
-                    info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES
-                )
-            return self._xgr
+            self._cache[constraint] = compiled
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            self.stats.compiled += 1
+            self.stats.seconds += time.perf_counter() - start
+        return compiled
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _compile(compiler: Any, c: Constraint) -> Any:
-    if c.kind == "json_schema":
-        schema = json.loads(c.text)  # already checked to be JSON
-        check_enforceable(schema)
-        return compiler.compile_json_schema(
-            json.dumps(schema), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
-        )
-    if c.kind == "regex":
-        return compiler.compile_regex(c.text)
-    if c.kind == "ebnf":
-        return compiler.compile_grammar(c.text)
-    if c.kind == "tool_calls":
-        from minisgl.constrain.tools import ForcedCalls
-
-        return compiler.compile_grammar(ForcedCalls.from_text(c.text).grammar())
-    raise AssertionError(c.kind)
-
-
-def _reason(e: Exception) -> str:
-    """xgrammar's message without its "[time] source.cc:line:" prefix."""
-    return _PREFIX.sub("", str(e).strip())

@@ -1,185 +1,139 @@
-"""Which JSON schemas the grammar engine enforces in full.
+"""JSON schemas made ready for the grammar engine (llguidance), or refused with a reason.
 
 A schema is first checked against the JSON Schema 2020-12 meta-schema (with the `jsonschema`
 package), so that a malformed one is refused with the place and the reason rather than
-compiled into something else, and so that the checks below see well-formed keywords.
-xgrammar compiles some keywords into its grammar and silently ignores others (probed on
-xgrammar 0.2: `allOf`, `not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `dependentRequired`,
-`dependentSchemas`, `dependencies`, `multipleOf` on numbers, the siblings of a `$ref`, an
-`anyOf`/`oneOf`, an `enum` or a `const`, a `pattern` beside `format` or a length,
-type-specific keywords in a schema without `type`, `required` names that `properties` does not
-list). A schema with any of them would give output that the schema refuses, so
-`check_enforceable` refuses the schema instead, naming the place and what to change. `oneOf` is
-enforced as `anyOf`, which is the same only when no value can match two branches: its branches
-must differ in type or in the `const`/`enum` of a property they all require.
+compiled into something else. llguidance itself refuses the keywords it does not implement
+(`not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `dependentRequired`, `dependencies`,
+`unevaluatedProperties`, ...) and schemas it finds unsatisfiable, so `prepare` refuses only
+what it would let through half-enforced, and writes down this project's own semantics:
+
+- `additionalItems` (a draft-7 keyword, gone from 2020-12) would be silently ignored: refused;
+- an object schema with `properties` or `patternProperties` and no `additionalProperties` takes
+  no other properties (`additionalProperties: false` is written in), so `required` names must
+  be among its `properties`;
+- `oneOf` is enforced as `anyOf`, which is the same only when no value can match two choices:
+  its choices must differ in type or in the `const`/`enum` of a property they all require;
+- `propertyNames` is enforced as `patternProperties` (a `pattern`) or as named properties (an
+  `enum` or `const`);
+- a `format` llguidance does not know is an annotation, as JSON Schema 2020-12 has every format
+  by default: it is dropped. Annotations (`title`, `description`, `examples`, `default`,
+  `readOnly`, `writeOnly`, `deprecated`, `$comment`) never cause a refusal.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import jsonschema
 
-# Keywords that never change which values match (or that only hold subschemas checked apart).
-_ANNOTATIONS = frozenset(
-    {
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$comment",
-        "deprecated",
-        "readOnly",
-        "writeOnly",
-        "$schema",
-        "$id",
-        "$defs",
-        "definitions",
-        "discriminator",  # OpenAPI's hint beside a oneOf; the branches decide
-    }
+from minisgl.constrain.base import JSON_MAX_WHITESPACE
+
+# Formats llguidance enforces (any other is dropped as an annotation).
+KNOWN_FORMATS = frozenset(
+    {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 )
-_IGNORED = (
-    "allOf",
-    "not",
-    "if",
-    "then",
-    "else",
-    "dependentRequired",
-    "dependentSchemas",
-    "dependencies",
-    "$dynamicRef",
-    "$recursiveRef",
-    "contains",
-    "minContains",
-    "maxContains",
-)
-# Keywords that xgrammar reads only when the schema's type says what they apply to (or, for
-# objects and arrays, when `properties` / `items` does).
-_TYPED = {
-    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
-    "string": ("minLength", "maxLength", "pattern", "format"),
-    "array": ("minItems", "maxItems"),
-    "object": ("minProperties", "maxProperties", "required", "propertyNames"),
-}
-_IMPLIES = {"object": ("properties", "additionalProperties"), "array": ("items", "prefixItems")}
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+# Keywords whose values are schemas (maps of them, lists of them, or one).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMAS = (
-    "additionalProperties",
-    "unevaluatedProperties",
-    "items",
-    "unevaluatedItems",
-    "propertyNames",
+    *("items", "additionalProperties", "not", "if", "then", "else", "contains"),
+    *("propertyNames", "unevaluatedProperties", "unevaluatedItems"),
 )
+
+
+# llguidance's JSON options: the whitespace JSON output may hold between tokens; `coerce_one_of`:
+# every `oneOf` left by `prepare` has choices no value can match twice.
+JSON_OPTIONS = {
+    "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{JSON_MAX_WHITESPACE}}}",
+    "coerce_one_of": True,
+}
+
+
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
 
 class UnenforceableSchema(ValueError):
-    """The schema uses something the grammar engine would not enforce (the message says
-    where and what to change)."""
+    """A schema the grammar engine cannot enforce in full; the message says where and why."""
 
 
-def check_enforceable(schema: Any) -> None:
-    """Raise UnenforceableSchema unless `schema` is a valid JSON Schema (2020-12) whose every
-    keyword is enforced."""
+def prepare(schema: Any) -> Any:
+    """`schema` as llguidance is to compile it (a copy), or UnenforceableSchema."""
     try:
-        # Without format checks: `pattern`s are ECMA-262 regexes, which xgrammar checks itself.
+        # Without format checks: formats are enforced (or dropped) by the grammar.
         jsonschema.Draft202012Validator.check_schema(schema, format_checker=None)
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.path)
         raise _refuse(where, f"not a valid JSON Schema (2020-12): {e.message}") from None
-    _Checker(schema).check(schema, "")
+    if schema is False:
+        raise _refuse("/", "the schema `false` matches nothing")
+    return _Preparer(schema).prepare(schema, "")
 
 
-class _Checker:
+def for_llguidance(schema: Any) -> dict[str, Any]:
+    """`schema` prepared, with the JSON options written in (its own `x-guidance` dropped): for
+    a grammar of its own or for `%json` in a Lark grammar; UnenforceableSchema."""
+    out = prepare(schema)
+    out = {} if out is True else {k: v for k, v in out.items() if k != "x-guidance"}
+    return {**out, "x-guidance": JSON_OPTIONS}
+
+
+def json_grammar(schema: Any) -> str:
+    """llguidance's grammar of `schema` (prepared), checked as far as can be done without a
+    vocabulary; UnenforceableSchema, saying where for a keyword llguidance does not enforce."""
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema(for_llguidance(schema))
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if not failed:
+        return grammar
+    message = short_reason(messages[0])
+    found = _UNIMPLEMENTED.search(message)
+    if found is None:
+        raise UnenforceableSchema(message)
+    key = found.group(1)
+    raise _refuse(locate(schema, key), f"`{key}` is not enforced; remove it")
+
+
+class _Preparer:
     def __init__(self, root: Any) -> None:
         self.root = root
 
-    def check(self, s: Any, path: str) -> None:
+    def prepare(self, s: Any, path: str) -> Any:
         if not isinstance(s, dict):
-            return  # true / false, or a shape xgrammar itself refuses
+            return s
         where = path or "/"
-        for kw in _IGNORED:
-            if kw in s:
-                raise _refuse(where, f"`{kw}` is not enforced; remove it")
-        if s.get("uniqueItems") is True:
-            raise _refuse(where, "`uniqueItems` is not enforced; remove it")
-        self._siblings(s, where)
-        self._typed(s, where)
-        self._strings(s, where)
-        self._required(s, where)
+        if "additionalItems" in s:
+            raise _refuse(where, "`additionalItems` is not a 2020-12 keyword and is not enforced; "
+                          "use `items` (with `prefixItems`)")  # fmt: skip
         if "oneOf" in s:
             self._one_of(s["oneOf"], where)
-        for key, sub in _subschemas(s):
-            if key == "propertyNames" and isinstance(sub, dict):
-                sub = {"type": "string", **sub}  # names are strings, and xgrammar reads them so
-            self.check(sub, f"{path}/{key}")
-
-    def _siblings(self, s: dict[str, Any], where: str) -> None:
-        """`$ref`, `anyOf`/`oneOf`, `enum`/`const` win over every other keyword beside them."""
-        for kw in ("$ref", "anyOf", "oneOf", "enum", "const"):
-            if kw not in s:
-                continue
-            allowed = {kw} | ({"type"} if kw in ("enum", "const") else set())
-            others = sorted(set(s) - _ANNOTATIONS - allowed)
-            if others:
-                raise _refuse(
-                    where,
-                    f"{_names(others)} beside `{kw}` would be ignored; move them into "
-                    + ("the referenced schema" if kw == "$ref" else f"each `{kw}` choice"),
-                )
+        out = dict(s)
+        if s.get("format") is not None and s["format"] not in KNOWN_FORMATS:
+            del out["format"]
+        if "propertyNames" in s:
+            _property_names(out, where)
         ref = s.get("$ref")
-        if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref[:2] == "#/")):
-            raise _refuse(where, f"`$ref` {ref!r}: only references into this schema (#/...)")
-        if "enum" in s or "const" in s:
-            self._values_fit_type(s, where)
-
-    def _values_fit_type(self, s: dict[str, Any], where: str) -> None:
-        if "type" not in s:
-            return
-        types = _type_set(s["type"])
-        values = s.get("enum", []) if "enum" in s else [s["const"]]
-        for v in values if isinstance(values, list) else []:
-            if not _value_types(v) & types:
-                raise _refuse(where, f"the value {json.dumps(v)} is not of type {s['type']}")
-
-    def _typed(self, s: dict[str, Any], where: str) -> None:
-        for kind, keywords in _TYPED.items():
-            given = [k for k in keywords if k in s]
-            if not given or "type" in s or any(k in s for k in _IMPLIES.get(kind, ())):
-                continue
-            raise _refuse(where, f'{_names(given)} needs "type": "{kind}" beside it to be enforced')
-        if "multipleOf" in s:
-            m = s["multipleOf"]
-            if s.get("type") != "integer" or not isinstance(m, int) or isinstance(m, bool):
-                raise _refuse(
-                    where, '`multipleOf` is enforced only as a whole number with "type": "integer"'
-                )
-
-    def _strings(self, s: dict[str, Any], where: str) -> None:
-        lengths = [k for k in ("minLength", "maxLength") if k in s]
-        for kw in ("pattern", "format"):
-            if kw in s and lengths:
-                raise _refuse(where, f"`{kw}` and {_names(lengths)} are not enforced together")
-        if "pattern" in s and "format" in s:
-            raise _refuse(where, "`pattern` and `format` are not enforced together")
-
-    def _required(self, s: dict[str, Any], where: str) -> None:
-        required, props = s.get("required"), s.get("properties", {})
-        if not isinstance(required, list) or not isinstance(props, dict):
-            return
-        missing = [r for r in required if r not in props]
-        if missing:
-            raise _refuse(
-                where,
-                f"`required` names {_names(missing)}, which `properties` does not define; "
-                "define them",
-            )
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise _refuse(where, f"`$ref` {ref!r}: only references into this schema (#...)")
+        if _closed_by_default(out):
+            out["additionalProperties"] = False
+        if out.get("additionalProperties") is False:
+            _required(out, where)
+        for key in _SCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {k: self.prepare(v, f"{path}/{key}/{k}") for k, v in out[key].items()}
+        for key in _SCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [self.prepare(v, f"{path}/{key}/{i}") for i, v in enumerate(out[key])]
+        for key in _SCHEMAS:
+            if key in out:
+                out[key] = self.prepare(out[key], f"{path}/{key}")
+        return out
 
     def _one_of(self, branches: Any, where: str) -> None:
-        if not isinstance(branches, list):
-            return
         resolved = [self._resolve(b) for b in branches]
         for i in range(len(resolved)):
             for j in range(i + 1, len(resolved)):
@@ -200,22 +154,63 @@ class _Checker:
             for part in s["$ref"].lstrip("#").split("/")[1:]:
                 part = part.replace("~1", "/").replace("~0", "~")
                 if not isinstance(node, dict) or part not in node:
-                    return None  # xgrammar refuses a dangling reference itself
+                    return None  # the compiler refuses a dangling reference itself
                 node = node[part]
             s = node
         return None
 
 
-def _subschemas(s: dict[str, Any]) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key in _SCHEMA_MAPS:
-        if isinstance(s.get(key), dict):
-            out += [(f"{key}/{name}", sub) for name, sub in s[key].items()]
-    for key in _SCHEMA_LISTS:
-        if isinstance(s.get(key), list):
-            out += [(f"{key}/{i}", sub) for i, sub in enumerate(s[key])]
-    out += [(key, s[key]) for key in _SCHEMAS if key in s]
-    return out
+def _closed_by_default(s: dict[str, Any]) -> bool:
+    """An object schema naming its properties, silent on the others."""
+    named = "properties" in s or "patternProperties" in s
+    return named and "additionalProperties" not in s and "unevaluatedProperties" not in s
+
+
+def _required(s: dict[str, Any], where: str) -> None:
+    required, props = s.get("required", []), s.get("properties", {})
+    patterns = list(s.get("patternProperties", {}))
+    missing = [r for r in required if r not in props and not any(_search(p, r) for p in patterns)]
+    if missing:
+        raise _refuse(
+            where,
+            f"`required` names {_names(missing)}, which `properties` does not define; define "
+            "them (an object without `additionalProperties` takes no other properties)",
+        )
+
+
+def _search(pattern: str, name: str) -> bool:
+    """Whether an ECMA-262 `pattern` matches somewhere in `name` (as far as Python's `re` reads
+    it; one it cannot read matches nothing)."""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return False
+
+
+def _property_names(s: dict[str, Any], where: str) -> None:
+    """Rewrite `propertyNames` in `s` (a copy) into what llguidance enforces."""
+    names = s.pop("propertyNames")
+    if names is True or names == {}:
+        return
+    if not isinstance(names, dict):
+        raise _refuse(where, "`propertyNames: false` allows only `{}`; write `maxProperties: 0`")
+    names = {k: v for k, v in names.items() if k not in ("type", "title", "description")}
+    rest = s.get("additionalProperties", True)
+    if set(names) == {"pattern"} and "patternProperties" not in s:
+        fixed = [p for p in s.get("properties", {}) if not _search(names["pattern"], p)]
+        if fixed:
+            raise _refuse(where, f"{_names(fixed)} do not match `propertyNames`")
+        s["patternProperties"] = {names["pattern"]: rest}
+    elif set(names) in ({"enum"}, {"const"}) and "patternProperties" not in s:
+        allowed = names["enum"] if "enum" in names else [names["const"]]
+        props = s.setdefault("properties", {})
+        extra = [p for p in props if p not in allowed]
+        if extra:
+            raise _refuse(where, f"{_names(extra)} are not among the `propertyNames`")
+        s["properties"] = {**{n: rest for n in allowed if isinstance(n, str)}, **props}
+    else:
+        raise _refuse(where, "`propertyNames` is enforced only as one `pattern`, `enum` or `const`")
+    s["additionalProperties"] = False
 
 
 def _type_set(t: Any) -> set[str]:
@@ -285,3 +280,30 @@ def _names(keys: Sequence[str]) -> str:
 
 def _refuse(where: str, why: str) -> UnenforceableSchema:
     return UnenforceableSchema(f"at {where}: {why}")
+
+
+def short_reason(message: str) -> str:
+    """llguidance's message; of a bad regex, its first line and the regex parser's verdict."""
+    lines = message.strip().splitlines()
+    verdict = next((x for x in lines if x.startswith("error: ")), None)
+    if verdict is None:
+        return lines[0]
+    verdict = verdict.removeprefix("error: ")
+    return f"{lines[0]} {verdict[:1].upper()}{verdict[1:]}"
+
+
+def locate(schema: Any, key: str, path: str = "") -> str:
+    """Where in `schema` the keyword `key` first appears ("/" for the root)."""
+    if isinstance(schema, dict):
+        if key in schema:
+            return path or "/"
+        items: list[tuple[str, Any]] = list(schema.items())
+    elif isinstance(schema, list):
+        items = [(str(i), v) for i, v in enumerate(schema)]
+    else:
+        return ""
+    for name, sub in items:
+        found = locate(sub, key, f"{path}/{name}")
+        if found:
+            return found
+    return "" if path else "/"

@@ -9,11 +9,10 @@ costs about a millisecond per function."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, NamedTuple
 
-from minisgl.constrain.grammar import JSON_MAX_WHITESPACE, GrammarError
-from minisgl.constrain.schema import UnenforceableSchema, check_enforceable
+from minisgl.constrain.base import GrammarError
+from minisgl.constrain.schema import UnenforceableSchema, for_llguidance, json_grammar
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -62,12 +61,12 @@ class ForcedCalls(NamedTuple):
         before the grammar is built."""
         for f in self.functions:
             try:
-                check_enforceable(f.parameters if f.parameters is not None else EMPTY_PARAMETERS)
+                json_grammar(f.parameters if f.parameters is not None else EMPTY_PARAMETERS)
             except UnenforceableSchema as e:
                 raise GrammarError("tools", f"function {f.name!r}: {e}") from None
 
-    def grammar(self) -> str:
-        """The EBNF text of the calls (GrammarError as `check`)."""
+    def lark(self) -> str:
+        """The grammar of the calls, in llguidance's Lark (GrammarError as `check`)."""
         return forced_calls_grammar(self.functions, self.layout, self.parallel)
 
 
@@ -91,68 +90,45 @@ def call_object_schema(functions: list[FunctionSchema], args_key: str) -> dict[s
 def forced_calls_grammar(
     functions: list[FunctionSchema], layout: CallLayout, parallel: bool
 ) -> str:
-    """EBNF of one call (or, with `parallel`, one or more) of `functions`; GrammarError (kind
-    "tools") when a parameter schema cannot be enforced."""
-    import xgrammar as xgr
-
+    """The Lark grammar (llguidance's, JSON schemas inline) of one call (or, with `parallel`,
+    one or more) of `functions`; GrammarError (kind "tools") when a parameter schema cannot be
+    enforced."""
     ForcedCalls(functions, layout, parallel).check()
     if layout.call_head:
-        return _named_calls_grammar(functions, layout, parallel)
+        options = [
+            _seq(
+                _quoted(layout.call_head.replace("{name}", f.name)),
+                _json(f.parameters if f.parameters is not None else EMPTY_PARAMETERS),
+                _quoted(layout.call_tail),
+            )
+            for f in functions
+        ]
+        one = "(" + " | ".join(options) + ")"
+        calls = f"{one} ({_quoted(layout.separator)} {one})*" if parallel else one
+        return f"start: {_seq(_quoted(layout.open), calls, _quoted(layout.close))}\n"
     schema = call_object_schema(functions, layout.args_key)
     if layout.array:
         schema = {"type": "array", "items": schema, "minItems": 1}
         if not parallel:
             schema["maxItems"] = 1
+    one = _seq(_quoted(layout.open), _json(schema), _quoted(layout.close))
+    if not layout.array and parallel:
+        return f"start: one ({_quoted(layout.separator)} one)*\none: {one}\n"
+    return f"start: {one}\n"
+
+
+def _json(schema: dict[str, Any]) -> str:
+    """An inline JSON schema of a Lark grammar (GrammarError when it cannot be enforced)."""
     try:
-        call = xgr.Grammar.from_json_schema(
-            json.dumps(schema), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
-        )
-    except (RuntimeError, ValueError) as e:
-        raise GrammarError("tools", f"a parameter schema cannot be compiled: {e}") from None
-    parts = [_literal(layout.open), call, _literal(layout.close)]
-    one = xgr.Grammar.concat(*[p for p in parts if p is not None])
-    if layout.array or not parallel:
-        return str(one)
-    return _repeated(one, layout.separator)
+        return "%json " + json.dumps(for_llguidance(schema))
+    except UnenforceableSchema as e:
+        raise GrammarError("tools", f"a parameter schema cannot be enforced: {e}") from None
 
 
-def _named_calls_grammar(
-    functions: list[FunctionSchema], layout: CallLayout, parallel: bool
-) -> str:
-    """Calls whose name is written outside the arguments object (DeepSeek's)."""
-    import xgrammar as xgr
-
-    options = []
-    for f in functions:
-        params = f.parameters if f.parameters is not None else EMPTY_PARAMETERS
-        try:
-            args = xgr.Grammar.from_json_schema(
-                json.dumps(params), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
-            )
-        except (RuntimeError, ValueError) as e:
-            raise GrammarError("tools", f"function {f.name!r}: {e}") from None
-        head = _literal(layout.call_head.replace("{name}", f.name))
-        parts = [head, args, _literal(layout.call_tail)]
-        options.append(xgr.Grammar.concat(*[p for p in parts if p is not None]))
-    one = options[0] if len(options) == 1 else xgr.Grammar.union(*options)
-    calls = _repeated(one, layout.separator) if parallel else str(one)
-    # The block's tags around the calls: the calls' root becomes a rule of its own.
-    text = re.sub(r"^root ::= ", "calls ::= ", calls, count=1, flags=re.MULTILINE)
-    return f"root ::= {_quoted(layout.open)} calls {_quoted(layout.close)}\n{text}"
-
-
-def _repeated(one: Any, separator: str) -> str:
-    """One or more of the grammar `one`: its root becomes a rule of its own, repeated."""
-    text = re.sub(r"^root ::= ", "one_call ::= ", str(one), count=1, flags=re.MULTILINE)
-    return f"root ::= one_call ({_quoted(separator)} one_call)*\n{text}"
+def _seq(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
 
 
 def _quoted(text: str) -> str:
-    """An EBNF string literal (non-ASCII characters as they are: tags such as DeepSeek's)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _literal(text: str) -> Any:
-    import xgrammar as xgr
-
-    return xgr.Grammar.from_ebnf(f"root ::= {_quoted(text)}") if text else None
+    """A Lark string literal ("" for no text)."""
+    return json.dumps(text, ensure_ascii=False) if text else ""

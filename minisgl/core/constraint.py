@@ -11,7 +11,7 @@ CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "tool_calls")
 @dataclass(frozen=True)
 class Constraint:
     """A grammar the output must follow: a JSON schema (JSON text), a regex, an EBNF grammar
-    (xgrammar's GBNF dialect), or forced tool calls (the functions' schemas and the call
+    (GBNF, or llguidance's Lark), or forced tool calls (the functions' schemas and the call
     format, as JSON: `minisgl.constrain.tools.ForcedCalls`, made a grammar where grammars
     compile, off the API's loop). Compiled by `minisgl.constrain`; only checked for shape
     here."""

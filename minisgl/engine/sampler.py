@@ -139,10 +139,22 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     """Set the disallowed tokens of the constrained rows of logits [B, V] to -inf, in place
     (rows without a constraint are untouched; no host sync); returns `logits`. `mask.bits`
     is on the logits' device."""
-    import xgrammar as xgr
-
+    if not mask.rows:
+        return logits
     vocab = min(logits.shape[1], mask.bits.shape[1] * 32)
-    xgr.apply_token_bitmask_inplace(logits, mask.bits, vocab_size=vocab, indices=mask.rows)
+    every = len(mask.rows) == logits.shape[0] == mask.bits.shape[0]
+    rows = None if every else to_device(mask.rows, torch.int64, logits.device)
+    bits = mask.bits if rows is None else mask.bits.index_select(0, rows)
+    # Bit j of int32 word w is bit j % 8 of byte 4w + j // 8 (little-endian).
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = (bits.view(torch.uint8).unsqueeze(-1) >> shifts) & 1
+    banned = allowed.view(bits.shape[0], bits.shape[1] * 32)[:, :vocab] == 0
+    if rows is None:
+        logits[:, :vocab].masked_fill_(banned, float("-inf"))
+    else:
+        sub = logits.index_select(0, rows)
+        sub[:, :vocab].masked_fill_(banned, float("-inf"))
+        logits.index_copy_(0, rows, sub)
     return logits
 
 

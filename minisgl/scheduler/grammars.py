@@ -5,6 +5,9 @@ A constrained request waits in the queue until its grammar has compiled (later r
 be admitted before it); compiling runs on `GrammarCompiler`'s pool, never on the loop. With
 tensor parallelism rank 0 decides when a grammar is ready (`poll`) and every rank marks it at
 the same step (`mark_ready`), so all ranks admit the same requests.
+
+The loop only notes a step's tokens (`accept`); the fill job of the next step's mask, on a
+worker thread, accepts them all in one call and then fills all rows in one call.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ logger = logging.getLogger(__name__)
 def fill_threads(ranks: int = 1) -> int:
     """Threads filling a step's masks: all but two of this process's share of the cores it may
     run on (`ranks`: tensor-parallel ranks on this host, each filling the same masks; the loop
-    runs beside the fill, and the device's launches), at most 16; a row takes ~0.1 ms on a
-    151k vocabulary."""
+    runs beside the fill, and the device's launches), at most 16."""
     return max(1, min(16, len(os.sched_getaffinity(0)) // max(1, ranks) - 2))
 
 
@@ -54,9 +56,11 @@ class Grammars:
         self._compiled: dict[str, Any] = {}  # ready, not admitted yet
         self._failed: dict[str, str] = {}  # the compile's error, for the request's answer
         self._matchers: dict[str, RequestGrammar] = {}  # admitted (kept through retraction)
+        self._accepted: list[tuple[RequestGrammar, int]] = []  # tokens noted, not yet accepted
         self._filler: MaskFiller | None = None  # made with the first mask
         self.threads = fill_threads(ranks_per_node)  # of the filler (set before the first mask)
-        # A step's mask is filled on this thread (its fill's C++ threads release the GIL)
+        # A step's tokens are accepted and its mask filled on this thread (in the backend's
+        # threads, the GIL released)
         self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._pending: Future[None] | None = None
         self._flag = HostFlag()  # raised to the number of each fill when it is complete
@@ -74,6 +78,13 @@ class Grammars:
         if self._compiler is None:
             self._compiler = GrammarCompiler(self.load_tokenizer, self.vocab_size)
         return self._compiler
+
+    def use_backend(self, backend: str) -> None:
+        """Compile new grammars with `backend` (one of `minisgl.constrain.grammar.BACKENDS`)
+        from now on (a benchmark's comparison; no request may be in flight)."""
+        assert not (self._jobs or self._compiled or self._matchers)
+        self._compiler = GrammarCompiler(self.load_tokenizer, self.vocab_size, backend=backend)
+        self._filler = None
 
     def add(self, req: Req) -> None:
         constraint = req.params.constraint
@@ -114,13 +125,26 @@ class Grammars:
         compiled = self._compiled.pop(req.rid, None)
         if compiled is not None:  # a retracted request keeps the matcher it has
             start = req.params.grammar_after_token
-            self._matchers[req.rid] = RequestGrammar(compiled, sorted(req.stop_ids), start)
+            # Under ignore_eos, EOS is among the stop ids only to end a complete grammar.
+            ends = req.stop_ids - set(req.params.stop_token_ids) if req.params.ignore_eos else ()
+            stops = req.stop_ids - set(ends)
+            self._matchers[req.rid] = RequestGrammar(compiled, stops, start, ends)
 
     def accept(self, req: Req, token: int) -> bool:
-        """Advance the request's matcher (True for an unconstrained request)."""
-        self._settle()
+        """Note `token` for the request's matcher (accepted with the step's others before the
+        next mask); False once the matcher has refused a token noted before (the masks allowed
+        it: a bug of ours)."""
         m = self._matchers.get(req.rid)
-        return m is None or m.accept(token)
+        if m is None:
+            return True
+        self._accepted.append((m, token))
+        return not m.failed
+
+    def _accept_noted(self) -> None:
+        """Accept the noted tokens now, on this thread (after `_settle`)."""
+        if self._accepted:
+            self._get_filler().accept(self._accepted)
+            self._accepted = []
 
     def drop(self, rid: str) -> None:
         self._settle()
@@ -133,26 +157,34 @@ class Grammars:
     def valid_drafts(self, req: Req, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the request's grammar allows (all of them without
         one): a draft it refuses could never be accepted."""
-        self._settle()
         m = self._matchers.get(req.rid)
         if m is None:
             return drafts
+        self._settle()
+        self._accept_noted()
         n = m.accept_prefix(drafts)
         m.rollback(n)
         return drafts[:n]
 
+    def _get_filler(self) -> MaskFiller:
+        if self._filler is None:
+            self._filler = MaskFiller(self.vocab_size, self.threads)
+        return self._filler
+
     def _fill_async(self, matchers: list[RequestGrammar | None], rows: list[int]) -> TokenMask:
-        """A mask filled on the worker thread while the loop goes on: the sampler waits for
-        its flag (on the device stream under CUDA), and every use of a matcher on the loop
-        waits for the fill first (`_settle`)."""
-        assert self._filler is not None
-        filler, bits = self._filler, self._filler.buffer(len(matchers))
+        """A mask filled on the worker thread while the loop goes on (the step's noted tokens
+        accepted first): the sampler waits for its flag (on the device stream under CUDA), and
+        every use of a matcher on the loop waits for the job first (`_settle`)."""
+        filler = self._get_filler()
+        bits = filler.buffer(len(matchers))
+        accepted, self._accepted = self._accepted, []
         self._fills += 1
         value = self._fills
 
         def fill() -> None:
             start = time.perf_counter()
             try:
+                filler.accept(accepted)
                 with torch.inference_mode():  # the buffers were made in the step's (a thread's)
                     filler.fill_into(bits, matchers)
             finally:  # the stream waits for the flag: raise it whatever happened
@@ -174,18 +206,17 @@ class Grammars:
         per request, each cut by `valid_drafts`) has len(drafts) + 1 mask rows per request:
         one per scored position."""
         self._settle()
-        if self._filler is None:
-            self._filler = MaskFiller(self.vocab_size, self.threads)
         matchers = [self._matchers.get(r.rid) for r in reqs]
         if drafts is None:
             rows = [i for i, m in enumerate(matchers) if m is not None]
             return self._fill_async(matchers, rows)
+        self._accept_noted()
         rows, at = [], 0
         for m, d in zip(matchers, drafts, strict=True):
             if m is not None:
                 rows.extend(range(at, at + len(d) + 1))
             at += len(d) + 1
-        return TokenMask(self._filler.fill_drafts(list(zip(matchers, drafts))), rows)
+        return TokenMask(self._get_filler().fill_drafts(list(zip(matchers, drafts))), rows)
 
     def close(self) -> None:
         self._settle()

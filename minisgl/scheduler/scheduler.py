@@ -214,7 +214,8 @@ class Scheduler:
         self.check_request(req.prompt_len, req.params)
         req.params.check_vocab(self.engine.model_config.vocab_size)
         stop = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
+        # Under ignore_eos a grammar's request still ends at EOS, allowed once it is complete.
+        if not req.params.ignore_eos or req.params.constraint is not None:
             stop |= self.eos_ids
         req.stop_ids = frozenset(stop)
         req.arrival = self._arrivals

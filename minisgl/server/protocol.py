@@ -166,7 +166,7 @@ class ChatMessageIn(_OpenAI):
 
 LOGIT_BIAS = "Token id (a numeral) -> a bias in [-100, 100] added to its logit at every step."
 REGEX = "The whole output matches this regular expression."
-EBNF = "The output follows this grammar (xgrammar's EBNF dialect, starting at `root`)."
+EBNF = "The output follows this grammar (GBNF, starting at `root`; or llguidance's Lark)."
 PRIORITY = (
     "Lower is more urgent (any integer); only a server started with --schedule-policy priority "
     "takes one but 0."

@@ -53,11 +53,10 @@ class TokenizerWorker:
     overtakes its request: it follows it down the same pipe, or, while the request still
     tokenizes, keeps the aborted choices from ever being sent.
 
-    A request with a grammar has it compiled first by `grammars` (by default a compiler of its
-    own for the tokenizer's vocabulary; on its own threads, cached), and is refused here when
-    the grammar is bad: it never reaches the scheduler, and no other request waits for its
-    compile. The scheduler compiles the grammar again from its own cache (a compiled grammar is
-    megabytes; its text is what travels).
+    A request with a grammar has it checked first by `grammars` (on its own threads, without
+    the vocabulary: `GrammarCompiler.check`), and is refused here when the grammar is bad: it
+    never reaches the scheduler, and no other request waits for the check. Only the scheduler
+    compiles the grammar (its text is what travels).
     """
 
     def __init__(
@@ -113,7 +112,7 @@ class TokenizerWorker:
         if constraint is None:
             self._pool.submit(self._tokenize_in_thread, pending)
         else:
-            job = self.grammars.submit(constraint)
+            job = self.grammars.submit_check(constraint)
             job.add_done_callback(lambda job: self._grammar_checked(pending, job))
 
     def _grammar_checked(self, pending: _Pending, job: Future[Any]) -> None:

@@ -32,7 +32,7 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(lambda: tokenizer, VOCAB, stop_ids=[EOS])
+    return GrammarCompiler(lambda: tokenizer, VOCAB, end_token=EOS)
 
 
 def fill_bitmask(grammars: list[RequestGrammar | None]) -> torch.Tensor:
@@ -115,7 +115,7 @@ def test_constraint_shape_is_checked_before_compiling() -> None:
 
 
 def test_repeats_are_cache_hits(tokenizer) -> None:
-    compiler = GrammarCompiler(lambda: tokenizer, VOCAB, stop_ids=[EOS])
+    compiler = GrammarCompiler(lambda: tokenizer, VOCAB, end_token=EOS)
     c = Constraint("regex", "[ab]{3}")
     first = compiler.submit(c).result()
     again = compiler.compile(c)

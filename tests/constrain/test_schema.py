@@ -1,6 +1,7 @@
-"""Which JSON schemas are refused before compiling, judged against xgrammar itself: for every
-keyword refused as "not enforced", xgrammar alone lets through an instance the schema rejects
-(so the refusal is needed); keywords it does enforce pass; the schemas of the test set compile;
+"""Which JSON schemas are refused before compiling, judged against llguidance itself: every
+keyword refused as "not enforced" is one llguidance alone silently lets through (so the refusal
+is needed); keywords it enforces pass (also those an earlier engine ignored), annotations never
+cause a refusal; llguidance's own refusals name the place; the schemas of the test set compile;
 malformed schemas are refused by the meta-schema; random schemas give a GrammarError or
 compile, never anything else."""
 
@@ -14,11 +15,16 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from structured_schemas import CASES, REFUSED
+from structured_schemas import ACCEPTED, CASES, REFUSED
 
 from minisgl.constrain import GrammarCompiler, GrammarError, RequestGrammar
-from minisgl.constrain.grammar import JSON_MAX_WHITESPACE
-from minisgl.constrain.schema import UnenforceableSchema, check_enforceable
+from minisgl.constrain.schema import (
+    JSON_OPTIONS,
+    KNOWN_FORMATS,
+    UnenforceableSchema,
+    for_llguidance,
+    prepare,
+)
 from minisgl.core import Constraint, InvalidRequestError
 
 VOCAB = 49152
@@ -33,84 +39,96 @@ def obj(props: dict[str, Any], required: list[str] | None = None, **kw: Any) -> 
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(lambda: tokenizer, VOCAB, stop_ids=[EOS])
+    return GrammarCompiler(lambda: tokenizer, VOCAB, end_token=EOS)
 
 
-def xgrammar_accepts(compiler: GrammarCompiler, tokenizer: Any, schema: Any, text: str) -> bool:
-    """Whether xgrammar's grammar for `schema`, compiled with no check before it, takes `text`
-    whole (and may end there)."""
-    import xgrammar as xgr
+def accepts(compiler: GrammarCompiler, tokenizer: Any, grammar: str, text: str) -> bool:
+    """Whether the llguidance grammar `grammar` takes `text` whole (and may end there)."""
+    from minisgl.constrain.grammar import Compiled
 
-    raw = xgr.GrammarCompiler(compiler.tokenizer_info()).compile_json_schema(
-        json.dumps(schema), any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
-    )
-    g = RequestGrammar(raw, [EOS])
+    backend = compiler.backend
+    g = RequestGrammar(Compiled(backend, backend.compile(grammar, "json_schema")), [EOS])
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return all(g.accept(t) for t in ids) and g.accept(EOS)
 
 
-# (schema, an instance it rejects): xgrammar alone accepts each instance.
+def raw_accepts(compiler: GrammarCompiler, tokenizer: Any, schema: Any, text: str) -> bool:
+    """Whether llguidance's grammar of `schema`, with no preparation or check before it (only
+    the JSON options), takes `text`."""
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema({**schema, "x-guidance": JSON_OPTIONS})
+    return accepts(compiler, tokenizer, grammar, text)
+
+
+def prepared_accepts(compiler: GrammarCompiler, tokenizer: Any, schema: Any, text: str) -> bool:
+    from llguidance import LLMatcher
+
+    return accepts(
+        compiler, tokenizer, LLMatcher.grammar_from_json_schema(for_llguidance(schema)), text
+    )
+
+
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+# (schema, an instance it rejects, the schema that says so when not itself): llguidance alone
+# accepts each instance. `additionalItems` means something only in draft 7 (where `items` is
+# the list): a schema that writes it means it.
 NOT_ENFORCED = {
-    "uniqueItems": (
-        obj({"a": {"type": "array", "items": INT, "uniqueItems": True}}),
-        '{"a": [1, 1]}',
+    "additionalItems": (
+        {"type": "array", "prefixItems": [INT], "additionalItems": False},
+        "[1, 2]",
+        {"$schema": DRAFT7, "type": "array", "items": [INT], "additionalItems": False},
     ),
-    "allOf": ({"allOf": [obj({"a": INT}), {"required": ["a"]}]}, '{"b": 1}'),
-    "not": (obj({"a": {"not": {"type": "string"}}}), '{"a": "x"}'),
-    "if": (
-        {**obj({"a": INT, "b": INT}, ["a"]), "if": {"properties": {"a": {"const": 1}}}}
-        | {"then": {"required": ["b"]}},
-        '{"a": 1}',
-    ),
-    "dependentRequired": (
-        {**obj({"a": INT, "b": INT}, []), "dependentRequired": {"a": ["b"]}},
-        '{"a": 1}',
-    ),
-    "contains": ({"type": "array", "items": INT, "contains": {"const": 3}}, "[1]"),
-    "number multipleOf": (obj({"x": {"type": "number", "multipleOf": 0.5}}), '{"x": 0.3}'),
-    "untyped multipleOf": (obj({"x": {"multipleOf": 5}}), '{"x": 3}'),
-    "beside $ref": (
-        {"$defs": {"n": INT}, **obj({"a": {"$ref": "#/$defs/n", "minimum": 3}})},
-        '{"a": 1}',
-    ),
-    "beside anyOf": (
-        obj({"a": {"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": 0}]}}),
-        '{"a": "s"}',
-    ),
-    "overlapping oneOf": (obj({"a": {"oneOf": [INT, {"type": "number"}]}}), '{"a": 1}'),
-    "pattern and maxLength": (
-        obj({"a": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}}),
-        '{"a": "abcdefgh"}',
-    ),
-    "format and maxLength": (
-        obj({"a": {"type": "string", "format": "email", "maxLength": 5}}),
-        '{"a": "abcdefgh@x.com"}',
-    ),
-    "pattern and format": (
-        obj({"a": {"type": "string", "format": "email", "pattern": "^z"}}),
-        '{"a": "a@b.com"}',
-    ),
-    "untyped minimum": (obj({"a": {"minimum": 3}}), '{"a": 1}'),
-    "untyped maxLength": (obj({"a": {"maxLength": 3}}), '{"a": "abcdef"}'),
-    "untyped minItems": (obj({"a": {"minItems": 3}}), '{"a": []}'),
-    "required, undefined": (obj({"a": INT}, ["a", "b"]), '{"a": 1}'),
-    "enum of another type": (obj({"a": {"type": "string", "enum": ["x", 1]}}), '{"a": 1}'),
+    "overlapping oneOf": (obj({"a": {"oneOf": [INT, {"type": "number"}]}}), '{"a": 1}', None),
 }
 
 
 @pytest.mark.parametrize("name", list(NOT_ENFORCED))
-def test_refused_keywords_are_really_ignored_by_xgrammar(
+def test_refused_keywords_are_really_ignored_by_llguidance(
     compiler: GrammarCompiler, tokenizer: Any, name: str
 ) -> None:
-    schema, text = NOT_ENFORCED[name]
+    schema, text, reference = NOT_ENFORCED[name]
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(json.loads(text), schema)
-    assert xgrammar_accepts(compiler, tokenizer, schema, text), "xgrammar enforces it now"
+        jsonschema.validate(json.loads(text), reference or schema)
+    assert raw_accepts(compiler, tokenizer, schema, text), "llguidance enforces it now"
     with pytest.raises(UnenforceableSchema):
-        check_enforceable(schema)
+        prepare(schema)
 
 
-# (schema, an instance it rejects): xgrammar refuses each, so these schemas are accepted.
+# (schema, where the keyword is): keywords llguidance does not implement; it refuses them itself.
+BACKEND_REFUSES = {
+    "uniqueItems": (
+        obj({"a": {"type": "array", "items": INT, "uniqueItems": True}}),
+        "/properties/a",
+    ),
+    "not": (obj({"a": {"not": {"type": "string"}}}), "/properties/a"),
+    "if": ({**obj({"a": INT}), "if": {"required": ["a"]}, "then": {}}, "/"),
+    "contains": (
+        obj({"a": {"type": "array", "items": INT, "contains": {"const": 3}}}),
+        "/properties/a",
+    ),
+    "dependentRequired": ({**obj({"a": INT}, []), "dependentRequired": {"a": ["a"]}}, "/"),
+    "dependentSchemas": ({**obj({"a": INT}, []), "dependentSchemas": {"a": {}}}, "/"),
+    "dependencies": ({**obj({"a": INT}, []), "dependencies": {"a": ["a"]}}, "/"),
+    "unevaluatedProperties": (
+        {"type": "object", "properties": {"a": INT}, "unevaluatedProperties": False},
+        "/",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKEND_REFUSES))
+def test_what_llguidance_does_not_implement_is_refused_with_its_place(
+    compiler: GrammarCompiler, name: str
+) -> None:
+    schema, where = BACKEND_REFUSES[name]
+    prepare(schema)  # nothing of ours refuses it
+    with pytest.raises(GrammarError) as e:
+        compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    assert e.value.reason == f"at {where}: `{name}` is not enforced; remove it", e.value.reason
+
+
+# (schema, an instance it rejects): llguidance refuses each instance, so these are accepted.
 ENFORCED = {
     "integer multipleOf": (obj({"x": {"type": "integer", "multipleOf": 5}}), '{"x": 3}'),
     "exclusiveMinimum": (obj({"a": {"type": "integer", "exclusiveMinimum": 3}}), '{"a": 3}'),
@@ -121,6 +139,10 @@ ENFORCED = {
         {"type": "object", "propertyNames": {"pattern": "^[a-z]$"}, "additionalProperties": INT},
         '{"AB": 1}',
     ),
+    "propertyNames enum": (
+        {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "additionalProperties": INT},
+        '{"c": 1}',
+    ),
     "minProperties": (
         {"type": "object", "additionalProperties": INT, "minProperties": 2},
         '{"a": 1}',
@@ -129,14 +151,22 @@ ENFORCED = {
         {"type": "object", "patternProperties": {"^a": INT}, "additionalProperties": False},
         '{"b": 1}',
     ),
-    "unevaluatedProperties": (
-        {"type": "object", "properties": {"a": INT}, "unevaluatedProperties": False},
-        '{"b": 1}',
-    ),
     "discriminated oneOf": (
         obj({"s": {"oneOf": [obj({"k": {"const": "a"}, "x": INT}), obj({"k": {"const": "b"}})]}}),
         '{"s": {"k": "a"}}',
     ),
+    "format and maxLength": (
+        obj({"a": {"type": "string", "format": "email", "maxLength": 5}}),
+        '{"a": "abcdefgh@x.com"}',
+    ),
+    "pattern and format": (
+        obj({"a": {"type": "string", "format": "email", "pattern": "^z"}}),
+        '{"a": "a@b.com"}',
+    ),
+    "untyped maxLength": (obj({"a": {"maxLength": 3}}), '{"a": "abcdef"}'),
+    "untyped minItems": (obj({"a": {"minItems": 3}}), '{"a": []}'),
+    "untyped multipleOf": (obj({"x": {"multipleOf": 5}}), '{"x": 3}'),
+    **{name: (schema, bad) for name, schema, bad in ACCEPTED},
 }
 
 
@@ -145,8 +175,58 @@ def test_enforced_keywords_pass(compiler: GrammarCompiler, tokenizer: Any, name:
     schema, text = ENFORCED[name]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(json.loads(text), schema)
-    assert not xgrammar_accepts(compiler, tokenizer, schema, text)
-    check_enforceable(schema)
+    assert not prepared_accepts(compiler, tokenizer, schema, text)
+    compiler.compile(Constraint("json_schema", json.dumps(schema)))
+
+
+def test_an_object_naming_its_properties_takes_no_others(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    """Without `additionalProperties`, an object with `properties` takes no other property
+    (the README's semantics; JSON Schema's would allow any); with it, what it says."""
+    closed = obj({"a": INT}, required=[])
+    assert not prepared_accepts(compiler, tokenizer, closed, '{"a": 1, "b": 2}')
+    assert prepared_accepts(compiler, tokenizer, closed, '{"a": 1}')
+    opened = {**closed, "additionalProperties": {"type": "string"}}
+    assert prepared_accepts(compiler, tokenizer, opened, '{"a": 1, "b": "x"}')
+    assert not prepared_accepts(compiler, tokenizer, opened, '{"a": 1, "b": 2}')
+    assert prepared_accepts(compiler, tokenizer, {"type": "object"}, '{"b": [1]}')  # JSON mode
+
+
+ANNOTATED = {
+    "type": "object",
+    "title": "t",
+    "description": "d",
+    "$comment": "c",
+    "properties": {
+        "kind": {"enum": ["a", "b"], "readOnly": True, "description": "which"},
+        "n": {"type": "integer", "default": 1, "examples": [1, 2], "deprecated": True},
+        "s": {"type": "string", "writeOnly": True, "title": "s", "format": "x-made-up"},
+    },
+    "required": ["kind", "n"],
+}
+
+
+def test_annotations_never_cause_a_refusal(compiler: GrammarCompiler, tokenizer: Any) -> None:
+    """Annotation keywords beside any other (`readOnly` beside `enum`), and formats llguidance
+    does not know (annotations, as in JSON Schema 2020-12), compile; the rest is enforced."""
+    compiler.compile(Constraint("json_schema", json.dumps(ANNOTATED)))
+    assert prepared_accepts(compiler, tokenizer, ANNOTATED, '{"kind": "a", "n": 3, "s": "z"}')
+    assert not prepared_accepts(compiler, tokenizer, ANNOTATED, '{"kind": "c", "n": 3}')
+
+
+def test_the_formats_kept_are_the_ones_llguidance_enforces(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    from llguidance import LLMatcher
+
+    for f in KNOWN_FORMATS:
+        schema = {"type": "string", "format": f, "x-guidance": JSON_OPTIONS}
+        grammar = LLMatcher.grammar_from_json_schema(schema)
+        assert not LLMatcher.validate_grammar_with_warnings(grammar)[0], f
+        assert not accepts(compiler, tokenizer, grammar, '"@ not a value of any format"'), f
+    unknown = LLMatcher.grammar_from_json_schema({"type": "string", "format": "uri-reference"})
+    assert LLMatcher.validate_grammar_with_warnings(unknown)[0]  # so it is dropped
 
 
 def test_every_schema_of_the_test_set_compiles(compiler: GrammarCompiler) -> None:
@@ -175,7 +255,7 @@ def test_malformed_schemas_are_refused_by_the_meta_schema() -> None:
         ),
     ]:
         with pytest.raises(UnenforceableSchema, match="not a valid JSON Schema") as e:
-            check_enforceable(schema)
+            prepare(schema)
         assert str(e.value).startswith(where), str(e.value)
 
 

@@ -103,6 +103,22 @@ def test_a_grammar_that_cannot_finish_ends_with_length(llm) -> None:
     assert out["finish_reason"] == "length" and set(out["text"]) == {"a"}
 
 
+def test_ignore_eos_ends_with_stop_once_the_grammar_is_complete(llm) -> None:
+    """Under ignore_eos a grammar's request ends at EOS only where nothing else may follow (the
+    object closed), with "stop", EOS kept as its last token; a free request runs on."""
+    eos = llm.tokenizer.eos_token_id
+    prompt = chat_ids(llm, "Describe a person as JSON with a name and an age.")
+    p = params(json_schema=json.dumps(PERSON), max_tokens=64, ignore_eos=True)
+    regex = params(regex=r"[0-9]{3}", max_tokens=20, ignore_eos=True)
+    person, digits, free = llm.generate(
+        [prompt, prompt, prompt], [p, regex, params(ignore_eos=True, max_tokens=12)], use_tqdm=False
+    )
+    assert person["finish_reason"] == "stop" and person["token_ids"][-1] == eos, person
+    jsonschema.validate(json.loads(person["text"]), PERSON)
+    assert digits["finish_reason"] == "stop" and re.fullmatch("[0-9]{3}", digits["text"]), digits
+    assert free["finish_reason"] == "length"
+
+
 def test_a_bad_grammar_is_refused_before_anything_runs(llm) -> None:
     steps = llm.engine.num_steps
     with pytest.raises(InvalidRequestError, match="regex: .*Unclosed"):

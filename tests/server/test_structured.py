@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 from serving_helpers import Server, running_server
-from structured_schemas import CASES, REFUSED
+from structured_schemas import ACCEPTED, CASES, REFUSED
 from test_api import assert_pool_clean, wait_idle
 
 pytestmark = pytest.mark.slow  # a server of its own: tens of seconds to start
@@ -128,6 +128,21 @@ def test_refused_schemas_get_a_400_that_says_why(
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == SCHEMA_FIELD
     assert err["message"].startswith(f"{SCHEMA_FIELD}: ") and why in err["message"], err
+
+
+@pytest.mark.parametrize(("name", "schema", "bad"), ACCEPTED, ids=[r[0] for r in ACCEPTED])
+def test_schemas_once_refused_are_served(
+    http: httpx.Client, name: str, schema: dict[str, Any], bad: str
+) -> None:
+    """Keywords the engine enforces are not refused: the answer is valid (or cut by length)."""
+    body = {"messages": user("Answer in JSON."), "response_format": schema_format(name, schema)}
+    r = http.post("/v1/chat/completions", json=body | {"max_tokens": 60, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        valid(choice["message"]["content"], schema)
+    else:
+        assert choice["finish_reason"] == "length", choice
 
 
 def test_json_mode_answers_json_objects(server: Server) -> None:

@@ -1,7 +1,7 @@
 """The tokenizer worker between real sockets: long prompts tokenize in threads without holding
 up short ones, an abort never lets its request reach the scheduler after it, and a request's
-grammar is compiled before it is sent on: a bad one is answered with a 400 that never reaches
-the scheduler, a slow one holds up no other request."""
+grammar is checked before it is sent on: a bad one is answered with a 400 that never reaches
+the scheduler, a slow check holds up no other request."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Pipes:
     scheduler: Receiver
     api: Receiver
     gated: GatedTokenizer
-    grammar_gate: threading.Event  # the first compile waits for it (loading the vocabulary)
+    grammar_gate: threading.Event  # every grammar check waits for it
 
 
 @pytest.fixture
@@ -67,16 +67,17 @@ def pipes(tmp_path: Path, tokenizer: Any) -> Iterator[Pipes]:
     gated = GatedTokenizer(tokenizer)
     grammar_gate = threading.Event()
 
-    def load_vocabulary() -> Any:
-        assert grammar_gate.wait(60), "the test never opened the grammar gate"
-        return tokenizer
+    class GatedCompiler(GrammarCompiler):
+        def check(self, constraint: Any) -> str:
+            assert grammar_gate.wait(60), "the test never opened the grammar gate"
+            return super().check(constraint)
 
     worker = TokenizerWorker(
         RequestTokenizer(gated, INFO),
         Receiver(ctx, ipc.tokenizer),
         Sender(ctx, ipc.scheduler),
         Sender(ctx, ipc.api),
-        grammars=GrammarCompiler(load_vocabulary, INFO.vocab_size),
+        grammars=GatedCompiler(lambda: tokenizer, INFO.vocab_size),
     )
     scheduler = Receiver(ctx, ipc.scheduler)
     api = Receiver(ctx, ipc.api)
@@ -131,10 +132,10 @@ def test_an_abort_never_lets_its_choice_reach_the_scheduler(pipes: Pipes) -> Non
     assert pipes.scheduler.recv() == FlushCacheReq(7)  # nothing else came before it
 
 
-def test_a_slow_compile_holds_up_no_other_request(pipes: Pipes) -> None:
+def test_a_slow_grammar_check_holds_up_no_other_request(pipes: Pipes) -> None:
     pipes.to_worker.send(req(["date"], "Hi", regex=r"\d{4}-\d{2}-\d{2}"))
     pipes.to_worker.send(req(["plain"], "Hi"))
-    assert pipes.scheduler.recv().rid == "plain"  # while the grammar still compiles
+    assert pipes.scheduler.recv().rid == "plain"  # while the grammar is still checked
     pipes.grammar_gate.set()
     constrained = pipes.scheduler.recv()
     assert constrained.rid == "date" and constrained.params.regex == r"\d{4}-\d{2}-\d{2}"
