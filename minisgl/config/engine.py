@@ -35,7 +35,9 @@ class EngineConfig:
     # checkpoint's scales when it has them, else 1.0).
     kv_cache_calibrate: int = 0
     # fp8: linear and expert weights in FP8 e4m3 (16-bit checkpoints are quantized at load, one
-    # scale per output channel); None: as the checkpoint is (FP8 checkpoints stay FP8).
+    # scale per output channel); int4 / int8: weight-only integers per group (`config.quant`);
+    # dequantize: integer checkpoints in the model dtype; None: as the checkpoint is (FP8
+    # checkpoints stay FP8; GGUF, AWQ, GPTQ integer weights stay integers).
     quantization: str | None = None
     # FP8 linear layers with at most this many rows take the weight-only GEMV (see config.quant).
     fp8_gemv_max_rows: int = FP8_GEMV_MAX_ROWS
