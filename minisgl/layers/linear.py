@@ -186,7 +186,7 @@ class LinearBase(nn.Module):
         """After the last checkpoint tensor: integer weights are packed for their kernel (or
         dequantized where none takes them); every FP8 part has its scales."""
         if self.lowbit is not None:
-            self.weight = self.lowbit.finish(self.weight.device, type(self).__name__)
+            self.weight, self.weight_scale = self.lowbit.finish(type(self).__name__)
         unscaled = self._fp8_parts - self._scaled_parts
         if unscaled:
             raise ValueError(

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.config import QuantConfig
-from minisgl.kernels.lowbit import QWeight, join, quantize_rtn
+from minisgl.kernels.lowbit import QWeight, join, pick_group, quantize_rtn
 from minisgl.kernels.lowbit.cpu import CpuLowBit
 from minisgl.layers.weight_format import Place
 
@@ -32,8 +32,13 @@ def _say_once(message: str) -> None:
     logger.warning(message)
 
 
-def _kernel(w: QWeight, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | str:
-    """The packed weight's matmul on `device`, or why there is none."""
+def _kernel(w: QWeight, device: torch.device) -> Any:
+    """The packed weight's matmul on `device` (`kernel(x, bias)`, `.packed`, `.scales`), or why
+    there is none."""
+    if w.group > 256:  # per channel (compressed-tensors): the same scales repeated
+        w = w.regroup(pick_group(w.group, 128))
+    perm = None if w.perm is None else w.perm.to(device)
+    w = QWeight(w.q.to(device), w.scales.to(device), w.mins.to(device), perm)
     if device.type == "cuda":
         from minisgl.kernels.lowbit.triton import TritonLowBit
 
@@ -49,20 +54,22 @@ class LowBitParts:
     def __init__(self, rows: int, cols: int, quant: QuantConfig) -> None:
         self.rows, self.cols, self.quant = rows, cols, quant
         self.dtype = torch.get_default_dtype()  # of a dequantized fallback
+        self.device = torch.empty(0).device  # the model's (built under `torch.device`)
         self.parts: list[tuple[int, QWeight | torch.Tensor]] = []  # (first row, part)
-        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.kernel: Any = None  # CpuLowBit or TritonLowBit once loaded
 
     def placeholder(self, loader: Callable[..., None]) -> nn.Parameter:
         """The layer's `weight` until loading ends: [rows, cols] uint8, no memory behind it."""
-        empty = torch.zeros(1, 1, dtype=torch.uint8).expand(self.rows, self.cols)
+        empty = torch.zeros(1, 1, dtype=torch.uint8, device=self.device)
+        empty = empty.expand(self.rows, self.cols)
         p = nn.Parameter(empty, requires_grad=False)
         p.weight_loader = loader  # type: ignore[attr-defined]
         return p
 
     def add(self, part: Any, place: Place) -> None:
         """A whole checkpoint part (QWeight, or 16/32-bit) and where this rank's share lands."""
-        if not isinstance(part, QWeight) and self.quant.source == "online":
-            part = quantize_rtn(part, self.quant.bits, self.quant.group)  # whole, then sharded
+        if not isinstance(part, QWeight) and self.quant.source == "online":  # whole, then sharded
+            part = quantize_rtn(part.to(self.device), self.quant.bits, self.quant.group)
         rows, cols = (place.src_row, place.rows), (place.src_col, place.cols)
         if isinstance(part, QWeight):
             part = part.narrow(rows, cols)
@@ -70,8 +77,10 @@ class LowBitParts:
             part = part.narrow(0, *rows).narrow(1, *cols)
         self.parts.append((place.dst_row, part))
 
-    def finish(self, device: torch.device, what: str) -> nn.Parameter:
-        """Pack the parts for the kernel; returns the layer's new `weight` parameter."""
+    def finish(self, what: str) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """Pack the parts for the kernel; returns the layer's new `weight` and its scales (None:
+        dequantized)."""
+        device = self.device
         parts = [p for _, p in sorted(self.parts, key=lambda rp: rp[0])]
         self.parts = []
         if sum(p.shape[0] for p in parts) != self.rows:
@@ -84,12 +93,12 @@ class LowBitParts:
             full = torch.cat(w).to(device, self.dtype)
             if device.type == "cpu":  # [in, out] memory, as `linear._weight` keeps it for MKL
                 full = full.t().contiguous().t()
-            return nn.Parameter(full, requires_grad=False)
+            return nn.Parameter(full, requires_grad=False), None
         self.kernel = kernel
-        return nn.Parameter(kernel.packed, requires_grad=False)
+        scales = nn.Parameter(kernel.scales, requires_grad=False)
+        return nn.Parameter(kernel.packed, requires_grad=False), scales
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         if self.kernel is None:
             return F.linear(x, weight, bias)
-        y = self.kernel(x)
-        return y if bias is None else y + bias
+        return self.kernel(x, bias)  # type: ignore[no-any-return]

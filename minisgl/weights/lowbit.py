@@ -12,7 +12,8 @@
   symmetric): w = (q - 8) s.
 
 AWQ and GPTQ are told apart by their shapes (AWQ packs columns, GPTQ rows), so the stream needs
-no config: a module's tensors are held until its set is complete.
+no config: a module's tensors are held until its set is complete (an FP8 layer's
+`weight_scale`, which shares compressed-tensors' name, passes on at the end).
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ def integer_modules(
         if all(s in parts for s in (*_FORMATS[fmt][0], *_FORMATS[fmt][1])):
             yield f"{prefix}.weight", _convert(fmt, held.pop(prefix)[1])
     for prefix, (fmt, parts) in held.items():
+        if fmt == 0 and "weight_packed" not in parts:  # an FP8 layer's weight_scale: as it is
+            yield from ((f"{prefix}.{suffix}", t) for suffix, t in parts.items())
+            continue
         missing = [s for s in _FORMATS[fmt][0] if s not in parts]
         if missing:
             raise ValueError(f"{prefix}: the checkpoint lacks its {', '.join(missing)}")

@@ -17,11 +17,12 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 
 
 class CpuLowBit:
-    """A QWeight packed for the CPU kernel; `__call__(x [..., K]) -> [..., N]` in x's dtype."""
+    """A QWeight packed for the CPU kernel; `__call__(x [..., K], bias) -> [..., N]` in x's
+    dtype."""
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, w: QWeight) -> None:
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, w: QWeight) -> None:
         self.packed = packed  # [N or 2N, K / 2] uint8, the kernel's tile layout
-        self.scales_zeros = scales_zeros  # [K / group, N or 2N, 2] bf16
+        self.scales = scales  # [K / group, N or 2N, 2] bf16: scale, zero
         self.group = w.group
         self.rows = int(w.q.shape[0])
         self.perm = w.perm
@@ -44,16 +45,17 @@ class CpuLowBit:
         scales_zeros = torch.stack([s4, z4], -1).transpose(0, 1).contiguous().bfloat16()
         return cls(packed, scales_zeros, w)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if self.perm is not None:
             x2 = x2[:, self.perm]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.bfloat16(), self.packed, self.group, self.scales_zeros
+            x2.bfloat16(), self.packed, self.group, self.scales
         )
         if y.shape[1] != self.rows:  # 8-bit: the two halves
             y = y[:, : self.rows].float() + y[:, self.rows :]
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.rows)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.rows)
+        return y if bias is None else y + bias
 
 
 def _centered(
