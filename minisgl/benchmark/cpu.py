@@ -1,10 +1,13 @@
 """W6: the embedded SmolLM2-135M-Instruct on a CPU, minisgl against transformers in one run.
 
 python -m minisgl.benchmark.cpu [--requests 32] [--dtype auto] [--threads N] [--skip-hf]
+    [--single] [--quantization dequantize|int4|int8]
 
 Batch: 32 requests of 32-256 prompt tokens, 64 greedy output tokens each (ignore_eos), through
 `LLM.generate` and through transformers' continuous batching (`generate_batch`) on the same
-prompts. Single stream: one 128-token prompt, 64 tokens, `LLM.generate` against `generate`.
+prompts. Single stream: one 128-token prompt, 64 tokens, `LLM.generate` against `generate`
+(`--single`: that alone, the batch skipped). The embedded GGUF serves its projections 4-bit
+(`--quantization dequantize`: in fp32, as transformers does).
 transformers runs in fp32 (the baseline of the W6 targets) and, when minisgl runs in another
 dtype, in that dtype too; speedups are against the same dtype. Prints a table, then one JSON
 object as the last line.
@@ -47,17 +50,17 @@ def timed(fn: Any, repeat: int = 1, before: Any = None) -> tuple[Any, float]:
 
 
 def run_minisgl(
-    prompts: list[list[int]], single: list[int], out_len: int, dtype: str, repeat: int
+    prompts: list[list[int]], single: list[int], out_len: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    llm = LLM(dtype=dtype)
+    llm = LLM(dtype=args.dtype, quantization=args.quantization)
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    llm.generate(prompts[:4] or [single], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     flush = llm.scheduler.flush_cache  # no prefix reuse from the warm-up or a previous run
-    outs, batch_s = timed(lambda: llm.generate(prompts, params, use_tqdm=False), repeat, flush)
+    run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
+    outs, batch_s = timed(run, args.repeat, flush) if prompts else ([], float("nan"))
     tokens = sum(len(o["token_ids"]) for o in outs)
-    single_out, single_s = timed(
-        lambda: llm.generate([single], params, use_tqdm=False), repeat, flush
-    )
+    one = lambda: llm.generate([single], params, use_tqdm=False)  # noqa: E731
+    single_out, single_s = timed(one, args.repeat, flush)
     return {
         "dtype": llm.engine.config.dtype,
         "batch_tokens": tokens,
@@ -82,7 +85,8 @@ def run_hf(
     )
     with torch.inference_mode():
         model.generate(torch.tensor([single[:8]]), generation_config=gen)  # warm-up
-        outs, batch_s = timed(lambda: model.generate_batch(prompts, generation_config=gen), repeat)
+        run = lambda: model.generate_batch(prompts, generation_config=gen)  # noqa: E731
+        outs, batch_s = timed(run, repeat) if prompts else ({}, float("nan"))
         tokens = sum(len(o.generated_tokens) for o in outs.values())
         single_out, single_s = timed(
             lambda: model.generate(torch.tensor([single]), generation_config=gen), repeat
@@ -104,12 +108,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N timed runs, each side")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--single", action="store_true", help="the single stream only")
+    ap.add_argument("--quantization", default=None, choices=["dequantize", "int4", "int8"])
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = make_prompts(args.requests)
+    prompts = [] if args.single else make_prompts(args.requests)
     single = make_prompts(1, seed=1)[0][:128] + [7] * max(0, 128 - len(make_prompts(1, 1)[0]))
-    ours = run_minisgl(prompts, single, args.output_len, args.dtype, args.repeat)
+    ours = run_minisgl(prompts, single, args.output_len, args)
     refs: list[dict[str, Any]] = []
     if not args.skip_hf:
         # fp32 first: the W6 baseline; then our dtype, for a like-for-like ratio.

@@ -5,11 +5,12 @@ Llama-3-8B shape. The scheduler loop runs as the server runs it; a token's time 
 reaches the host, and the inter-token latency is the gap between consecutive tokens (255 per
 run), median and p99 over `--runs` runs after a warm-up run. The floor (`floor_ms`, the one the
 targets use) is what a token must read, each tensor in the dtype it is stored in, at the copy
-bandwidth measured in the same run: every weight once (FP8 ones at a byte, with their scales)
+bandwidth measured in the same run: every weight once (FP8 ones at a byte, int4 at half a byte,
+with their scales)
 except the input embedding table, of which a step reads one row, plus the KV of the mean context
 (`common.ModelBytes`). `floor_all_params_ms` is the older, looser count of every parameter
-(16.06 GB for this shape in bf16). `--quantization fp8` and `--kv-cache-dtype fp8_e4m3` run the
-FP8 engine. Prints a table, then one JSON object as the last line.
+(16.06 GB for this shape in bf16). `--quantization fp8|int4|int8` and `--kv-cache-dtype fp8_e4m3`
+run the quantized engines. Prints a table, then one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -113,6 +114,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _quant_label(quant: Any) -> str | None:
+    """fp8, int4 / int8 (online), or the integer checkpoint's format; the floor counts the
+    packed integers and their scales as stored (`ModelBytes`)."""
+    if quant is None or not quant.is_int:
+        return None if quant is None else "fp8"
+    return f"int{quant.bits}" if quant.source == "online" else quant.source
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "cuda_graphs": engine.graphs is not None,
         "overlap": llm.scheduler.overlap,
         "kv_cache_dtype": engine.config.kv_cache_dtype,
-        "quantization": "fp8" if engine.model_config.quant is not None else None,
+        "quantization": _quant_label(engine.model_config.quant),
     }
     info = {"workload": "W2", "model": args.model.name, **device_info(device)}
     print(f"W2 single-stream decode latency: {args.model.name} on {info['device']}, copy "

@@ -7,7 +7,9 @@ import torch
 from minisgl.config import env
 from minisgl.config.model import ModelConfig
 from minisgl.config.quant import (
+    CPU_INT_GROUP,
     FP8_GEMV_MAX_ROWS,
+    INT_GROUP,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     check_fp8_device,
@@ -37,7 +39,9 @@ class EngineConfig:
     # checkpoint's scales when it has them, else 1.0).
     kv_cache_calibrate: int = 0
     # fp8: linear and expert weights in FP8 e4m3 (16-bit checkpoints are quantized at load, one
-    # scale per output channel); None: as the checkpoint is (FP8 checkpoints stay FP8).
+    # scale per output channel); int4 / int8: weight-only integers per group (`config.quant`);
+    # dequantize: integer checkpoints in the model dtype; None: as the checkpoint is (FP8
+    # checkpoints stay FP8; GGUF, AWQ, GPTQ integer weights stay integers).
     quantization: str | None = None
     # FP8 linear layers with at most this many rows take the weight-only GEMV (see config.quant).
     fp8_gemv_max_rows: int = FP8_GEMV_MAX_ROWS
@@ -321,10 +325,11 @@ def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelCon
     """The model config with the weight format the engine builds it in and the rows up to which
     its linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA checks the
     device), checking the device for an FP8 KV cache too."""
+    group = INT_GROUP if cfg.torch_device.type == "cuda" else CPU_INT_GROUP
     quant = resolve_quantization(
-        cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny
+        cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny, group
     )
-    if quant is not None:
+    if quant is not None and not quant.is_int:
         check_fp8_device(cfg.torch_device, "FP8 weights")
     if cfg.kv_cache_dtype == "fp8_e4m3":
         check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")

@@ -1,5 +1,6 @@
 """Linear layers that shard their own weights for tensor parallelism (plain at tp=1), in the
-model dtype or in FP8 (`minisgl.layers.weight_format`).
+model dtype, in FP8 (`minisgl.layers.weight_format`) or in 4/8-bit integers with group scales
+(`minisgl.layers.lowbit`).
 
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's
 part of a full checkpoint tensor into it, so the loader never needs to know the layout. A layer
@@ -29,6 +30,7 @@ from minisgl.config import QuantConfig, env
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernels.fp8 import FP8_DTYPE, is_fp8, round_trip_activations
 from minisgl.layers.fused import fused_kernels
+from minisgl.layers.lowbit import LowBitParts, QWeight
 from minisgl.layers.weight_format import (
     Place,
     copy_part,
@@ -91,7 +93,11 @@ class LinearBase(nn.Module):
         super().__init__()
         self.quant = quant
         self.weight_scale: nn.Parameter | None = None
-        if quant is None:
+        # Integer weights: parts gathered while loading, packed for the kernels at the end.
+        self.lowbit = LowBitParts(out_local, in_local, quant) if quant and quant.is_int else None
+        if self.lowbit is not None:
+            self.weight = self.lowbit.placeholder(self._load_weight)
+        elif quant is None:
             self.weight = _weight(out_local, in_local, self._load_weight)
         else:
             self.weight = _param((out_local, in_local), self._load_weight, FP8_DTYPE)
@@ -121,7 +127,7 @@ class LinearBase(nn.Module):
 
     def _check_part(self, part: torch.Tensor, shard_id: ShardId, what: str) -> None:
         rows = dict(self._part_sizes())[shard_id]
-        want = (rows, self._in_features()) if part.dim() == 2 else (rows,)
+        want = (rows, self._in_features()) if len(part.shape) == 2 else (rows,)
         if tuple(part.shape) != want:
             raise ValueError(f"{what}: checkpoint shape {tuple(part.shape)} is not {want}")
 
@@ -146,6 +152,11 @@ class LinearBase(nn.Module):
         for sid, part in self._parts(loaded, shard_id):
             self._check_part(part, sid, what)
             place = self._place(sid)
+            if self.lowbit is not None:
+                self.lowbit.add(part, place)
+                continue
+            if isinstance(part, QWeight):  # an integer checkpoint in a 16/32-bit or FP8 layer
+                part = part.dequantize(param.dtype if self.quant is None else torch.float32)
             if self.quant is None:
                 if is_fp8(part.dtype):
                     raise ValueError(f"{what}: an FP8 checkpoint tensor in an unquantized layer")
@@ -172,7 +183,10 @@ class LinearBase(nn.Module):
             copy_part(param.data, part, self._place(sid), what)
 
     def finish_loading(self) -> None:
-        """After the last checkpoint tensor: every FP8 part has its scales."""
+        """After the last checkpoint tensor: integer weights are packed for their kernel (or
+        dequantized where none takes them); every FP8 part has its scales."""
+        if self.lowbit is not None:
+            self.weight, self.weight_scale = self.lowbit.finish(type(self).__name__)
         unscaled = self._fp8_parts - self._scaled_parts
         if unscaled:
             raise ValueError(
@@ -187,6 +201,8 @@ class LinearBase(nn.Module):
         x as it is (weight-only), above that with x rounded to e4m3 per token (per token and
         128 columns for block-scaled weights), as the FP8 tensor-core GEMMs take it; the
         reference path (CPU, or CUDA without the fused kernels) rounds x the same way."""
+        if self.lowbit is not None:
+            return self.lowbit.matmul(x, self.weight, bias)
         if self.quant is None:
             return F.linear(x, self.weight, bias)
         weight_only = x.numel() <= self.quant.gemv_max_rows * x.shape[-1]
@@ -399,7 +415,7 @@ def one_row_gemv(
     rows of unquantized weights, or FP8 weight-only rows with `quant.skinny`: the skinny GEMM.
     None: use the layers as they are (also with `MINISGL_DISABLE_ONE_ROW_GEMV=1`, for A/B
     runs)."""
-    if x.dim() != 2 or get_tp_info().size != 1 or _one_row_disabled():
+    if x.dim() != 2 or get_tp_info().size != 1 or _one_row_disabled() or (quant and quant.is_int):
         return None
     fused = fused_kernels(x)
     if fused is None:

@@ -158,6 +158,8 @@ class MoEExperts(nn.Module):
         self.num_experts, self.hidden = num_experts, hidden
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.local = intermediate // tp.size
+        if quant is not None and quant.is_int:  # integer experts have no kernel: model dtype
+            quant = None
         self.quant = quant
         dtype = None if quant is None else FP8_DTYPE
         # [E, 2 * I_local, H]: gate rows, then up rows, of this rank's slice

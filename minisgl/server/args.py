@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZATIONS,
         help="fp8: linear and expert weights in FP8 e4m3 (16-bit checkpoints quantized at load, "
         "one scale per output channel; needs compute capability >= 8.9 on a GPU); FP8 "
-        "checkpoints (quant_method fp8, compressed-tensors) load as FP8 without it",
+        "checkpoints (quant_method fp8, compressed-tensors) load as FP8 without it; int4/int8: "
+        "weight-only integers, round-to-nearest per group of 128 (GGUF, AWQ, GPTQ checkpoints "
+        "load as integers without it); dequantize: serve an integer checkpoint in the model dtype",
     )
     m.add_argument(
         "--load-format",

@@ -1,10 +1,12 @@
-"""Stream checkpoint tensors (safetensors, GGUF) or random ones into a model's parameters."""
+"""Stream checkpoint tensors (safetensors, GGUF; integer formats as `QWeight`s,
+`minisgl.weights.lowbit`) or random ones into a model's parameters."""
 
 from __future__ import annotations
 
 import re
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,8 +14,10 @@ from tqdm import tqdm
 
 from minisgl.config import ModelConfig
 from minisgl.distributed import tp_size_one
+from minisgl.kernels.lowbit import QWeight
 from minisgl.layers import default_weight_loader
 from minisgl.weights.fp8 import FP8CheckpointFilter, KVScales
+from minisgl.weights.lowbit import GGUF_KERNEL_TYPES, gguf_qweight, integer_modules, say_dequantized
 from minisgl.weights.source import ModelNotFoundError, ModelSource
 
 # GGUF's standard tensor names -> HF checkpoint names (per block: `blk.N.<gguf>`).
@@ -53,15 +57,32 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None if hf is None else f"{hf}.{suffix}"
 
 
-def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it.
+def _unpermute_qk(w: Any, n_heads: int) -> Any:
+    # llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it (on
+    # an integer weight: on its values, scales and mins alike).
+    if isinstance(w, QWeight):
+        return QWeight(*(_unpermute_qk(f, n_heads) for f in (w.q, w.scales, w.mins)))
     rows = w.shape[0]
     return (
         w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
     )
 
 
-def iter_gguf(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensor(t: Any, name: str) -> torch.Tensor | QWeight:
+    """A decoder projection's integer blocks as a QWeight; everything else (the embedding, the
+    LM head, norms, experts, types without a kernel) dequantized to fp32."""
+    import gguf
+
+    kind = t.tensor_type.name
+    projection = name.endswith("proj.weight") and "experts." not in name
+    if projection and kind in GGUF_KERNEL_TYPES:
+        return gguf_qweight(t.data, kind)
+    if projection and kind not in ("F32", "F16", "BF16"):
+        say_dequantized(kind)
+    return torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
+
+
+def iter_gguf(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
     import gguf
 
     reader = gguf.GGUFReader(str(src.path))
@@ -71,7 +92,7 @@ def iter_gguf(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.T
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
-        w = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
+        w = _gguf_tensor(t, name)
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = _unpermute_qk(w, cfg.num_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
@@ -83,7 +104,7 @@ def iter_gguf(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.T
         yield name, w
 
 
-def iter_safetensors(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(src: ModelSource) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     files = sorted(src.path.glob("*.safetensors"))
@@ -95,12 +116,16 @@ def iter_safetensors(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
+def _checkpoint_tensors(src: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """(name, tensor or QWeight) in HF naming; integer modules as one QWeight each."""
+    return iter_gguf(src, cfg) if src.is_gguf else integer_modules(iter_safetensors(src))
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, src: ModelSource, cfg: ModelConfig) -> KVScales | None:
     """Every parameter from the checkpoint; returns its KV-cache scales when it has them."""
-    weights = iter_gguf(src, cfg) if src.is_gguf else iter_safetensors(src)
     fp8 = FP8CheckpointFilter(cfg.num_layers)
-    loaded = model.load_weights(fp8(weights))  # type: ignore[operator]
+    loaded = model.load_weights(fp8(_checkpoint_tensors(src, cfg)))  # type: ignore[operator]
     missing = {n for n, p in model.named_parameters() if not _derived(p)} - loaded
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")

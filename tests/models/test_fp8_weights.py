@@ -162,15 +162,15 @@ def test_block_scales_that_a_shard_would_split_are_refused(tmp_path):
 def test_unsupported_checkpoint_quantization_is_refused(models, tmp_path):
     import shutil
 
-    path = tmp_path / "awq"
+    path = tmp_path / "bnb"  # (AWQ and GPTQ load: tests/weights/test_lowbit_loaders.py)
     shutil.copytree(models["dense"], path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="awq"):
+    with pytest.raises(ValueError, match="bitsandbytes"):
         make(path)
     with pytest.raises(ValueError, match="quantization"):
-        LLM(quantization="int4")
+        LLM(quantization="int2")
 
 
 def test_gpus_below_compute_capability_8_9_are_refused_by_name():
