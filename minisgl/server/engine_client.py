@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -74,18 +75,26 @@ class RequestStream:
 
     client: EngineClient
     choices: dict[str, _Choice]
-    queue: asyncio.Queue[StrOut | Exception] = field(default_factory=asyncio.Queue)
+    _items: list[StrOut | Exception] = field(default_factory=list)
+    _wake: asyncio.Future[None] | None = None  # what `next_batch` waits on
 
     @property
     def finished(self) -> bool:
         return not self.choices
 
+    def put(self, item: StrOut | Exception) -> None:
+        self._items.append(item)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
     async def next_batch(self) -> list[ChoiceOutput]:
-        """Wait for output, then take all that has arrived; raises `RequestRejected` or
+        """Wait for output, then take all that has arrived (one event for all of it: the
+        stream catches up at once after a slow write); raises `RequestRejected` or
         `EngineUnavailable`. Call only while not `finished`."""
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
+        while not self._items:
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        items, self._items = self._items, []
         batch: list[ChoiceOutput] = []
         for item in items:
             if isinstance(item, Exception):
@@ -233,7 +242,7 @@ class EngineClient:
         if self.failure is None:
             self.failure = reason
         for stream in set(self._streams.values()):
-            stream.queue.put_nowait(EngineUnavailable(reason))
+            stream.put(EngineUnavailable(reason))
         self._streams.clear()
         self._waiting.clear()
         for answer in self._flushes.values():
@@ -246,8 +255,10 @@ class EngineClient:
             if isinstance(msg, DetokOut):
                 self.stats = msg.stats
                 self.metrics.set_scheduler_stats(msg.stats)
+                gaps: Counter[tuple[float, int]] = Counter()
                 for out in msg.outputs:
-                    self._deliver(out, msg.stats.time)
+                    self._deliver(out, msg.stats.time, gaps)
+                self.metrics.on_tokens(gaps)
             elif isinstance(msg, FlushCacheOut):
                 answer = self._flushes.get(msg.token)
                 if answer is not None and not answer.done():
@@ -258,12 +269,13 @@ class EngineClient:
                     stream = self._streams.pop(rid, None)
                     if stream is not None:
                         stream.choices.pop(rid, None)
-                        stream.queue.put_nowait(RequestRejected(msg.message, msg.param, msg.status))
+                        stream.put(RequestRejected(msg.message, msg.param, msg.status))
             else:
                 logger.error("API server: unexpected message %s", type(msg).__name__)
 
-    def _deliver(self, out: StrOut, time_s: float) -> None:
-        """`time_s`: when the scheduler had the output's tokens (wall clock)."""
+    def _deliver(self, out: StrOut, time_s: float, gaps: Counter[tuple[float, int]]) -> None:
+        """`time_s`: when the scheduler had the output's tokens (wall clock); `gaps` counts
+        the inter-token gaps of the step's outputs by (gap, priority)."""
         self._waiting.discard(out.rid)
         stream = self._streams.get(out.rid)
         if stream is None:  # aborted: its last outputs are still on their way
@@ -271,17 +283,20 @@ class EngineClient:
         if out.error is not None:
             del self._streams[out.rid]
             stream.choices.pop(out.rid, None)
-            stream.queue.put_nowait(RequestRejected(out.error, error_param(out.error), 400))
+            stream.put(RequestRejected(out.error, error_param(out.error), 400))
             return
         out.token_times = [time_s] * len(out.new_ids)
-        self._record(stream.choices[out.rid], out, time_s)
+        self._record(stream.choices[out.rid], out, time_s, gaps)
         if out.finished:
             del self._streams[out.rid]
-        stream.queue.put_nowait(out)
+        stream.put(out)
 
-    def _record(self, choice: _Choice, out: StrOut, time_s: float) -> None:
+    def _record(
+        self, choice: _Choice, out: StrOut, time_s: float, gaps: Counter[tuple[float, int]]
+    ) -> None:
         """TTFT is the API server's (submit to first output); inter-token latency the
-        scheduler's (its token times: no queueing between the processes in it)."""
+        scheduler's (its token times: no queueing between the processes in it), counted in
+        `gaps` (the requests of one step mostly share theirs: one observation for them all)."""
         now = time.perf_counter()
         if out.new_ids:
             if not choice.first_token:
@@ -289,7 +304,7 @@ class EngineClient:
                 choice.first_token = True
             else:
                 gap = (time_s - choice.last_token_time) / len(out.new_ids)
-                self.metrics.on_tokens(gap, len(out.new_ids), choice.priority)
+                gaps[gap, choice.priority] += len(out.new_ids)
             choice.last_token_time = time_s
         if out.finished:
             self.metrics.on_finished(out, now - choice.started)
