@@ -5,8 +5,9 @@ A fake engine process takes the API's requests where the tokenizer would and ans
 detokenizer would: every `--step-ms` it sends one output message with one token ("x ") for each
 live request, until each has its `max_tokens`. So the engine side costs next to nothing, and
 the API process (started as the server starts it) is the only thing measured: its CPU time over
-the run (from /proc) divided by the tokens streamed is its cost per token; `--profile PATH`
-writes its cProfile statistics. The clients are `benchmark.serving`'s (streamed completions
+the run (from /proc) divided by the tokens streamed is its cost per token (`--api-servers N`:
+of N such processes together); `--profile PATH` writes each one's cProfile statistics to
+PATH.K. The clients are `benchmark.serving`'s (streamed completions
 from `--client-procs` processes, all sent at once), which also give the ingest delay (client
 send to the handler taking the request). Prints a table, then one JSON object.
 """
@@ -35,7 +36,7 @@ from minisgl.message import (
     SchedulerStats,
     StrOut,
 )
-from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
+from minisgl.message.transport import ApiSenders, IpcPaths, Receiver, worker_context
 
 INFO = EngineInfo("fake", max_context=4096, num_pages=1 << 20, page_size=1, vocab_size=10000,
                   max_token_chars=16)  # fmt: skip
@@ -53,7 +54,7 @@ class FakeEngine:
     """Answers every request with `max_tokens` tokens of "x ", one per step for all at once."""
 
     inbox: Receiver
-    api: Sender
+    api: ApiSenders
     step_s: float
     live: dict[str, _Live] = field(default_factory=dict)
     steps: int = 0
@@ -96,21 +97,26 @@ class FakeEngine:
 
 def fake_engine_main(ipc: IpcPaths, step_s: float) -> None:
     ctx = worker_context()
-    FakeEngine(Receiver(ctx, ipc.tokenizer), Sender(ctx, ipc.api), step_s).run_forever()
+    FakeEngine(Receiver(ctx, ipc.tokenizer), ApiSenders(ctx, ipc), step_s).run_forever()
 
 
-def api_main(ipc: IpcPaths, port: int, profile: str | None) -> None:
-    """The API server as `python -m minisgl` runs it, on `port`, with no worker to watch."""
+def api_main(ipc: IpcPaths, index: int, port: int, queued: Any, profile: str | None) -> None:
+    """API server process `index` as `python -m minisgl` runs it, on `port`, with no worker to
+    watch (`minisgl.runtime.api`)."""
     import cProfile
     import signal
 
     import uvicorn
 
+    from minisgl.runtime.api import listening_socket
+    from minisgl.runtime.child import freeze_gc
     from minisgl.server.app import ServerState, build_app
     from minisgl.server.connection import Deadlines, uvicorn_options
 
-    app = build_app(ServerState(INFO, ipc, lambda: None))
-    config = uvicorn.Config(app, port=port, log_level="warning", **uvicorn_options(Deadlines()))
+    app = build_app(ServerState(INFO, ipc, index=index, queued=queued))
+    config = uvicorn.Config(app, log_level="warning", **uvicorn_options(Deadlines()))
+    listener = listening_socket("127.0.0.1", port, share=True)
+    freeze_gc()
     if profile is not None:
         prof = cProfile.Profile()
 
@@ -120,7 +126,7 @@ def api_main(ipc: IpcPaths, port: int, profile: str | None) -> None:
 
         signal.signal(signal.SIGTERM, dump)
         prof.enable()
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[listener])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -132,21 +138,29 @@ def cpu_seconds(pid: int) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        ipc = IpcPaths.in_dir(tmp)
+        ipc = IpcPaths.in_dir(tmp, args.api_servers)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
         engine = ctx.Process(target=fake_engine_main, args=(ipc, args.step_ms / 1e3), daemon=True)
-        api = ctx.Process(target=api_main, args=(ipc, port, args.profile), daemon=True)
-        engine.start()
-        api.start()
+        queued = ctx.Value("i", 0)
+        profiles = [
+            f"{args.profile}.{k}" if args.profile else None for k in range(args.api_servers)
+        ]
+        apis = [
+            ctx.Process(target=api_main, args=(ipc, k, port, queued, profiles[k]), daemon=True)
+            for k in range(args.api_servers)
+        ]
+        for p in (engine, *apis):
+            p.start()
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url)
-            return _runs(args, url, api.pid or 0)
+            return _runs(args, url, [api.pid or 0 for api in apis])
         finally:
-            api.terminate()
-            api.join(10)
+            for api in apis:
+                api.terminate()
+                api.join(10)
             engine.kill()
 
 
@@ -163,15 +177,15 @@ def _wait_healthy(url: str, timeout_s: float = 120) -> None:
     raise RuntimeError(f"the API process did not answer in {timeout_s} s")
 
 
-def _runs(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
+def _runs(args: argparse.Namespace, url: str, pids: list[int]) -> dict[str, Any]:
     work = Workload([[1] * args.prompt_len] * args.num_requests,
                     [args.output_len] * args.num_requests)  # fmt: skip
     run_clients(url, Workload([[1]] * 4, [2] * 4), float("inf"), 0, 1)  # warm-up
     best: dict[str, Any] | None = None
     for _ in range(args.repeats):
-        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        cpu0, t0 = sum(map(cpu_seconds, pids)), time.perf_counter()
         traces = run_clients(url, work, float("inf"), args.seed, args.client_procs)
-        cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+        cpu, wall = sum(map(cpu_seconds, pids)) - cpu0, time.perf_counter() - t0
         tokens = sum(t.completion_tokens for t in traces)
         run = {
             "tokens": tokens,
@@ -195,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=64, help="tokens per request")
     p.add_argument("--step-ms", type=float, default=12.0, help="the fake engine's step period")
     p.add_argument("--client-procs", type=int, default=1)
+    p.add_argument("--api-servers", type=int, default=1, help="API server processes")
     p.add_argument("--repeats", type=int, default=2, help="runs; the cheapest counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="write the API process's cProfile here")

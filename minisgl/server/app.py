@@ -55,8 +55,9 @@ FLUSH_TIMEOUT_S = 60.0  # the scheduler answers between two steps
 class ServerState:
     info: EngineInfo
     ipc: IpcPaths
-    # Why the engine cannot serve (a worker process died), or None while all are alive.
-    check_workers: Callable[[], str | None]
+    # Why the engine cannot serve (a worker process died), or None while all are alive; None:
+    # the launcher watches them and tells the engine client (`WorkerDied`).
+    check_workers: Callable[[], str | None] | None = None
     api_key: str | None = field(default=None, repr=False)
     limits: Limits = field(default_factory=Limits)
     # How long requests in flight may take to finish once shutdown begins.
@@ -65,6 +66,8 @@ class ServerState:
     client: EngineClient | None = None
     gate: Gate = field(default_factory=Gate)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    index: int = 0  # this API server process's, of `ipc.num_apis`
+    queued: Any = None  # the sequences queued server-wide (`EngineClient`)
 
 
 class BearerAuth:
@@ -94,6 +97,7 @@ class BearerAuth:
 
 async def supervise(state: ServerState, client: EngineClient) -> None:
     """Fail every request in flight, and every later one, once a worker process dies."""
+    assert state.check_workers is not None
     while True:
         reason = state.check_workers()
         if reason is not None:
@@ -120,13 +124,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client = state.client = EngineClient(state.ipc, metrics, state.info, state.limits)
+        client = state.client = EngineClient(
+            state.ipc, metrics, state.info, state.limits, state.index, state.queued
+        )
         client.start()
-        watch = start_supervisor(state, client)
+        watch = start_supervisor(state, client) if state.check_workers is not None else None
         try:
             yield
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
             await client.stop()
 
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
@@ -229,7 +236,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
 
     async def health() -> JSONResponse:
         client = _client(state)
-        reason = state.check_workers() or client.failure
+        reason = (state.check_workers and state.check_workers()) or client.failure
         if reason is not None:
             return JSONResponse(error_body(503, reason), status_code=503)
         return JSONResponse({"status": "ok"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from minisgl.config import (
 from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
 from minisgl.kvcache import CACHE_KINDS
+from minisgl.message.transport import MAX_API_SERVERS
 from minisgl.server.connection import Deadlines
 from minisgl.server.limits import Limits
 from minisgl.server.shutdown import DEFAULT_TIMEOUT_S
@@ -40,6 +42,7 @@ class ServerConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     # On SIGINT/SIGTERM, how long requests in flight may take to finish before they get 503.
     shutdown_timeout: float = DEFAULT_TIMEOUT_S
+    api_server_count: int = 1  # HTTP server processes sharing the port
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +53,10 @@ class ServerConfig:
             raise ValueError("api_key: must not be empty (leave it out to disable authentication)")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
+        if not 1 <= self.api_server_count <= MAX_API_SERVERS:
+            raise ValueError(
+                f"api_server_count: must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}"
+            )
         if self.shell and self.engine.node_rank > 0:
             raise ValueError("shell: runs on node 0 only; leave --shell out with --node-rank > 0")
 
@@ -244,6 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"read the API key from this file (surrounding whitespace dropped); without either "
         f"flag the key comes from ${ENV_API_KEY} when set",
+    )
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=0,
+        metavar="N",
+        help="HTTP server processes, all accepting on the port (each parses requests and "
+        "streams answers; a busy host needs several); 0: one per 4 CPU cores up to 4 with a "
+        "GPU, 1 on a CPU",
     )
     h.add_argument(
         "--shell",
@@ -487,7 +503,21 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             keep_alive_timeout=args.keep_alive_timeout,
         ),
         shutdown_timeout=args.shutdown_timeout,
+        # The shell is one client of its own (no HTTP).
+        api_server_count=1
+        if args.shell
+        else args.api_server_count or auto_api_servers(engine.device),
     )
+
+
+def auto_api_servers(device: str) -> int:
+    """One API server process per 4 CPU cores, up to 4, when a GPU serves (the engine then
+    outpaces one); 1 on a CPU (whose cores the engine needs)."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return 1
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -26,8 +28,9 @@ from minisgl.message import (
     RequestError,
     SchedulerStats,
     StrOut,
+    WorkerDied,
 )
-from minisgl.message.transport import AsyncReceiver, IpcPaths, Sender
+from minisgl.message.transport import MAX_API_SERVERS, AsyncReceiver, IpcPaths, Sender, own_rid
 from minisgl.server.errors import error_param
 from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
@@ -142,7 +145,10 @@ def merge(a: StrOut, b: StrOut) -> StrOut:
 
 class EngineClient:
     """`info` and `limits` say what the engine accepts (the endpoints check requests against
-    them before they submit); `submit` itself keeps the server-wide queue within its cap."""
+    them before they submit); `submit` itself keeps the server-wide queue within its cap.
+
+    `index`: this API server process's among `ipc.num_apis`; `queued`: the count of sequences
+    queued server-wide (a `multiprocessing.Value` the API processes share; None: this one's)."""
 
     def __init__(
         self,
@@ -150,15 +156,20 @@ class EngineClient:
         metrics: Metrics,
         info: EngineInfo | None = None,
         limits: Limits | None = None,
+        index: int = 0,
+        queued: Any = None,
     ) -> None:
         self.metrics = metrics
         self.info = info
         self.limits = limits or Limits()
+        self.index = index
+        self._tag = ipc.num_apis > 1  # the workers answer by the process named in each rid
         # Choices without output yet: waiting to be tokenized, admitted or prefilled.
         self._waiting: set[str] = set()
+        self._queued = queued if queued is not None else mp.get_context("spawn").Value("i", 0)
         self._actx = zmq.asyncio.Context()
         self._ctx = zmq.Context()
-        self._receiver = AsyncReceiver(self._actx, ipc.api)
+        self._receiver = AsyncReceiver(self._actx, ipc.api_at(index))
         self._tokenizer = Sender(self._ctx, ipc.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._task: asyncio.Task[None] | None = None
@@ -190,21 +201,34 @@ class EngineClient:
 
     @property
     def num_queued_seqs(self) -> int:
-        return len(self._waiting)
+        """Server-wide."""
+        return int(self._queued.value)
+
+    def _unqueue(self, rids: set[str]) -> None:
+        self._waiting -= rids
+        with self._queued.get_lock():
+            self._queued.value -= len(rids)
 
     def submit(self, reqs: list[GenerateReq]) -> RequestStream:
-        """Send the prompts of one API request; choices are numbered in order over all rids.
-        Raises `ServerBusy` (nothing sent) when its choices would overfill the queue."""
+        """Send the prompts of one API request; choices are numbered in order over all rids
+        (which name this process when there are several). Raises `ServerBusy` (nothing sent)
+        when its choices would overfill the queue."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         now = time.perf_counter()
+        if self._tag:
+            for r in reqs:
+                r.rids = [own_rid(rid, self.index) for rid in r.rids]
         rids = [rid for r in reqs for rid in r.rids]
-        if len(self._waiting) + len(rids) > self.limits.max_queued_seqs:
-            raise ServerBusy(
-                f"{len(self._waiting)} sequences wait for their first token and this request "
-                f"adds {len(rids)}; the server queues at most {self.limits.max_queued_seqs} "
-                "(--max-queued-seqs): retry later"
-            )
+        with self._queued.get_lock():
+            queued = self._queued.value
+            if queued + len(rids) > self.limits.max_queued_seqs:
+                raise ServerBusy(
+                    f"{queued} sequences wait for their first token and this request adds "
+                    f"{len(rids)}; the server queues at most {self.limits.max_queued_seqs} "
+                    "(--max-queued-seqs): retry later"
+                )
+            self._queued.value = queued + len(rids)
         self._waiting.update(rids)
         priorities = [r.params.priority for r in reqs for _ in r.rids]
         choices = {rid: _Choice(i, now, p) for i, (rid, p) in enumerate(zip(rids, priorities))}
@@ -216,7 +240,8 @@ class EngineClient:
         return stream
 
     def abort(self, rid: str) -> None:
-        self._waiting.discard(rid)
+        if rid in self._waiting:
+            self._unqueue({rid})
         if self._streams.pop(rid, None) is None:
             return  # finished, refused or failed already
         self.metrics.requests.labels("abort").inc()
@@ -229,7 +254,7 @@ class EngineClient:
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         self._next_flush += 1
-        token = self._next_flush
+        token = self._next_flush * MAX_API_SERVERS + self.index  # the answer finds its way
         answer = self._flushes[token] = asyncio.get_running_loop().create_future()
         try:
             self._tokenizer.send(FlushCacheReq(token))
@@ -244,7 +269,7 @@ class EngineClient:
         for stream in set(self._streams.values()):
             stream.put(EngineUnavailable(reason))
         self._streams.clear()
-        self._waiting.clear()
+        self._unqueue(set(self._waiting))
         for answer in self._flushes.values():
             if not answer.done():
                 answer.set_exception(EngineUnavailable(reason))
@@ -264,19 +289,23 @@ class EngineClient:
                 if answer is not None and not answer.done():
                     answer.set_result(msg.in_flight)
             elif isinstance(msg, RequestError):
+                self._unqueue(self._waiting.intersection(msg.rids))
                 for rid in msg.rids:
-                    self._waiting.discard(rid)
                     stream = self._streams.pop(rid, None)
                     if stream is not None:
                         stream.choices.pop(rid, None)
                         stream.put(RequestRejected(msg.message, msg.param, msg.status))
+            elif isinstance(msg, WorkerDied):
+                logger.error("%s; failing every request", msg.reason)
+                self.fail_all(msg.reason)
             else:
                 logger.error("API server: unexpected message %s", type(msg).__name__)
 
     def _deliver(self, out: StrOut, time_s: float, gaps: Counter[tuple[float, int]]) -> None:
         """`time_s`: when the scheduler had the output's tokens (wall clock); `gaps` counts
         the inter-token gaps of the step's outputs by (gap, priority)."""
-        self._waiting.discard(out.rid)
+        if out.rid in self._waiting:
+            self._unqueue({out.rid})
         stream = self._streams.get(out.rid)
         if stream is None:  # aborted: its last outputs are still on their way
             return
