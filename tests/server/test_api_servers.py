@@ -1,6 +1,7 @@
 """Several API server processes on one port (`--api-server-count`), against one of them: 200
 streams at once, each joined to its non-streaming answer; /metrics counting every request once
-whichever process served it. A SmolLM2 server per count: slow."""
+whichever process served it; a burst admitted in the order it arrived. A SmolLM2 server per
+count: slow."""
 
 from __future__ import annotations
 
@@ -107,3 +108,16 @@ def test_metrics_count_every_request_once(server: Server) -> None:
     assert delta("minisgl_generation_tokens_total") == 20 * 2 + 60 * 3
     # Every token after a request's first counts one inter-token gap.
     assert delta("minisgl_inter_token_latency_seconds_count") == 20 * 1 + 60 * 2
+
+
+def test_a_burst_is_admitted_in_arrival_order(server: Server) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 2, "ignore_eos": True,
+            "return_token_times": True}  # fmt: skip
+    answers = run_all(server, [body] * 256)
+    # (when the API took it, when the scheduler had its first token), by arrival
+    times = sorted((a["usage"]["received_at"], a["usage"]["token_times"][0][0]) for a in answers)
+    quarter = len(times) // 4
+    first, last = [t for _, t in times[:quarter]], [t for _, t in times[-quarter:]]
+    # With RUNNING requests decoded at once the burst runs in batches: the first to arrive are
+    # served before the last (none waits behind a later one for more than a batch or so).
+    assert max(first) <= min(last), (max(first), min(last))
