@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import socket
 import tempfile
 import time
@@ -130,9 +129,10 @@ def api_main(ipc: IpcPaths, index: int, port: int, queued: Any, profile: str | N
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of process `pid`'s threads so far (Linux's scheduler statistics: nanoseconds,
+    where /proc/PID/stat counts 10 ms ticks)."""
+    tasks = Path(f"/proc/{pid}/task").glob("*/schedstat")
+    return sum(int(t.read_text().split()[0]) for t in tasks) / 1e9
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
