@@ -12,7 +12,7 @@ import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -127,18 +127,11 @@ class RequestStream:
 
 def merge(a: StrOut, b: StrOut) -> StrOut:
     """`a` followed by `b` of the same request as one output."""
-    return StrOut(
-        rid=b.rid,
+    return replace(
+        b,
         text=a.text + b.text,
         new_ids=a.new_ids + b.new_ids,
-        finished=b.finished,
-        finish_reason=b.finish_reason,
-        prompt_tokens=b.prompt_tokens,
-        cached_tokens=b.cached_tokens,
-        completion_tokens=b.completion_tokens,
         logprobs=a.logprobs + b.logprobs,
-        error=b.error,
-        matched_stop=b.matched_stop,
         token_times=a.token_times + b.token_times,
     )
 
