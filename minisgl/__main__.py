@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from minisgl.runtime.launch import run_server
 
-            run_server(config)
+            return run_server(config)
     except StartupError as e:
         print(f"minisgl: {e}", file=sys.stderr)
         return 1

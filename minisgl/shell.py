@@ -15,7 +15,7 @@ from minisgl.config import ServerConfig
 from minisgl.core import SamplingParams
 from minisgl.message import ChatMessage, EngineInfo, GenerateReq
 from minisgl.runtime.launch import Workers, running_workers
-from minisgl.server.app import ServerState, start_supervisor
+from minisgl.server.app import start_supervisor
 from minisgl.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from minisgl.server.metrics import Metrics
 from minisgl.server.sampling import choice_seeds, new_rid
@@ -87,8 +87,7 @@ class Shell:
 async def _main(workers: Workers, info: EngineInfo) -> None:
     client = EngineClient(workers.ipc, Metrics())
     client.start()
-    state = ServerState(info, workers.ipc, workers.failure)
-    watch = start_supervisor(state, client)
+    watch = start_supervisor(workers.failure, client)
     try:
         print(f"minisgl shell: {info.model_name}", file=sys.stdout)
         await Shell(client, sys.stdout).run(sys.stdin)

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import shlex
 import shutil
@@ -57,6 +59,14 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_RATES = ("1", "2", "4", "inf")
+# `--short-requests`: many short requests, where the API's cost per request shows.
+SHORT_MODE: dict[str, Any] = {
+    "num_requests": 2000,
+    "prompt_len": (128, 128),
+    "output_len": (16, 16),
+    "max_in_flight": 512,
+    "rates": "inf",
+}
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,12 @@ def run_offline(llm: Any, work: Workload) -> dict[str, float]:
     outs = llm.generate(work.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o["token_ids"]) for o in outs)
-    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / seconds,
+        "request_s": len(outs) / seconds,
+    }
 
 
 # ---- online ----------------------------------------------------------------------------------
@@ -209,12 +224,15 @@ async def run_rate(
     seed: int,
     ids: Sequence[int] | None = None,
     start_at: float | None = None,
+    in_flight: int = 0,
 ) -> list[RequestTrace]:
     """Send `work` (request i with seed `ids[i]`, default i) at `rate` requests/s (Poisson
-    arrivals; inf: all at once), from `start_at` (a perf_counter time) if given."""
+    arrivals; inf: all at once), from `start_at` (a perf_counter time) if given; `in_flight`:
+    at most that many requests at once (0: no limit), each sent as soon as a slot frees."""
     import openai
 
     rng = random.Random(seed)
+    slots = asyncio.Semaphore(in_flight or len(work.prompts) or 1)
     ids = range(len(work.prompts)) if ids is None else ids
     wired: dict[str, float] = {}
     client = openai.AsyncOpenAI(
@@ -229,9 +247,11 @@ async def run_rate(
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         for k, (i, prompt, m) in enumerate(zip(ids, work.prompts, work.output_lens, strict=True)):
+            await slots.acquire()
             sent, epoch, priority = time.perf_counter(), time.time(), work.priority(k)
             request = one_request(client, prompt, m, i, sent, priority, epoch)
             tasks.append(asyncio.create_task(request))
+            tasks[-1].add_done_callback(lambda _: slots.release())
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         traces = list(await asyncio.gather(*tasks))
@@ -241,29 +261,40 @@ async def run_rate(
 
 
 def _client_part(
-    url: str, work: Workload, rate: float, seed: int, ids: list[int], start_at: float
+    url: str,
+    work: Workload,
+    rate: float,
+    seed: int,
+    ids: list[int],
+    start_at: float,
+    in_flight: int = 0,
 ) -> list[RequestTrace]:
     try:
-        return asyncio.run(run_rate(url, work, rate, seed, ids, start_at))
+        return asyncio.run(run_rate(url, work, rate, seed, ids, start_at, in_flight))
     except Exception as e:
         # The openai client's errors do not unpickle in the parent, and a Pool whose result
         # cannot be unpickled waits forever: send a plain one.
         raise RuntimeError(f"a client process failed: {type(e).__name__}: {e}") from None
 
 
-def run_clients(url: str, work: Workload, rate: float, seed: int, procs: int) -> list[RequestTrace]:
+def run_clients(
+    url: str, work: Workload, rate: float, seed: int, procs: int, in_flight: int = 0
+) -> list[RequestTrace]:
     """`run_rate` from `procs` client processes, each with every procs-th request and a
-    procs-th of the rate (together still Poisson at `rate`): one Python process parsing every
-    streamed chunk is itself the bottleneck of a fast server. Traces in request order."""
+    procs-th of the rate (together still Poisson at `rate`) and of `in_flight`: one Python
+    process parsing every streamed chunk is itself the bottleneck of a fast server. Traces in
+    request order."""
     if procs <= 1:
-        return asyncio.run(run_rate(url, work, rate, seed))
+        return asyncio.run(run_rate(url, work, rate, seed, in_flight=in_flight))
     import multiprocessing
 
     n = len(work.prompts)
     parts = [list(range(k, n, procs)) for k in range(procs)]
     start_at = time.perf_counter() + 3.0  # CLOCK_MONOTONIC: one clock for every process
+    share = -(-in_flight // procs)
     args = [
-        (url, work.part(ids), rate / procs, seed + k, ids, start_at) for k, ids in enumerate(parts)
+        (url, work.part(ids), rate / procs, seed + k, ids, start_at, share)
+        for k, ids in enumerate(parts)
     ]
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         results = pool.starmap(_client_part, args)
@@ -424,15 +455,56 @@ def server_totals(url: str) -> dict[str, float]:
     return {key: float(values.get(name, 0.0)) for key, name in SERVER_TOTALS.items()}
 
 
-def run_online(work: Workload, url: str, rate: float, seed: int, procs: int = 1) -> dict[str, Any]:
+def _proc_stat(pid: int) -> tuple[str, float]:
+    """A process's name and its user + system CPU seconds so far (Linux)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    name, rest = text[text.index("(") + 1 :].rsplit(")", 1)
+    fields = rest.split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def api_cpu_seconds(pid: int | None) -> float | None:
+    """CPU seconds the HTTP side of the server at `pid` has used: the launcher's own and its
+    API server processes' (`minisgl:api*`); None without a pid or /proc."""
+    if pid is None or not Path(f"/proc/{pid}").exists():
+        return None
+    total, todo = _proc_stat(pid)[1], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                for child in (int(c) for c in (task / "children").read_text().split()):
+                    todo.append(child)
+                    name, cpu = _proc_stat(child)
+                    total += cpu if name.startswith("minisgl:api") else 0.0
+    return total
+
+
+@dataclass(frozen=True)
+class Clients:
+    """How the requests are sent: from `procs` processes, at most `in_flight` at once (0: no
+    limit); `server_pid`: the server's launcher, whose API processes' CPU is reported."""
+
+    procs: int = 1
+    in_flight: int = 0
+    server_pid: int | None = None
+
+
+def run_online(
+    work: Workload, url: str, rate: float, seed: int, clients: Clients = Clients()
+) -> dict[str, Any]:
     """The run's summary, with the change of the server's totals under `server` and every
     request's server token times under `token_times` ([priority, t0, t1, ...] each: for plots;
     `report` takes them out of its JSON line)."""
     flush_cache(url)
-    before = server_totals(url)
-    traces = run_clients(url, work, rate, seed, procs)
-    after = server_totals(url)
-    return summarize(traces, work) | {
+    before, cpu = server_totals(url), api_cpu_seconds(clients.server_pid)
+    traces = run_clients(url, work, rate, seed, clients.procs, clients.in_flight)
+    after, cpu_after = server_totals(url), api_cpu_seconds(clients.server_pid)
+    summary = summarize(traces, work)
+    if cpu is not None and cpu_after is not None:
+        # The HTTP side's cost per streamed token (parsing requests included).
+        summary["api_cpu_s"] = cpu_after - cpu
+        summary["api_us_per_token"] = (cpu_after - cpu) / summary["output_tokens"] * 1e6
+    return summary | {
         "server": {k: after[k] - before[k] for k in after},
         "token_times": [[t.priority, *t.server_times] for t in traces],
     }
@@ -449,7 +521,7 @@ def measure(
     rates: list[float],
     repeats: int,
     seed: int,
-    procs: int = 1,
+    clients: Clients = Clients(),
 ) -> tuple[list[dict[str, float]], dict[str, Any], list[dict[str, Any]]]:
     """Offline and saturated runs alternating, then every finite rate once."""
     warm = Workload.draw(4, seed + 1000, (16, 32), (4, 4))
@@ -458,10 +530,10 @@ def measure(
     for _ in range(repeats):
         if llm is not None:
             offline_runs.append(run_offline(llm, work))
-        saturated_runs.append(run_online(work, url, float("inf"), seed, procs))
+        saturated_runs.append(run_online(work, url, float("inf"), seed, clients))
     online: dict[str, Any] = {"inf": best(saturated_runs)}
     for rate in (r for r in rates if r != float("inf")):
-        online[str(rate)] = run_online(work, url, rate, seed, procs)
+        online[str(rate)] = run_online(work, url, rate, seed, clients)
     return offline_runs, online, saturated_runs
 
 
@@ -600,7 +672,23 @@ def main(argv: list[str] | None = None) -> None:
         help="write every request's server token times here (JSON: {itl target: {rate: "
         "[[priority, t0, t1, ...], ...]}}), e.g. to plot ITL distributions",
     )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=0,
+        help="requests at once at most (each sent as soon as one ends); 0: no limit",
+    )
+    p.add_argument(
+        "--short-requests",
+        action="store_true",
+        help=f"the short-request mode: {SHORT_MODE['num_requests']} requests of "
+        f"{SHORT_MODE['prompt_len'][0]}-token prompts and {SHORT_MODE['output_len'][0]}-token "
+        f"outputs, {SHORT_MODE['max_in_flight']} in flight, at saturation (requests/s against "
+        "the offline engine on the same requests)",
+    )
     args = p.parse_args(argv)
+    if args.short_requests:
+        vars(args).update(SHORT_MODE)
     if args.url and args.itl_targets:
         p.error("--itl-targets starts servers of its own; leave --url out")
     work = Workload.draw(args.num_requests, args.seed, args.prompt_len, args.output_len)
@@ -637,8 +725,9 @@ def run_targets(args: argparse.Namespace, model: str | None, work: Workload) -> 
     def load() -> Any:
         return None if args.skip_offline else load_offline(model, options)
 
-    def run(url: str) -> Runs:
-        return measure(work, url, llm, rates, args.repeats, args.seed, args.client_procs)
+    def run(url: str, pid: int | None = None) -> Runs:
+        clients = Clients(args.client_procs, args.max_in_flight, pid)
+        return measure(work, url, llm, rates, args.repeats, args.seed, clients)
 
     if args.url:
         llm = load()
@@ -658,7 +747,7 @@ def run_targets(args: argparse.Namespace, model: str | None, work: Workload) -> 
             server.wait_ready()
             if i == len(targets) - 1 and llm is None:
                 llm = load()
-            out[target] = run(server.url)
+            out[target] = run(server.url, server.proc.pid)
     return out
 
 
@@ -695,11 +784,18 @@ def report(
                 f" ms, predicted {srv['step_predicted_s'] / srv['steps_timed'] * 1e3:.2f} ms, "
                 f"mean abs error {srv['step_abs_error_s'] / srv['steps_timed'] * 1e3:.2f} ms"
             )
-    ratio = online["inf"]["output_tok_s"] / offline["output_tok_s"] if offline else None
+    sat = online["inf"]
+    ratio = sat["output_tok_s"] / offline["output_tok_s"] if offline else None
     if ratio is not None:
         print(
             f"server at saturation / offline: {ratio:.3f} (target >= 0.85; best of "
-            f"{args.repeats} alternating runs each)"
+            f"{args.repeats} alternating runs each); requests/s {sat['request_s']:.1f} against "
+            f"{offline['request_s']:.1f} offline"  # type: ignore[index]
+        )
+    if "api_us_per_token" in sat:
+        print(
+            f"API processes at saturation: {sat['api_cpu_s']:.2f} CPU s, "
+            f"{sat['api_us_per_token']:.1f} us per streamed token"
         )
     result = {
         "workload": "W4",
@@ -707,6 +803,7 @@ def report(
         "load_format": args.load_format,
         "num_requests": args.num_requests,
         "client_procs": args.client_procs,
+        "max_in_flight": args.max_in_flight,
         "prompt_tokens": sum(len(x) for x in work.prompts),
         "output_tokens": work.output_tokens,
         "offline": offline,

@@ -13,6 +13,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # --shutdown-timeout's default: long enough for most answers to finish, short enough for an
 # orchestrator's own grace period (Kubernetes waits 30 s before SIGKILL).
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# HTTP server processes on one port at most: the owner's index rides in each request id.
+MAX_API_SERVERS = 256
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class ServerConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     # On SIGINT/SIGTERM, how long requests in flight may take to finish before they get 503.
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    api_server_count: int = 1  # HTTP server processes sharing the port
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -79,6 +82,10 @@ class ServerConfig:
             raise ValueError("api_key: must not be empty (leave it out to disable authentication)")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
+        if not 1 <= self.api_server_count <= MAX_API_SERVERS:
+            raise ValueError(
+                f"api_server_count: must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}"
+            )
         if self.shell and self.engine.node_rank > 0:
             raise ValueError("shell: runs on node 0 only; leave --shell out with --node-rank > 0")
 

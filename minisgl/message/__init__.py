@@ -19,6 +19,7 @@ from minisgl.message.types import (
     TokenOut,
     ToolCall,
     TopLogprob,
+    WorkerDied,
 )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "TokenizedReq",
     "ToolCall",
     "TopLogprob",
+    "WorkerDied",
     "decode",
     "encode",
 ]

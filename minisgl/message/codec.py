@@ -27,6 +27,7 @@ from minisgl.message.types import (
     TokenOut,
     ToolCall,
     TopLogprob,
+    WorkerDied,
 )
 
 # The position in this tuple is the wire code: append new types, never reorder.
@@ -49,6 +50,7 @@ _TYPES: tuple[type, ...] = (
     FlushCacheOut,
     ToolCall,
     ChatOptions,
+    WorkerDied,
 )
 _CODES = {cls: code for code, cls in enumerate(_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES}

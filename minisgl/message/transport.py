@@ -1,7 +1,9 @@
 """ZMQ PUSH/PULL pipes between the server's processes, over ipc:// sockets in one directory.
 
 Each pipe is bound by the one process that reads it and connected to by its writers, so a
-writer may start first: ZMQ queues what it sends until the reader binds.
+writer may start first: ZMQ queues what it sends until the reader binds. Each API server
+process reads a pipe of its own; the workers answer each request on the pipe of the process
+that sent it, named in the request's id (`own_rid`).
 """
 
 from __future__ import annotations
@@ -14,22 +16,40 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from minisgl.config.server import MAX_API_SERVERS  # an API process index rides in request ids
 from minisgl.message.codec import decode, encode
+from minisgl.message.types import DetokOut, FlushCacheOut, RequestError
 
 
 @dataclass(frozen=True)
 class IpcPaths:
-    """The address each process reads from."""
+    """The address each process reads from (`api`: API server process 0's)."""
 
     tokenizer: str
     scheduler: str
     detokenizer: str
     api: str
+    num_apis: int = 1
 
     @staticmethod
-    def in_dir(directory: str | Path) -> IpcPaths:
-        d = Path(directory)
-        return IpcPaths(*(f"ipc://{d / name}" for name in ("tok", "sched", "detok", "api")))
+    def in_dir(directory: str | Path, num_apis: int = 1) -> IpcPaths:
+        tok, sched, detok, api = (
+            f"ipc://{Path(directory) / n}" for n in ("tok", "sched", "detok", "api")
+        )
+        return IpcPaths(tok, sched, detok, api, num_apis)
+
+    def api_at(self, index: int) -> str:
+        """The address API server process `index` reads from."""
+        return self.api if index == 0 else f"{self.api}{index}"
+
+
+def own_rid(rid: str, index: int) -> str:
+    """`rid` (hex digits) marked as a request of API server process `index`."""
+    return f"{index:02x}{rid[2:]}"
+
+
+def rid_owner(rid: str) -> int:
+    return int(rid[:2], 16)
 
 
 def worker_context() -> zmq.Context:
@@ -60,6 +80,36 @@ class Sender:
 
     def close(self) -> None:
         self._sock.close()
+
+
+class ApiSenders:
+    """The writing ends of every API server process's pipe, behind one `send`: outputs,
+    refusals and flush answers go to the process whose request they answer; anything else
+    to all of them."""
+
+    def __init__(self, ctx: zmq.Context, ipc: IpcPaths) -> None:
+        self._senders = [Sender(ctx, ipc.api_at(k)) for k in range(ipc.num_apis)]
+
+    def send(self, msg: Any) -> None:
+        if len(self._senders) == 1:
+            self._senders[0].send(msg)
+        elif isinstance(msg, DetokOut):  # every process gets the stats
+            parts: list[list[Any]] = [[] for _ in self._senders]
+            for out in msg.outputs:
+                parts[rid_owner(out.rid)].append(out)
+            for sender, outputs in zip(self._senders, parts):
+                sender.send(DetokOut(outputs, msg.stats))
+        elif isinstance(msg, RequestError):
+            self._senders[rid_owner(msg.rids[0])].send(msg)
+        elif isinstance(msg, FlushCacheOut):
+            self._senders[msg.token % MAX_API_SERVERS].send(msg)
+        else:
+            for sender in self._senders:
+                sender.send(msg)
+
+    def close(self) -> None:
+        for sender in self._senders:
+            sender.close()
 
 
 # The kernel hands a process's SIGTERM to any of its threads that does not block it (gloo's,

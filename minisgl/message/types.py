@@ -7,6 +7,7 @@ detokenizer -> scheduler: `AbortReq` (a stop string matched)
 scheduler -> detokenizer: `SchedulerOut` (one per step: `TokenOut`s plus `SchedulerStats`)
 detokenizer -> API server: `DetokOut` (`StrOut`s plus the stats it was given)
 tokenizer -> API server: `RequestError` (the request was refused before reaching the scheduler)
+launcher -> API server: `WorkerDied` (a process exited: no request can be served any more)
 
 Every field is a plain value, list or another message, so `codec` packs them with msgpack.
 """
@@ -238,6 +239,11 @@ class RequestError:
     message: str
     param: str | None
     status: int  # the HTTP status to answer with: 400 for the user's mistake, 500 for ours
+
+
+@dataclass
+class WorkerDied:
+    reason: str  # which process exited, and how
 
 
 @dataclass

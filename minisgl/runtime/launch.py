@@ -1,9 +1,12 @@
-"""Start the server's worker processes, wait until they are ready, watch them, stop them;
-run the HTTP app (`minisgl.server`) or, on nodes 1.., only this node's tensor-parallel ranks.
+"""Start the server's processes, wait until they are ready, watch them, stop them; or, on nodes
+1.., only this node's tensor-parallel ranks.
 
 Start order: the scheduler and the tokenizer load in parallel; the detokenizer starts once the
 tokenizer has saved a fast-loading copy of the tokenizer; the tokenizer gets the scheduler's
-limits (context, pool size) before it reports ready. The HTTP server runs in this process.
+limits (context, pool size) before it reports ready; then this process binds the port and
+starts the API server processes (`minisgl.runtime.api`), which all accept on it. This process
+only watches: a process that dies fails every request (each API process is told), and the
+first SIGINT/SIGTERM drains the API processes before the workers stop.
 
 Across several nodes (`--nnodes`), node 0 runs all of the above, and its scheduler process is
 rank 0, which hosts the ranks' rendezvous at `--dist-init-addr`; nodes 1.. run `run_node`: only
@@ -20,15 +23,16 @@ import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from minisgl.config import ServerConfig
-from minisgl.message import EngineInfo
-from minisgl.message.transport import IpcPaths
+from minisgl.message import EngineInfo, WorkerDied
+from minisgl.message.transport import ApiSenders, IpcPaths, worker_context
+from minisgl.runtime.api import api_main, listening_socket
 from minisgl.runtime.child import ChildFailed, ChildReady, ParentLink, named_main
 from minisgl.runtime.ranks import NodeMemory
 from minisgl.runtime.ranks import run_node as run_node_ranks
@@ -66,7 +70,7 @@ class Workers:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.tmpdir = Path(tempfile.mkdtemp(prefix="minisgl-"))
-        self.ipc = IpcPaths.in_dir(self.tmpdir)
+        self.ipc = IpcPaths.in_dir(self.tmpdir, config.api_server_count)
         self.children: dict[str, Child] = {}
         self._mp = mp.get_context("spawn")
 
@@ -75,7 +79,7 @@ class Workers:
         proc = self._mp.Process(
             target=named_main,
             args=(
-                WORKER_NAMES[name],
+                WORKER_NAMES.get(name, f"minisgl:{name}"),
                 target,
                 *args,
                 ParentLink(child_conn, os.getpid(), self.config.log_level, self.tmpdir),
@@ -108,6 +112,25 @@ class Workers:
         logger.info("all workers ready: %s", info)
         return info
 
+    def start_apis(self, info: EngineInfo, port: int) -> list[Child]:
+        """Start the API server processes on `port`; return once all listen (or raise
+        StartupError)."""
+        config = replace(self.config, port=port)
+        queued = self._mp.Value("i", 0)  # sequences queued server-wide
+        metrics = self.tmpdir / "metrics"
+        metrics.mkdir()
+        os.environ[METRICS_DIR_ENV] = str(metrics)  # each API process's copy is what counts
+        try:
+            apis = [
+                self._spawn(f"api{k}", api_main, config, info, self.ipc, k, queued)
+                for k in range(config.api_server_count)
+            ]
+        finally:
+            del os.environ[METRICS_DIR_ENV]
+        for api in apis:
+            self._await_ready(api)
+        return apis
+
     def _await_ready(self, child: Child) -> ChildReady:
         while True:
             ready = wait([child.conn, *(c.sentinel for c in self.children.values())])
@@ -124,9 +147,14 @@ class Workers:
             if reason is not None:
                 raise StartupError(reason)
 
-    def failure(self) -> str | None:
-        """Why the server cannot serve (a worker exited), or None while all run."""
-        gone = first_exited(c.process for c in self.children.values())
+    def failure(self, workers_only: bool = False) -> str | None:
+        """Why the server cannot serve (a process exited; `workers_only`: not an API server),
+        or None while all run."""
+        gone = first_exited(
+            c.process
+            for c in self.children.values()
+            if not (workers_only and c.name.startswith("api"))
+        )
         if gone is None:
             return None
         return f"the {gone.name} process exited (exit code {gone.exit_code})"
@@ -138,9 +166,8 @@ class Workers:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Once the drain has answered every request: how long uvicorn may take to close the connections
-# before it cancels what still runs (a client that does not read its answer).
-CLOSE_GRACE_S = 2
+SUPERVISE_PERIOD_S = 0.2
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where prometheus_client's processes meet
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -180,36 +207,65 @@ def exit_now(workers: Workers) -> Callable[[int], None]:
     return leave
 
 
-def run_server(config: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then drain (see `minisgl.server.shutdown`) and stop."""
-    import uvicorn
-
-    from minisgl.server.app import ServerState, build_app, drain_requests
-    from minisgl.server.connection import uvicorn_options
-    from minisgl.server.shutdown import GracefulServer
-
+def run_server(config: ServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM, then drain (see `minisgl.server.shutdown`) and stop; returns
+    the exit code (1: the API processes exited by themselves)."""
     with running_workers(config) as (workers, info):
-        state = ServerState(
-            info,
-            workers.ipc,
-            workers.failure,
-            api_key=config.api_key,
-            limits=config.limits,
-            shutdown_timeout=config.shutdown_timeout,
-            chat=config.chat,
+        port = free_port_of(config.host, config.port)
+        apis = workers.start_apis(info, port)
+        logger.info(
+            "serving %s on http://%s:%d (%d API server processes)",
+            info.model_name,
+            config.host,
+            port,
+            len(apis),
         )
-        app = build_app(state)
-        logger.info("serving %s on http://%s:%d", info.model_name, config.host, config.port)
-        uv_config = uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            timeout_graceful_shutdown=CLOSE_GRACE_S,
-            **uvicorn_options(config.deadlines),
+        return watch(workers, apis)
+
+
+def free_port_of(host: str, port: int) -> int:
+    """`port`, once sure that nothing listens there (the API processes share it by
+    SO_REUSEPORT, which would let them share it with another server of this user too); for 0,
+    a free port the system picks."""
+    try:
+        with listening_socket(host, port, share=False) as probe:
+            return int(probe.getsockname()[1])
+    except OSError as e:
+        raise StartupError(f"cannot listen on {host}:{port}: {e}") from e
+
+
+def watch(workers: Workers, apis: list[Child]) -> int:
+    """Until every API process has exited: the first SIGINT/SIGTERM is passed on to them (each
+    drains, then exits), a second stops everything at once; a process that dies meanwhile fails
+    every request of every API process."""
+    stopping: list[int] = []
+    leave = exit_now(workers)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stopping:
+            leave(signum)
+        stopping.append(signum)
+        logger.info(
+            "%s: shutting down (a second signal exits at once)", signal.Signals(signum).name
         )
-        server = GracefulServer(uv_config, lambda: drain_requests(state), exit_now(workers))
-        server.run()
+        for api in apis:
+            if api.process.exit_code is None:
+                api.process.terminate()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+    apis_pipes = ApiSenders(worker_context(), workers.ipc)
+    told = False
+    while any(a.process.exit_code is None for a in apis):
+        live = [c.sentinel for c in workers.children.values() if c.process.exit_code is None]
+        wait(live, SUPERVISE_PERIOD_S)
+        # While draining, the API processes leave by themselves.
+        reason = workers.failure(workers_only=bool(stopping))
+        if reason is not None and not told:
+            logger.error("%s; failing every request", reason)
+            apis_pipes.send(WorkerDied(reason))
+            told = True
+    return 0 if stopping else 1
 
 
 def run_node(config: ServerConfig) -> int:

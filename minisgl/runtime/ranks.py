@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import gc
 import logging
 import os
 import subprocess
@@ -49,7 +48,7 @@ from minisgl.distributed.group import (
     store_address,
 )
 from minisgl.engine import Engine
-from minisgl.runtime.child import ignore_sigint, watch_parent
+from minisgl.runtime.child import freeze_gc, ignore_sigint, watch_parent
 from minisgl.runtime.rendezvous import (
     NODE_COMMAND,
     failure_of,
@@ -124,16 +123,6 @@ def start_scheduler(config: EngineConfig) -> tuple[Scheduler, TPLaunch | None]:
     except BaseException:
         tp.close()
         raise
-
-
-def freeze_gc() -> None:
-    """Put what start-up made (the model, its graphs, the warm-up's objects) out of the cyclic
-    collector's reach, once the serving loop is about to start: a full collection walks every
-    tracked object, and a pause of that kind is the likely cause of the one ~220 ms stall of
-    every stream that W4 showed on the H200 at saturation, about a second in (not yet measured
-    with this in place)."""
-    gc.collect()
-    gc.freeze()
 
 
 def run_steps(scheduler: Scheduler) -> None:

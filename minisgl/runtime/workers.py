@@ -16,9 +16,9 @@ from pathlib import Path
 
 from minisgl.config import ChatConfig, EngineConfig
 from minisgl.message import EngineInfo
-from minisgl.message.transport import IpcPaths, Receiver, Sender, worker_context
-from minisgl.runtime.child import ChildReady, ParentLink, run_child
-from minisgl.runtime.ranks import freeze_gc, start_scheduler
+from minisgl.message.transport import ApiSenders, IpcPaths, Receiver, Sender, worker_context
+from minisgl.runtime.child import ChildReady, ParentLink, freeze_gc, run_child
+from minisgl.runtime.ranks import start_scheduler
 from minisgl.scheduler.process import SchedulerProcess
 from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.loading import load_and_save, load_saved
@@ -84,7 +84,7 @@ def _start_tokenizer(
         RequestTokenizer(tokenizer, info),
         Receiver(ctx, ipc.tokenizer),
         Sender(ctx, ipc.scheduler),
-        Sender(ctx, ipc.api),
+        ApiSenders(ctx, ipc),  # type: ignore[arg-type]  # `send` alike
     )
     # The API server refuses prompts longer than the context by their characters, before they
     # are sent to be tokenized.
@@ -104,7 +104,7 @@ def _start_detokenizer(tokenizer_dir: Path, ipc: IpcPaths, conn: Connection) -> 
         Detokenizer(load_saved(tokenizer_dir)),
         Receiver(ctx, ipc.detokenizer),
         Sender(ctx, ipc.scheduler),
-        Sender(ctx, ipc.api),
+        ApiSenders(ctx, ipc),  # type: ignore[arg-type]  # `send` alike
     )
     conn.send(ChildReady())
     return worker.run_forever

@@ -56,8 +56,6 @@ FLUSH_TIMEOUT_S = 60.0  # the scheduler answers between two steps
 class ServerState:
     info: EngineInfo
     ipc: IpcPaths
-    # Why the engine cannot serve (a worker process died), or None while all are alive.
-    check_workers: Callable[[], str | None]
     api_key: str | None = field(default=None, repr=False)
     limits: Limits = field(default_factory=Limits)
     # How long requests in flight may take to finish once shutdown begins.
@@ -66,6 +64,8 @@ class ServerState:
     client: EngineClient | None = None
     gate: Gate = field(default_factory=Gate)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    index: int = 0  # this API server process's, of `ipc.num_apis`
+    queued: Any = None  # the sequences queued server-wide (`EngineClient`)
 
 
 class BearerAuth:
@@ -93,10 +93,12 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
-async def supervise(state: ServerState, client: EngineClient) -> None:
-    """Fail every request in flight, and every later one, once a worker process dies."""
+async def supervise(check_workers: Callable[[], str | None], client: EngineClient) -> None:
+    """Fail every request in flight, and every later one, once a worker process dies
+    (`check_workers`: why the engine cannot serve, or None while all are alive). The HTTP
+    server's launcher watches its workers itself and tells the engine client (`WorkerDied`)."""
     while True:
-        reason = state.check_workers()
+        reason = check_workers()
         if reason is not None:
             logger.error("%s; failing every request", reason)
             client.fail_all(reason)
@@ -104,8 +106,10 @@ async def supervise(state: ServerState, client: EngineClient) -> None:
         await asyncio.sleep(SUPERVISE_PERIOD_S)
 
 
-def start_supervisor(state: ServerState, client: EngineClient) -> asyncio.Task[None]:
-    task = asyncio.get_running_loop().create_task(supervise(state, client))
+def start_supervisor(
+    check_workers: Callable[[], str | None], client: EngineClient
+) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(supervise(check_workers, client))
     task.add_done_callback(_log_crash)
     return task
 
@@ -121,13 +125,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client = state.client = EngineClient(state.ipc, metrics, state.info, state.limits)
+        client = state.client = EngineClient(
+            state.ipc, metrics, state.info, state.limits, state.index, state.queued
+        )
         client.start()
-        watch = start_supervisor(state, client)
         try:
             yield
         finally:
-            watch.cancel()
             await client.stop()
 
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
@@ -229,8 +233,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         return JSONResponse({"status": "flushed"})
 
     async def health() -> JSONResponse:
-        client = _client(state)
-        reason = state.check_workers() or client.failure
+        reason = _client(state).failure
         if reason is not None:
             return JSONResponse(error_body(503, reason), status_code=503)
         return JSONResponse({"status": "ok"})

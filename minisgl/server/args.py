@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 from minisgl.config import (
@@ -210,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"read the API key from this file (surrounding whitespace dropped); without either "
         f"flag the key comes from ${ENV_API_KEY} when set",
+    )
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=0,
+        metavar="N",
+        help="HTTP server processes, all accepting on the port (each parses requests and "
+        "streams answers; a busy host needs several); 0: one per 4 CPU cores up to 4 with a "
+        "GPU, 1 on a CPU",
     )
     h.add_argument(
         "--shell",
@@ -453,7 +463,21 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             keep_alive_timeout=args.keep_alive_timeout,
         ),
         shutdown_timeout=args.shutdown_timeout,
+        # The shell is one client of its own (no HTTP).
+        api_server_count=1
+        if args.shell
+        else args.api_server_count or auto_api_servers(engine.device),
     )
+
+
+def auto_api_servers(device: str) -> int:
+    """One API server process per 4 CPU cores, up to 4, when a GPU serves (the engine then
+    outpaces one); 1 on a CPU (whose cores the engine needs)."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return 1
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:

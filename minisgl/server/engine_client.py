@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -25,8 +28,9 @@ from minisgl.message import (
     RequestError,
     SchedulerStats,
     StrOut,
+    WorkerDied,
 )
-from minisgl.message.transport import AsyncReceiver, IpcPaths, Sender
+from minisgl.message.transport import MAX_API_SERVERS, AsyncReceiver, IpcPaths, Sender, own_rid
 from minisgl.server.errors import error_param
 from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
@@ -74,18 +78,26 @@ class RequestStream:
 
     client: EngineClient
     choices: dict[str, _Choice]
-    queue: asyncio.Queue[StrOut | Exception] = field(default_factory=asyncio.Queue)
+    _items: list[StrOut | Exception] = field(default_factory=list)
+    _wake: asyncio.Future[None] | None = None  # what `next_batch` waits on
 
     @property
     def finished(self) -> bool:
         return not self.choices
 
+    def put(self, item: StrOut | Exception) -> None:
+        self._items.append(item)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
     async def next_batch(self) -> list[ChoiceOutput]:
-        """Wait for output, then take all that has arrived; raises `RequestRejected` or
+        """Wait for output, then take all that has arrived (one event for all of it: the
+        stream catches up at once after a slow write); raises `RequestRejected` or
         `EngineUnavailable`. Call only while not `finished`."""
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
+        while not self._items:
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        items, self._items = self._items, []
         batch: list[ChoiceOutput] = []
         for item in items:
             if isinstance(item, Exception):
@@ -115,25 +127,21 @@ class RequestStream:
 
 def merge(a: StrOut, b: StrOut) -> StrOut:
     """`a` followed by `b` of the same request as one output."""
-    return StrOut(
-        rid=b.rid,
+    return replace(
+        b,
         text=a.text + b.text,
         new_ids=a.new_ids + b.new_ids,
-        finished=b.finished,
-        finish_reason=b.finish_reason,
-        prompt_tokens=b.prompt_tokens,
-        cached_tokens=b.cached_tokens,
-        completion_tokens=b.completion_tokens,
         logprobs=a.logprobs + b.logprobs,
-        error=b.error,
-        matched_stop=b.matched_stop,
         token_times=a.token_times + b.token_times,
     )
 
 
 class EngineClient:
     """`info` and `limits` say what the engine accepts (the endpoints check requests against
-    them before they submit); `submit` itself keeps the server-wide queue within its cap."""
+    them before they submit); `submit` itself keeps the server-wide queue within its cap.
+
+    `index`: this API server process's among `ipc.num_apis`; `queued`: the count of sequences
+    queued server-wide (a `multiprocessing.Value` the API processes share; None: this one's)."""
 
     def __init__(
         self,
@@ -141,15 +149,20 @@ class EngineClient:
         metrics: Metrics,
         info: EngineInfo | None = None,
         limits: Limits | None = None,
+        index: int = 0,
+        queued: Any = None,
     ) -> None:
         self.metrics = metrics
         self.info = info
         self.limits = limits or Limits()
+        self.index = index
+        self._tag = ipc.num_apis > 1  # the workers answer by the process named in each rid
         # Choices without output yet: waiting to be tokenized, admitted or prefilled.
         self._waiting: set[str] = set()
+        self._queued = queued if queued is not None else mp.get_context("spawn").Value("i", 0)
         self._actx = zmq.asyncio.Context()
         self._ctx = zmq.Context()
-        self._receiver = AsyncReceiver(self._actx, ipc.api)
+        self._receiver = AsyncReceiver(self._actx, ipc.api_at(index))
         self._tokenizer = Sender(self._ctx, ipc.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._task: asyncio.Task[None] | None = None
@@ -181,21 +194,34 @@ class EngineClient:
 
     @property
     def num_queued_seqs(self) -> int:
-        return len(self._waiting)
+        """Server-wide."""
+        return int(self._queued.value)
+
+    def _unqueue(self, rids: set[str]) -> None:
+        self._waiting -= rids
+        with self._queued.get_lock():
+            self._queued.value -= len(rids)
 
     def submit(self, reqs: list[GenerateReq]) -> RequestStream:
-        """Send the prompts of one API request; choices are numbered in order over all rids.
-        Raises `ServerBusy` (nothing sent) when its choices would overfill the queue."""
+        """Send the prompts of one API request; choices are numbered in order over all rids
+        (which name this process when there are several). Raises `ServerBusy` (nothing sent)
+        when its choices would overfill the queue."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         now = time.perf_counter()
+        if self._tag:
+            for r in reqs:
+                r.rids = [own_rid(rid, self.index) for rid in r.rids]
         rids = [rid for r in reqs for rid in r.rids]
-        if len(self._waiting) + len(rids) > self.limits.max_queued_seqs:
-            raise ServerBusy(
-                f"{len(self._waiting)} sequences wait for their first token and this request "
-                f"adds {len(rids)}; the server queues at most {self.limits.max_queued_seqs} "
-                "(--max-queued-seqs): retry later"
-            )
+        with self._queued.get_lock():
+            queued = self._queued.value
+            if queued + len(rids) > self.limits.max_queued_seqs:
+                raise ServerBusy(
+                    f"{queued} sequences wait for their first token and this request adds "
+                    f"{len(rids)}; the server queues at most {self.limits.max_queued_seqs} "
+                    "(--max-queued-seqs): retry later"
+                )
+            self._queued.value = queued + len(rids)
         self._waiting.update(rids)
         priorities = [r.params.priority for r in reqs for _ in r.rids]
         choices = {rid: _Choice(i, now, p) for i, (rid, p) in enumerate(zip(rids, priorities))}
@@ -207,7 +233,8 @@ class EngineClient:
         return stream
 
     def abort(self, rid: str) -> None:
-        self._waiting.discard(rid)
+        if rid in self._waiting:
+            self._unqueue({rid})
         if self._streams.pop(rid, None) is None:
             return  # finished, refused or failed already
         self.metrics.requests.labels("abort").inc()
@@ -220,7 +247,7 @@ class EngineClient:
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         self._next_flush += 1
-        token = self._next_flush
+        token = self._next_flush * MAX_API_SERVERS + self.index  # the answer finds its way
         answer = self._flushes[token] = asyncio.get_running_loop().create_future()
         try:
             self._tokenizer.send(FlushCacheReq(token))
@@ -233,9 +260,9 @@ class EngineClient:
         if self.failure is None:
             self.failure = reason
         for stream in set(self._streams.values()):
-            stream.queue.put_nowait(EngineUnavailable(reason))
+            stream.put(EngineUnavailable(reason))
         self._streams.clear()
-        self._waiting.clear()
+        self._unqueue(set(self._waiting))
         for answer in self._flushes.values():
             if not answer.done():
                 answer.set_exception(EngineUnavailable(reason))
@@ -246,42 +273,52 @@ class EngineClient:
             if isinstance(msg, DetokOut):
                 self.stats = msg.stats
                 self.metrics.set_scheduler_stats(msg.stats)
+                gaps: Counter[tuple[float, int]] = Counter()
                 for out in msg.outputs:
-                    self._deliver(out, msg.stats.time)
+                    self._deliver(out, msg.stats.time, gaps)
+                self.metrics.on_tokens(gaps)
             elif isinstance(msg, FlushCacheOut):
                 answer = self._flushes.get(msg.token)
                 if answer is not None and not answer.done():
                     answer.set_result(msg.in_flight)
             elif isinstance(msg, RequestError):
+                self._unqueue(self._waiting.intersection(msg.rids))
                 for rid in msg.rids:
-                    self._waiting.discard(rid)
                     stream = self._streams.pop(rid, None)
                     if stream is not None:
                         stream.choices.pop(rid, None)
-                        stream.queue.put_nowait(RequestRejected(msg.message, msg.param, msg.status))
+                        stream.put(RequestRejected(msg.message, msg.param, msg.status))
+            elif isinstance(msg, WorkerDied):
+                logger.error("%s; failing every request", msg.reason)
+                self.fail_all(msg.reason)
             else:
                 logger.error("API server: unexpected message %s", type(msg).__name__)
 
-    def _deliver(self, out: StrOut, time_s: float) -> None:
-        """`time_s`: when the scheduler had the output's tokens (wall clock)."""
-        self._waiting.discard(out.rid)
+    def _deliver(self, out: StrOut, time_s: float, gaps: Counter[tuple[float, int]]) -> None:
+        """`time_s`: when the scheduler had the output's tokens (wall clock); `gaps` counts
+        the inter-token gaps of the step's outputs by (gap, priority)."""
+        if out.rid in self._waiting:
+            self._unqueue({out.rid})
         stream = self._streams.get(out.rid)
         if stream is None:  # aborted: its last outputs are still on their way
             return
         if out.error is not None:
             del self._streams[out.rid]
             stream.choices.pop(out.rid, None)
-            stream.queue.put_nowait(RequestRejected(out.error, error_param(out.error), 400))
+            stream.put(RequestRejected(out.error, error_param(out.error), 400))
             return
         out.token_times = [time_s] * len(out.new_ids)
-        self._record(stream.choices[out.rid], out, time_s)
+        self._record(stream.choices[out.rid], out, time_s, gaps)
         if out.finished:
             del self._streams[out.rid]
-        stream.queue.put_nowait(out)
+        stream.put(out)
 
-    def _record(self, choice: _Choice, out: StrOut, time_s: float) -> None:
+    def _record(
+        self, choice: _Choice, out: StrOut, time_s: float, gaps: Counter[tuple[float, int]]
+    ) -> None:
         """TTFT is the API server's (submit to first output); inter-token latency the
-        scheduler's (its token times: no queueing between the processes in it)."""
+        scheduler's (its token times: no queueing between the processes in it), counted in
+        `gaps` (the requests of one step mostly share theirs: one observation for them all)."""
         now = time.perf_counter()
         if out.new_ids:
             if not choice.first_token:
@@ -289,7 +326,7 @@ class EngineClient:
                 choice.first_token = True
             else:
                 gap = (time_s - choice.last_token_time) / len(out.new_ids)
-                self.metrics.on_tokens(gap, len(out.new_ids), choice.priority)
+                gaps[gap, choice.priority] += len(out.new_ids)
             choice.last_token_time = time_s
         if out.finished:
             self.metrics.on_finished(out, now - choice.started)

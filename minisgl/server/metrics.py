@@ -1,33 +1,27 @@
-"""Prometheus metrics of one server (own registry, so several servers can share a process)."""
+"""Prometheus metrics of one server (own registry, so several servers can share a process).
+
+Under `PROMETHEUS_MULTIPROC_DIR` (the launcher sets it for its API server processes) every
+process writes its values to files there and /metrics reads them all (prometheus_client's
+multiprocess mode): counters and histograms add up; a gauge shows the value last set by any
+process (they all see the same scheduler stats, and the same server-wide queue)."""
 
 from __future__ import annotations
 
+import os
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from minisgl.message import SchedulerStats, StrOut
 
 PRIORITY_LABELS = 16  # distinct priorities labelled; the rest count as "other"
 
 _LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.0,
-    5.0,
-    10.0,
-    20.0,
-    60.0,
-)
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0,
+    20.0, 60.0,
+)  # fmt: skip
 # Inter-token gaps are a few milliseconds on a GPU.
 _ITL_BUCKETS = (
     0.001, 0.002, 0.003, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2,
@@ -35,58 +29,55 @@ _ITL_BUCKETS = (
 )  # fmt: skip
 
 
+def observe_many(hist: Histogram, value: float, n: int) -> None:
+    """`hist.observe(value)` `n` times, at the cost of one (a step's tokens share their gap).
+    prometheus_client has no call for it: this adds to the bucket and the sum it would."""
+    hist._sum.inc(value * n)
+    hist._buckets[bisect_left(hist._upper_bounds, value)].inc(n)
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("minisgl_num_running_reqs", "Requests being decoded", registry=r)
-        self.waiting = Gauge(
-            "minisgl_num_waiting_reqs", "Requests queued for admission", registry=r
-        )
-        self.queued_seqs = Gauge(
+        self.running = self._gauge("minisgl_num_running_reqs", "Requests being decoded")
+        self.waiting = self._gauge("minisgl_num_waiting_reqs", "Requests queued for admission")
+        self.queued_seqs = self._gauge(
             "minisgl_num_queued_seqs",
             "Sequences accepted without their first token yet (--max-queued-seqs caps them)",
-            registry=r,
         )
-        self.kv_usage = Gauge(
-            "minisgl_kv_cache_usage", "Share of KV pages held by running requests", registry=r
+        self.kv_usage = self._gauge(
+            "minisgl_kv_cache_usage", "Share of KV pages held by running requests"
         )
-        self.kv_pages = Gauge(
+        self.kv_pages = self._gauge(
             "minisgl_kv_pages",
             "KV pages by state: free, held (by requests), "
             "protected (cached, in use), evictable (cached, unused), total",
             ["state"],
-            registry=r,
         )
-        self.prefix_hit_rate = Gauge(
+        self.prefix_hit_rate = self._gauge(
             "minisgl_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache / prompt tokens, since start",
-            registry=r,
         )
-        self.engine_generated = Gauge(
+        self.engine_generated = self._gauge(
             "minisgl_engine_generated_tokens",
             "Tokens the engine sampled since start, also those dropped after a stop string "
             "matched or the request was aborted",
-            registry=r,
         )
-        self.constrained = Gauge(
+        self.constrained = self._gauge(
             "minisgl_constrained_requests",
             "Requests with a grammar (JSON schema, regex, EBNF) the scheduler took, since start",
-            registry=r,
         )
-        self.grammar_compiles = Gauge(
+        self.grammar_compiles = self._gauge(
             "minisgl_grammar_compiles",
             "Grammars the scheduler compiled (cache misses), since start",
-            registry=r,
         )
-        self.grammar_compile_seconds = Gauge(
+        self.grammar_compile_seconds = self._gauge(
             "minisgl_grammar_compile_seconds",
             "Time the scheduler's grammar compiles took, since start",
-            registry=r,
         )
-        self.grammar_cache_hits = Gauge(
+        self.grammar_cache_hits = self._gauge(
             "minisgl_grammar_cache_hits",
             "Grammars the scheduler took from its compile cache, since start",
-            registry=r,
         )
         self.prompt_tokens = Counter(
             "minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r
@@ -142,58 +133,54 @@ class Metrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
-        self.retractions = Gauge(
+        self.retractions = self._gauge(
             "minisgl_retractions",
             "Requests retracted (KV pages ran short, or a more urgent request needed them), "
             "since start",
-            registry=r,
         )
-        self.spec_tokens = Gauge(
+        self.spec_tokens = self._gauge(
             "minisgl_spec_tokens",
             "Speculative decoding since start: draft tokens proposed (verified) and accepted",
             ["kind"],
-            registry=r,
         )
-        self.spec_accept_length = Gauge(
+        self.spec_accept_length = self._gauge(
             "minisgl_spec_mean_accepted_length",
             "Tokens a speculating request gained per verify step on average, since start "
             "(accepted drafts plus the target's own token; 0 before any)",
-            registry=r,
         )
-        self.spec_missed_waits = Gauge(
+        self.spec_missed_waits = self._gauge(
             "minisgl_spec_missed_waits",
             "Speculative decoding since start: times the overlapped loop waited for a step's "
             "tokens to speculate and the request then had no draft",
-            registry=r,
         )
-        self.retractions_by_priority = Gauge(
+        self.retractions_by_priority = self._gauge(
             "minisgl_retractions_by_priority",
             "Retractions since start, by the retracted request's priority",
             by_priority,
-            registry=r,
         )
-        self.steps_timed = Gauge(
-            "minisgl_steps_timed", "Steps whose period the scheduler measured", registry=r
+        self.steps_timed = self._gauge(
+            "minisgl_steps_timed", "Steps whose period the scheduler measured"
         )
-        self.step_time = Gauge(
+        self.step_time = self._gauge(
             "minisgl_step_time_seconds",
             "Sum over the steps timed of their period: measured, as predicted by the step-time "
             "model just before, and the absolute difference",
             ["kind"],
-            registry=r,
         )
-        self.step_model = Gauge(
+        self.step_model = self._gauge(
             "minisgl_step_model_coefficient_seconds",
             "The step-time model's coefficients: seconds per step (base), per step that "
             "prefills (mixed), per 64 decode rows, per 1024 prefill tokens, per 65536 KV tokens",
             ["term"],
-            registry=r,
         )
-        self.itl_target = Gauge(
+        self.itl_target = self._gauge(
             "minisgl_itl_target_seconds",
             "The inter-token latency target of the last step planned (0: none applied)",
-            registry=r,
         )
+
+    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        """Under several processes /metrics shows the value last set by any of them."""
+        return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent")
 
     def priority_label(self, priority: int | float) -> str:
         """The label of a priority (a bounded set, whatever the clients send)."""
@@ -247,12 +234,11 @@ class Metrics:
         self.ttft.observe(ttft)
         self.ttft_by_priority.labels(self.priority_label(priority)).observe(ttft)
 
-    def on_tokens(self, gap: float, n: int, priority: int) -> None:
-        """`n` tokens arrived `gap` seconds apart each."""
-        hist = self.itl_by_priority.labels(self.priority_label(priority))
-        for _ in range(n):
-            self.itl.observe(gap)
-            hist.observe(gap)
+    def on_tokens(self, gaps: Mapping[tuple[float, int], int]) -> None:
+        """`gaps[gap, priority]` tokens of that priority arrived `gap` seconds apart each."""
+        for (gap, priority), n in gaps.items():
+            observe_many(self.itl, gap, n)
+            observe_many(self.itl_by_priority.labels(self.priority_label(priority)), gap, n)
 
     def on_finished(self, out: StrOut, latency: float) -> None:
         self.prompt_tokens.inc(out.prompt_tokens)
@@ -261,4 +247,9 @@ class Metrics:
         self.e2e.observe(latency)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if folder is None:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process, folder)
+        return generate_latest(every_process)

@@ -66,13 +66,14 @@ def _meta(
 
 async def generate(request: Request, body: GenerateRequest, client: EngineClient) -> Response:
     req = _request(body)
-    rid, want_lp, want_times = req.rids[0], req.params.logprobs, body.return_token_times
+    want_lp, want_times = req.params.logprobs, body.return_token_times
     if body.stream:
-        stream = submit(client, [req])
+        stream = submit(client, [req])  # the request's id is final once submitted
         first = await first_batch(request, stream)
-        return EventStreamResponse(_events(stream, first, rid, want_lp, want_times), stream)
+        events = _events(stream, first, req.rids[0], want_lp, want_times)
+        return EventStreamResponse(events, stream)
     r = (await run_to_completion(request, client, [req], 1))[0]
-    meta = _meta(rid, r, want_lp, r.token_times if want_times else None)
+    meta = _meta(req.rids[0], r, want_lp, r.token_times if want_times else None)
     return JSONResponse({"text": r.text, "output_ids": r.ids, "meta_info": meta})
 
 

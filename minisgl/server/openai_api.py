@@ -24,10 +24,13 @@ from minisgl.server.sampling import (
     sampling_params,
 )
 from minisgl.server.streaming import (
+    CHOICE,
     DONE,
     ChoiceResult,
+    Envelope,
     EventStreamResponse,
     first_batch,
+    json_str,
     run_to_completion,
     sse,
     submit,
@@ -220,7 +223,7 @@ class ResponseMeta:
     def created(self) -> int:
         return int(self.received)
 
-    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": obj,
@@ -228,6 +231,12 @@ class ResponseMeta:
             "model": self.model,
             "choices": choices,
         }
+
+    def chunk(self, obj: str, include_usage: bool) -> dict[str, Any]:
+        """A stream chunk's body around its choice (`usage` null when the stream ends with
+        it)."""
+        body = self.envelope(obj, [CHOICE])
+        return {**body, "usage": None} if include_usage else body
 
 
 # ---- endpoints -----------------------------------------------------------------------------
@@ -356,18 +365,34 @@ class ChatStreamOptions:
     parsing: ChatParsing
 
 
+# The most common choices of stream chunks, written as `json.dumps` writes them.
+
+
+def _content_choice(index: int, text: str) -> str:
+    delta = f'{{"content": {json_str(text)}}}'
+    return f'{{"index": {index}, "delta": {delta}, "logprobs": null, "finish_reason": null}}'
+
+
+def _text_choice(index: int, text: str, reason: str | None) -> str:
+    finish = "null" if reason is None else json_str(reason)
+    text_json = json_str(text)
+    return f'{{"index": {index}, "text": {text_json}, "logprobs": null, "finish_reason": {finish}}}'
+
+
 async def _chat_events(
     stream: RequestStream,
     first: list[ChoiceOutput],
     meta: ResponseMeta,
     opts: ChatStreamOptions,
 ) -> AsyncIterator[bytes]:
+    envelope = Envelope(meta.chunk("chat.completion.chunk", opts.include_usage))
+
     def chunk(index: int, delta: dict[str, Any], lps: Any, reason: str | None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
-        body = meta.envelope("chat.completion.chunk", [choice])
-        if opts.include_usage:
-            body["usage"] = None
-        return sse(body)
+        if lps is None and reason is None and delta.keys() == {"content"}:  # most events
+            return envelope.event(_content_choice(index, delta["content"]))
+        return envelope.event(
+            {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        )
 
     n = opts.n
     results = [ChoiceResult() for _ in range(n)]
@@ -412,23 +437,20 @@ async def _completion_events(
 ) -> AsyncIterator[bytes]:
     results = [ChoiceResult() for _ in range(num_choices)]
     offsets = [0] * num_choices
+    envelope = Envelope(meta.chunk("text_completion", include_usage))
     async for batch in _batches(stream, first):
         events = []
         for co in batch:
             out, i = co.out, co.index
             results[i].add(out)
-            lps = completion_logprobs(out.logprobs, offsets[i], top) if want_lp else None
+            reason = out.finish_reason if out.finished else None
+            if not want_lp:  # most events
+                events.append(envelope.event(_text_choice(i, out.text, reason)))
+                continue
+            lps = completion_logprobs(out.logprobs, offsets[i], top)
             offsets[i] += sum(len(t.token) for t in out.logprobs)
-            choice = {
-                "index": i,
-                "text": out.text,
-                "logprobs": lps,
-                "finish_reason": out.finish_reason if out.finished else None,
-            }
-            body = meta.envelope("text_completion", [choice])
-            if include_usage:
-                body["usage"] = None
-            events.append(sse(body))
+            choice = {"index": i, "text": out.text, "logprobs": lps, "finish_reason": reason}
+            events.append(envelope.event(choice))
         yield b"".join(events)
     if include_usage:
         final = usage(results, n, token_times, meta.received)

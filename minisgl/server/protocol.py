@@ -63,7 +63,8 @@ def _check_utf8(value: Any, path: str) -> None:
             _check_utf8(v, f"{path}.{k}" if path else str(k))
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_utf8(v, f"{path}.{i}")
+            if not isinstance(v, (int, float)):  # token ids: thousands per prompt
+                _check_utf8(v, f"{path}.{i}")
 
 
 class _Strict(BaseModel):

@@ -103,8 +103,9 @@ async def drain(gate: Gate, client: EngineClient, timeout_s: float) -> None:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server with the signals taken over: the first SIGINT/SIGTERM ends its main
-    loop, and its shutdown runs `drain` first; a second one calls `exit_now(signum)`."""
+    """uvicorn's server with the signals taken over: the first SIGTERM ends its main loop, and
+    its shutdown runs `drain` first; a second one calls `exit_now(signum)`; SIGINT is left to
+    the launcher."""
 
     def __init__(
         self,
@@ -118,6 +119,9 @@ class GracefulServer(uvicorn.Server):
         self.stop_signal: int | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT:
+            # Ctrl-C signals the whole process group: the launcher decides, and passes SIGTERM.
+            return
         if self.stop_signal is not None:
             self._exit_now(sig)
             return

@@ -10,7 +10,7 @@ import textwrap
 CHILD = textwrap.dedent(
     """
     import gc
-    from minisgl.runtime.ranks import freeze_gc
+    from minisgl.runtime.child import freeze_gc
 
     before = [[] for _ in range(1000)]  # start-up's objects
     freeze_gc()

@@ -79,7 +79,8 @@ def http(server: Server) -> Iterator[httpx.Client]:
 @pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="needs Linux /proc")
 def test_worker_processes_are_named(server: Server) -> None:
     """`ps` / `top` tell the workers apart: each sets its OS-level process name."""
-    for worker, name in (("scheduler", "sched"), ("tokenizer", "tok"), ("detokenizer", "detok")):
+    workers = (("scheduler", "sched"), ("tokenizer", "tok"), ("detokenizer", "detok"))
+    for worker, name in (*workers, ("api0", "api0")):
         comm = Path(f"/proc/{server.worker_pid(worker)}/comm").read_text().strip()
         assert comm == f"minisgl:{name}"
 

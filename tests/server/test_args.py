@@ -228,6 +228,8 @@ def test_bad_multi_node_flags(
         ["--priority-aging-s", "-1"],
         ["--shutdown-timeout", "-1"],
         ["--shutdown-timeout", "nan"],
+        ["--api-server-count", "-1"],
+        ["--api-server-count", "257"],
     ],
 )
 def test_bad_values_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -235,6 +237,12 @@ def test_bad_values_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixtu
         parse_args(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_api_server_count() -> None:
+    assert parse_args(["--api-server-count", "3"]).api_server_count == 3
+    assert parse_args(["--device", "cpu"]).api_server_count == 1  # its cores are the engine's
+    assert parse_args(["--shell", "--api-server-count", "3"]).api_server_count == 1  # no HTTP
 
 
 def test_limit_and_timeout_flags() -> None:

@@ -109,3 +109,19 @@ def test_refusals_and_failures_raise_in_the_stream(ipc: IpcPaths, ctx: zmq.Conte
             client.submit([req("c")])
 
     asyncio.run(with_client(ipc, body))
+
+
+def test_a_step_of_gaps_counts_as_that_many_observations() -> None:
+    one_by_one, batched = Metrics(), Metrics()
+    gaps = {(0.0042, 0): 3, (0.25, 1): 2, (0.002, 0): 1}  # (gap, priority): tokens
+    for (gap, priority), n in gaps.items():
+        for _ in range(n):
+            one_by_one.itl.observe(gap)
+            one_by_one.itl_by_priority.labels(str(priority)).observe(gap)
+    batched.on_tokens(gaps)
+    keep = ("minisgl_inter_token_latency",)
+    lines = [
+        [x for x in m.render().decode().splitlines() if x.startswith(keep) and "_created" not in x]
+        for m in (one_by_one, batched)
+    ]
+    assert lines[0] == lines[1] and len(lines[0]) > 40

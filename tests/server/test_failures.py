@@ -25,9 +25,11 @@ LONG = {"max_tokens": 2000, "extra_body": {"ignore_eos": True}}
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("logs"))
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-api", "2-apis"])
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("logs"), "--api-server-count", str(request.param))
     try:
         s.wait_ready()
         yield s

@@ -65,10 +65,13 @@ class PeakRss:
                     self.peak = max(self.peak, int(line.split()[1]) * 1024)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-api", "2-apis"])
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Server]:
     logs = tmp_path_factory.mktemp("logs")
-    with running_server(logs, *FLAGS, api_key=API_KEY, key_from="env") as s:
+    flags = [*FLAGS, "--api-server-count", str(request.param)]
+    with running_server(logs, *flags, api_key=API_KEY, key_from="env") as s:
         yield s
 
 

@@ -25,10 +25,13 @@ TIMEOUT_S = 600
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-api", "2-apis"])
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Server]:
     logs = tmp_path_factory.mktemp("logs")
-    with running_server(logs, "--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3") as s:
+    flags = ["--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3"]
+    with running_server(logs, *flags, "--api-server-count", str(request.param)) as s:
         yield s
 
 

@@ -2,7 +2,8 @@
 and 4 non-streaming requests over chat, completions and /generate; a second SIGTERM; kill -9.
 Each test stops its own server and then checks that no process of its tree and no socket
 folder is left (each server makes its folder in a directory of the test's own). Every test
-starts a server (tens of seconds on a 2-core CPU, most of it imports): slow."""
+runs with one API server process and with two (the requests spread over them), and starts a
+server (tens of seconds on a 2-core CPU, most of it imports): slow."""
 
 from __future__ import annotations
 
@@ -154,15 +155,22 @@ class Tree:
         assert self.folders() == [], "the socket folder is left behind"
 
 
-@pytest.fixture
-def launch(tmp_path: Path) -> Iterator[Any]:
-    """Start a server with random weights and `flags`; kills whatever is left at the end."""
+def in_flight(log: str, what: str) -> int:
+    """The requests that the API processes' log lines `what` (with `N` for the number) count."""
+    return sum(int(n) for n in re.findall(re.escape(what).replace("N", r"(\d+)"), log))
+
+
+@pytest.fixture(params=[1, 2], ids=["1-api", "2-apis"])
+def launch(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Start a server with random weights, `request.param` API processes and `flags`; kills
+    whatever is left at the end."""
     started: list[tuple[Server, Path]] = []
+    apis = ("--api-server-count", str(request.param))
 
     def start(*flags: str) -> tuple[Server, Path]:
         tmpdir = tmp_path / f"tmp{len(started)}"
         tmpdir.mkdir()
-        server = start_server(tmp_path, "--load-format", "dummy", *flags, tmpdir=tmpdir)
+        server = start_server(tmp_path, "--load-format", "dummy", *apis, *flags, tmpdir=tmpdir)
         started.append((server, tmpdir))
         server.wait_ready()
         return server, tmpdir
@@ -197,7 +205,8 @@ def test_a_generous_timeout_lets_every_request_finish(launch: Any) -> None:
         assert a.finish() == ("length", SHORT), a
         if a.stream:
             assert a.events[-1] == "[DONE]" and not any("error" in p for p in a.payloads())
-    assert "12 requests in flight" in server.log_text()  # all of them were running at SIGTERM
+    # All of them were running at SIGTERM.
+    assert in_flight(server.log_text(), "shutting down: N requests in flight") == 12
     tree.assert_gone()
 
 
@@ -221,7 +230,8 @@ def test_a_short_timeout_answers_what_is_left_with_503(launch: Any) -> None:
             assert a.json["error"]["type"] == "service_unavailable", a
             assert "the server is shutting down" in a.json["error"]["message"], a
     log = server.log_text()
-    assert "12 requests in flight" in log and "answering the 12 requests still in flight" in log
+    assert in_flight(log, "shutting down: N requests in flight") == 12
+    assert in_flight(log, "answering the N requests still in flight") == 12
     tree.assert_gone()
 
 
