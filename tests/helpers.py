@@ -116,7 +116,7 @@ def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     sched.kv.attach(req)
     try:
         sched.kv.grow(req, len(ids))
-        page_writes, token_writes, _ = sched.kv.take_writes()
+        page_writes, token_writes, *_ = sched.kv.take_writes()
         engine.table.apply(page_writes, token_writes)
         batch = Batch([req.seq], [req.num_computed], [len(ids) - req.num_computed], [False], [0])
         step = batch_inputs(batch, engine.device)
