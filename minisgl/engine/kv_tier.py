@@ -88,6 +88,7 @@ class TierCopier:
                 self._copy(c)
             self.stats.wait_s += time.perf_counter() - start
             return
+        self.collect()  # (keeps the list of timing events short)
         compute = torch.cuda.current_stream(self.pool.device)
         if after_compute:
             self.stream.wait_stream(compute)
@@ -142,7 +143,9 @@ class TierCopier:
 
     def _timed(self, kind: str, fn: Callable[[], None]) -> None:
         if self.stream is None:
+            start = time.perf_counter()
             fn()
+            self.stats.load_copy_s += time.perf_counter() - start
             return
         a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         a.record(self.stream)
