@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -209,3 +210,15 @@ def test_the_host_lru_spills_to_disk_and_a_hit_reads_it_back() -> None:
     spill, fetch = ("host", "disk"), ("disk", "host")
     assert [c.kind for c in tier.take_copies()] == [spill, fetch, spill, fetch]
     assert tier.stats.fetched == 2 and tier.accounting()["disk_used"] == 3
+
+
+def test_tier_options_that_cannot_work_are_refused() -> None:
+    from minisgl.config import EngineConfig
+
+    for bad, match in (
+        ({"kv_host_gib": 1.0, "cache": "naive"}, "radix"),
+        ({"kv_disk_dir": "/tmp/x"}, "under the host tier"),
+        ({"kv_host_gib": -1.0}, "kv_host_gib must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
