@@ -48,8 +48,8 @@ class KVManager:
     carries ahead of the step's kernels; the loaded pages join the prefix cache at once.
 
     `debug` (the KV debug mode): every launched step's slots and pages are recorded, a page or
-    slot given back while a step in flight references it fails an assertion, and pages given
-    back are listed for the engine to poison.
+    slot given back while a step in flight references it fails an assertion, pages given
+    back are listed for the engine to poison, and every plan checks the tiers' slots.
     """
 
     def __init__(
@@ -246,6 +246,8 @@ class KVManager:
         tier copies the next step plan carries."""
         freed = [p for p in self._freed if p not in self._loaded]
         copies = [] if self.tier is None else self.tier.take_copies()
+        if self.debug and self.tier is not None:
+            self.tier.check()  # (the device pages: `Scheduler.check_invariants`)
         out = (self._page_writes, self._token_writes, freed, copies)
         self._page_writes, self._token_writes, self._freed = [], [], []
         self._loaded = set()
