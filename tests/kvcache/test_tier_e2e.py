@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 from helpers import assert_kv_clean, checked_llm, default_model_available, random_prompts
+from prometheus_client import generate_latest
 
 from minisgl import SamplingParams
 from minisgl.core import Req
+from minisgl.message.types import SchedulerStats
 from minisgl.scheduler import Scheduler
+from minisgl.server.metrics import Metrics
 
 POOL_TOKENS = 128
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -109,6 +112,12 @@ def test_abort_while_its_load_runs(tiny_model_dir) -> None:
         sched.step()
     assert other.output_ids == alone
     assert_kv_clean(llm)
+    # The tier's figures reach /metrics.
+    metrics = Metrics()
+    metrics.set_scheduler_stats(SchedulerStats(*[0] * 10, kv_tier=sched.tier_stats()))
+    text = generate_latest(metrics.registry).decode()
+    hits = sched.kv.tier.stats.loaded  # type: ignore[union-attr]
+    assert f'minisgl_kv_tier{{stat="host_hit_pages"}} {float(hits)}' in text
 
 
 @pytest.mark.slow
