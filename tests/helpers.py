@@ -116,7 +116,7 @@ def prefill_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     sched.kv.attach(req)
     try:
         sched.kv.grow(req, len(ids))
-        page_writes, token_writes, _ = sched.kv.take_writes()
+        page_writes, token_writes, *_ = sched.kv.take_writes()
         engine.table.apply(page_writes, token_writes)
         batch = Batch([req.seq], [req.num_computed], [len(ids) - req.num_computed], [False], [0])
         step = batch_inputs(batch, engine.device)
@@ -338,11 +338,11 @@ class FixedStepModel:
 
 def checked_llm(path: Any, overlap: bool, **options: Any) -> Any:
     """A CPU fp32 LLM whose scheduler checks the KV invariant after every step (the tests run
-    in the KV debug mode); `overlap` forces the overlapped loop on."""
+    in the KV debug mode); `overlap` forces the overlapped loop on; `path` None: SmolLM2."""
     from minisgl import LLM
     from minisgl.scheduler import Scheduler
 
-    llm = LLM(str(path), dtype="float32", device="cpu", **options)
+    llm = LLM(None if path is None else str(path), dtype="float32", device="cpu", **options)
     if overlap:
         llm.scheduler = Scheduler(llm.engine, overlap=True)
     assert llm.scheduler.kv.debug, "the tests run in the KV debug mode"

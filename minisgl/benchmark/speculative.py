@@ -178,7 +178,7 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int, profile: bool = Fals
     sched.overlap = overlap
     assert req.output_ids and req.seq is not None
     sched.kv.grow(req, req.seq_len + k)
-    pages, tokens, _ = sched.kv.take_writes()
+    pages, tokens, *_ = sched.kv.take_writes()
     p, n = req.seq_len - 1, req.num_sampled
     drafts = TableWrite(req.seq.slot, req.seq_len, [(5 * i + 1) % vocab for i in range(k)])
     decode = Batch([req.seq], [p], [1], [True], [n], tokens, pages)

@@ -58,6 +58,12 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     max_context_len: int = 0  # 0: the model's max_position_embeddings
     cache: str = "radix"  # radix | naive
+    # The host tier under the radix cache (`minisgl.kvcache.tier`): GiB of (pinned) host memory
+    # per rank that keeps the pages the device evicts and loads them back on a hit; 0: off.
+    kv_host_gib: float = 0.0
+    # A third tier below it: page files in this directory (one per rank), `kv_disk_gib` each.
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 16.0
     attention_backend: str = "auto"  # auto | torch | triton
     tp_size: int = 1
     # Tensor-parallel ranks spread evenly over `nnodes` hosts; node 0 holds rank 0, which takes
@@ -152,9 +158,21 @@ class EngineConfig:
         if self.reserve_decay_steps < 1:
             raise ValueError(f"reserve_decay_steps: must be >= 1, got {self.reserve_decay_steps}")
         self._check_distributed()
+        self._check_kv_tiers()
         self._check_fp8()
         self._check_scheduling()
         self._check_speculative()
+
+    def _check_kv_tiers(self) -> None:
+        if self.kv_host_gib < 0 or self.kv_disk_gib <= 0:
+            raise ValueError(
+                f"kv_host_gib must be >= 0 and kv_disk_gib > 0, got {self.kv_host_gib} and "
+                f"{self.kv_disk_gib}"
+            )
+        if self.kv_host_gib and self.cache != "radix":
+            raise ValueError("kv_host_gib: the host tier sits under the radix cache (cache radix)")
+        if self.kv_disk_dir is not None and not self.kv_host_gib:
+            raise ValueError("kv_disk_dir: the disk tier sits under the host tier (kv_host_gib)")
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm

@@ -1,6 +1,6 @@
 """Requests, batches and sampling parameters: the vocabulary every other package shares."""
 
-from minisgl.core.batch import Batch, BatchKind, SeqInfo, TableWrite
+from minisgl.core.batch import Batch, BatchKind, PageCopy, SeqInfo, TableWrite
 from minisgl.core.constraint import CONSTRAINT_KINDS, JSON_OBJECT, Constraint
 from minisgl.core.errors import InvalidRequestError
 from minisgl.core.limits import resolve_max_tokens
@@ -15,6 +15,7 @@ __all__ = [
     "BatchKind",
     "FinishReason",
     "InvalidRequestError",
+    "PageCopy",
     "Req",
     "ReqStatus",
     "SamplingParams",

@@ -33,6 +33,18 @@ class TableWrite:
     values: list[int]
 
 
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy KV pages between tiers: `src[i]` of tier `kind[0]` to `dst[i]` of tier `kind[1]`.
+
+    Tiers: "device" (the pool), "host" (pinned host pages), "disk" (page slots of a file).
+    """
+
+    kind: tuple[str, str]
+    src: list[int]
+    dst: list[int]
+
+
 @dataclass
 class Batch:
     """The plan of one engine step: the only thing the scheduler hands the engine.
@@ -44,6 +56,9 @@ class Batch:
     token row. The engine applies `page_writes` and `token_writes` (in list order, before the
     step's kernels) and, in the KV debug mode, poisons `freed_pages` (pages given back to the
     allocator since the previous plan) so that a step that still read them would see NaNs.
+    `page_copies` move KV pages between the device pool and the host / disk tiers, in list
+    order, before the step's kernels read the pool (`minisgl.kvcache.tier`); the poison comes
+    after them (a page written back is read before it is poisoned).
 
     Speculative decoding: a row with `draft_lens[i] = d > 0` verifies d draft tokens. It
     computes the request's last token and the d drafts after it (`extend_lens[i] = d + 1`,
@@ -62,6 +77,7 @@ class Batch:
     page_writes: list[TableWrite] = field(default_factory=list)
     freed_pages: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)
+    page_copies: list[PageCopy] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.seqs)

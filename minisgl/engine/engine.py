@@ -15,9 +15,11 @@ from minisgl.config import (
     resolve_model_quantization,
 )
 from minisgl.core import Batch
+from minisgl.distributed import get_tp_info
 from minisgl.engine.cuda_graph import CudaGraphRunner, eager_forward
 from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.kv_calibration import init_kv_scales
+from minisgl.engine.kv_tier import TierCopier, make_tier_copier
 from minisgl.engine.memory import graph_reserve_bytes, piecewise_reserve_bytes, plan_num_pages
 from minisgl.engine.model_loading import load_model
 from minisgl.engine.piecewise import PiecewiseGraphRunner
@@ -77,6 +79,10 @@ class Engine:
         if cfg.speculative_draft_model is not None:
             self.draft_model = DraftModel(self, cfg.speculative_draft_model)
         self._build_kv(agree_num_pages, src, kv_scales)
+        # The KV host (and disk) tier's pages and copies (None: off).
+        self.tier: TierCopier | None = make_tier_copier(
+            self.pool, cfg.kv_host_gib, cfg.kv_disk_dir, cfg.kv_disk_gib, get_tp_info().rank
+        )
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
         # Speculative decoding's device proposer (the layer-skip draft), if configured.
@@ -162,6 +168,13 @@ class Engine:
         return self.config.page_size
 
     @property
+    def tier_pages(self) -> tuple[int, int]:
+        """(host pages, disk pages) of the KV tier; (0, 0) when it is off."""
+        if self.tier is None:
+            return 0, 0
+        return self.tier.host_pages, self.tier.disk_pages
+
+    @property
     def graph_tokens(self) -> int:
         """The most tokens a prefilling step may have and still replay a graph (0: none does)."""
         return self.pieces.max_tokens if self.pieces is not None else 0
@@ -179,6 +192,9 @@ class Engine:
         the mask depends on, while the device runs this one.
         """
         self.num_steps += 1
+        if batch.page_copies:  # before the poison: a page written back is read first
+            assert self.tier is not None, "page copies without --kv-host-gib"
+            self.tier.run(batch.page_copies, after_compute=self.config.debug_kv)
         if self.config.debug_kv:
             self.pool.poison(batch.freed_pages)
         self.table.apply(batch.page_writes, batch.token_writes)

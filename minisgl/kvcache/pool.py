@@ -127,6 +127,26 @@ class KVPool:
     def all_k_shifts(self) -> torch.Tensor:  # [layers, kv_heads, head_dim] fp32
         return self._k_shift
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of every layer (an FP8 pool's scales are per layer and
+        head, not per page, so a page's bytes alone carry its KV to another tier and back)."""
+        return self._buf[:, :, : self.page_size].numel() * self._buf.element_size()
+
+    def _raw_pages(self) -> torch.Tensor:  # [2, layers, pages, page_bytes / (2 * layers)] uint8
+        return self._buf.view(torch.uint8).view(2, self.num_layers, self.num_pages, -1)
+
+    def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """[n] int64 page ids (on the pool's device) -> [n, page_bytes] uint8, each page's bytes
+        in one row, whatever the layout (an FP8 pool's transposed V pages included)."""
+        rows = self._raw_pages().index_select(2, pages)  # [2, layers, n, X]
+        return rows.permute(2, 0, 1, 3).reshape(len(pages), -1)
+
+    def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        """The inverse of `read_pages`: [n, page_bytes] uint8 into pages [n]."""
+        raw = self._raw_pages()
+        raw[:, :, pages] = data.view(len(pages), 2, self.num_layers, -1).permute(1, 2, 0, 3)
+
     def poison(self, pages: list[int]) -> None:
         """Overwrite `pages` with NaN (the KV debug mode, on pages given back to the allocator):
         attention over a page that should no longer be read then shows in the output. An FP8

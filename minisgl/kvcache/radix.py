@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,12 @@ class RadixPrefixCache(BasePrefixCache):
     Handles are nodes; a handle names exactly the matched prefix (a partial match splits).
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(
+        self, page_size: int, on_evict: Callable[[list[int], list[int]], None] | None = None
+    ) -> None:
+        """`on_evict(ids, pages)` hears of every eviction before the pages come out: `pages`
+        hold the last `len(pages)` pages of the whole-page prefix `ids` (a lower tier keeps
+        them)."""
         if page_size < 1:
             raise ValueError(f"cache: page_size must be >= 1, got {page_size}")
         super().__init__(page_size)
@@ -40,6 +45,7 @@ class RadixPrefixCache(BasePrefixCache):
         self._clock = itertools.count(1)
         self._evictable = 0
         self._protected = 0
+        self._on_evict = on_evict
 
     def match_prefix(self, ids: Sequence[int]) -> MatchResult:
         """The longest cached whole-page prefix of `ids`; refreshes its LRU time; does not lock."""
@@ -123,6 +129,8 @@ class RadixPrefixCache(BasePrefixCache):
                 self._split(node, keep * self.page_size)
             parent = node.parent
             assert parent is not None and node.ref == 0
+            if self._on_evict is not None:
+                self._on_evict(self._ids(node), node.pages)
             del parent.children[self._first_page(node.key)]
             node.parent = None
             out.extend(reversed(node.pages))
@@ -193,6 +201,10 @@ class RadixPrefixCache(BasePrefixCache):
             assert node.parent is not None
             node = node.parent
         return path
+
+    def _ids(self, node: _Node) -> list[int]:
+        """The token ids from the root to the end of `node`."""
+        return [t for n in reversed(self._path(node)) for t in n.key]
 
     def _nodes(self) -> list[_Node]:
         stack, out = list(self._root.children.values()), []

@@ -181,6 +181,9 @@ class SchedulerStats:
     step_measured_s: float = 0.0
     step_abs_error_s: float = 0.0
     step_model: dict[str, float] = field(default_factory=dict)
+    # The KV host tier (`Scheduler.tier_stats`; empty when off): slots per tier, hit pages,
+    # bytes moved and copy / wait seconds since start.
+    kv_tier: dict[str, float] = field(default_factory=dict)
     itl_target_s: float = 0.0
 
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core import Req, SeqInfo, TableWrite, pages_for
-from minisgl.kvcache import BasePrefixCache, PageAllocator, SlotAllocator
+from minisgl.core import PageCopy, Req, SeqInfo, TableWrite, pages_for
+from minisgl.kvcache import BasePrefixCache, HostTier, MatchResult, PageAllocator, SlotAllocator
 
 
 @dataclass
@@ -42,9 +42,14 @@ class KVManager:
     it) only once the step that wrote it completed (`Req.num_stored`). Device tables are never
     written here: the writes queue up for the next step plan (`take_writes`).
 
+    `tier` (the host tier, `minisgl.kvcache.tier`): the cache's evictions are written back to
+    it (its `write_back` hook on the cache), and a request attached with a prefix that goes on
+    below the device gets device pages for it, loaded back by copies its first step plan
+    carries ahead of the step's kernels; the loaded pages join the prefix cache at once.
+
     `debug` (the KV debug mode): every launched step's slots and pages are recorded, a page or
-    slot given back while a step in flight references it fails an assertion, and pages given
-    back are listed for the engine to poison.
+    slot given back while a step in flight references it fails an assertion, pages given
+    back are listed for the engine to poison, and every plan checks the tiers' slots.
     """
 
     def __init__(
@@ -54,8 +59,10 @@ class KVManager:
         cache: BasePrefixCache,
         page_size: int,
         debug: bool = False,
+        tier: HostTier | None = None,
     ) -> None:
         self.allocator = allocator
+        self.tier = tier
         self.slots = slots
         self.cache = cache
         self.page_size = page_size
@@ -65,6 +72,7 @@ class KVManager:
         self._token_writes: list[TableWrite] = []
         self._freed: list[int] = []  # pages back in the allocator since the last plan (debug)
         self._in_flight: dict[int, _StepRefs] = {}  # debug: launched, not yet completed steps
+        self._loaded: set[int] = set()  # pages the next plan loads (not poisoned: debug)
 
     @property
     def available_pages(self) -> int:
@@ -91,6 +99,8 @@ class KVManager:
         ids = req.all_ids()
         match = self.cache.match_prefix(ids[: len(ids) - 1])
         self.cache.lock(match.handle)
+        if self.tier is not None:
+            match = self._load_from_tier(ids[: len(ids) - 1], match)
         slot = self.slots.alloc()
         req.seq = SeqInfo(slot, req.params, req.seed, req.prompt_len, req.stop_ids)
         req.cache_handle, req.cache_len = match.handle, match.length
@@ -99,14 +109,51 @@ class KVManager:
         self._token_writes.append(TableWrite(slot, 0, ids))
         self._page_writes.append(TableWrite(slot, 0, list(req.pages)))
 
+    def _load_from_tier(self, ids: list[int], match: MatchResult) -> MatchResult:
+        """Extend a locked device match by the pages the host tier holds after it: device pages
+        for them (as far as there is room), loads queued, the pages inserted into the cache;
+        returns the longer match, locked instead of `match`."""
+        assert self.tier is not None
+        ps, start = self.page_size, len(match.pages)
+        hits = self.tier.lookup(ids, start, len(ids) // ps)
+        n = min(len(hits), self.allocator.num_free + self.cache.evictable_pages)
+        self.tier.unpin(hits[n:])
+        if n == 0:
+            return match
+        pages = self._alloc(n)  # (evictions first: their write-backs run before the loads)
+        self.tier.load(hits[:n], pages)
+        self._loaded.update(pages)
+        end = (start + n) * ps
+        returned = self.cache.insert(ids[:end], match.pages + pages)
+        assert not returned, "pages past a device match were cached"
+        longer = self.cache.match_prefix(ids[:end])
+        self.cache.lock(longer.handle)
+        self.cache.unlock(match.handle)
+        return longer
+
+    def prefetch(self, reqs: list[Req]) -> None:
+        """Requests just queued: read the pages of their prefixes that sit on disk back into
+        host memory now (copies in the next plan), and refresh the host's LRU for the rest, so
+        that admission finds them on the host."""
+        if self.tier is None:
+            return
+        for req in reqs:
+            ids = req.all_ids()[: req.seq_len - 1]
+            start = self.cache.peek(ids) // self.page_size
+            self.tier.unpin(self.tier.lookup(ids, start, len(ids) // self.page_size))
+
+    def _alloc(self, n: int) -> list[int]:
+        """`n` pages, evicting from the cache what the free ones lack (caller checked room)."""
+        if n > self.allocator.num_free:
+            self._free_pages(self.cache.evict(n - self.allocator.num_free))
+        return self.allocator.alloc(n)
+
     def grow(self, req: Req, tokens: int) -> None:
         """Make sure `req` has pages for its first `tokens` tokens (caller checked room)."""
         need = pages_for(tokens, self.page_size) - len(req.pages)
         if need <= 0:
             return
-        if need > self.allocator.num_free:
-            self._free_pages(self.cache.evict(need - self.allocator.num_free))
-        new = self.allocator.alloc(need)
+        new = self._alloc(need)
         assert req.slot is not None
         self._page_writes.append(TableWrite(req.slot, len(req.pages), new))
         req.pages.extend(new)
@@ -162,6 +209,8 @@ class KVManager:
         """Empty the prefix cache of every entry no request holds; returns the pages freed."""
         pages = self.cache.reset()
         self._free_pages(pages)
+        if self.tier is not None:
+            self.tier.clear()
         return len(pages)
 
     # ---- steps -----------------------------------------------------------------------------
@@ -190,10 +239,18 @@ class KVManager:
             self.cache.unlock(d.handle)
         self._deferred = keep
 
-    def take_writes(self) -> tuple[list[TableWrite], list[TableWrite], list[int]]:
-        """The page writes, token writes and freed pages the next step plan carries."""
-        out = (self._page_writes, self._token_writes, self._freed)
+    def take_writes(
+        self,
+    ) -> tuple[list[TableWrite], list[TableWrite], list[int], list[PageCopy]]:
+        """The page writes, token writes, freed pages (less those the plan loads again) and
+        tier copies the next step plan carries."""
+        freed = [p for p in self._freed if p not in self._loaded]
+        copies = [] if self.tier is None else self.tier.take_copies()
+        if self.debug and self.tier is not None:
+            self.tier.check()  # (the device pages: `Scheduler.check_invariants`)
+        out = (self._page_writes, self._token_writes, freed, copies)
         self._page_writes, self._token_writes, self._freed = [], [], []
+        self._loaded = set()
         return out
 
     def _free_pages(self, pages: list[int]) -> None:

@@ -160,4 +160,5 @@ class SchedulerProcess:
             step_abs_error_s=timed.abs_error_s,
             step_model=s.step_model.coefficients(),
             itl_target_s=s.last_target_s,
+            kv_tier=s.tier_stats(),
         )

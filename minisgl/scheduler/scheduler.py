@@ -20,7 +20,7 @@ from minisgl.core import (
     resolve_max_tokens,
 )
 from minisgl.engine import Engine, ForwardOutput, TokenMask
-from minisgl.kvcache import PageAllocator, SlotAllocator, make_prefix_cache
+from minisgl.kvcache import HostTier, PageAllocator, SlotAllocator, make_prefix_cache
 from minisgl.scheduler.budget import PrefillBudget, token_budget
 from minisgl.scheduler.calibrate import calibrate
 from minisgl.scheduler.grammars import Grammars
@@ -109,13 +109,18 @@ class Scheduler:
         self.max_context = engine.max_context
         self.eos_ids = frozenset(eos_ids or engine.model_config.eos_token_ids)
         self.num_pages = engine.num_pages
+        host_pages, disk_pages = engine.tier_pages
+        # Same sizes and schedule on every rank: every rank's tier holds the same pages.
+        tier = HostTier(self.page_size, host_pages, disk_pages) if host_pages else None
         self.kv = KVManager(
             PageAllocator(engine.num_pages),
             SlotAllocator(self.config.max_running_requests),
-            make_prefix_cache(self.config.cache, self.page_size),
+            make_prefix_cache(self.config.cache, self.page_size, tier),
             self.page_size,
             debug=self.config.debug_kv,
+            tier=tier,
         )
+        self._queued: list[Req] = []  # added since the last plan: their prefixes prefetched
         self.reserve_ratio = self.config.reserve_ratio  # the share admission reserves now
         cfg = self.config
         self._min_reserve = min(cfg.min_reserve_ratio, cfg.reserve_ratio)
@@ -224,6 +229,7 @@ class Scheduler:
             req.arrival_time = time.monotonic()
         self.stats["prompt_tokens"] += req.prompt_len
         self.waiting.push(req)
+        self._queued.append(req)
         self.grammars.add(req)
         if self.sync is not None:
             self.sync.publish_add(req)
@@ -358,6 +364,9 @@ class Scheduler:
     def schedule(self) -> tuple[list[Req], Batch] | None:
         """The next step's requests and plan (None: nothing to run)."""
         self._reclaim()
+        # In the plan, not at arrival: every rank then prefetches at the same point.
+        self.kv.prefetch([r for r in self._queued if r.status == ReqStatus.WAITING])
+        self._queued = []
         if self.policy.by_priority:
             self._preempt_for_waiting()
         decode = self._make_room_for_decode(self._decoding())
@@ -391,7 +400,7 @@ class Scheduler:
         for r, s in zip(reqs, sample):
             r.num_sampled += int(s)
         self.reserve_ratio = max(self._min_reserve, self.reserve_ratio - self._reserve_decay)
-        page_writes, token_writes, freed = self.kv.take_writes()
+        page_writes, token_writes, freed, copies = self.kv.take_writes()
         seqs = [r.seq for r in reqs]
         assert None not in seqs
         batch = Batch(
@@ -404,6 +413,7 @@ class Scheduler:
             page_writes=page_writes,
             freed_pages=freed,
             draft_lens=draft_lens,
+            page_copies=copies,
         )
         return reqs, batch
 
@@ -651,6 +661,28 @@ class Scheduler:
         }
 
     def check_invariants(self) -> None:
+        """Device: free + held + cache + released == total; host and disk: each tier's used
+        and free slots are its slots, each once."""
         a = self.kv_accounting()
         total = sum(v for k, v in a.items() if k != "total")
         assert total == a["total"], f"KV pages leaked or double counted: {a}"
+        if self.kv.tier is not None:
+            self.kv.tier.check()
+
+    def tier_stats(self) -> dict[str, float]:
+        """The host tier's pages per tier, hits and bytes moved since start ({}: no tier)."""
+        tier, copier = self.kv.tier, self.engine.tier
+        if tier is None or copier is None:
+            return {}
+        cs = copier.collect()
+        return {
+            **tier.accounting(),
+            "host_hit_pages": tier.stats.loaded,
+            "disk_hit_pages": tier.stats.fetched,
+            "saved_bytes": cs.saved_bytes,
+            "loaded_bytes": cs.loaded_bytes,
+            "spilled_bytes": cs.spilled_bytes,
+            "fetched_bytes": cs.fetched_bytes,
+            "load_copy_s": cs.load_copy_s,
+            "wait_s": cs.wait_s,
+        }

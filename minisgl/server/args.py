@@ -81,6 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix cache: radix shares KV of common prefixes, naive shares none",
     )
     s.add_argument(
+        "--kv-host-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="host memory per rank for KV pages the GPU evicts from the radix cache; a later "
+        "prefix hit loads them back instead of computing them again; 0: off",
+    )
+    s.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="with --kv-host-gib: page files here take what the host tier evicts",
+    )
+    s.add_argument(
+        "--kv-disk-gib", type=float, default=16.0, help="size of each rank's --kv-disk-dir file"
+    )
+    s.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
@@ -431,6 +448,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         piecewise_whole_step=args.piecewise_whole_step,
         overlap=not args.disable_overlap,
         cache=args.cache,
+        kv_host_gib=args.kv_host_gib,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gib=args.kv_disk_gib,
         tp_size=args.tp_size,
         nnodes=args.nnodes,
         node_rank=args.node_rank,

@@ -133,6 +133,13 @@ class Metrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.kv_tier = self._gauge(
+            "minisgl_kv_tier",
+            "KV host tier: slots per tier (host_used, disk_total, ...), pages hit on the host / "
+            "on disk, bytes saved / loaded / spilled / fetched, load copy and wait seconds, "
+            "since start",
+            ["stat"],
+        )
         self.retractions = self._gauge(
             "minisgl_retractions",
             "Requests retracted (KV pages ran short, or a more urgent request needed them), "
@@ -229,6 +236,8 @@ class Metrics:
         for term, value in s.step_model.items():
             self.step_model.labels(term).set(value)
         self.itl_target.set(s.itl_target_s)
+        for stat, value in s.kv_tier.items():
+            self.kv_tier.labels(stat).set(value)
 
     def on_first_token(self, ttft: float, priority: int) -> None:
         self.ttft.observe(ttft)
