@@ -340,9 +340,13 @@ class Scheduler:
                 # (a device draft's rows are unconstrained: their ids are never read)
                 drafts = [self._draft_ids.get(r.rid, [0] * d) for r, d in zip(sampling, lens)]
 
+            if before_mask is None:  # its tokens are known: fill it while the model runs
+                ready = self.grammars.mask(sampling, drafts)
+
             def mask() -> TokenMask:
-                if before_mask is not None:
-                    before_mask()
+                if before_mask is None:
+                    return ready
+                before_mask()
                 return self.grammars.mask(sampling, drafts)
 
         return Step(self._launched, reqs, batch, self.engine.forward_batch(batch, mask), shape)
