@@ -18,15 +18,16 @@ the same steps and their periods compare directly. Two modes:
 
 Per concurrency: output tokens/s of each run, the median period of full decode steps of each
 (the targets: realistic constrained <= 1.05x plain, random <= 1.15x at 64 and 1.3x at 256 on an
-H100/H200; >= 0.9x tokens/s on the CPU), the host time per step spent filling token masks, and
-the share of it the device's work hid (1 - the extra step period / the fill time; derived, not
-traced). Then one step's masks alone per backend (microseconds per row, by rows and threads, in
+H100/H200; >= 0.9x tokens/s on the CPU), the host time per step spent filling token masks, the
+share of it the device's work hid (1 - the extra step period / the fill time; derived, not
+traced), and the scheduler loop's own time per constrained row (`LoopTimer`). Then one step's masks alone per backend (microseconds per row, by rows and threads, in
 both modes). Prints tables, then one JSON object as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import random
@@ -72,6 +73,8 @@ _CITIES = ["London", "Paris", "New York", "São Paulo", "Tokyo", "Lagos", "Züri
 _TAGS = ["engineer", "runner", "coffee lover", "open source", "chess", "vegan", "pilot"]
 BACKENDS = ("llguidance", "xgrammar")
 MODES = ("random", "realistic")
+LOOP_FIGURES = ("loop_us_per_row", "note_us_per_row", "mask_us_per_row", "wait_us_per_row",
+                "apply_us_per_row", "wait_ms_per_step")  # fmt: skip
 
 
 def document(seed: int, chars: int = 6000) -> str:
@@ -118,27 +121,78 @@ class Replay:
         self.grammars.accept = self.original  # type: ignore[method-assign]
 
 
-class MaskTimer:
-    """Host seconds spent filling token masks (wraps the scheduler's `Grammars.mask`)."""
+class LoopTimer:
+    """The scheduler loop's own time in the grammar path, summed over a run: noting each row's
+    token (`Grammars.accept`), asking for a step's mask (`Grammars.mask`), waiting for it
+    (`TokenMask.to`) and applying it (`sampler.apply_token_mask`: launches on a GPU, the
+    device's work itself on the CPU). Thread CPU time of the loop (another process's load does
+    not inflate it; a wait costs none), except the per-row notes: wall time there (a call of
+    under a microsecond, which the clock of thread CPU time, a system call of about 1.4 us,
+    would swamp). The wait's wall time is kept too: the fill the loop could not hide."""
 
     def __init__(self, llm: LLM) -> None:
-        self.grammars = llm.scheduler.grammars
-        self.original: Callable[..., Any] = self.grammars.mask
-        self.seconds, self.calls = 0.0, 0
+        from minisgl.engine import sampler
+        from minisgl.engine.step import TokenMask
 
-    def __enter__(self) -> MaskTimer:
-        def timed(reqs: Any, drafts: Any = None) -> Any:
-            start = time.perf_counter()
-            out = self.original(reqs, drafts)
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
-            return out
+        grammars = llm.scheduler.grammars
+        self.targets: list[tuple[Any, str, str]] = [
+            (grammars, "accept", "note"),
+            (grammars, "mask", "mask"),
+            (TokenMask, "to", "wait"),
+            (sampler, "apply_token_mask", "apply"),
+        ]
+        self.cpu = dict.fromkeys(("note", "mask", "wait", "apply"), 0.0)
+        self.wait_wall = 0.0
+        self.steps = 0
+        self.originals: list[Any] = []
 
-        self.grammars.mask = timed  # type: ignore[method-assign]
+    def __enter__(self) -> LoopTimer:
+        for owner, name, key in self.targets:
+            original = getattr(owner, name)
+            self.originals.append(original)
+            setattr(owner, name, self._timed(original, key))
         return self
 
+    def _timed(self, original: Callable[..., Any], key: str) -> Callable[..., Any]:
+        if key == "note":
+
+            def note(*args: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args)
+                finally:
+                    self.cpu[key] += time.perf_counter() - start
+
+            return note
+
+        def timed(*args: Any) -> Any:
+            cpu, wall = time.thread_time(), time.perf_counter()
+            try:
+                return original(*args)
+            finally:
+                self.cpu[key] += time.thread_time() - cpu
+                if key == "wait":
+                    self.wait_wall += time.perf_counter() - wall
+                self.steps += key == "mask"
+
+        return timed
+
     def __exit__(self, *exc: object) -> None:
-        self.grammars.mask = self.original  # type: ignore[method-assign]
+        for (owner, name, _), original in zip(self.targets, self.originals):
+            setattr(owner, name, original)
+
+    def figures(self, rows: int) -> Row:
+        """Microseconds per constrained row and step (`rows` of them each step), and the wait's
+        wall time per step (NaN without a constrained step)."""
+        if not self.steps:
+            return {**dict.fromkeys(LOOP_FIGURES, float("nan")), "mask_steps": 0}
+        per = 1e6 / self.steps / rows
+        return {
+            "loop_us_per_row": sum(v for k, v in self.cpu.items() if k != "apply") * per,
+            **{f"{k}_us_per_row": v * per for k, v in self.cpu.items()},
+            "wait_ms_per_step": self.wait_wall / self.steps * 1e3,
+            "mask_steps": self.steps,
+        }
 
 
 def load_llm(args: argparse.Namespace) -> LLM:
@@ -176,14 +230,20 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randint(100, hi) for _ in range(length)] for _ in range(n)]
 
 
-def run_once(llm: LLM, ps: list[list[int]], params: SamplingParams) -> Row:
+def run_once(
+    llm: LLM, ps: list[list[int]], params: SamplingParams, docs: list[list[int]] | None = None
+) -> Row:
+    """One timed `generate`; with `docs`, constrained rows replay them (`Replay`, inside the
+    loop's timer: its own bookkeeping is not counted)."""
     device = llm.engine.device
     grammars = llm.scheduler.grammars
-    with StepRecorder(llm) as steps, MaskTimer(llm) as masks:
+    with StepRecorder(llm) as steps, LoopTimer(llm) as loop:
+        replay = Replay(llm, docs) if docs else contextlib.nullcontext()
         synchronize(device)
         filled = grammars.fill_seconds
         start = time.perf_counter()
-        outs = llm.generate(ps, params, use_tqdm=False)
+        with replay:
+            outs = llm.generate(ps, params, use_tqdm=False)
         synchronize(device)
         seconds = time.perf_counter() - start
         filled = grammars.fill_seconds - filled
@@ -200,10 +260,9 @@ def run_once(llm: LLM, ps: list[list[int]], params: SamplingParams) -> Row:
         "output_tok_per_s": tokens / seconds,
         "decode_step_ms": statistics.median(full) * 1e3 if full else float("nan"),
         "full_decode_steps": len(full),
-        # on the fill thread, and what asking for the masks cost the loop
-        "mask_fill_ms_per_step": filled / masks.calls * 1e3 if masks.calls else 0.0,
-        "mask_loop_ms_per_step": masks.seconds / masks.calls * 1e3 if masks.calls else 0.0,
-        "mask_steps": masks.calls,
+        # on the fill thread (wall time), and what the constrained rows cost the loop
+        "mask_fill_ms_per_step": filled / loop.steps * 1e3 if loop.steps else 0.0,
+        **loop.figures(len(ps)),
         "texts": [o["text"] for o in outs[:2]] if outs and outs[0].get("text") else [],
     }
 
@@ -229,11 +288,7 @@ def compare(llm: LLM, n: int, args: argparse.Namespace, backends: Sequence[str])
             llm.generate(warm, dataclasses.replace(p, max_tokens=8), use_tqdm=False)  # compile
             seed += 1
             ps = prompts(n, args.input_len, vocab, seed=seed)
-            if mode == "realistic":
-                with Replay(llm, docs):
-                    c = run_once(llm, ps, p)
-            else:
-                c = run_once(llm, ps, p)
+            c = run_once(llm, ps, p, docs if mode == "realistic" else None)
             rows.append({"concurrency": n, "run": f"{backend} {mode}", **_figures(c, u, llm)})
     llm.scheduler.grammars.use_backend(BACKENDS[0])
     return rows
@@ -249,7 +304,7 @@ def _figures(c: Row, u: Row, llm: LLM) -> Row:
         "step_ms": c["decode_step_ms"],
         "step_period_ratio": c["decode_step_ms"] / u["decode_step_ms"],
         "mask_fill_ms_per_step": fill,
-        "mask_loop_ms_per_step": c["mask_loop_ms_per_step"],
+        **{k: c[k] for k in LOOP_FIGURES},
         # On the CPU the host is the device: nothing can hide the fill there.
         "hidden_share": 1.0 - max(0.0, extra) / fill if fill > 0 and on_gpu else float("nan"),
         "full_decode_steps": c["full_decode_steps"],
@@ -360,8 +415,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if rows:
         print_table("plain vs constrained (each backend, each mode), same request shapes", rows,
                     ["concurrency", "run", "tok_per_s", "tok_per_s_ratio", "step_ms",
-                     "step_period_ratio", "mask_fill_ms_per_step", "mask_loop_ms_per_step",
-                     "hidden_share"])  # fmt: skip
+                     "step_period_ratio", "mask_fill_ms_per_step", "hidden_share"])  # fmt: skip
+        print_table(
+            "the loop's own time per constrained row and step (us; thread CPU time), "
+            "and its wait for the fill",
+            rows,
+            ["concurrency", "run", *LOOP_FIGURES],
+        )
     table = (
         fill_table(llm, backends, args.concurrency, args.fill_threads) if args.fill_threads else []
     )

@@ -44,16 +44,20 @@ class HostFlag:
 
     def __init__(self) -> None:
         self._value = torch.zeros(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        self._raised = 0  # the counter as a Python int: a wait that finds it there is a read
         self._cond = threading.Condition()
 
     def raise_to(self, value: int) -> None:
         with self._cond:
             self._value[0] = value  # written after everything the waiter reads (x86: in order)
+            self._raised = value
             self._cond.notify_all()
 
     def host_wait(self, value: int) -> None:
+        if self._raised >= value:
+            return
         with self._cond:
-            self._cond.wait_for(lambda: int(self._value[0]) >= value)
+            self._cond.wait_for(lambda: self._raised >= value)
 
     def device_wait(self, value: int, device: torch.device) -> bool:
         """Make `device`'s current stream wait for `value` (False: not possible here; the

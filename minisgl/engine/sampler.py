@@ -135,6 +135,14 @@ class SamplingInputs:
         )
 
 
+@functools.lru_cache(maxsize=16)
+def _byte_bias(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8]: for each value of a mask byte, what its 8 tokens add to their logits (0 where
+    the token's bit is set, -inf where it is clear)."""
+    allowed = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(allowed == 1, 0.0, float("-inf")).to(dtype=dtype, device=device)
+
+
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     """Set the disallowed tokens of the constrained rows of logits [B, V] to -inf, in place
     (rows without a constraint are untouched; no host sync); returns `logits`. `mask.bits`
@@ -145,16 +153,16 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     every = len(mask.rows) == logits.shape[0] == mask.bits.shape[0]
     rows = None if every else to_device(mask.rows, torch.int64, logits.device)
     bits = mask.bits if rows is None else mask.bits.index_select(0, rows)
-    # Bit j of int32 word w is bit j % 8 of byte 4w + j // 8 (little-endian).
-    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-    allowed = (bits.view(torch.uint8).unsqueeze(-1) >> shifts) & 1
-    banned = allowed.view(bits.shape[0], bits.shape[1] * 32)[:, :vocab] == 0
+    # Bit j of int32 word w is bit j % 8 of byte 4w + j // 8 (little-endian): one lookup per
+    # byte gives its 8 tokens' biases, and one add applies them (no data-dependent branch: a
+    # masked fill on the CPU is several times slower on a mask's irregular bits).
+    table = _byte_bias(logits.dtype, logits.device)
+    bias = torch.nn.functional.embedding(bits.view(torch.uint8).int(), table)
+    bias = bias.view(bits.shape[0], -1)[:, :vocab]
     if rows is None:
-        logits[:, :vocab].masked_fill_(banned, float("-inf"))
+        logits[:, :vocab] += bias
     else:
-        sub = logits.index_select(0, rows)
-        sub[:, :vocab].masked_fill_(banned, float("-inf"))
-        logits.index_copy_(0, rows, sub)
+        logits[:, :vocab].index_add_(0, rows, bias)
     return logits
 
 

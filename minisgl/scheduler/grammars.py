@@ -7,13 +7,17 @@ tensor parallelism rank 0 decides when a grammar is ready (`poll`) and every ran
 the same step (`mark_ready`), so all ranks admit the same requests.
 
 The loop only notes a step's tokens (`accept`); the fill job of the next step's mask, on a
-worker thread, accepts them all in one call and then fills all rows in one call.
+worker thread, accepts them all in one call and then fills all rows in one call. The loop waits
+for a fill only where it must: the sampler's wait for the mask (on the device stream under
+CUDA), and the matchers' use on the loop (speculative drafts, shutdown).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -60,9 +64,10 @@ class Grammars:
         self._filler: MaskFiller | None = None  # made with the first mask
         self.threads = fill_threads(ranks_per_node)  # of the filler (set before the first mask)
         # A step's tokens are accepted and its mask filled on this thread (in the backend's
-        # threads, the GIL released)
-        self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
-        self._pending: Future[None] | None = None
+        # threads, the GIL released), one job after another (made with the first mask)
+        self._worker: threading.Thread | None = None
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None  # of a fill, raised on the loop
         self._flag = HostFlag()  # raised to the number of each fill when it is complete
         self._fills = 0
         self.fill_seconds = 0.0  # on the worker, all fills so far (read once they settled)
@@ -121,7 +126,6 @@ class Grammars:
         return self._failed.pop(req.rid, None)
 
     def admit(self, req: Req) -> None:
-        self._settle()
         compiled = self._compiled.pop(req.rid, None)
         if compiled is not None:  # a retracted request keeps the matcher it has
             start = req.params.grammar_after_token
@@ -147,7 +151,7 @@ class Grammars:
             self._accepted = []
 
     def drop(self, rid: str) -> None:
-        self._settle()
+        # (a fill in progress keeps the matchers it was given)
         for table in (self._jobs, self._compiled, self._failed, self._matchers):
             table.pop(rid, None)  # type: ignore[attr-defined]
 
@@ -187,29 +191,44 @@ class Grammars:
                 filler.accept(accepted)
                 with torch.inference_mode():  # the buffers were made in the step's (a thread's)
                     filler.fill_into(bits, matchers)
+            except BaseException as e:
+                self._error = e
             finally:  # the stream waits for the flag: raise it whatever happened
                 self._flag.raise_to(value)
                 self.fill_seconds += time.perf_counter() - start
 
-        self._pending = self._worker.submit(fill)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="mask-fill", daemon=True)
+            self._worker.start()
+        self._queue.put(fill)
         return TokenMask(bits, rows, (self._flag, value))
 
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            job()
+
     def _settle(self) -> None:
-        """Wait for the fill in progress (it reads the matchers; a failure surfaces here)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        """Wait for the fills queued so far (they read the matchers); a failed one's error is
+        raised here."""
+        self._flag.host_wait(self._fills)
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def mask(self, reqs: list[Req], drafts: list[list[int]] | None = None) -> TokenMask:
         """The allowed next tokens of the constrained ones among `reqs` (the rows of a step
         that sample, in order), from their matchers' current state. A verify step (`drafts`
         per request, each cut by `valid_drafts`) has len(drafts) + 1 mask rows per request:
         one per scored position."""
-        self._settle()
+        self._raise_failure()
         matchers = [self._matchers.get(r.rid) for r in reqs]
-        if drafts is None:
+        if drafts is None:  # queued behind the fill in progress, if any
             rows = [i for i, m in enumerate(matchers) if m is not None]
             return self._fill_async(matchers, rows)
+        self._settle()
         self._accept_noted()
         rows, at = [], 0
         for m, d in zip(matchers, drafts, strict=True):
@@ -220,6 +239,8 @@ class Grammars:
 
     def close(self) -> None:
         self._settle()
-        self._worker.shutdown()
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
         if self._compiler is not None:
             self._compiler.close()

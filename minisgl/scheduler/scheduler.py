@@ -341,9 +341,13 @@ class Scheduler:
                 lens = [d for d, s in zip(batch.draft_lens, batch.sample) if s]
                 drafts = self.spec.host_drafts(sampling, lens)
 
+            if before_mask is None:  # its tokens are known: fill it while the model runs
+                ready = self.grammars.mask(sampling, drafts)
+
             def mask() -> TokenMask:
-                if before_mask is not None:
-                    before_mask()
+                if before_mask is None:
+                    return ready
+                before_mask()
                 return self.grammars.mask(sampling, drafts)
 
         return Step(self._launched, reqs, batch, self.engine.forward_batch(batch, mask), shape)

@@ -11,6 +11,7 @@ from minisgl.engine.sampler import (
     LogitBias,
     SamplingInputs,
     StopMask,
+    apply_token_mask,
     hashed_uniform,
     sample,
 )
@@ -187,3 +188,29 @@ def test_logit_bias_cannot_lift_a_token_the_grammar_forbids():
     inp.token_mask = TokenMask(bits, [0])
     inp.logit_bias = LogitBias.build([[(7, 100.0)], [(7, 100.0)]], v, cpu)
     assert sample(LOGITS.repeat(2, 1), inp).tokens.tolist() == [1, 7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 3, 4]])
+def test_token_mask_bans_exactly_the_clear_bits_of_the_constrained_rows(dtype, rows):
+    gen = torch.Generator().manual_seed(3)
+    words, vocab = 4, 100  # a mask wider than the vocabulary (its tail bits are ignored)
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=gen)
+    bits[1] = 0  # nothing allowed
+    bits[3] = -1  # everything allowed
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    got = apply_token_mask(logits.clone(), TokenMask(bits, rows))
+    for r in range(5):
+        for t in range(vocab):
+            allowed = r not in rows or (int(bits[r, t // 32]) >> (t % 32)) & 1
+            want = logits[r, t] if allowed else float("-inf")
+            assert got[r, t] == want, (r, t)
+
+
+def test_token_mask_narrower_than_the_logits_leaves_the_tokens_past_it():
+    logits = torch.randn(2, 50)
+    bits = torch.tensor([[0b101], [0]], dtype=torch.int32)  # row 0: tokens 0 and 2 of 0..31
+    got = apply_token_mask(logits.clone(), TokenMask(bits, [0]))
+    banned = [t for t in range(32) if t not in (0, 2)]
+    assert torch.isinf(got[0, banned]).all() and torch.equal(got[0, [0, 2]], logits[0, [0, 2]])
+    assert torch.equal(got[0, 32:], logits[0, 32:]) and torch.equal(got[1], logits[1])
