@@ -197,6 +197,7 @@ def run_server(config: ServerConfig) -> None:
             limits=config.limits,
             shutdown_timeout=config.shutdown_timeout,
             chat=config.chat,
+            served_model_names=config.served_model_names,
         )
         app = build_app(state)
         logger.info("serving %s on http://%s:%d", info.model_name, config.host, config.port)

@@ -210,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"flag the key comes from ${ENV_API_KEY} when set",
     )
     h.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names requests may give as `model` (the first is the one answers carry; "
+        "`default` names it too); other names get 404 model_not_found; default: the model's "
+        "directory or GGUF file name",
+    )
+    h.add_argument(
         "--shell",
         action="store_true",
         help="chat with the model in this terminal instead of serving HTTP",
@@ -438,6 +447,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_key=resolve_api_key(args.api_key, args.api_key_file),
         shell=args.shell,
+        served_model_names=tuple(args.served_model_name or ()),
         log_level=args.log_level,
         limits=Limits(
             max_request_bytes=args.max_request_bytes,

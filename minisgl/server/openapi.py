@@ -21,7 +21,7 @@ class ErrorDetail(_Open):
     message: str
     type: str
     param: str | None
-    code: int
+    code: str | None  # OpenAI's reason, such as "model_not_found"; mostly null
 
 
 class ErrorBody(_Open):

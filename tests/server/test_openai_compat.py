@@ -23,12 +23,14 @@ TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 VOCAB = 49152  # SmolLM2's
 TIMEOUT_S = 600
 HELLO = [{"role": "user", "content": "Say hello."}]
+SERVED = ("smol", "org/smol-v2")  # --served-model-name, several
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     logs = tmp_path_factory.mktemp("logs")
-    with running_server(logs, "--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3") as s:
+    flags = ("--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3")
+    with running_server(logs, *flags, "--served-model-name", *SERVED) as s:
         yield s
 
 
@@ -45,10 +47,50 @@ def http(server: Server) -> Iterator[httpx.Client]:
 
 def chat(client: openai.OpenAI, messages: list[Any], **kw: Any) -> Any:
     kw.setdefault("max_tokens", 4)
-    return client.chat.completions.create(model="m", messages=messages, temperature=0, **kw)
+    return client.chat.completions.create(model="default", messages=messages, temperature=0, **kw)
 
 
 # ---- the SDK's habits and request checks -------------------------------------------------------
+
+
+def test_served_model_names_answer_and_others_are_404(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    assert [m.id for m in client.models.list().data] == list(SERVED)
+    for name in SERVED:
+        assert client.models.retrieve(name).id == name
+        assert chat(client, HELLO, max_tokens=1).model == SERVED[0]  # "default": the first
+        answer = client.chat.completions.create(model=name, messages=HELLO, max_tokens=1)
+        assert answer.model == name
+    assert http.get("/v1/models/default").json()["id"] == SERVED[0]
+    for call in (
+        lambda: client.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=1),
+        lambda: client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=1),
+        lambda: client.responses.create(model="gpt-4o", input="Hi", max_output_tokens=1),
+        lambda: client.models.retrieve("gpt-4o"),
+    ):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.code == "model_not_found" and e.value.param == "model"
+        assert "gpt-4o" in e.value.message and SERVED[1] in e.value.message
+
+
+def test_tool_choice_without_tools_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    for choice in ("auto", "none", "required"):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, HELLO, tool_choice=choice)
+        assert e.value.param == "tool_choice" and e.value.code is None, choice
+        assert "tools" in e.value.message
+
+
+def test_a_body_without_content_type_is_read_as_json(server: Server) -> None:
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    url, auth = f"{server.url}/v1/completions", server.headers
+    r = httpx.post(url, content=body, headers=auth, timeout=TIMEOUT_S)  # no Content-Type
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    form = {**auth, "Content-Type": "application/x-www-form-urlencoded"}  # curl -d's default
+    r = httpx.post(url, content=body, headers=form, timeout=TIMEOUT_S)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_models_retrieve(client: openai.OpenAI) -> None:
@@ -78,18 +120,18 @@ def test_stream_options_need_stream(client: openai.OpenAI) -> None:
         assert e.value.body["param"] == "stream_options"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(
-            model="m", prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
+            model="default", prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
         )
 
 
 def test_completion_logprobs_always_hold_the_sampled_token(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="m", prompt="Once upon", max_tokens=4, logprobs=0)
+    r = client.completions.create(model="default", prompt="Once upon", max_tokens=4, logprobs=0)
     lp = r.choices[0].logprobs
     assert lp is not None and lp.top_logprobs is not None and lp.tokens is not None
     assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
     # Sampled at a high temperature, some tokens fall outside the top one: still listed.
     r = client.completions.create(
-        model="m", prompt="Once upon", max_tokens=12, logprobs=1, temperature=2.0, seed=3
+        model="default", prompt="Once upon", max_tokens=12, logprobs=1, temperature=2.0, seed=3
     )
     lp = r.choices[0].logprobs
     assert lp is not None and lp.top_logprobs is not None and lp.tokens is not None
@@ -326,14 +368,18 @@ RESPONSE_TOOLS: list[Any] = [
 
 def test_responses_text(client: openai.OpenAI) -> None:
     r = client.responses.create(
-        model="m", input="Say hello.", instructions="Be brief.", max_output_tokens=6, temperature=0
+        model="default",
+        input="Say hello.",
+        instructions="Be brief.",
+        max_output_tokens=6,
+        temperature=0,
     )
     assert r.object == "response" and r.output_text
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
     assert r.usage is not None and r.usage.output_tokens == 6
     events = list(
         client.responses.create(
-            model="m", input="Say hello.", instructions="Be brief.", max_output_tokens=6,
+            model="default", input="Say hello.", instructions="Be brief.", max_output_tokens=6,
             temperature=0, stream=True,
         )
     )  # fmt: skip
@@ -348,7 +394,7 @@ def test_responses_text(client: openai.OpenAI) -> None:
 def test_responses_json_schema(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
     r = client.responses.create(
-        model="m",
+        model="default",
         input="A person as JSON.",
         text={"format": fmt},
         max_output_tokens=60,  # type: ignore[typeddict-item]
@@ -358,7 +404,7 @@ def test_responses_json_schema(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(r.output_text), PERSON)
     events = list(
         client.responses.create(
-            model="m", input="A person as JSON.", text={"format": fmt}, max_output_tokens=60,  # type: ignore[typeddict-item]
+            model="default", input="A person as JSON.", text={"format": fmt}, max_output_tokens=60,  # type: ignore[typeddict-item]
             temperature=0, stream=True,
         )
     )  # fmt: skip
@@ -369,7 +415,7 @@ def test_responses_json_schema(client: openai.OpenAI) -> None:
 def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> None:
     choice = {"type": "function", "name": "get_weather"}
     r = client.responses.create(
-        model="m", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+        model="default", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
         parallel_tool_calls=False, max_output_tokens=80, temperature=0,
     )  # fmt: skip
     [call] = [o for o in r.output if o.type == "function_call"]
@@ -377,7 +423,7 @@ def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> No
     valid_call(call.name, call.arguments)
     events = list(
         client.responses.create(
-            model="m", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            model="default", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
             parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True,
         )
     )  # fmt: skip
@@ -390,7 +436,7 @@ def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> No
     items = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump()]
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": "18 C"})
     second = client.responses.create(
-        model="m",
+        model="default",
         input=items,
         tools=RESPONSE_TOOLS,
         max_output_tokens=6,
@@ -401,7 +447,7 @@ def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> No
 
 def test_responses_store_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="m", input="Hi", store=True, max_output_tokens=2)
+        client.responses.create(model="default", input="Hi", store=True, max_output_tokens=2)
     assert e.value.body["param"] == "store"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="m", input="Hi", previous_response_id="resp_1")
+        client.responses.create(model="default", input="Hi", previous_response_id="resp_1")
