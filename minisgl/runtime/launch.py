@@ -67,6 +67,7 @@ class Workers:
         self.config = config
         self.tmpdir = Path(tempfile.mkdtemp(prefix="minisgl-"))
         self.ipc = IpcPaths.in_dir(self.tmpdir)
+        self.tokenizer_dir = self.tmpdir / "tokenizer"  # the tokenizer worker saves it there
         self.children: dict[str, Child] = {}
         self._mp = mp.get_context("spawn")
 
@@ -92,7 +93,7 @@ class Workers:
         """Start every worker and return once all are ready (or raise StartupError)."""
         engine = self.config.engine
         logger.info("the workers' sockets and saved tokenizer: %s", self.tmpdir)
-        tokenizer_dir = self.tmpdir / "tokenizer"
+        tokenizer_dir = self.tokenizer_dir
         sched = self._spawn("scheduler", scheduler_main, engine, self.ipc)
         tok = self._spawn(
             "tokenizer", tokenizer_main, engine.model, tokenizer_dir, self.ipc, self.config.chat
@@ -105,7 +106,7 @@ class Workers:
         info = self._await_ready(tok).payload  # completed with what only the tokenizer knows
         assert isinstance(info, EngineInfo)
         self._await_ready(detok)
-        logger.info("all workers ready: %s", info)
+        logger.info("all workers ready")
         return info
 
     def _await_ready(self, child: Child) -> ChildReady:
@@ -198,6 +199,7 @@ def run_server(config: ServerConfig) -> None:
             shutdown_timeout=config.shutdown_timeout,
             chat=config.chat,
             served_model_names=config.served_model_names,
+            tokenizer_dir=workers.tokenizer_dir,
         )
         app = build_app(state)
         logger.info("serving %s on http://%s:%d", info.model_name, config.host, config.port)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +26,7 @@ from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
 from minisgl.server import responses as openai_responses
 from minisgl.server.chat import ChatParsing
+from minisgl.server.content_type import FormAsJson
 from minisgl.server.engine_client import EngineClient, EngineUnavailable
 from minisgl.server.errors import error_body, error_response, install_error_handlers
 from minisgl.server.limits import BodyLimit, Limits
@@ -48,6 +50,7 @@ from minisgl.server.protocol import (
     ResponsesRequest,
 )
 from minisgl.server.shutdown import Gate, GateMiddleware, drain
+from minisgl.server.tokenize_api import TokenizerHost, add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,8 @@ class ServerState:
     chat: ChatConfig = field(default_factory=ChatConfig)
     # `--served-model-name`: the names requests may give as `model`; empty: the model's own.
     served_model_names: tuple[str, ...] = ()
+    # The tokenizer worker's saved tokenizer, for /tokenize and /detokenize (None: no routes).
+    tokenizer_dir: Path | None = None
 
 
 class BearerAuth:
@@ -143,6 +148,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     if state.api_key is not None:
         app.add_middleware(BearerAuth, key=state.api_key)
+    app.add_middleware(FormAsJson)  # curl -d's JSON
     # A body too large is refused before anything else looks at the request.
     app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes)
     # Outermost: while shutting down, nothing new gets in.
@@ -208,6 +214,10 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         responses(ModelList, *got),
         responses(ModelCard, *got, 404),
     )
+
+    if state.tokenizer_dir is not None:
+        host = TokenizerHost(state.tokenizer_dir)
+        add_tokenize_routes(app, host, served, modeled, got)
 
     @app.post("/flush_cache", responses=responses(Status, *posted))
     async def flush_cache() -> JSONResponse:

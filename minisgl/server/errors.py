@@ -107,8 +107,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 NOT_JSON = (
-    "the body must be a JSON object sent with `Content-Type: application/json` (or with no "
-    "Content-Type); curl -d sends application/x-www-form-urlencoded unless told otherwise"
+    "the body must be a JSON object sent with `Content-Type: application/json` (or with none, "
+    "or as curl -d's application/x-www-form-urlencoded)"
 )
 
 

@@ -7,6 +7,9 @@ a grammar, or declined) over two turns, the reasoning split, and the Responses A
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving_helpers import Server, running_server
+from serving_helpers import Server, metrics, running_server
+
+import minisgl
+from minisgl.weights import load_model_config, resolve_source
 
 pytestmark = pytest.mark.slow  # a server of its own: about a minute to start
 
@@ -83,13 +89,16 @@ def test_tool_choice_without_tools_is_a_400_naming_it(client: openai.OpenAI) -> 
         assert "tools" in e.value.message
 
 
-def test_a_body_without_content_type_is_read_as_json(server: Server) -> None:
+def test_a_body_without_content_type_or_as_a_form_is_read_as_json(server: Server) -> None:
     body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
     url, auth = f"{server.url}/v1/completions", server.headers
     r = httpx.post(url, content=body, headers=auth, timeout=TIMEOUT_S)  # no Content-Type
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
     form = {**auth, "Content-Type": "application/x-www-form-urlencoded"}  # curl -d's default
     r = httpx.post(url, content=body, headers=form, timeout=TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    text = {**auth, "Content-Type": "text/plain"}
+    r = httpx.post(url, content=body, headers=text, timeout=TIMEOUT_S)
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
@@ -451,3 +460,65 @@ def test_responses_store_is_refused(client: openai.OpenAI) -> None:
     assert e.value.body["param"] == "store"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="default", input="Hi", previous_response_id="resp_1")
+
+
+# ---- /tokenize, /detokenize, /version and the start-up summary ----------------------------------
+
+
+def test_tokenize_detokenize_round_trip_equals_the_tokenizer(
+    http: httpx.Client, tokenizer: Any
+) -> None:
+    text = "Hello, world! Ünïcödé and numbers 12345."
+    r = http.post("/tokenize", json={"model": SERVED[1], "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    own = tokenizer.encode(text)
+    assert body["tokens"] == own and body["count"] == len(own)
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(own)
+    assert body["max_model_len"] == http.get("/v1/models").json()["data"][0]["max_model_len"]
+    back = http.post("/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": tokenizer.decode(own)}
+    chat_ids = http.post("/tokenize", json={"messages": HELLO}).json()["tokens"]
+    tokenizer_with_template = dict(chat_template=TEMPLATE.read_text())
+    rendered = tokenizer.apply_chat_template(
+        HELLO, tokenize=False, add_generation_prompt=True, **tokenizer_with_template
+    )
+    assert chat_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    for path, bad, param in (
+        ("/tokenize", {"prompt": "a", "messages": HELLO}, "prompt"),
+        ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
+        ("/tokenize", {"model": "gpt-4o", "prompt": "a"}, "model"),
+    ):
+        r = http.post(path, json=bad)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+def test_version_route_and_flag(http: httpx.Client) -> None:
+    assert http.get("/version").json() == {"version": minisgl.__version__}
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == f"minisgl {minisgl.__version__}"
+
+
+def test_the_start_up_summary_is_one_block_with_the_engines_numbers(
+    server: Server, http: httpx.Client
+) -> None:
+    log = server.log_text()
+    assert "EngineInfo(" not in log and log.count("  KV pool ") == 1
+    m = re.search(
+        r"KV pool +(\d+) pages x (\d+) tokens = (\d+) tokens, ([\d.]+) GiB \((\w+)\)", log
+    )
+    assert m is not None, log[-3000:]
+    pages, page_size, tokens, gib, kv_dtype = int(m[1]), int(m[2]), int(m[3]), m[4], m[5]
+    kv = metrics(http)
+    states = ("free", "held", "protected", "evictable")
+    assert (
+        pages == kv["minisgl_kv_pages[total]"] == sum(kv[f"minisgl_kv_pages[{s}]"] for s in states)
+    )
+    assert tokens == pages * page_size and kv_dtype == "float32"  # the CPU's default
+    cfg = load_model_config(resolve_source(None))
+    kv_bytes = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * 4
+    assert gib == f"{kv_bytes / 2**30:.2f}"
+    for line in ("dtype       float32 on cpu", "weights     ", "CUDA graphs none", "ready in    "):
+        assert line in log, line
