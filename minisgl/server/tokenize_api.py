@@ -64,9 +64,12 @@ def tokenize(tok: Any, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return list(tok.encode(body.prompt, add_special_tokens=special))
-    text = tok.apply_chat_template(
-        body.messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
-    )
+    try:
+        text = tok.apply_chat_template(
+            body.messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
+        )
+    except Exception as e:  # the template's own complaint about the messages (Jinja, KeyError)
+        raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from e
     return list(tok.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
