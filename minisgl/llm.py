@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -14,22 +16,26 @@ from tqdm import tqdm
 from minisgl.config import ChatConfig, EngineConfig, resolve_chat_template
 from minisgl.core import InvalidRequestError, Req, SamplingParams
 from minisgl.engine import Engine
+from minisgl.engine.startup import summarize
 from minisgl.message import ChatOptions
 from minisgl.runtime.ranks import TPLaunch, start_scheduler
 from minisgl.tokenizer.output import OutputDelta, OutputOptions, RequestOutput
 from minisgl.tokenizer.parsers import THINK_END, detect_tool_call_parser
 from minisgl.tokenizer.tokenize import chat_ids, message_from_dict, single_token
 from minisgl.tokenizer.tools import ToolPlan, assistant_message, output_parser, tool_plan
-from minisgl.weights import load_tokenizer, resolve_source
+from minisgl.weights import fetch_model, load_tokenizer, resolve_source
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]
+# Sampling parameters as the dataclass or as a dict of its fields (vLLM's habit).
+Params = SamplingParams | dict[str, Any]
 
 
 class LLM:
     """Generate text offline.
 
-    `model` is None (the embedded SmolLM2-135M-Instruct), an HF directory or a `.gguf` file.
+    `model` is None (the embedded SmolLM2-135M-Instruct), a hub id (`org/name`, fetched into
+    the hub cache; `revision` picks a branch, tag or commit), an HF directory or a `.gguf` file.
     Options are the fields of `EngineConfig` (dtype, device, load_format, page_size,
     max_prefill_tokens, max_running_requests, num_pages, cache, tp_size, seed, ...). The chat
     options are the server's: `chat_template` (a file or Jinja text in place of the model's),
@@ -40,6 +46,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
+        revision: str | None = None,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
@@ -51,13 +58,23 @@ class LLM:
         self.chat_config = ChatConfig(
             resolve_chat_template(chat_template), tool_call_parser, reasoning_parser
         )
+        started = time.perf_counter()
+        path = fetch_model(model, revision)  # a hub id: its snapshot in the hub cache
+        name = resolve_source(path).name if path == model else str(model)  # a hub id as given
+        model = path
         config = EngineConfig(model=model, **options)
+        if config.show_progress:  # loading takes seconds to minutes: say so, terminal or not
+            print(f"minisgl: loading {name} ...", file=sys.stderr, flush=True)
         # At tp > 1 this process is rank 0; ranks 1..N-1 run in processes of their own.
         self._tp: TPLaunch | None = None
         self.scheduler, self._tp = start_scheduler(config)
         # Grammars compile against the tokenizer this LLM loads anyway.
         self.scheduler.grammars.load_tokenizer = lambda: self.tokenizer
         self.engine: Engine = self.scheduler.engine
+        # What start-up built and how long it took (printed with `show_progress`).
+        self.startup = summarize(self.engine, name, started)
+        if config.show_progress:
+            print(self.startup.text(), file=sys.stderr, flush=True)
         self._model = model
         self._tokenizer: Any = None
         self._rng = random.Random(config.seed)
@@ -106,11 +123,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: Params | Sequence[Params] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """Generate for every prompt (text or token ids); results in prompt order."""
+        """Generate for every prompt (text or token ids); results in prompt order. One string,
+        or one list of token ids, is one prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [cast(Prompt, prompts)]
+        prompts = cast(Sequence[Prompt], prompts)
         params = self._params_per_prompt(len(prompts), sampling_params)
         reqs = [self._make_req(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:  # validate all before admitting any, so a bad one leaves nothing behind
@@ -131,7 +152,7 @@ class LLM:
     def chat(
         self,
         conversations: Conversation | Sequence[Conversation],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: Params | Sequence[Params] | None = None,
         use_tqdm: bool = True,
         *,
         tools: list[dict[str, Any]] | None = None,
@@ -188,16 +209,14 @@ class LLM:
     # ---- internals ---------------------------------------------------------------------------
 
     @staticmethod
-    def _params_per_prompt(
-        n: int, sp: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[SamplingParams]:
+    def _params_per_prompt(n: int, sp: Params | Sequence[Params] | None) -> list[SamplingParams]:
         if sp is None:
             return [SamplingParams()] * n
-        if isinstance(sp, SamplingParams):
-            return [sp] * n
+        if isinstance(sp, (SamplingParams, dict)):
+            return [_sampling_params(sp)] * n
         if len(sp) != n:
             raise ValueError(f"sampling_params: {len(sp)} given for {n} prompts")
-        return list(sp)
+        return [_sampling_params(p) for p in sp]
 
     def _make_req(self, prompt: Prompt, params: SamplingParams) -> Req:
         params.check_vocab(self.engine.model_config.vocab_size)
@@ -228,6 +247,15 @@ class LLM:
                         bar.update(1)
         finally:
             bar.close()
+
+
+def _sampling_params(sp: Params) -> SamplingParams:
+    if isinstance(sp, SamplingParams):
+        return sp
+    unknown = set(sp) - set(SamplingParams.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"sampling_params: unknown fields {sorted(unknown)}")
+    return SamplingParams(**sp)
 
 
 class _Answer:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # W4 on a GPU, in one device call: the HTTP server on a config-only model (dummy weights, a
 # synthetic tokenizer) streaming to CLIENTS client processes, against the offline engine on the
-# same requests; every request's server token times saved under $OUT for the ITL plots
-# (scripts/plot_itl.py OUT.png w4.times.json). A summary last.
+# same requests; every request's server token times saved under $OUT, and the ITL and TTFT
+# plots drawn there (NAME.png; needs matplotlib). A summary last.
 #   OUT=/dir bash scripts/gpu_serving.sh
 # STEPS (default "w4 abort"), any of:
 #   w4          Poisson arrivals at RATES (default 16,inf) with each latency target of TARGETS
@@ -24,7 +24,8 @@ serving() {  # serving NAME FLAGS...: the benchmark with its own server
   local name=$1
   shift
   run_step "$name" 300 "$PY" -m minisgl.benchmark.serving --model "$MODEL" $W4 --mem-fraction 0.42 \
-    --server-log "$OUT/$name.server.log" --token-times-out "$OUT/$name.times.json" "$@"
+    --server-log "$OUT/$name.server.log" --token-times-out "$OUT/$name.times.json" \
+    --plot "$OUT/$name.png" "$@"
 }
 
 cpu_ticks() {  # pid, name and CPU ticks of the server process and its workers

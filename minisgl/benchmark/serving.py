@@ -36,6 +36,10 @@ value, each against a server of its own (the offline run once), and reports each
 uniformly, seeded), starts the server with `--schedule-policy priority` and reports TTFT and
 ITL per class under `by_priority`; `--server-args` passes more flags to the server (e.g.
 `--num-pages 4000` for a pool too small for every request, so that retraction happens).
+
+Against a running server: `--url URL` (with `--api-key KEY` or `$OPENAI_API_KEY` when it has a
+key); `--dataset FILE` takes the prompts from a ShareGPT-style JSON file; `--plot OUT.png` draws
+the ITL and TTFT distributions (matplotlib).
 """
 
 from __future__ import annotations
@@ -55,8 +59,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from minisgl.benchmark.datasets import sharegpt_requests
+from minisgl.benchmark.plots import plot_latencies
+from minisgl.weights import load_tokenizer, resolve_source
 
 DEFAULT_RATES = ("1", "2", "4", "inf")
 # `--short-requests`: many short requests, where the API's cost per request shows.
@@ -237,7 +246,7 @@ async def run_rate(
     wired: dict[str, float] = {}
     client = openai.AsyncOpenAI(
         base_url=f"{url}/v1",
-        api_key="none",
+        api_key=os.environ.get(ENV_OPENAI_KEY) or "none",
         max_retries=0,
         timeout=3600,
         http_client=wire_times(wired),
@@ -424,13 +433,23 @@ class ServerProcess:
         self.proc.wait(60)
 
 
+# The key the clients send (`--api-key` sets it; the client processes inherit it).
+ENV_OPENAI_KEY = "OPENAI_API_KEY"
+
+
+def auth_headers() -> dict[str, str]:
+    key = os.environ.get(ENV_OPENAI_KEY)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def flush_cache(url: str, timeout: float = 60) -> None:
     """Empty the server's prefix cache, retrying while requests of a previous run (aborted
     clients) are still in flight."""
     import httpx
 
     deadline = time.monotonic() + timeout
-    while (r := httpx.post(f"{url}/flush_cache", timeout=timeout)).status_code == 400:
+    post = partial(httpx.post, f"{url}/flush_cache", timeout=timeout, headers=auth_headers())
+    while (r := post()).status_code == 400:
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -450,7 +469,7 @@ SERVER_TOTALS = {
 def server_totals(url: str) -> dict[str, float]:
     import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", timeout=30, headers=auth_headers()).text
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] not in ("#", ""))
     return {key: float(values.get(name, 0.0)) for key, name in SERVER_TOTALS.items()}
 
@@ -507,6 +526,7 @@ def run_online(
     return summary | {
         "server": {k: after[k] - before[k] for k in after},
         "token_times": [[t.priority, *t.server_times] for t in traces],
+        "ttft_each_ms": [(t.first - t.sent) * 1e3 for t in traces if t.first],
     }
 
 
@@ -627,6 +647,26 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default=None, help="use a running server instead of starting one")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(ENV_OPENAI_KEY),
+        help=f"the key of a server started with one (default: ${ENV_OPENAI_KEY})",
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        metavar="SHAREGPT_JSON",
+        help="draw the prompts from this ShareGPT-style JSON file (the first human turn of "
+        "each conversation; the reply's length, within --output-len, sets max_tokens) instead "
+        "of random token ids",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw the ITL and TTFT distributions of every rate here (needs matplotlib: "
+        "pip install 'minisgl[plot]')",
+    )
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument(
         "--repeats",
@@ -691,7 +731,16 @@ def main(argv: list[str] | None = None) -> None:
         vars(args).update(SHORT_MODE)
     if args.url and args.itl_targets:
         p.error("--itl-targets starts servers of its own; leave --url out")
+    if args.api_key:
+        os.environ[ENV_OPENAI_KEY] = args.api_key
     work = Workload.draw(args.num_requests, args.seed, args.prompt_len, args.output_len)
+    if args.dataset:
+        tokenizer = load_tokenizer(resolve_source(args.model))
+        prompts, output_lens = sharegpt_requests(
+            args.dataset, args.num_requests, args.seed, tokenizer, args.output_len,
+            args.prompt_len[1],
+        )  # fmt: skip
+        work = Workload(prompts, output_lens)
     if args.priority_classes:
         work = work.with_classes([int(c) for c in args.priority_classes.split(",")], args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -764,12 +813,19 @@ def report(
     for target, runs in (by_target or {}).items():
         print(f"--itl-target-ms {target}:")
         print_table(None, runs)
+    if args.plot:  # every rate of every server (one per ITL target)
+        servers = by_target or {"": online}
+        runs = {
+            f"{t} rate {r}".strip(): s for t, rates in servers.items() for r, s in rates.items()
+        }
+        plot_latencies(runs, args.plot)
     times = {
         target: {rate: summary.pop("token_times", []) for rate, summary in runs.items()}
         for target, runs in (by_target or {"default": online}).items()
     }
     for summary in (*online.values(), *saturated_runs):
         summary.pop("token_times", None)
+        summary.pop("ttft_each_ms", None)
     if args.token_times_out:
         Path(args.token_times_out).write_text(json.dumps(times))
     print_table(offline, online)

@@ -66,6 +66,9 @@ class ServerConfig:
     port: int = 1919
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     shell: bool = False
+    # The names requests may give as `model` (the first is the one answers carry); empty: the
+    # model's own name (its directory's or GGUF file's).
+    served_model_names: tuple[str, ...] = ()
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
     deadlines: Deadlines = field(default_factory=Deadlines)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -62,6 +63,7 @@ class Engine:
         and returns the count every rank uses (the runtime passes the minimum over the ranks):
         the pool and the CUDA graphs are then built for it, the same on every rank.
         """
+        started = time.perf_counter()
         src = resolve_source(config.model)
         self.model_config: ModelConfig = load_model_config(src)
         self.config = apply_env_switches(resolve_engine_config(config, self.model_config.dtype))
@@ -83,8 +85,15 @@ class Engine:
         self.tier: TierCopier | None = make_tier_copier(
             self.pool, cfg.kv_host_gib, cfg.kv_disk_dir, cfg.kv_disk_gib, get_tp_info().rank
         )
+        captured = time.perf_counter()
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
+        # For the start-up summary (`minisgl.engine.startup`).
+        self.graphs_s = time.perf_counter() - captured
+        self.load_s = time.perf_counter() - started
+        decode = len(self.graphs.sizes) if self.graphs is not None and self.graphs.captured else 0
+        pieces = self.pieces
+        self.num_graphs = decode + (len(pieces.pieces) + len(pieces.whole) if pieces else 0)
         # Speculative decoding's device proposer (the layer-skip draft), if configured.
         self.drafter = make_device_proposer(self)
         self.num_steps = 0  # batches run so far (the warm-up's included)
@@ -136,7 +145,10 @@ class Engine:
             cfg.attention_backend, self.pool, self.table, num_q_heads, sm_scale
         )
         agreed = f" (the ranks' minimum; this rank's budget holds {own})" if agree_num_pages else ""
-        logger.info("KV pool: %d pages of %d tokens%s", self.num_pages, cfg.page_size, agreed)
+        # The start-up summary (`minisgl.engine.startup`) says it once; this line says how the
+        # tensor-parallel ranks agreed.
+        level = logging.INFO if agree_num_pages else logging.DEBUG
+        logger.log(level, "KV pool: %d pages of %d tokens%s", self.num_pages, cfg.page_size, agreed)
 
     def _wants_graphs(self) -> bool:
         """Decode CUDA graphs: on CUDA, unless disabled, with a backend that can be captured."""

@@ -11,6 +11,7 @@ import os
 import socket
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from minisgl.message import EngineInfo
@@ -29,10 +30,14 @@ def api_main(
     ipc: IpcPaths,
     index: int,
     queued: Any,
+    tokenizer_dir: Path,
     link: ParentLink,
 ) -> None:
-    """`queued`: a shared `multiprocessing.Value` of the sequences queued server-wide."""
-    run_child(f"api{index}", link, lambda c: _start(config, info, ipc, index, queued, c))
+    """`queued`: a shared `multiprocessing.Value` of the sequences queued server-wide;
+    `tokenizer_dir`: the tokenizer worker's saved tokenizer (for /tokenize, /detokenize)."""
+    run_child(
+        f"api{index}", link, lambda c: _start(config, info, ipc, index, queued, tokenizer_dir, c)
+    )
 
 
 def _start(
@@ -41,6 +46,7 @@ def _start(
     ipc: IpcPaths,
     index: int,
     queued: Any,
+    tokenizer_dir: Path,
     conn: Connection,
 ) -> Callable[[], None]:
     import uvicorn
@@ -58,6 +64,8 @@ def _start(
         chat=config.chat,
         index=index,
         queued=queued,
+        served_model_names=config.served_model_names,
+        tokenizer_dir=tokenizer_dir,
     )
     uv_config = uvicorn.Config(
         build_app(state),

@@ -71,6 +71,7 @@ class Workers:
         self.config = config
         self.tmpdir = Path(tempfile.mkdtemp(prefix="minisgl-"))
         self.ipc = IpcPaths.in_dir(self.tmpdir, config.api_server_count)
+        self.tokenizer_dir = self.tmpdir / "tokenizer"  # the tokenizer worker saves it there
         self.children: dict[str, Child] = {}
         self._mp = mp.get_context("spawn")
 
@@ -96,7 +97,7 @@ class Workers:
         """Start every worker and return once all are ready (or raise StartupError)."""
         engine = self.config.engine
         logger.info("the workers' sockets and saved tokenizer: %s", self.tmpdir)
-        tokenizer_dir = self.tmpdir / "tokenizer"
+        tokenizer_dir = self.tokenizer_dir
         sched = self._spawn("scheduler", scheduler_main, engine, self.ipc)
         tok = self._spawn(
             "tokenizer", tokenizer_main, engine.model, tokenizer_dir, self.ipc, self.config.chat
@@ -109,7 +110,7 @@ class Workers:
         info = self._await_ready(tok).payload  # completed with what only the tokenizer knows
         assert isinstance(info, EngineInfo)
         self._await_ready(detok)
-        logger.info("all workers ready: %s", info)
+        logger.info("all workers ready")
         return info
 
     def start_apis(self, info: EngineInfo, port: int) -> list[Child]:
@@ -122,7 +123,9 @@ class Workers:
         os.environ[METRICS_DIR_ENV] = str(metrics)  # each API process's copy is what counts
         try:
             apis = [
-                self._spawn(f"api{k}", api_main, config, info, self.ipc, k, queued)
+                self._spawn(
+                    f"api{k}", api_main, config, info, self.ipc, k, queued, self.tokenizer_dir
+                )
                 for k in range(config.api_server_count)
             ]
         finally:

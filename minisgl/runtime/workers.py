@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from minisgl.config import ChatConfig, EngineConfig
+from minisgl.engine.startup import summarize
 from minisgl.message import EngineInfo
 from minisgl.message.transport import ApiSenders, IpcPaths, Receiver, Sender, worker_context
 from minisgl.runtime.child import ChildReady, ParentLink, freeze_gc, run_child
@@ -39,20 +41,22 @@ def scheduler_main(config: EngineConfig, ipc: IpcPaths, link: ParentLink) -> Non
 
 
 def _start_scheduler(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
+    started = time.perf_counter()
     scheduler, tp = start_scheduler(config)
     if tp is not None:
         tp.watch(_exit_on_rank_failure)
     ctx = worker_context()
     proc = SchedulerProcess(scheduler, Receiver(ctx, ipc.scheduler), Sender(ctx, ipc.detokenizer))
+    name = resolve_source(config.model).name
     info = EngineInfo(
-        model_name=resolve_source(config.model).name,
+        model_name=name,
         max_context=scheduler.max_context,
         num_pages=scheduler.num_pages,
         page_size=scheduler.page_size,
         vocab_size=scheduler.engine.model_config.vocab_size,
     )
     conn.send(ChildReady(info))
-    logger.info("scheduler ready: %s", info)
+    logger.info("%s", summarize(scheduler.engine, name, started).text())
     freeze_gc()
     return proc.run_forever
 

@@ -10,12 +10,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from minisgl import __version__
 from minisgl.config import ChatConfig
 from minisgl.config.server import DEFAULT_SHUTDOWN_TIMEOUT_S
 from minisgl.message import EngineInfo
@@ -23,10 +26,12 @@ from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
 from minisgl.server import responses as openai_responses
 from minisgl.server.chat import ChatParsing
+from minisgl.server.content_type import FormAsJson
 from minisgl.server.engine_client import EngineClient, EngineUnavailable
 from minisgl.server.errors import error_body, error_response, install_error_handlers
 from minisgl.server.limits import BodyLimit, Limits
 from minisgl.server.metrics import Metrics
+from minisgl.server.models import ServedModels, add_model_routes
 from minisgl.server.openapi import (
     ChatCompletion,
     Completion,
@@ -45,6 +50,7 @@ from minisgl.server.protocol import (
     ResponsesRequest,
 )
 from minisgl.server.shutdown import Gate, GateMiddleware, drain
+from minisgl.server.tokenize_api import TokenizerHost, add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,10 @@ class ServerState:
     chat: ChatConfig = field(default_factory=ChatConfig)
     index: int = 0  # this API server process's, of `ipc.num_apis`
     queued: Any = None  # the sequences queued server-wide (`EngineClient`)
+    # `--served-model-name`: the names requests may give as `model`; empty: the model's own.
+    served_model_names: tuple[str, ...] = ()
+    # The tokenizer worker's saved tokenizer, for /tokenize and /detokenize (None: no routes).
+    tokenizer_dir: Path | None = None
 
 
 class BearerAuth:
@@ -89,6 +99,7 @@ class BearerAuth:
             401,
             "missing or wrong API key: send `Authorization: Bearer "
             "<key>` with the key the server was started with",
+            code="invalid_api_key",
         )
         await response(scope, receive, send)
 
@@ -134,10 +145,14 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             await client.stop()
 
-    app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
+    # A body without Content-Type is read as JSON (curl and scripts often send none).
+    app = FastAPI(
+        title="minisgl", version=__version__, lifespan=lifespan, strict_content_type=False
+    )
     install_error_handlers(app)
     if state.api_key is not None:
         app.add_middleware(BearerAuth, key=state.api_key)
+    app.add_middleware(FormAsJson)  # curl -d's JSON
     # A body too large is refused before anything else looks at the request.
     app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes)
     # Outermost: while shutting down, nothing new gets in.
@@ -165,56 +180,48 @@ def _get_and_head(app: FastAPI, path: str, endpoint: Callable[..., Any], **kw: A
 
 
 def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
-    model = state.info.model_name
+    served = ServedModels(
+        state.served_model_names or (state.info.model_name,),
+        state.info.max_context,
+        int(time.time()),
+    )
     parsing = ChatParsing(
         state.chat.tool_call_parser or state.info.tool_call_parser, state.chat.reasoning_parser
     )
-    started = int(time.time())
     auth = (401,) if state.api_key is not None else ()
     got = (*auth, 503)  # what every GET route can answer besides 200 (503: shutting down)
     posted = (*got, 400, 408, 413)  # what every POST route can answer besides 200
+    modeled = (*posted, 404)  # ... and those that name a `model`
 
-    @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *posted, stream=True))
+    @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *modeled, stream=True))
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        model = served.check(body.model)
         return await openai_api.chat_completions(request, body, _client(state), model, parsing)
 
-    @app.post("/v1/responses", responses=responses(ResponseObject, *posted, stream=True))
+    @app.post("/v1/responses", responses=responses(ResponseObject, *modeled, stream=True))
     async def create_response(request: Request, body: ResponsesRequest) -> Response:
         """The Responses API, stateless (`store` only false)."""
+        model = served.check(body.model)
         return await openai_responses.create_response(request, body, _client(state), model, parsing)
 
-    @app.post("/v1/completions", responses=responses(Completion, *posted, stream=True))
+    @app.post("/v1/completions", responses=responses(Completion, *modeled, stream=True))
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await openai_api.completions(request, body, _client(state), model)
+        return await openai_api.completions(request, body, _client(state), served.check(body.model))
 
     @app.post("/generate", responses=responses(Generated, *posted, stream=True))
     async def generate(request: Request, body: GenerateRequest) -> Response:
         return await native_api.generate(request, body, _client(state))
 
-    card = {
-        "id": model,
-        "object": "model",
-        "created": started,
-        "owned_by": "minisgl",
-        "max_model_len": state.info.max_context,
-    }
-
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card]})
-
-    _get_and_head(app, "/v1/models", models, responses=responses(ModelList, *got))
-
-    async def model_card(model_id: str) -> JSONResponse:
-        """One model (the SDK's `models.retrieve`); ids may hold slashes."""
-        if model_id != model:
-            return error_response(
-                404, f"model {model_id!r} does not exist; this server serves {model!r}", "model"
-            )
-        return JSONResponse(card)
-
-    _get_and_head(
-        app, "/v1/models/{model_id:path}", model_card, responses=responses(ModelCard, *got, 404)
+    add_model_routes(
+        partial(_get_and_head, app),
+        served,
+        responses(ModelList, *got),
+        responses(ModelCard, *got, 404),
     )
+
+    if state.tokenizer_dir is not None:
+        host = TokenizerHost(state.tokenizer_dir)
+        add_tokenize_routes(app, host, served, modeled, got)
 
     @app.post("/flush_cache", responses=responses(Status, *posted))
     async def flush_cache() -> JSONResponse:

@@ -7,6 +7,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from minisgl import __version__
 from minisgl.config import (
     DTYPES,
     REASONING_PARSERS,
@@ -17,24 +18,33 @@ from minisgl.config import (
     EngineConfig,
     resolve_chat_template,
 )
+from minisgl.config.cli import add_aliases
 from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
 from minisgl.config.secrets import ENV_API_KEY, resolve_api_key
 from minisgl.config.server import LOG_LEVELS, Deadlines, Limits, ServerConfig
 from minisgl.kvcache import CACHE_KINDS
-from minisgl.weights import resolve_source
+from minisgl.weights import fetch_model, resolve_source
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m minisgl",
+        prog="minisgl",
         description="Serve a model over an OpenAI-compatible HTTP API, or chat with it (--shell).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"minisgl {__version__}")
     m = p.add_argument_group("model")
     m.add_argument(
         "--model",
         default=None,
-        help="HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+        help="a Hugging Face hub id (org/name, or org/name/file.gguf: fetched into the hub "
+        "cache with a progress bar; HF_TOKEN, HF_HUB_CACHE and HF_HUB_OFFLINE=1 respected), an "
+        "HF model directory or a .gguf file; default: the embedded SmolLM2-135M-Instruct",
+    )
+    m.add_argument(
+        "--revision",
+        default=None,
+        help="with a hub id: the branch, tag or commit to fetch; default: main",
     )
     m.add_argument(
         "--dtype",
@@ -239,6 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU, 1 on a CPU",
     )
     h.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names requests may give as `model` (the first is the one answers carry; "
+        "`default` names it too); other names get 404 model_not_found; default: the model's "
+        "directory or GGUF file name",
+    )
+    h.add_argument(
         "--shell",
         action="store_true",
         help="chat with the model in this terminal instead of serving HTTP",
@@ -261,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_chat_flags(p)
     _add_limit_flags(p)
+    add_aliases(p)
     return p
 
 
@@ -418,9 +438,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError naming the flag to change."""
-    resolve_source(args.model)  # fail here, not after the workers started, on a bad path
+    model = fetch_model(args.model, args.revision)  # a hub id: its snapshot in the hub cache
+    resolve_source(model)  # fail here, not after the workers started, on a bad path
+    # A hub id is the served name unless names are given (the snapshot's folder is a hash).
+    served = args.served_model_name or ([args.model] if model != args.model else [])
     engine = EngineConfig(
-        model=args.model,
+        model=model,
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,
@@ -470,6 +493,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_key=resolve_api_key(args.api_key, args.api_key_file),
         shell=args.shell,
+        served_model_names=tuple(served),
         log_level=args.log_level,
         limits=Limits(
             max_request_bytes=args.max_request_bytes,

@@ -22,20 +22,14 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minisgl.config.server import Deadlines
+from minisgl.server.errors import error_body
 
 logger = logging.getLogger(__name__)
 
 
 def _timeout_response(what: str, seconds: float) -> bytes:
     body = json.dumps(
-        {
-            "error": {
-                "message": f"the request's {what} did not arrive within {seconds:g} s",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": 408,
-            }
-        }
+        error_body(408, f"the request's {what} did not arrive within {seconds:g} s")
     ).encode()
     head = (
         "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"

@@ -29,7 +29,8 @@ _TYPES = {
 
 
 class ApiError(Exception):
-    """An answer other than 2xx; `param` names the request field at fault."""
+    """An answer other than 2xx; `param` names the request field at fault, `code` is OpenAI's
+    machine-readable reason (such as "model_not_found"), or None where OpenAI sends null."""
 
     def __init__(
         self,
@@ -37,12 +38,14 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers
+        self.code = code
 
     @staticmethod
     def from_invalid(e: InvalidRequestError) -> ApiError:
@@ -60,13 +63,17 @@ class ClientDisconnected(Exception):
     """The client went away before its answer was ready (nobody reads the response)."""
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object: `code` a string or null, as OpenAI sends it (the SDK's `e.code`);
+    the HTTP status is the response's own."""
     return {
         "error": {
             "message": message,
             "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
             "param": param,
-            "code": status,
+            "code": code,
         }
     }
 
@@ -76,8 +83,11 @@ def error_response(
     message: str,
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -90,8 +100,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+    if not loc and isinstance(first.get("input"), bytes):  # a Content-Type other than JSON's
+        return NOT_JSON, None
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"{param or 'body'}: {msg}{more}", param
+
+
+NOT_JSON = (
+    "the body must be a JSON object sent with `Content-Type: application/json` (or with none, "
+    "or as curl -d's application/x-www-form-urlencoded)"
+)
 
 
 def _method_not_allowed(request: Request) -> JSONResponse:
@@ -113,7 +131,7 @@ def _method_not_allowed(request: Request) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+        return error_response(exc.status, exc.message, exc.param, exc.headers, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -21,7 +21,7 @@ class ErrorDetail(_Open):
     message: str
     type: str
     param: str | None
-    code: int
+    code: str | None  # OpenAI's reason, such as "model_not_found"; mostly null
 
 
 class ErrorBody(_Open):
@@ -104,6 +104,21 @@ class Status(_Open):
     status: str
 
 
+class Tokenized(_Open):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Detokenized(_Open):
+    prompt: str
+
+
+class Version(_Open):
+    version: str
+
+
 # ---- status codes --------------------------------------------------------------------------
 
 _WHY = {
@@ -113,7 +128,7 @@ _WHY = {
     ),
     401: "Missing or wrong API key.",
     408: "The request's header or body did not arrive within the server's time-out.",
-    404: "No such model: the server serves one, the id `/v1/models` lists.",
+    404: "No such model (`error.code` model_not_found): `/v1/models` lists those served.",
     413: "The request body is larger than --max-request-bytes.",
     503: "The engine is unavailable, the server is shutting down, or (with Retry-After) too "
     "many sequences are queued.",

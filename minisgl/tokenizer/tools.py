@@ -37,11 +37,16 @@ def tool_plan(
     the call format; `other_grammar`: the field of another constraint, if the request has one.
     A bad combination raises InvalidRequestError naming `tool_choice` or `tools`."""
     functions = [_function(t) for t in tools]
+    if choice is not None and not tools:  # as OpenAI and vLLM answer (400), not ignored
+        forced = choice == "required" or isinstance(choice, dict)
+        raise InvalidRequestError(
+            "tool_choice: forcing a call needs `tools`"
+            if forced
+            else f"tool_choice: {choice!r} is only allowed with `tools`; leave it out"
+        )
     choice = choice if choice is not None else ("auto" if tools else "none")
     named = choice["function"]["name"] if isinstance(choice, dict) else None
     forced = choice == "required" or named is not None
-    if forced and not tools:
-        raise InvalidRequestError("tool_choice: forcing a call needs `tools`")
     if forced and other_grammar is not None:
         raise InvalidRequestError(
             f"tool_choice: a forced call cannot also follow {other_grammar}; drop one of them"

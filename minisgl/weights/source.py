@@ -1,10 +1,12 @@
-"""Where a model comes from: an HF directory, a single GGUF file, or the embedded default."""
+"""Where a model comes from: an HF directory, a single GGUF file, a Hugging Face hub id
+(fetched into the hub's cache first), or the embedded default."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,45 @@ _MODEL_TYPES = {
 
 class ModelNotFoundError(ValueError):
     """The model path does not exist or holds no loadable model."""
+
+
+# `org/name` (a repository) or `org/name/file.gguf` (one GGUF file of it), in the hub's
+# spelling of names: letters, digits, `-`, `_`, `.`.
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(/[\w.-]+\.gguf)?")
+# A repository's files a model needs (a GGUF file is asked for by name: a GGUF repository
+# often holds a dozen quantizations of several GB each).
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether `model` names a hub repository rather than a local path (one that exists is
+    always the path)."""
+    return not Path(model).expanduser().exists() and _HUB_ID.fullmatch(model) is not None
+
+
+def fetch_model(model: str | None, revision: str | None = None) -> str | None:
+    """A local path for `model`: itself when not a hub id; for a hub id, its snapshot in the
+    hub's cache, downloaded by `huggingface_hub` with its progress bar when not there yet
+    (`HF_TOKEN`, `HF_HUB_CACHE` and offline mode, `HF_HUB_OFFLINE=1`, are respected).
+    `revision`: a branch, tag or commit of the repository (default: main)."""
+    if model is None or not is_hub_id(model):
+        if revision is not None:
+            raise ModelNotFoundError("revision: only a hub id has revisions; leave it out")
+        return model
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    org, name, *file = model.split("/")
+    try:
+        if file:
+            return hf_hub_download(f"{org}/{name}", file[0], revision=revision)
+        return str(snapshot_download(model, revision=revision, allow_patterns=list(HUB_PATTERNS)))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        raise ModelNotFoundError(
+            f"model: {model!r} is neither a local path nor a hub repository this machine can "
+            f"fetch ({type(e).__name__}: {e}); with HF_HUB_OFFLINE=1 it must be in the hub "
+            "cache (HF_HUB_CACHE) already"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -55,7 +96,10 @@ def default_model_path() -> Path:
 def resolve_source(model: str | Path | None) -> ModelSource:
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(f"model: {str(path)!r} does not exist")
+        raise ModelNotFoundError(
+            f"model: {str(path)!r} does not exist (a hub id such as org/name is fetched by "
+            "`fetch_model` first)"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(

@@ -107,8 +107,9 @@ def test_health_is_open_and_the_rest_needs_the_key(server: Server) -> None:
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["type"] == "authentication_error"
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as e:
         bad.models.list()
+    assert e.value.code == "invalid_api_key"  # a string, as OpenAI sends it
 
 
 def test_models(client: openai.OpenAI) -> None:
@@ -181,7 +182,7 @@ def test_chat_logprobs_match_the_native_ones(
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
     r = client.completions.create(
-        model="m", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+        model="default", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
     )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
@@ -276,7 +277,7 @@ def test_max_tokens_and_max_completion_tokens(client: openai.OpenAI) -> None:
 def test_penalties_change_the_answer(client: openai.OpenAI) -> None:
     def complete(**kw: Any) -> str:
         r = client.completions.create(
-            model="m", prompt="hello hello hello hello", max_tokens=10, temperature=0, **kw
+            model="default", prompt="hello hello hello hello", max_tokens=10, temperature=0, **kw
         )
         return str(r.choices[0].text)
 
@@ -314,11 +315,15 @@ def test_system_messages_and_text_parts(client: openai.OpenAI) -> None:
 def test_completions_with_several_prompts(client: openai.OpenAI, stack: Stack) -> None:
     ids = stack.llm.tokenizer("The capital of France is")["input_ids"]
     r = client.completions.create(
-        model="m", prompt=["The capital of France is", "1, 2, 3,"], max_tokens=5, temperature=0, n=2
+        model="default",
+        prompt=["The capital of France is", "1, 2, 3,"],
+        max_tokens=5,
+        temperature=0,
+        n=2,
     )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text == r.choices[1].text  # greedy
-    by_ids = client.completions.create(model="m", prompt=ids, max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model="default", prompt=ids, max_tokens=5, temperature=0)
     assert by_ids.choices[0].text == r.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
     assert r.usage.prompt_tokens == len(ids) + len(stack.llm.tokenizer("1, 2, 3,")["input_ids"])
@@ -345,11 +350,11 @@ def test_streaming_chat_chunks_and_usage(client: openai.OpenAI, http: httpx.Clie
 
 def test_streaming_completions(client: openai.OpenAI) -> None:
     expected = client.completions.create(
-        model="m", prompt="Once upon a time", max_tokens=8, temperature=0
+        model="default", prompt="Once upon a time", max_tokens=8, temperature=0
     )
     chunks = list(
         client.completions.create(
-            model="m",
+            model="default",
             prompt="Once upon a time",
             max_tokens=8,
             temperature=0,
@@ -397,7 +402,7 @@ def test_64_concurrent_streams_complete_with_correct_usage(server: Server, stack
 
     async def one(c: openai.AsyncOpenAI, conv: Any) -> tuple[str, Any, str | None]:
         stream = await c.chat.completions.create(
-            model="m",
+            model="default",
             messages=conv,
             max_tokens=8,
             temperature=0.7,
@@ -535,8 +540,8 @@ def test_metrics(http: httpx.Client, client: openai.OpenAI) -> None:
 MSG = {"messages": FRANCE}
 BAD = [
     ("chat", b'{"messages": [', "malformed JSON"),
-    ("chat", b'{"model": "m"}', "missing messages"),
-    ("completions", b'{"model": "m"}', "missing prompt"),
+    ("chat", b'{"model": "default"}', "missing messages"),
+    ("completions", b'{"model": "default"}', "missing prompt"),
     ("chat", {"messages": "hello"}, "messages of the wrong type"),
     ("chat", {**MSG, "max_tokens": "ten"}, "max_tokens of the wrong type"),
     ("chat", {**MSG, "temperature": "hot"}, "temperature of the wrong type"),
@@ -576,7 +581,7 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(
     r = http.post(PATHS[endpoint], content=content, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
+    assert err["message"] and err["type"] == "invalid_request_error" and err["code"] is None
     ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
 
@@ -595,7 +600,7 @@ def test_unknown_paths_and_methods(http: httpx.Client) -> None:
         r = http.request(method, path)
         assert r.status_code == 405, (method, path)
         assert r.headers["Allow"] == allow  # RFC 9110 requires it with a 405
-        assert r.json()["error"]["code"] == 405 and allow in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] is None and allow in r.json()["error"]["message"]
 
 
 def test_head_wherever_get_is_served(http: httpx.Client) -> None:
@@ -698,7 +703,7 @@ def both_doors(
     assert meta["matched_stop"] == off["matched_stop"]
     extra = {k: v for k, v in sp.items() if k not in ("max_tokens", "stop")}
     r = client.completions.create(
-        model="m",
+        model="default",
         prompt=prompt,
         max_tokens=sp["max_tokens"],
         temperature=0,
@@ -902,6 +907,8 @@ def cap_generation(path: str, body: Any) -> None:
         target = body["sampling_params"] = {}
     if not isinstance(target, dict):
         return
+    if isinstance(body.get("model"), str):  # a generated name would only reach the 404
+        body["model"] = "default"
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
     for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):

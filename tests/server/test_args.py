@@ -343,3 +343,40 @@ def test_chat_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert re.search(why, capsys.readouterr().err), argv
+
+
+@pytest.mark.parametrize(
+    ("alias", "native"),
+    [
+        (["--max-model-len", "512"], ["--max-context-len", "512"]),
+        (["--max-model-len=512"], ["--max-context-len=512"]),
+        (["--gpu-memory-utilization", "0.5"], ["--mem-fraction", "0.5"]),
+        (["--max-num-seqs", "7"], ["--max-running-requests", "7"]),
+        (["--max-num-batched-tokens", "64"], ["--max-prefill-tokens", "64"]),
+        (["--tensor-parallel-size", "2"], ["--tp-size", "2"]),
+        (["-tp", "2"], ["--tp-size", "2"]),
+        (["--dtype", "half"], ["--dtype", "float16"]),
+        (["--dtype", "bf16"], ["--dtype", "bfloat16"]),
+        (["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"]),
+        (["--enable-prefix-caching"], ["--cache", "radix"]),
+        (["--no-enable-prefix-caching"], ["--cache", "naive"]),
+    ],
+    ids=lambda argv: " ".join(argv),
+)
+def test_vllm_spellings_parse_to_the_same_config(alias: list[str], native: list[str]) -> None:
+    assert parse_args(alias) == parse_args(native)
+    # Each alias changes something (radix is the default cache: it undoes the other switch).
+    base = ["--no-enable-prefix-caching"] if alias == ["--enable-prefix-caching"] else []
+    assert parse_args(alias) != parse_args(base)
+
+
+def test_the_last_cache_spelling_wins() -> None:
+    cfg = parse_args(["--cache", "radix", "--no-enable-prefix-caching"])
+    assert cfg.engine.cache == "naive"
+    assert parse_args(["--no-enable-prefix-caching", "--cache", "radix"]).engine.cache == "radix"
+
+
+def test_an_alias_value_outside_the_table_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "double"])
+    assert "invalid choice: 'double'" in capsys.readouterr().err

@@ -44,7 +44,7 @@ def _in_flight(
     def streaming() -> None:
         try:
             for _ in client.chat.completions.create(
-                model="m", messages=MESSAGES, stream=True, **LONG
+                model="default", messages=MESSAGES, stream=True, **LONG
             ):
                 first_chunk.set()
             results["stream"] = "finished"
@@ -54,7 +54,7 @@ def _in_flight(
 
     def blocking() -> None:
         try:
-            client.chat.completions.create(model="m", messages=MESSAGES, **LONG)
+            client.chat.completions.create(model="default", messages=MESSAGES, **LONG)
             results["plain"] = "finished"
         except openai.APIError as e:
             results["plain"] = e
@@ -84,7 +84,7 @@ def test_killing_the_scheduler_fails_requests_and_health(server: Server) -> None
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "scheduler" in health.json()["error"]["message"]
     with pytest.raises(openai.InternalServerError):  # later requests fail at once
-        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=2)
 
 
 def test_sigterm_stops_every_process(server: Server) -> None:

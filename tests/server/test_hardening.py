@@ -166,7 +166,7 @@ def test_a_body_announced_too_large_gets_413_after_its_first_bytes(
         assert small.result().status_code == 200
     status, headers, body = parse(data)
     assert status == 413 and headers["connection"] == "close"
-    assert body["error"]["code"] == 413 and "--max-request-bytes" in body["error"]["message"]
+    assert body["error"]["code"] is None and "--max-request-bytes" in body["error"]["message"]
     assert tokenized(server) == before + 1  # the small request only
     assert rss.peak < GiB
 
@@ -180,7 +180,7 @@ def test_a_chunked_body_is_cut_once_it_passes_the_limit(server: Server) -> None:
         s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         sent += len(chunk)
     status, headers, body = parse(read_until_closed(s)[0])
-    assert status == 413 and body["error"]["code"] == 413
+    assert status == 413 and body["error"]["code"] is None
 
 
 def test_a_million_character_prompt_is_refused_without_tokenizing(

@@ -103,3 +103,34 @@ def test_offline_tool_mistakes_name_the_field(llm: LLM) -> None:
         llm.chat(ASK, SamplingParams(regex="a+"), tools=TOOLS, tool_choice="required")
     with pytest.raises(InvalidRequestError, match="tools: each is"):
         llm.chat(ASK, params, tools=[{"name": "f"}], tool_choice="required")
+
+
+# ---- the offline API's conveniences ------------------------------------------------------------
+
+
+def test_a_string_is_one_prompt_and_params_may_be_a_dict(llm: LLM) -> None:
+    params = {"max_tokens": 3, "temperature": 0}
+    one = llm.generate("Hello", params, use_tqdm=False)
+    assert len(one) == 1 and one[0]["completion_tokens"] == 3
+    assert one[0]["prompt_tokens"] == len(llm.tokenizer("Hello")["input_ids"])
+    listed = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert one[0]["token_ids"] == listed[0]["token_ids"]
+    ids = llm.generate(listed[0]["token_ids"], params, use_tqdm=False)  # one id list: one prompt
+    assert len(ids) == 1 and ids[0]["prompt_tokens"] == 3
+    with pytest.raises(ValueError, match="unknown fields \\['max_new_tokens'\\]"):
+        llm.generate("Hello", {"max_new_tokens": 3}, use_tqdm=False)
+
+
+def test_the_start_up_summary_has_the_engines_numbers(llm: LLM) -> None:
+    engine, summary = llm.engine, llm.startup
+    pool = engine.pool
+    tokens = engine.num_pages * engine.page_size
+    k = pool.k(0)[:tokens]  # one layer's K of the pages handed out
+    assert summary.kv_tokens == tokens and summary.kv_pages == engine.num_pages
+    assert summary.kv_bytes == 2 * pool.num_layers * k.numel() * k.element_size()
+    params = {id(p): p for p in (*engine.model.parameters(), *engine.model.buffers())}
+    assert summary.weights_bytes == sum(p.nbytes for p in params.values())
+    text = summary.text()
+    assert f"{engine.num_pages} pages x {engine.page_size} tokens = {tokens} tokens" in text
+    assert f"{summary.kv_bytes / 2**30:.2f} GiB (float32)" in text
+    assert summary.dtype == "float32" and "on cpu" in text and summary.graphs == 0

@@ -7,6 +7,9 @@ a grammar, or declined) over two turns, the reasoning split, and the Responses A
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving_helpers import Server, running_server
+from serving_helpers import Server, metrics, running_server
+
+import minisgl
+from minisgl.weights import load_model_config, resolve_source
 
 pytestmark = pytest.mark.slow  # a server of its own: about a minute to start
 
@@ -23,6 +29,7 @@ TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 VOCAB = 49152  # SmolLM2's
 TIMEOUT_S = 600
 HELLO = [{"role": "user", "content": "Say hello."}]
+SERVED = ("smol", "org/smol-v2")  # --served-model-name, several
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-api", "2-apis"])
@@ -31,7 +38,8 @@ def server(
 ) -> Iterator[Server]:
     logs = tmp_path_factory.mktemp("logs")
     flags = ["--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3"]
-    with running_server(logs, *flags, "--api-server-count", str(request.param)) as s:
+    flags += ["--served-model-name", *SERVED, "--api-server-count", str(request.param)]
+    with running_server(logs, *flags) as s:
         yield s
 
 
@@ -48,10 +56,53 @@ def http(server: Server) -> Iterator[httpx.Client]:
 
 def chat(client: openai.OpenAI, messages: list[Any], **kw: Any) -> Any:
     kw.setdefault("max_tokens", 4)
-    return client.chat.completions.create(model="m", messages=messages, temperature=0, **kw)
+    return client.chat.completions.create(model="default", messages=messages, temperature=0, **kw)
 
 
 # ---- the SDK's habits and request checks -------------------------------------------------------
+
+
+def test_served_model_names_answer_and_others_are_404(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    assert [m.id for m in client.models.list().data] == list(SERVED)
+    for name in SERVED:
+        assert client.models.retrieve(name).id == name
+        assert chat(client, HELLO, max_tokens=1).model == SERVED[0]  # "default": the first
+        answer = client.chat.completions.create(model=name, messages=HELLO, max_tokens=1)
+        assert answer.model == name
+    assert http.get("/v1/models/default").json()["id"] == SERVED[0]
+    for call in (
+        lambda: client.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=1),
+        lambda: client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=1),
+        lambda: client.responses.create(model="gpt-4o", input="Hi", max_output_tokens=1),
+        lambda: client.models.retrieve("gpt-4o"),
+    ):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.code == "model_not_found" and e.value.param == "model"
+        assert "gpt-4o" in e.value.message and SERVED[1] in e.value.message
+
+
+def test_tool_choice_without_tools_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    for choice in ("auto", "none", "required"):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, HELLO, tool_choice=choice)
+        assert e.value.param == "tool_choice" and e.value.code is None, choice
+        assert "tools" in e.value.message
+
+
+def test_a_body_without_content_type_or_as_a_form_is_read_as_json(server: Server) -> None:
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    url, auth = f"{server.url}/v1/completions", server.headers
+    r = httpx.post(url, content=body, headers=auth, timeout=TIMEOUT_S)  # no Content-Type
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    form = {**auth, "Content-Type": "application/x-www-form-urlencoded"}  # curl -d's default
+    r = httpx.post(url, content=body, headers=form, timeout=TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    text = {**auth, "Content-Type": "text/plain"}
+    r = httpx.post(url, content=body, headers=text, timeout=TIMEOUT_S)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_models_retrieve(client: openai.OpenAI) -> None:
@@ -81,18 +132,18 @@ def test_stream_options_need_stream(client: openai.OpenAI) -> None:
         assert e.value.body["param"] == "stream_options"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(
-            model="m", prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
+            model="default", prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
         )
 
 
 def test_completion_logprobs_always_hold_the_sampled_token(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="m", prompt="Once upon", max_tokens=4, logprobs=0)
+    r = client.completions.create(model="default", prompt="Once upon", max_tokens=4, logprobs=0)
     lp = r.choices[0].logprobs
     assert lp is not None and lp.top_logprobs is not None and lp.tokens is not None
     assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
     # Sampled at a high temperature, some tokens fall outside the top one: still listed.
     r = client.completions.create(
-        model="m", prompt="Once upon", max_tokens=12, logprobs=1, temperature=2.0, seed=3
+        model="default", prompt="Once upon", max_tokens=12, logprobs=1, temperature=2.0, seed=3
     )
     lp = r.choices[0].logprobs
     assert lp is not None and lp.top_logprobs is not None and lp.tokens is not None
@@ -329,14 +380,18 @@ RESPONSE_TOOLS: list[Any] = [
 
 def test_responses_text(client: openai.OpenAI) -> None:
     r = client.responses.create(
-        model="m", input="Say hello.", instructions="Be brief.", max_output_tokens=6, temperature=0
+        model="default",
+        input="Say hello.",
+        instructions="Be brief.",
+        max_output_tokens=6,
+        temperature=0,
     )
     assert r.object == "response" and r.output_text
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
     assert r.usage is not None and r.usage.output_tokens == 6
     events = list(
         client.responses.create(
-            model="m", input="Say hello.", instructions="Be brief.", max_output_tokens=6,
+            model="default", input="Say hello.", instructions="Be brief.", max_output_tokens=6,
             temperature=0, stream=True,
         )
     )  # fmt: skip
@@ -351,7 +406,7 @@ def test_responses_text(client: openai.OpenAI) -> None:
 def test_responses_json_schema(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
     r = client.responses.create(
-        model="m",
+        model="default",
         input="A person as JSON.",
         text={"format": fmt},
         max_output_tokens=60,  # type: ignore[typeddict-item]
@@ -361,7 +416,7 @@ def test_responses_json_schema(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(r.output_text), PERSON)
     events = list(
         client.responses.create(
-            model="m", input="A person as JSON.", text={"format": fmt}, max_output_tokens=60,  # type: ignore[typeddict-item]
+            model="default", input="A person as JSON.", text={"format": fmt}, max_output_tokens=60,  # type: ignore[typeddict-item]
             temperature=0, stream=True,
         )
     )  # fmt: skip
@@ -372,7 +427,7 @@ def test_responses_json_schema(client: openai.OpenAI) -> None:
 def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> None:
     choice = {"type": "function", "name": "get_weather"}
     r = client.responses.create(
-        model="m", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+        model="default", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
         parallel_tool_calls=False, max_output_tokens=80, temperature=0,
     )  # fmt: skip
     [call] = [o for o in r.output if o.type == "function_call"]
@@ -380,7 +435,7 @@ def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> No
     valid_call(call.name, call.arguments)
     events = list(
         client.responses.create(
-            model="m", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            model="default", input="Weather in Paris?", tools=RESPONSE_TOOLS, tool_choice=choice,  # type: ignore[arg-type]
             parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True,
         )
     )  # fmt: skip
@@ -393,7 +448,7 @@ def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> No
     items = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump()]
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": "18 C"})
     second = client.responses.create(
-        model="m",
+        model="default",
         input=items,
         tools=RESPONSE_TOOLS,
         max_output_tokens=6,
@@ -404,7 +459,69 @@ def test_responses_function_calls_and_their_outputs(client: openai.OpenAI) -> No
 
 def test_responses_store_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="m", input="Hi", store=True, max_output_tokens=2)
+        client.responses.create(model="default", input="Hi", store=True, max_output_tokens=2)
     assert e.value.body["param"] == "store"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="m", input="Hi", previous_response_id="resp_1")
+        client.responses.create(model="default", input="Hi", previous_response_id="resp_1")
+
+
+# ---- /tokenize, /detokenize, /version and the start-up summary ----------------------------------
+
+
+def test_tokenize_detokenize_round_trip_equals_the_tokenizer(
+    http: httpx.Client, tokenizer: Any
+) -> None:
+    text = "Hello, world! Ünïcödé and numbers 12345."
+    r = http.post("/tokenize", json={"model": SERVED[1], "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    own = tokenizer.encode(text)
+    assert body["tokens"] == own and body["count"] == len(own)
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(own)
+    assert body["max_model_len"] == http.get("/v1/models").json()["data"][0]["max_model_len"]
+    back = http.post("/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": tokenizer.decode(own)}
+    chat_ids = http.post("/tokenize", json={"messages": HELLO}).json()["tokens"]
+    tokenizer_with_template = dict(chat_template=TEMPLATE.read_text())
+    rendered = tokenizer.apply_chat_template(
+        HELLO, tokenize=False, add_generation_prompt=True, **tokenizer_with_template
+    )
+    assert chat_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    for path, bad, param in (
+        ("/tokenize", {"prompt": "a", "messages": HELLO}, "prompt"),
+        ("/detokenize", {"tokens": [VOCAB]}, "tokens"),
+        ("/tokenize", {"model": "gpt-4o", "prompt": "a"}, "model"),
+    ):
+        r = http.post(path, json=bad)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+def test_version_route_and_flag(http: httpx.Client) -> None:
+    assert http.get("/version").json() == {"version": minisgl.__version__}
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == f"minisgl {minisgl.__version__}"
+
+
+def test_the_start_up_summary_is_one_block_with_the_engines_numbers(
+    server: Server, http: httpx.Client
+) -> None:
+    log = server.log_text()
+    assert "EngineInfo(" not in log and log.count("  KV pool ") == 1
+    m = re.search(
+        r"KV pool +(\d+) pages x (\d+) tokens = (\d+) tokens, ([\d.]+) GiB \((\w+)\)", log
+    )
+    assert m is not None, log[-3000:]
+    pages, page_size, tokens, gib, kv_dtype = int(m[1]), int(m[2]), int(m[3]), m[4], m[5]
+    kv = metrics(http)
+    states = ("free", "held", "protected", "evictable")
+    assert (
+        pages == kv["minisgl_kv_pages[total]"] == sum(kv[f"minisgl_kv_pages[{s}]"] for s in states)
+    )
+    assert tokens == pages * page_size and kv_dtype == "float32"  # the CPU's default
+    cfg = load_model_config(resolve_source(None))
+    kv_bytes = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * 4
+    assert gib == f"{kv_bytes / 2**30:.2f}"
+    for line in ("dtype       float32 on cpu", "weights     ", "CUDA graphs none", "ready in    "):
+        assert line in log, line

@@ -91,3 +91,50 @@ def test_policies_and_priority_classes_in_one_run(
     assert result["online"] == result["by_itl_target"]["auto"]
     logs = [(tmp_path / f"server.log.{t}").read_text() for t in ("auto", "0")]
     assert all("Traceback" not in log for log in logs)
+
+
+def test_against_a_keyed_server_with_a_sharegpt_file_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_dummy_model(tmp_path)
+    words = [" ".join(f"t{(7 * i + j) % 9000 + 10}" for j in range(n)) for i, n in
+             enumerate((12, 30, 5, 18, 9, 2, 25))]  # fmt: skip
+    records = [{"conversations": [{"from": "human", "value": w}, {"from": "gpt", "value": w}]}
+               for w in words]  # fmt: skip
+    records.append({"conversations": [{"from": "gpt", "value": "t1 t2"}]})  # no human turn
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(records))
+    key = "bench-key-123"
+    server = start_server(tmp_path, "--model", model, "--load-format", "dummy", "--skip-warmup",
+                          api_key=key)  # fmt: skip
+    try:
+        server.wait_ready()
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        argv = ["--url", server.url, "--model", model, "--skip-offline", "--rates", "inf",
+                "--num-requests", "5", "--output-len", "3-8", "--repeats", "1",
+                "--dataset", str(dataset), "--plot", str(tmp_path / "lat.png")]  # fmt: skip
+        with pytest.raises(Exception, match="401|missing or wrong API key"):
+            main(argv)  # the server refuses a client without the key
+        main([*argv, "--api-key", key])
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        saturated = result["online"]["inf"]
+        assert saturated["requests"] == 5 and saturated["incomplete"] == 0
+        # The prompts are five of the file's six usable conversations (one is under 4 tokens).
+        tok = AutoTokenizer.from_pretrained(model)
+        lens = [len(tok.encode(w, add_special_tokens=False)) for w in words]
+        usable = [n for n in lens if n >= 4]
+        assert len(usable) == 6 and result["prompt_tokens"] in {sum(usable) - n for n in usable}
+        assert "ttft_each_ms" not in saturated and "token_times" not in saturated
+        assert (tmp_path / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        server.terminate()
+
+
+def test_the_help_names_files_that_exist() -> None:
+    import re
+
+    import minisgl.benchmark.serving as serving
+
+    root = Path(__file__).resolve().parents[2]
+    named = set(re.findall(r"`((?:scripts|minisgl|docs)/[\w./-]+)`", serving.__doc__ or ""))
+    assert named and all((root / p).exists() for p in named), named

@@ -30,6 +30,7 @@ def test_tool_choice_offers_forces_or_withholds_the_tools() -> None:
     ("tools", "choice", "other", "message"),
     [
         ([], "required", None, "tool_choice: forcing a call needs `tools`"),
+        ([], "auto", None, "tool_choice: 'auto' is only allowed with `tools`"),
         (TOOLS, "required", "regex", "tool_choice: a forced call cannot also follow regex"),
         (TOOLS, {"function": {"name": "nope"}}, None, "tool_choice: no tool is named 'nope'"),
         ([{"name": "f"}], "auto", None, "tools: each is"),
