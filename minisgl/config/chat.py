@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from minisgl.config.cli import cli_field
+
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
@@ -13,11 +15,23 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1")
 class ChatConfig:
     # Jinja text that replaces the model's own chat template; None: the model's.
     template: str | None = None
-    # How tool calls are parsed; None: detected from the chat template (if it shows a known
-    # format; otherwise only forced calls, as bare JSON, are parsed).
-    tool_call_parser: str | None = None
-    # How the thinking part of the output is split off; None: it stays in the content.
-    reasoning_parser: str | None = None
+    # Without a parser detected from the template only forced calls, as bare JSON, are parsed.
+    tool_call_parser: str | None = cli_field(
+        None,
+        "the format of the model's tool calls (hermes = qwen25 = qwen3: <tool_call>{...}"
+        "</tool_call>; llama3: JSON after <|python_tag|>; mistral: [TOOL_CALLS][...]; "
+        "deepseek: DeepSeek-R1/V3's <｜tool▁calls▁begin｜>...); "
+        "default: detected from the chat template",
+        "chat",
+        choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = cli_field(
+        None,
+        "split the model's <think>...</think> part into reasoning_content; default: none (the "
+        "thinking stays in the content)",
+        "chat",
+        choices=REASONING_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

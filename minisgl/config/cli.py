@@ -1,11 +1,16 @@
-"""Other servers' spellings of this server's flags and values, accepted as aliases: vLLM's, the
-ones its users type (`--max-model-len`, `--dtype half`, ...). One table; `add_aliases` adds
-them to a parser whose own flags already exist, so `--help` lists each beside its flag."""
+"""The config fields that are `python -m minisgl` flags, and other servers' spellings of them.
+
+`cli_field` declares a field's flag where the field is: `--NAME` (the field's name with dashes),
+its type taken from the default, its help, group and argparse extras; `add_config_flags` adds
+them to a parser and `config_kwargs` reads them back. vLLM's spellings (`--max-model-len`,
+`--dtype half`, ...) are one table; `add_aliases` lists each beside its flag in `--help`."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 # alias -> this server's flag (the same value, the same meaning)
 FLAG_ALIASES = {
@@ -26,6 +31,49 @@ SWITCH_ALIASES = {
     "--enable-prefix-caching": ("--cache", "radix"),
     "--no-enable-prefix-caching": ("--cache", "naive"),
 }
+
+
+def cli_field(default: Any, help: str, group: str, **extras: Any) -> Any:
+    """A dataclass field with that default that is also the flag `--NAME` in `group`; `extras`
+    go to argparse (choices, metavar, type when the default's type is not it)."""
+    return dataclasses.field(default=default, metadata={"help": help, "group": group, **extras})
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def cli_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def add_config_flags(groups: Mapping[str, Any], *configs: type) -> None:
+    """Add a flag per `cli_field` of `configs` to its group (argparse argument groups by name);
+    a bool field is a switch (`--no-NAME` too when it defaults to True)."""
+    for cls in configs:
+        for f in cli_fields(cls):
+            extras = dict(f.metadata)
+            group = groups[extras.pop("group")]
+            if isinstance(f.default, bool):
+                extras["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+            else:
+                extras.setdefault("type", str if f.default is None else type(f.default))
+            group.add_argument(flag_name(f), default=f.default, **extras)
+
+
+def config_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The `cli_field`s of `cls` as parsed into `args`."""
+    return {f.name: getattr(args, f.name) for f in cli_fields(cls)}
+
+
+def auto_or_float(text: str) -> float | str:
+    """A flag's value: "auto" or a number."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
 
 
 def add_aliases(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from minisgl.config import env
+from minisgl.config.cli import auto_or_float, cli_field
 from minisgl.config.model import ModelConfig
 from minisgl.config.quant import (
     CPU_INT_GROUP,
@@ -19,6 +20,7 @@ from minisgl.config.quant import (
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
+CACHES = ("radix", "naive")
 KV_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 SCHEDULE_POLICIES = ("fcfs", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
@@ -29,20 +31,45 @@ class EngineConfig:
     """Everything the engine and scheduler need; "auto" fields are resolved by `resolve`."""
 
     model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    load_format: str = "auto"  # auto (from the files) | dummy (random weights)
-    # KV cache storage: auto (the model dtype) | bfloat16 | float16 | float32 | fp8_e4m3 (one
-    # byte per value, a scale per layer and KV head; twice the tokens in the same memory).
-    kv_cache_dtype: str = "auto"
-    # FP8 KV scales from this many prefill tokens of a built-in text at start-up (0: the
-    # checkpoint's scales when it has them, else 1.0).
-    kv_cache_calibrate: int = 0
-    # fp8: linear and expert weights in FP8 e4m3 (16-bit checkpoints are quantized at load, one
-    # scale per output channel); int4 / int8: weight-only integers per group (`config.quant`);
-    # dequantize: integer checkpoints in the model dtype; None: as the checkpoint is (FP8
-    # checkpoints stay FP8; GGUF, AWQ, GPTQ integer weights stay integers).
-    quantization: str | None = None
+    dtype: str = cli_field(
+        "auto",
+        "weight and activation dtype; auto: float32 on CPU, the checkpoint's on GPU",
+        "model",
+        choices=("auto", *DTYPES),
+    )
+    device: str = cli_field(
+        "auto", "auto, cpu, cuda or cuda:N; auto picks cuda when available", "model"
+    )
+    load_format: str = cli_field(
+        "auto",
+        "auto: read the weights; dummy: random weights (benchmarks)",
+        "model",
+        choices=LOAD_FORMATS,
+    )
+    kv_cache_dtype: str = cli_field(
+        "auto",
+        "KV cache storage; auto: the model dtype; fp8_e4m3 holds twice the tokens of bfloat16 "
+        "in the same memory (a scale per layer and KV head)",
+        "scheduling and memory",
+        choices=KV_CACHE_DTYPES,
+    )
+    kv_cache_calibrate: int = cli_field(
+        0,
+        "with --kv-cache-dtype fp8_e4m3: set the KV scales from N prefill tokens of a built-in "
+        "text at start-up; 0: the checkpoint's KV scales, else 1.0",
+        "scheduling and memory",
+        metavar="N",
+    )
+    quantization: str | None = cli_field(
+        None,
+        "fp8: linear and expert weights in FP8 e4m3 (16-bit checkpoints quantized at load, one "
+        "scale per output channel; needs compute capability >= 8.9 on a GPU); FP8 checkpoints "
+        "(quant_method fp8, compressed-tensors) load as FP8 without it; int4/int8: weight-only "
+        "integers, round-to-nearest per group of 128 (GGUF, AWQ, GPTQ checkpoints load as "
+        "integers without it); dequantize: serve an integer checkpoint in the model dtype",
+        "model",
+        choices=QUANTIZATIONS,
+    )
     # FP8 linear layers with at most this many rows take the weight-only GEMV (see config.quant).
     fp8_gemv_max_rows: int = FP8_GEMV_MAX_ROWS
     # FP8 weight-only rows take the skinny tensor-core GEMM instead of the GEMV.
@@ -51,77 +78,176 @@ class EngineConfig:
     # on CUDA instead of cuBLAS (a speculative verify step, small decode batches); 0: off;
     # None: 16 for models up to `SKINNY_MAX_HIDDEN`, else off.
     skinny_max_rows: int | None = None
-    page_size: int = 0  # 0: auto (1 on CPU, chosen by measurement on CUDA)
-    num_pages: int = 0  # 0: auto, sized from memory
-    max_running_requests: int = 256
-    # Tokens of a step that prefills: its decodes plus prompt chunks (at least a quarter).
-    max_prefill_tokens: int = 8192
-    max_context_len: int = 0  # 0: the model's max_position_embeddings
-    cache: str = "radix"  # radix | naive
-    # The host tier under the radix cache (`minisgl.kvcache.tier`): GiB of (pinned) host memory
-    # per rank that keeps the pages the device evicts and loads them back on a hit; 0: off.
-    kv_host_gib: float = 0.0
-    # A third tier below it: page files in this directory (one per rank), `kv_disk_gib` each.
-    kv_disk_dir: str | None = None
-    kv_disk_gib: float = 16.0
+    page_size: int = cli_field(
+        0, "tokens per KV page; 0: auto (1 on CPU, 32 on GPU)", "scheduling and memory"
+    )
+    num_pages: int = cli_field(
+        0, "KV pool size in pages; 0: auto, sized from free memory", "scheduling and memory"
+    )
+    max_running_requests: int = cli_field(
+        256, "requests decoded together at most", "scheduling and memory"
+    )
+    max_prefill_tokens: int = cli_field(
+        8192,
+        "tokens per step while prompts wait: decoding requests' tokens plus prefill chunks "
+        "(longer prompts are chunked; prefill keeps at least a quarter)",
+        "scheduling and memory",
+    )
+    max_context_len: int = cli_field(
+        0, "longest prompt + output in tokens; 0: the model's maximum", "scheduling and memory"
+    )
+    cache: str = cli_field(
+        "radix",
+        "prefix cache: radix shares KV of common prefixes, naive shares none",
+        "scheduling and memory",
+        choices=CACHES,
+    )
+    # The host tier under the radix cache: `minisgl.kvcache.tier`.
+    kv_host_gib: float = cli_field(
+        0.0,
+        "host memory per rank for KV pages the GPU evicts from the radix cache; a later prefix "
+        "hit loads them back instead of computing them again; 0: off",
+        "scheduling and memory",
+        metavar="GIB",
+    )
+    kv_disk_dir: str | None = cli_field(
+        None,
+        "with --kv-host-gib: page files here (one per rank) take what the host tier evicts",
+        "scheduling and memory",
+        metavar="DIR",
+    )
+    kv_disk_gib: float = cli_field(
+        16.0, "size of each rank's --kv-disk-dir file", "scheduling and memory"
+    )
     attention_backend: str = "auto"  # auto | torch | triton
-    tp_size: int = 1
-    # Tensor-parallel ranks spread evenly over `nnodes` hosts; node 0 holds rank 0, which takes
-    # the requests. `dist_init_addr` (host:port) is rank 0's rendezvous; None picks a free
-    # local port, which only a single node can find.
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    seed: int = 0
-    mem_fraction: float = 0.9
+    tp_size: int = cli_field(1, "tensor-parallel ranks (GPUs), over all nodes", "model")
+    # Node 0 holds rank 0, which takes the requests; without `dist_init_addr` a free local port
+    # is picked, which only a single node can find.
+    nnodes: int = cli_field(1, "hosts the tensor-parallel ranks span", "multi-node")
+    node_rank: int = cli_field(0, "this host's index, 0..nnodes-1", "multi-node")
+    dist_init_addr: str | None = cli_field(
+        None,
+        "host:port where node 0 hosts the ranks' rendezvous (required when nnodes > 1; every "
+        "node passes node 0's address); default: a free local port",
+        "multi-node",
+    )
+    seed: int = cli_field(
+        0, "engine seed (dummy weights; requests without a seed draw their own)", "model"
+    )
+    mem_fraction: float = cli_field(
+        0.9,
+        "share of the GPU's memory the engine may fill (weights, CUDA graphs, activations, "
+        "then the KV pool with the rest); on a CPU --num-pages sizes the pool",
+        "scheduling and memory",
+    )
     cpu_kv_gib: float = 2.0  # KV pool size on CPU when num_pages is auto
-    cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
-    # Steps that prefill up to this many tokens run as piecewise CUDA graphs (dense models at
-    # tp = 1; `minisgl.engine.piecewise`); 0: eagerly. Off with CUDA graphs.
-    piecewise_graph_max_tokens: int = 2048
-    # ... each as ONE graph of the whole forward, attention included (`kernels.attention.mixed`; backends
-    # with `supports_mixed_step`, else the pieces with attention between them). On the H200 (W4
-    # at 16 req/s) it took a step that prefills from ~15 ms to 3.5-6.8 ms and the ITL p99 from
-    # 18.8 to 3.3 ms.
-    piecewise_whole_step: bool = True
+    cuda_graph_max_bs: int = cli_field(
+        256,
+        "decode batches up to this size replay CUDA graphs (padded to a captured size); 0 "
+        "disables the graphs",
+        "scheduling and memory",
+    )
+    # `minisgl.engine.piecewise`; off with CUDA graphs.
+    piecewise_graph_max_tokens: int = cli_field(
+        2048,
+        "steps that prefill up to this many tokens replay piecewise CUDA graphs (dense models "
+        "at tp 1; attention runs between the pieces); 0 runs them eagerly",
+        "scheduling and memory",
+    )
+    # `kernels.attention.mixed`; backends without `supports_mixed_step` take the pieces. On the
+    # H200 (W4 at 16 req/s) it took a step that prefills from ~15 ms to 3.5-6.8 ms and the ITL
+    # p99 from 18.8 to 3.3 ms.
+    piecewise_whole_step: bool = cli_field(
+        True,
+        "capture each prefilling step's token bucket as one graph, attention included (one "
+        "mixed-attention kernel per layer; Triton backend); --no-piecewise-whole-step: graphs "
+        "of the dense parts with attention launched between them",
+        "scheduling and memory",
+    )
     overlap: bool = True  # overlap scheduling (CUDA only)
-    # The engine runs a few synthetic steps at start-up so serving never waits on a JIT
-    # compile of a kernel variant (`minisgl.scheduler.warmup`); tests and tools may skip them.
-    skip_warmup: bool = False
+    # `minisgl.scheduler.warmup`; tests and tools may skip it.
+    skip_warmup: bool = cli_field(
+        False,
+        "start without the warm-up steps; the first requests then wait for the kernels' JIT "
+        "compiles",
+        "serving",
+    )
     # Share of a request's remaining max_tokens that admission reserves KV for. It starts at
     # `reserve_ratio` and falls linearly to `min_reserve_ratio` over `reserve_decay_steps` steps
     # (most requests stop well before max_tokens); a retraction puts it back at the start.
     reserve_ratio: float = 0.5
     min_reserve_ratio: float = 0.1
     reserve_decay_steps: int = 600
-    # Inter-token latency target (`minisgl.scheduler.budget`): while requests decode, a step
-    # prefills only the prompt tokens that the step-time model says fit in it. "auto": 2.5x the
-    # predicted time of the step's decodes alone; milliseconds; 0: off (the token limit alone).
-    # None (the default): auto on CUDA, off on the CPU. On the H200 with whole-step graphs,
-    # auto took W4's saturated ITL p99 from 48 to 16 ms at 5% more throughput; the CPU has no
-    # prefilling graphs to keep cheap.
-    itl_target_ms: float | str | None = None
-    # fcfs | priority (`minisgl.scheduler.policy`): the waiting queue's order and who is
-    # retracted first; under priority a request gains one level per `priority_aging_s` seconds
-    # of waiting (0: never).
-    schedule_policy: str = "fcfs"
-    priority_aging_s: float = 10.0
-    # Speculative decoding (`minisgl.spec`): None (off) | ngram (prompt lookup: the tokens that
-    # followed the last occurrence of the request's last n tokens) | draft (the target's own
-    # first `speculative_draft_layers` layers with its final norm and LM head; or, with
-    # `speculative_draft_model`, that smaller model of the same vocabulary). Each verify step
-    # scores up to `speculative_num_draft_tokens` drafts per request; batches of more than
-    # `speculative_max_batch` decoding requests, and requests whose drafts are mostly rejected,
-    # decode plainly.
-    speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4
-    speculative_ngram_n: int = 3  # longest suffix looked up (shorter ones after it, down to:)
+    # `minisgl.scheduler.budget`. On the H200 with whole-step graphs, auto took W4's saturated
+    # ITL p99 from 48 to 16 ms at 5% more throughput; the CPU has no prefilling graphs to keep
+    # cheap.
+    itl_target_ms: float | str | None = cli_field(
+        None,
+        "inter-token latency target: while requests decode, a step prefills only the prompt "
+        "tokens that the measured step-time model says fit in it (long prompts are chunked at "
+        "page boundaries; alone, a prompt prefills at full size). auto: 2.5x the predicted "
+        "time of the step's decodes alone; 0: off (steps are filled up to "
+        "--max-prefill-tokens); default: auto on a GPU, 0 on the CPU",
+        "scheduling and memory",
+        type=auto_or_float,
+        metavar="auto|MS",
+    )
+    # `minisgl.scheduler.policy`: the waiting queue's order and who is retracted first.
+    schedule_policy: str = cli_field(
+        "fcfs",
+        "fcfs: first come, first served; priority: by each request's `priority` (lower is "
+        "more urgent), the least urgent retracted first when KV runs short",
+        "scheduling and memory",
+        choices=SCHEDULE_POLICIES,
+    )
+    priority_aging_s: float = cli_field(
+        10.0,
+        "with --schedule-policy priority: a waiting request gains one priority level per this "
+        "many seconds of waiting, so none starves; 0: no aging",
+        "scheduling and memory",
+    )
+    # Speculative decoding: `minisgl.spec`.
+    speculative_algorithm: str | None = cli_field(
+        None,
+        "ngram: prompt lookup (what followed the last earlier occurrence of the last n "
+        "tokens); draft: the model's own first --speculative-draft-layers layers with its "
+        "final norm and LM head; default: off",
+        "speculative decoding",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int = cli_field(
+        4, "drafts verified per request and step at most", "speculative decoding", metavar="K"
+    )
+    speculative_ngram_n: int = cli_field(
+        3,
+        "ngram: the longest suffix looked up (shorter ones when it is not found)",
+        "speculative decoding",
+    )
     # 3: on SmolLM2 (CPU, fp32, K = 8) a chat answer made 4 failed verify steps with 2 and none
     # with 3, and a copy workload kept 6.28 drafts per verify instead of 5.87.
-    speculative_ngram_min_n: int = 3
-    speculative_draft_layers: int = 0  # 0: auto (a quarter of the layers, at least one)
-    speculative_draft_model: str | None = None  # an HF directory or .gguf (algorithm "draft")
-    speculative_max_batch: int = 8
+    speculative_ngram_min_n: int = cli_field(
+        3,
+        "ngram: the shortest suffix looked up (shorter ones match by chance in any text)",
+        "speculative decoding",
+    )
+    speculative_draft_layers: int = cli_field(
+        0,
+        "draft: layers of the layer-skip draft; 0: a quarter of the model's, at least one",
+        "speculative decoding",
+        metavar="L",
+    )
+    speculative_draft_model: str | None = cli_field(
+        None,
+        "draft: a smaller model of the same vocabulary (HF directory or .gguf) instead of the "
+        "layer-skip draft; its own weights and KV pool",
+        "speculative decoding",
+        metavar="PATH",
+    )
+    speculative_max_batch: int = cli_field(
+        8,
+        "steps with more decoding requests than this do not speculate",
+        "speculative decoding",
+    )
     show_progress: bool = True
     # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
     # allocator are overwritten with NaN, and giving back a page or slot that a step in flight
@@ -133,7 +259,7 @@ class EngineConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
-        if self.cache not in ("radix", "naive"):
+        if self.cache not in CACHES:
             raise ValueError(f"cache: {self.cache!r} is not one of radix, naive")
         if self.page_size < 0 or self.num_pages < 0:
             raise ValueError("page_size and num_pages must be >= 0 (0 means auto)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minisgl.config.chat import ChatConfig
+from minisgl.config.cli import cli_field
 from minisgl.config.engine import EngineConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -21,11 +22,21 @@ MAX_API_SERVERS = 256
 class Limits:
     """What one request may ask of the server (`minisgl.server.limits` checks them)."""
 
-    max_request_bytes: int = 8 * 2**20
-    max_seqs_per_request: int = 256  # prompts x n
-    # Sequences accepted but without their first token yet (waiting to be tokenized, admitted
-    # or prefilled); a request that would pass this gets 503 with Retry-After.
-    max_queued_seqs: int = 4096
+    max_request_bytes: int = cli_field(
+        8 * 2**20,
+        "largest request body: 413 once Content-Length announces more, or once a chunked body "
+        "passes it (the rest is not read)",
+        "request limits",
+    )
+    max_seqs_per_request: int = cli_field(
+        256, "most sequences (prompts x n) one request may ask for; more: 400", "request limits"
+    )
+    max_queued_seqs: int = cli_field(
+        4096,
+        "sequences accepted but without their first token yet (waiting to be tokenized, "
+        "admitted or prefilled); a request that would pass it gets 503 with Retry-After",
+        "request limits",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_seqs_per_request", "max_queued_seqs"):
@@ -45,12 +56,28 @@ class Deadlines:
     `client_body_timeout`, `send_timeout`, `keepalive_timeout`; `minisgl.server.connection`
     keeps them)."""
 
-    # From the connection (or the request's first byte) to the header's end.
-    header_timeout: float = 60.0
-    body_timeout: float = 60.0  # from the header's end to the body's end
-    # A client that reads nothing this long while an answer waits to be written is dropped.
-    send_timeout: float = 60.0
-    keep_alive_timeout: float = 75.0  # idle time between two requests on one connection
+    header_timeout: float = cli_field(
+        60.0,
+        "a request's header must arrive whole within this (from the connection or the "
+        "request's first byte); else 408",
+        "connection time-outs",
+    )
+    body_timeout: float = cli_field(
+        60.0,
+        "a request's body must arrive whole within this after its header; else 408",
+        "connection time-outs",
+    )
+    send_timeout: float = cli_field(
+        60.0,
+        "a client that reads nothing for this long while its answer waits to be written (a "
+        "full buffer) is dropped; its request is aborted and its KV freed",
+        "connection time-outs",
+    )
+    keep_alive_timeout: float = cli_field(
+        75.0,
+        "an idle connection between two requests is closed after this",
+        "connection time-outs",
+    )
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout"):
@@ -62,18 +89,26 @@ class Deadlines:
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
-    host: str = "127.0.0.1"
-    port: int = 1919
+    host: str = cli_field("127.0.0.1", "address to listen on", "serving")
+    port: int = cli_field(1919, "port to listen on", "serving")
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
-    shell: bool = False
+    shell: bool = cli_field(
+        False, "chat with the model in this terminal instead of serving HTTP", "serving"
+    )
     # The names requests may give as `model` (the first is the one answers carry); empty: the
     # model's own name (its directory's or GGUF file's).
     served_model_names: tuple[str, ...] = ()
-    log_level: str = "info"
+    log_level: str = cli_field("info", "logging verbosity", "serving", choices=LOG_LEVELS)
     limits: Limits = field(default_factory=Limits)
     deadlines: Deadlines = field(default_factory=Deadlines)
-    # On SIGINT/SIGTERM, how long requests in flight may take to finish before they get 503.
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    shutdown_timeout: float = cli_field(
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
+        "on SIGINT/SIGTERM the server takes no new request (503, /health too) and gives those "
+        "in flight this long to finish; the rest get 503 (a stream: an error event, then "
+        "[DONE]); a second signal exits at once",
+        "serving",
+        metavar="SECONDS",
+    )
     api_server_count: int = 1  # HTTP server processes sharing the port
 
     def __post_init__(self) -> None:

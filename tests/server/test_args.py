@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import re
 import subprocess
 import sys
@@ -9,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.config import ChatConfig, EngineConfig
+from minisgl.config.cli import cli_fields, flag_name
 from minisgl.config.secrets import ENV_API_KEY
-from minisgl.server.args import parse_args
+from minisgl.config.server import ServerConfig
+from minisgl.server.args import CONFIGS, build_parser, parse_args
 from minisgl.server.connection import Deadlines
 from minisgl.server.limits import Limits
 
@@ -380,3 +385,25 @@ def test_an_alias_value_outside_the_table_is_refused(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         parse_args(["--dtype", "double"])
     assert "invalid choice: 'double'" in capsys.readouterr().err
+
+
+def test_each_config_field_with_cli_metadata_is_one_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+    own = [a for a in parser._actions if a.default is not argparse.SUPPRESS]  # no switch aliases
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])  # what `minisgl --help` prints
+    out = capsys.readouterr().out
+    assert {EngineConfig, ServerConfig, ChatConfig, Limits, Deadlines} == set(CONFIGS)
+    engine_fields = {f.name for f in cli_fields(EngineConfig)}
+    assert {"max_prefill_tokens", "itl_target_ms", "speculative_max_batch"} <= engine_fields
+    for cls in CONFIGS:
+        for f in cli_fields(cls):
+            (action,) = [a for a in own if a.dest == f.name]
+            assert action.option_strings[0] == flag_name(f)
+            assert action.default == f.default and action.help.startswith(f.metadata["help"])
+            assert re.search(rf"^\s+{flag_name(f)}\b", out, re.M), f.name
+    # No hand-written flag sets an EngineConfig field of the same name but --model (fetched).
+    other = {f.name for f in dataclasses.fields(EngineConfig)} - engine_fields
+    assert other & {a.dest for a in own} == {"model"}
