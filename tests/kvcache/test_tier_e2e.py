@@ -68,7 +68,9 @@ def test_greedy_answers_are_those_without_the_tier(tiny_model_dir, page_size, ov
     assert stats["loaded_bytes"] > 0 and stats["saved_bytes"] > 0
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+# Page size 4, not 1: at one token a page the disk tier's per-page host work makes this test
+# take ~10 minutes on two cores (page 16: 30 s); the host tier's tests cover page size 1.
+@pytest.mark.parametrize("page_size", [4, 16])
 def test_the_disk_tier_takes_what_the_host_drops(tiny_model_dir, tmp_path, page_size) -> None:
     path = tiny_model_dir("llama3")
     # A host tier of 64 tokens (2 * layers * kv heads * head_dim * fp32 bytes a token): most of
