@@ -3,11 +3,13 @@
 #   OUT=/dir bash scripts/gpu_check.sh
 #   OUT=/dir STEPS="w1 w1_fp8 w3_fp8 moe moe_fp8 accuracy" bash scripts/gpu_check.sh   # FP8
 # STEPS (default "tests w1 w2 w2_fp8 w3"), any of: tests (TESTS, default tests/gpu), w1, w1_fp8
-# (an FP8 KV cache), w2, w2_fp8 (FP8 weights), w2_tp2 (2+ GPUs), w3, w3_fp8 (an e4m3 pool), moe,
+# (an FP8 KV cache), w1_int4, w2, w2_fp8 (FP8 weights), w2_int4 (int4 weights), w2_tp2 (2+ GPUs),
+# w3, w3_fp8 (an e4m3 pool), moe,
 # moe_fp8 (FP8 experts), accuracy (FP8 perplexity and KL; ACC_MODEL, default the embedded
 # SmolLM2), hf (W1 against transformers), spec (W8 with SmolLM2, K = 15), verify (W8's verify
 # step on W2's shape), structured (W9; TOKENIZER=a tokenizer GGUF such as ggml-vocab-qwen2.gguf),
-# profile (scripts/gpu_profile.py: where W1's and W2's step time goes).
+# w10 (multi-turn with the KV host tier), profile (scripts/gpu_profile.py: where W1's and W2's
+# step time goes).
 # A/B, every benchmark run REPEAT times (default 1) on each side, alternating:
 #   BASE=DIR   the other side runs from another tree (git archive COMMIT | tar -x -C DIR)
 #   AB="NAME=VALUE ..."   the other side runs with these variables set (e.g. MINISGL_DISABLE_PDL=1)
@@ -37,11 +39,13 @@ bench() {  # bench NAME LIMIT_S CMD...: CMD on this tree, and on the other side 
 
 env_info
 B="$PY -m minisgl.benchmark"
-run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/gpu}
+run_step tests 300 "$PY" -m pytest -q ${XDIST:-} -p no:cacheprovider -rfE ${TESTS:-tests/gpu}
 bench w1 150 $B.offline --model $M/qwen3-0.6b --load-format dummy
 bench w1_fp8 150 $B.offline --model $M/qwen3-0.6b --load-format dummy --kv-cache-dtype fp8_e4m3
+bench w1_int4 150 $B.offline --model $M/qwen3-0.6b --load-format dummy --quantization int4
 bench w2 100 $B.latency --model $M/llama-3-8b --load-format dummy
 bench w2_fp8 100 $B.latency --model $M/llama-3-8b --load-format dummy --quantization fp8
+bench w2_int4 100 $B.latency --model $M/llama-3-8b --load-format dummy --quantization int4
 if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
   bench w2_tp2 120 $B.latency --model $M/llama-3-8b --load-format dummy --tp-size 2
 fi
@@ -60,5 +64,6 @@ bench spec 200 $B.speculative --algorithm ngram --concurrency 64 --num-draft-tok
 bench verify 100 $B.speculative --workloads none --verify-cost --model $M/llama-3-8b \
   --load-format dummy --context 128
 bench structured 200 $B.structured --tokenizer "${TOKENIZER:-ggml-vocab-qwen2.gguf}"
+run_step w10 300 $B.multiturn --gpu
 run_step profile 240 "$PY" scripts/gpu_profile.py --parts w1,w2
 summary
