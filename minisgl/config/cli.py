@@ -2,8 +2,11 @@
 
 `cli_field` declares a field's flag where the field is: `--NAME` (the field's name with dashes),
 its type taken from the default, its help, group and argparse extras; `add_config_flags` adds
-them to a parser and `config_kwargs` reads them back. vLLM's spellings (`--max-model-len`,
-`--dtype half`, ...) are one table; `add_aliases` lists each beside its flag in `--help`."""
+them to a parser and `config_kwargs` reads them back. A field's rules (its `choices`, bounds
+`ge` / `gt` / `le`: `cli_field`, or `checked` for a field that is no flag) are checked in one
+place, `check_fields`, which every config's `__post_init__` calls. vLLM's spellings
+(`--max-model-len`, `--dtype half`, ...) are one table; `add_aliases` lists each beside its
+flag in `--help`."""
 
 from __future__ import annotations
 
@@ -33,10 +36,41 @@ SWITCH_ALIASES = {
 }
 
 
+BOUNDS = ("ge", "gt", "le")
+
+
 def cli_field(default: Any, help: str, group: str, **extras: Any) -> Any:
     """A dataclass field with that default that is also the flag `--NAME` in `group`; `extras`
-    go to argparse (choices, metavar, type when the default's type is not it)."""
+    go to argparse (choices, metavar, type when the default's type is not it), but for the
+    bounds `check_fields` enforces (`ge`, `gt`, `le`)."""
     return dataclasses.field(default=default, metadata={"help": help, "group": group, **extras})
+
+
+def checked(default: Any, **rules: Any) -> Any:
+    """A field that is no flag, with `check_fields`' rules (`choices`, `ge`, `gt`, `le`)."""
+    return dataclasses.field(default=default, metadata=rules)
+
+
+def check_fields(config: Any) -> None:
+    """ValueError naming the field whose value breaks its rules: not among its `choices`, or
+    out of its bounds (None passes where it is the default)."""
+    for f in dataclasses.fields(config):
+        rules, value = f.metadata, getattr(config, f.name)
+        if value is None and f.default is None:
+            continue
+        choices = rules.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(choices)}")
+        ge, gt, le = (rules.get(b) for b in BOUNDS)
+        low = ge is None or value >= ge
+        if not (low and (gt is None or value > gt) and (le is None or value <= le)):
+            raise ValueError(f"{f.name}: must be {_bounds_text(ge, gt, le)}, got {value!r}")
+
+
+def _bounds_text(ge: Any, gt: Any, le: Any) -> str:
+    if le is None:
+        return f">= {ge}" if ge is not None else f"> {gt}"
+    return f"in [{ge}, {le}]" if ge is not None else f"in ({gt}, {le}]"
 
 
 def flag_name(f: dataclasses.Field[Any]) -> str:
@@ -52,7 +86,7 @@ def add_config_flags(groups: Mapping[str, Any], *configs: type) -> None:
     a bool field is a switch (`--no-NAME` too when it defaults to True)."""
     for cls in configs:
         for f in cli_fields(cls):
-            extras = dict(f.metadata)
+            extras = {k: v for k, v in f.metadata.items() if k not in BOUNDS}
             group = groups[extras.pop("group")]
             if isinstance(f.default, bool):
                 extras["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
