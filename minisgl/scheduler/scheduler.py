@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from minisgl.core import (
     ReqStatus,
     SamplingParams,
     pages_for,
+    plan_step,
     resolve_max_tokens,
 )
 from minisgl.engine import Engine, ForwardOutput, TokenMask
@@ -388,38 +390,25 @@ class Scheduler:
         reqs = decode + [r for r, _ in prefill]
         if not reqs:
             return None
-        prefix = [r.num_computed for r in reqs]
         draft_lens = drafts + [0] * len(prefill) if any(drafts) else []
         extend = [1 + d for d in drafts] + [n for _, n in prefill]
-        sample = [True] * len(decode) + [
-            p + e == r.seq_len for (r, e), p in zip(prefill, prefix[len(decode) :])
-        ]
-        out_index = [r.num_sampled for r in reqs]
-        for r, p, e in zip(reqs, prefix, extend):
-            self.kv.grow(r, p + e)
-            # Counted as computed once launched: the next step may be scheduled before this
-            # one's results are processed (overlap), and must start where this one ends.
-            r.num_computed = p + e
+        sample = [True] * len(decode) + [r.num_computed + n == r.seq_len for r, n in prefill]
+        for r, e in zip(reqs, extend):
+            p = r.num_computed
             self.stats["computed_prompt_tokens"] += max(0, min(p + e, r.prompt_len) - p)
-        for r, s in zip(reqs, sample):
-            r.num_sampled += int(s)
         self.reserve_ratio = max(self._min_reserve, self.reserve_ratio - self._reserve_decay)
-        page_writes, token_writes, freed, copies = self.kv.take_writes()
-        seqs = [r.seq for r in reqs]
-        assert None not in seqs
-        batch = Batch(
-            seqs,  # type: ignore[arg-type]
-            prefix,
-            extend,
-            sample,
-            out_index,
-            token_writes=token_writes,
-            page_writes=page_writes,
-            freed_pages=freed,
-            draft_lens=draft_lens,
-            page_copies=copies,
-        )
-        return reqs, batch
+
+        def writes() -> dict[str, Any]:
+            pages, tokens, freed, copies = self.kv.take_writes()
+            return dict(
+                page_writes=pages,
+                token_writes=tokens,
+                freed_pages=freed,
+                page_copies=copies,
+                draft_lens=draft_lens,
+            )
+
+        return reqs, plan_step(reqs, extend, sample, self.kv.grow, writes)
 
     def _can_sample_more(self, r: Req) -> bool:
         """False once the launched steps have sampled every token `r` may get."""
@@ -678,15 +667,5 @@ class Scheduler:
         tier, copier = self.kv.tier, self.engine.tier
         if tier is None or copier is None:
             return {}
-        cs = copier.collect()
-        return {
-            **tier.accounting(),
-            "host_hit_pages": tier.stats.loaded,
-            "disk_hit_pages": tier.stats.fetched,
-            "saved_bytes": cs.saved_bytes,
-            "loaded_bytes": cs.loaded_bytes,
-            "spilled_bytes": cs.spilled_bytes,
-            "fetched_bytes": cs.fetched_bytes,
-            "load_copy_s": cs.load_copy_s,
-            "wait_s": cs.wait_s,
-        }
+        hits = {"host_hit_pages": tier.stats.loaded, "disk_hit_pages": tier.stats.fetched}
+        return {**tier.accounting(), **hits, **dataclasses.asdict(copier.collect())}
