@@ -126,7 +126,7 @@ class WarmupRun:
         vocab = self.engine.model_config.vocab_size
         ids = [(7919 * n + 131 * i + 3) % vocab for i in range(prompt_len)]
         req = Req(f"warmup-{n}", ids, params, seed=n + 1)
-        req.seq = SeqInfo(self.slots.alloc(), params, req.seed, prompt_len)
+        req.seq = SeqInfo(self.slots.alloc(1)[0], params, req.seed, prompt_len)
         self.token_writes.append(TableWrite(req.seq.slot, 0, ids))
         self._grow(req, cached)
         req.num_computed = cached
@@ -186,7 +186,7 @@ class WarmupRun:
         self.allocator.free(reversed(self.pages))
         for req in reversed(self.reqs):
             assert req.slot is not None
-            self.slots.free(req.slot)
+            self.slots.free([req.slot])
             req.seq, req.pages = None, []
         self.reqs, self.pages = [], []
 
