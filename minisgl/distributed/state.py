@@ -20,10 +20,6 @@ class TPInfo:
     # Small CUDA all-reduces go here instead of NCCL (None: NCCL or gloo for everything).
     symm_all_reduce: SymmAllReduce | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == 0
-
 
 # The one process-wide global: which tensor-parallel rank this process is. Set once at start
 # (before the model is built); tests reset it.
