@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from minisgl.config.cli import check_fields, cli_field
+from minisgl.config.cli import cli_field
+from minisgl.core.errors import check_fields
 
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")

@@ -3,8 +3,8 @@
 `cli_field` declares a field's flag where the field is: `--NAME` (the field's name with dashes),
 its type taken from the default, its help, group and argparse extras; `add_config_flags` adds
 them to a parser and `config_kwargs` reads them back. A field's rules (its `choices`, bounds
-`ge` / `gt` / `le`: `cli_field`, or `checked` for a field that is no flag) are checked in one
-place, `check_fields`, which every config's `__post_init__` calls. vLLM's spellings
+`ge` / `gt` / `le`: `cli_field`, or `minisgl.core.errors.checked` for a field that is no flag)
+are checked in one place, `check_fields`, which every config's `__post_init__` calls. vLLM's spellings
 (`--max-model-len`, `--dtype half`, ...) are one table; `add_aliases` lists each beside its
 flag in `--help`."""
 
@@ -14,6 +14,8 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from minisgl.core.errors import BOUNDS
 
 # alias -> this server's flag (the same value, the same meaning)
 FLAG_ALIASES = {
@@ -36,41 +38,11 @@ SWITCH_ALIASES = {
 }
 
 
-BOUNDS = ("ge", "gt", "le")
-
-
 def cli_field(default: Any, help: str, group: str, **extras: Any) -> Any:
     """A dataclass field with that default that is also the flag `--NAME` in `group`; `extras`
     go to argparse (choices, metavar, type when the default's type is not it), but for the
     bounds `check_fields` enforces (`ge`, `gt`, `le`)."""
     return dataclasses.field(default=default, metadata={"help": help, "group": group, **extras})
-
-
-def checked(default: Any, **rules: Any) -> Any:
-    """A field that is no flag, with `check_fields`' rules (`choices`, `ge`, `gt`, `le`)."""
-    return dataclasses.field(default=default, metadata=rules)
-
-
-def check_fields(config: Any) -> None:
-    """ValueError naming the field whose value breaks its rules: not among its `choices`, or
-    out of its bounds (None passes where it is the default)."""
-    for f in dataclasses.fields(config):
-        rules, value = f.metadata, getattr(config, f.name)
-        if value is None and f.default is None:
-            continue
-        choices = rules.get("choices")
-        if choices is not None and value not in choices:
-            raise ValueError(f"{f.name}: {value!r} is not one of {', '.join(choices)}")
-        ge, gt, le = (rules.get(b) for b in BOUNDS)
-        low = ge is None or value >= ge
-        if not (low and (gt is None or value > gt) and (le is None or value <= le)):
-            raise ValueError(f"{f.name}: must be {_bounds_text(ge, gt, le)}, got {value!r}")
-
-
-def _bounds_text(ge: Any, gt: Any, le: Any) -> str:
-    if le is None:
-        return f">= {ge}" if ge is not None else f"> {gt}"
-    return f"in [{ge}, {le}]" if ge is not None else f"in ({gt}, {le}]"
 
 
 def flag_name(f: dataclasses.Field[Any]) -> str:

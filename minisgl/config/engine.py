@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from minisgl.config import env
-from minisgl.config.cli import auto_or_float, check_fields, checked, cli_field
+from minisgl.config.cli import auto_or_float, cli_field
 from minisgl.config.model import ModelConfig
 from minisgl.config.quant import (
     CPU_INT_GROUP,
@@ -17,6 +17,7 @@ from minisgl.config.quant import (
     resolve_quantization,
     resolve_skinny_max_rows,
 )
+from minisgl.core.errors import check_fields, checked
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")

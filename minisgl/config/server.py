@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minisgl.config.chat import ChatConfig
-from minisgl.config.cli import check_fields, checked, cli_field
+from minisgl.config.cli import cli_field
 from minisgl.config.engine import EngineConfig
+from minisgl.core.errors import check_fields, checked
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --shutdown-timeout's default: long enough for most answers to finish, short enough for an

@@ -65,23 +65,16 @@ class Scheduler:
     """Decides each step's batch and turns sampled tokens into request progress.
 
     Every step carries one token for each decoding request plus prefill chunks (newest
-    admissions last) within a budget (`minisgl.scheduler.budget`): by tokens, decodes and
-    chunks fill the step up to `max_prefill_tokens` tokens in all (prefill gets at least a
-    quarter of it however many requests decode), so that steps that prefill have the same
-    token count while prompts wait and the GEMM libraries see one shape rather than a new one
-    per step (cuBLAS picks an algorithm for each new M, ~0.1 ms of host time per GEMM on an
-    H200 host); by time, while requests decode, the chunks keep the step within the
-    inter-token latency target as the step-time model (`step_model`, fitted at start-up and
-    refined from every measured step, `minisgl.scheduler.timing`) predicts it.
-
-    The waiting queue's order and who gives way when KV runs short follow the schedule policy
-    (`minisgl.scheduler.policy`: first come first served, or by priority). A request is
-    admitted only when the pool can hold its prompt plus a share of its remaining `max_tokens`
-    on top of what running requests reserved; when decoding still runs short, the last
-    request in the policy's order (the newest, under fcfs) is retracted and requeued, its
-    computed pages left in the prefix cache. The share starts at `reserve_ratio` and falls to
-    `min_reserve_ratio` over `reserve_decay_steps` steps; a retraction sets it back (as
-    SGLang's new-token ratio).
+    admissions last) within the budget of `minisgl.scheduler.budget`: a token limit, and while
+    requests decode, the inter-token latency target as the step-time model (`step_model`,
+    fitted at start-up and refined from every measured step, `minisgl.scheduler.timing`)
+    predicts it. The waiting queue's order and who gives way when KV runs short follow the
+    schedule policy (`minisgl.scheduler.policy`). A request is admitted only when the pool can
+    hold its prompt plus a share of its remaining `max_tokens` on top of what running requests
+    reserved; when decoding still runs short, the last request in the policy's order is
+    retracted and requeued, its computed pages left in the prefix cache. The share starts at
+    `reserve_ratio` and falls to `min_reserve_ratio` over `reserve_decay_steps` steps; a
+    retraction sets it back (as SGLang's new-token ratio).
 
     The scheduler talks to the engine through one call, `engine.forward_batch(plan)`: the plan
     (`Batch`) carries the rows of the step and the request-table writes queued since the last
