@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.distributed.errors import RankFailedError
-
 if TYPE_CHECKING:
     from minisgl.distributed.symm_all_reduce import SymmAllReduce
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or cannot be reached; the engine cannot go on."""
 
 
 @dataclass(frozen=True)

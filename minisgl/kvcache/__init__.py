@@ -1,11 +1,11 @@
 """Paged KV storage, page allocation, the request table and prefix caches."""
 
-from minisgl.kvcache.allocator import OutOfPagesError, PageAllocator, SlotAllocator
+from minisgl.kvcache.allocator import PageAllocator, SlotAllocator
 from minisgl.kvcache.base import BasePrefixCache, MatchResult
 from minisgl.kvcache.pool import KVPool
 from minisgl.kvcache.radix import NaiveCache, RadixPrefixCache
 from minisgl.kvcache.table import ReqTable
-from minisgl.kvcache.tier import HostTier, TierStats
+from minisgl.kvcache.tier import HostTier
 
 
 def make_prefix_cache(kind: str, page_size: int, tier: HostTier | None = None) -> BasePrefixCache:
@@ -22,12 +22,8 @@ __all__ = [
     "HostTier",
     "KVPool",
     "MatchResult",
-    "NaiveCache",
-    "OutOfPagesError",
     "PageAllocator",
-    "RadixPrefixCache",
     "ReqTable",
     "SlotAllocator",
-    "TierStats",
     "make_prefix_cache",
 ]
