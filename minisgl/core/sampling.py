@@ -110,23 +110,19 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias: a token id is given twice")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError if a token id of `logit_bias` or `stop_token_ids` is not
-        in the vocabulary."""
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids: token id {t} is not in the vocabulary [0, {vocab_size}) "
-                    f"of {vocab_size} tokens"
-                )
-        if self.grammar_after_token is not None and self.grammar_after_token >= vocab_size:
-            raise InvalidRequestError(
-                f"grammar_after_token: {self.grammar_after_token} is not in the vocabulary"
-            )
-        for t, _ in self.logit_bias:
-            if t >= vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias: token id {t} is not in the vocabulary [0, {vocab_size})"
-                )
+        """Raise InvalidRequestError if a token id of `stop_token_ids`, `grammar_after_token` or
+        `logit_bias` is not in the vocabulary."""
+        after = () if self.grammar_after_token is None else (self.grammar_after_token,)
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("grammar_after_token", after),
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+        ):
+            for t in ids:
+                if t >= vocab_size:
+                    raise InvalidRequestError(
+                        f"{name}: token id {t} is not in the vocabulary [0, {vocab_size})"
+                    )
 
     @property
     def constraint(self) -> Constraint | None:
