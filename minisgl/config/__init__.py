@@ -9,15 +9,14 @@ from minisgl.config.chat import (
 from minisgl.config.engine import (
     DTYPES,
     SCHEDULE_POLICIES,
-    SPECULATIVE_ALGORITHMS,
     EngineConfig,
     apply_env_switches,
     resolve_engine_config,
     resolve_model_quantization,
 )
-from minisgl.config.model import ModelConfig, MoEConfig, RopeConfig, model_config_from_dict
+from minisgl.config.model import ModelConfig, RopeConfig, model_config_from_dict
 from minisgl.config.quant import QuantConfig
-from minisgl.config.server import Deadlines, Limits, ServerConfig
+from minisgl.config.server import ServerConfig
 
 __all__ = [
     "REASONING_PARSERS",
@@ -26,12 +25,8 @@ __all__ = [
     "resolve_chat_template",
     "DTYPES",
     "SCHEDULE_POLICIES",
-    "SPECULATIVE_ALGORITHMS",
-    "Deadlines",
     "EngineConfig",
-    "Limits",
     "ModelConfig",
-    "MoEConfig",
     "QuantConfig",
     "RopeConfig",
     "ServerConfig",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minisgl.config.cli import cli_field
+from minisgl.core.errors import check_fields
 
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
@@ -34,14 +35,7 @@ class ChatConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"tool_call_parser: {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser: {self.reasoning_parser!r} is not one of {REASONING_PARSERS}"
-            )
+        check_fields(self)
 
 
 def resolve_chat_template(value: str | None) -> str | None:

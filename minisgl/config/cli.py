@@ -2,8 +2,11 @@
 
 `cli_field` declares a field's flag where the field is: `--NAME` (the field's name with dashes),
 its type taken from the default, its help, group and argparse extras; `add_config_flags` adds
-them to a parser and `config_kwargs` reads them back. vLLM's spellings (`--max-model-len`,
-`--dtype half`, ...) are one table; `add_aliases` lists each beside its flag in `--help`."""
+them to a parser and `config_kwargs` reads them back. A field's rules (its `choices`, bounds
+`ge` / `gt` / `le`: `cli_field`, or `minisgl.core.errors.checked` for a field that is no flag)
+are checked in one place, `check_fields`, which every config's `__post_init__` calls. vLLM's spellings
+(`--max-model-len`, `--dtype half`, ...) are one table; `add_aliases` lists each beside its
+flag in `--help`."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from minisgl.core.errors import BOUNDS
 
 # alias -> this server's flag (the same value, the same meaning)
 FLAG_ALIASES = {
@@ -35,7 +40,8 @@ SWITCH_ALIASES = {
 
 def cli_field(default: Any, help: str, group: str, **extras: Any) -> Any:
     """A dataclass field with that default that is also the flag `--NAME` in `group`; `extras`
-    go to argparse (choices, metavar, type when the default's type is not it)."""
+    go to argparse (choices, metavar, type when the default's type is not it), but for the
+    bounds `check_fields` enforces (`ge`, `gt`, `le`)."""
     return dataclasses.field(default=default, metadata={"help": help, "group": group, **extras})
 
 
@@ -52,7 +58,7 @@ def add_config_flags(groups: Mapping[str, Any], *configs: type) -> None:
     a bool field is a switch (`--no-NAME` too when it defaults to True)."""
     for cls in configs:
         for f in cli_fields(cls):
-            extras = dict(f.metadata)
+            extras = {k: v for k, v in f.metadata.items() if k not in BOUNDS}
             group = groups[extras.pop("group")]
             if isinstance(f.default, bool):
                 extras["action"] = argparse.BooleanOptionalAction if f.default else "store_true"

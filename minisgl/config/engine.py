@@ -17,6 +17,7 @@ from minisgl.config.quant import (
     resolve_quantization,
     resolve_skinny_max_rows,
 )
+from minisgl.core.errors import check_fields, checked
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -59,6 +60,7 @@ class EngineConfig:
         "text at start-up; 0: the checkpoint's KV scales, else 1.0",
         "scheduling and memory",
         metavar="N",
+        ge=0,
     )
     quantization: str | None = cli_field(
         None,
@@ -71,27 +73,28 @@ class EngineConfig:
         choices=QUANTIZATIONS,
     )
     # FP8 linear layers with at most this many rows take the weight-only GEMV (see config.quant).
-    fp8_gemv_max_rows: int = FP8_GEMV_MAX_ROWS
+    fp8_gemv_max_rows: int = checked(FP8_GEMV_MAX_ROWS, ge=0)
     # FP8 weight-only rows take the skinny tensor-core GEMM instead of the GEMV.
     fp8_skinny: bool = False
     # Unquantized linear layers with 2..this many rows (at most 16) take the skinny tensor-core GEMM
     # on CUDA instead of cuBLAS (a speculative verify step, small decode batches); 0: off;
     # None: 16 for models up to `SKINNY_MAX_HIDDEN`, else off.
-    skinny_max_rows: int | None = None
+    skinny_max_rows: int | None = checked(None, ge=0, le=16)
     page_size: int = cli_field(
-        0, "tokens per KV page; 0: auto (1 on CPU, 32 on GPU)", "scheduling and memory"
+        0, "tokens per KV page; 0: auto (1 on CPU, 32 on GPU)", "scheduling and memory", ge=0
     )
     num_pages: int = cli_field(
-        0, "KV pool size in pages; 0: auto, sized from free memory", "scheduling and memory"
+        0, "KV pool size in pages; 0: auto, sized from free memory", "scheduling and memory", ge=0
     )
     max_running_requests: int = cli_field(
-        256, "requests decoded together at most", "scheduling and memory"
+        256, "requests decoded together at most", "scheduling and memory", ge=1
     )
     max_prefill_tokens: int = cli_field(
         8192,
         "tokens per step while prompts wait: decoding requests' tokens plus prefill chunks "
         "(longer prompts are chunked; prefill keeps at least a quarter)",
         "scheduling and memory",
+        ge=1,
     )
     max_context_len: int = cli_field(
         0, "longest prompt + output in tokens; 0: the model's maximum", "scheduling and memory"
@@ -120,7 +123,7 @@ class EngineConfig:
         16.0, "size of each rank's --kv-disk-dir file", "scheduling and memory"
     )
     attention_backend: str = "auto"  # auto | torch | triton
-    tp_size: int = cli_field(1, "tensor-parallel ranks (GPUs), over all nodes", "model")
+    tp_size: int = cli_field(1, "tensor-parallel ranks (GPUs), over all nodes", "model", ge=1)
     # Node 0 holds rank 0, which takes the requests; without `dist_init_addr` a free local port
     # is picked, which only a single node can find.
     nnodes: int = cli_field(1, "hosts the tensor-parallel ranks span", "multi-node")
@@ -139,13 +142,16 @@ class EngineConfig:
         "share of the GPU's memory the engine may fill (weights, CUDA graphs, activations, "
         "then the KV pool with the rest); on a CPU --num-pages sizes the pool",
         "scheduling and memory",
+        gt=0,
+        le=1,
     )
-    cpu_kv_gib: float = 2.0  # KV pool size on CPU when num_pages is auto
+    cpu_kv_gib: float = checked(2.0, gt=0)  # KV pool size on CPU when num_pages is auto
     cuda_graph_max_bs: int = cli_field(
         256,
         "decode batches up to this size replay CUDA graphs (padded to a captured size); 0 "
         "disables the graphs",
         "scheduling and memory",
+        ge=0,
     )
     # `minisgl.engine.piecewise`; off with CUDA graphs.
     piecewise_graph_max_tokens: int = cli_field(
@@ -153,6 +159,7 @@ class EngineConfig:
         "steps that prefill up to this many tokens replay piecewise CUDA graphs (dense models "
         "at tp 1; attention runs between the pieces); 0 runs them eagerly",
         "scheduling and memory",
+        ge=0,
     )
     # `kernels.attention.mixed`; backends without `supports_mixed_step` take the pieces. On the
     # H200 (W4 at 16 req/s) it took a step that prefills from ~15 ms to 3.5-6.8 ms and the ITL
@@ -175,9 +182,9 @@ class EngineConfig:
     # Share of a request's remaining max_tokens that admission reserves KV for. It starts at
     # `reserve_ratio` and falls linearly to `min_reserve_ratio` over `reserve_decay_steps` steps
     # (most requests stop well before max_tokens); a retraction puts it back at the start.
-    reserve_ratio: float = 0.5
-    min_reserve_ratio: float = 0.1
-    reserve_decay_steps: int = 600
+    reserve_ratio: float = checked(0.5, gt=0, le=1)
+    min_reserve_ratio: float = checked(0.1, gt=0, le=1)
+    reserve_decay_steps: int = checked(600, ge=1)
     # `minisgl.scheduler.budget`. On the H200 with whole-step graphs, auto took W4's saturated
     # ITL p99 from 48 to 16 ms at 5% more throughput; the CPU has no prefilling graphs to keep
     # cheap.
@@ -205,6 +212,7 @@ class EngineConfig:
         "with --schedule-policy priority: a waiting request gains one priority level per this "
         "many seconds of waiting, so none starves; 0: no aging",
         "scheduling and memory",
+        ge=0,
     )
     # Speculative decoding: `minisgl.spec`.
     speculative_algorithm: str | None = cli_field(
@@ -216,12 +224,17 @@ class EngineConfig:
         choices=SPECULATIVE_ALGORITHMS,
     )
     speculative_num_draft_tokens: int = cli_field(
-        4, "drafts verified per request and step at most", "speculative decoding", metavar="K"
+        4,
+        "drafts verified per request and step at most",
+        "speculative decoding",
+        metavar="K",
+        ge=1,
     )
     speculative_ngram_n: int = cli_field(
         3,
         "ngram: the longest suffix looked up (shorter ones when it is not found)",
         "speculative decoding",
+        ge=1,
     )
     # 3: on SmolLM2 (CPU, fp32, K = 8) a chat answer made 4 failed verify steps with 2 and none
     # with 3, and a copy workload kept 6.28 drafts per verify instead of 5.87.
@@ -229,12 +242,14 @@ class EngineConfig:
         3,
         "ngram: the shortest suffix looked up (shorter ones match by chance in any text)",
         "speculative decoding",
+        ge=1,
     )
     speculative_draft_layers: int = cli_field(
         0,
         "draft: layers of the layer-skip draft; 0: a quarter of the model's, at least one",
         "speculative decoding",
         metavar="L",
+        ge=0,
     )
     speculative_draft_model: str | None = cli_field(
         None,
@@ -247,6 +262,7 @@ class EngineConfig:
         8,
         "steps with more decoding requests than this do not speculate",
         "speculative decoding",
+        ge=1,
     )
     show_progress: bool = True
     # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
@@ -255,38 +271,20 @@ class EngineConfig:
     debug_kv: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
-        if self.cache not in CACHES:
-            raise ValueError(f"cache: {self.cache!r} is not one of radix, naive")
-        if self.page_size < 0 or self.num_pages < 0:
-            raise ValueError("page_size and num_pages must be >= 0 (0 means auto)")
-        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
-        if not 0.0 < self.mem_fraction <= 1.0:
-            raise ValueError(f"mem_fraction: must be in (0, 1], got {self.mem_fraction}")
-        if self.cpu_kv_gib <= 0:
-            raise ValueError(f"cpu_kv_gib: must be > 0, got {self.cpu_kv_gib}")
-        if self.cuda_graph_max_bs < 0:
-            raise ValueError(f"cuda_graph_max_bs: must be >= 0, got {self.cuda_graph_max_bs}")
-        if self.piecewise_graph_max_tokens < 0:
+        check_fields(self)
+        t = self.itl_target_ms
+        if not (t is None or t == "auto" or (isinstance(t, (int, float)) and t >= 0)):
             raise ValueError(
-                f"piecewise_graph_max_tokens: must be >= 0, got {self.piecewise_graph_max_tokens}"
+                f"itl_target_ms: must be >= 0 (0 turns the target off), 'auto' or None (the "
+                f"machine's default), got {t!r}"
             )
-        if not 0.0 < self.reserve_ratio <= 1.0:
-            raise ValueError(f"reserve_ratio: must be in (0, 1], got {self.reserve_ratio}")
-        if not 0.0 < self.min_reserve_ratio <= 1.0:
-            raise ValueError(f"min_reserve_ratio: must be in (0, 1], got {self.min_reserve_ratio}")
-        if self.reserve_decay_steps < 1:
-            raise ValueError(f"reserve_decay_steps: must be >= 1, got {self.reserve_decay_steps}")
+        if self.kv_cache_calibrate and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError(
+                "kv_cache_calibrate: only an fp8_e4m3 KV cache has scales to calibrate; "
+                "pass kv_cache_dtype='fp8_e4m3' too"
+            )
         self._check_distributed()
         self._check_kv_tiers()
-        self._check_fp8()
-        self._check_scheduling()
         self._check_speculative()
 
     def _check_kv_tiers(self) -> None:
@@ -301,32 +299,10 @@ class EngineConfig:
             raise ValueError("kv_disk_dir: the disk tier sits under the host tier (kv_host_gib)")
 
     def _check_speculative(self) -> None:
-        algo = self.speculative_algorithm
-        if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(
-                f"speculative_algorithm: {algo!r} is not one of "
-                f"{', '.join(SPECULATIVE_ALGORITHMS)} (or None: off)"
-            )
-        if self.speculative_num_draft_tokens < 1:
-            raise ValueError(
-                f"speculative_num_draft_tokens: must be >= 1, got "
-                f"{self.speculative_num_draft_tokens}"
-            )
-        if self.speculative_ngram_n < 1:
-            raise ValueError(f"speculative_ngram_n: must be >= 1, got {self.speculative_ngram_n}")
-        if not 1 <= self.speculative_ngram_min_n <= self.speculative_ngram_n:
+        if not self.speculative_ngram_min_n <= self.speculative_ngram_n:
             raise ValueError(
                 "speculative_ngram_min_n: must be between 1 and speculative_ngram_n "
                 f"({self.speculative_ngram_n}), got {self.speculative_ngram_min_n}"
-            )
-        if self.speculative_draft_layers < 0:
-            raise ValueError(
-                "speculative_draft_layers: must be >= 0 (0: auto), got "
-                f"{self.speculative_draft_layers}"
-            )
-        if self.speculative_max_batch < 1:
-            raise ValueError(
-                f"speculative_max_batch: must be >= 1, got {self.speculative_max_batch}"
             )
         if self.speculative_draft_model is not None:
             if self.speculative_algorithm != "draft":
@@ -336,44 +312,6 @@ class EngineConfig:
                 )
             if self.tp_size != 1:
                 raise ValueError("speculative_draft_model: only at tp_size 1 for now")
-
-    def _check_scheduling(self) -> None:
-        t = self.itl_target_ms
-        if not (t is None or t == "auto" or (isinstance(t, (int, float)) and t >= 0)):
-            raise ValueError(
-                f"itl_target_ms: must be >= 0 (0 turns the target off), 'auto' or None (the "
-                f"machine's default), got {t!r}"
-            )
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"schedule_policy: {self.schedule_policy!r} is not one of "
-                f"{', '.join(SCHEDULE_POLICIES)}"
-            )
-        if not self.priority_aging_s >= 0:
-            raise ValueError(
-                f"priority_aging_s: must be >= 0 (0: no aging), got {self.priority_aging_s}"
-            )
-
-    def _check_fp8(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
-            )
-        if self.kv_cache_calibrate < 0:
-            raise ValueError(f"kv_cache_calibrate: must be >= 0, got {self.kv_cache_calibrate}")
-        if self.kv_cache_calibrate and self.kv_cache_dtype != "fp8_e4m3":
-            raise ValueError(
-                "kv_cache_calibrate: only an fp8_e4m3 KV cache has scales to calibrate; "
-                "pass kv_cache_dtype='fp8_e4m3' too"
-            )
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
-        if self.fp8_gemv_max_rows < 0:
-            raise ValueError(f"fp8_gemv_max_rows: must be >= 0, got {self.fp8_gemv_max_rows}")
-        if self.skinny_max_rows is not None and not 0 <= self.skinny_max_rows <= 16:
-            raise ValueError(
-                f"skinny_max_rows: must be between 0 (off) and 16, got {self.skinny_max_rows}"
-            )
 
     def _check_distributed(self) -> None:
         if self.nnodes < 1 or self.tp_size % self.nnodes:

@@ -64,10 +64,6 @@ class ModelConfig:
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
 
 # Which flags each architecture family implies (one decoder class covers them all).
 _FAMILY_FLAGS: dict[str, dict[str, bool]] = {

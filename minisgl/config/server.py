@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from minisgl.config.chat import ChatConfig
 from minisgl.config.cli import cli_field
 from minisgl.config.engine import EngineConfig
+from minisgl.core.errors import check_fields, checked
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --shutdown-timeout's default: long enough for most answers to finish, short enough for an
@@ -27,21 +28,24 @@ class Limits:
         "largest request body: 413 once Content-Length announces more, or once a chunked body "
         "passes it (the rest is not read)",
         "request limits",
+        ge=1,
     )
     max_seqs_per_request: int = cli_field(
-        256, "most sequences (prompts x n) one request may ask for; more: 400", "request limits"
+        256,
+        "most sequences (prompts x n) one request may ask for; more: 400",
+        "request limits",
+        ge=1,
     )
     max_queued_seqs: int = cli_field(
         4096,
         "sequences accepted but without their first token yet (waiting to be tokenized, "
         "admitted or prefilled); a request that would pass it gets 503 with Retry-After",
         "request limits",
+        ge=1,
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_seqs_per_request", "max_queued_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        check_fields(self)
         if self.max_seqs_per_request > self.max_queued_seqs:
             raise ValueError(
                 f"max_seqs_per_request: {self.max_seqs_per_request} is more than "
@@ -61,28 +65,30 @@ class Deadlines:
         "a request's header must arrive whole within this (from the connection or the "
         "request's first byte); else 408",
         "connection time-outs",
+        gt=0,
     )
     body_timeout: float = cli_field(
         60.0,
         "a request's body must arrive whole within this after its header; else 408",
         "connection time-outs",
+        gt=0,
     )
     send_timeout: float = cli_field(
         60.0,
         "a client that reads nothing for this long while its answer waits to be written (a "
         "full buffer) is dropped; its request is aborted and its KV freed",
         "connection time-outs",
+        gt=0,
     )
     keep_alive_timeout: float = cli_field(
         75.0,
         "an idle connection between two requests is closed after this",
         "connection time-outs",
+        gt=0,
     )
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     host: str = cli_field("127.0.0.1", "address to listen on", "serving")
-    port: int = cli_field(1919, "port to listen on", "serving")
+    port: int = cli_field(1919, "port to listen on", "serving", ge=0, le=65535)
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     shell: bool = cli_field(
         False, "chat with the model in this terminal instead of serving HTTP", "serving"
@@ -108,22 +114,15 @@ class ServerConfig:
         "[DONE]); a second signal exits at once",
         "serving",
         metavar="SECONDS",
+        ge=0,
     )
-    api_server_count: int = 1  # HTTP server processes sharing the port
+    # HTTP server processes sharing the port
+    api_server_count: int = checked(1, ge=1, le=MAX_API_SERVERS)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
+        check_fields(self)
         if self.api_key == "":
             raise ValueError("api_key: must not be empty (leave it out to disable authentication)")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
-        if not 1 <= self.api_server_count <= MAX_API_SERVERS:
-            raise ValueError(
-                f"api_server_count: must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}"
-            )
         if self.shell and self.engine.node_rank > 0:
             raise ValueError("shell: runs on node 0 only; leave --shell out with --node-rank > 0")
 

@@ -2,12 +2,11 @@
 matchers, and the token bitmask each constrained row of a step samples under."""
 
 from minisgl.constrain.base import GrammarError
-from minisgl.constrain.grammar import Compiled, CompileStats, GrammarCompiler
+from minisgl.constrain.grammar import CompileStats, GrammarCompiler
 from minisgl.constrain.matcher import MaskFiller, RequestGrammar, bitmask_width
 
 __all__ = [
     "CompileStats",
-    "Compiled",
     "GrammarCompiler",
     "GrammarError",
     "MaskFiller",

@@ -10,6 +10,7 @@ it, is made on the pool's first job, so a process that never sees a constraint n
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections import OrderedDict
@@ -22,7 +23,8 @@ from minisgl.constrain.base import Backend
 from minisgl.core import Constraint
 
 CACHE_ENTRIES = 512  # compiled grammars kept (a schema's is tens to hundreds of kilobytes)
-BACKENDS = ("llguidance", "xgrammar")
+# name -> (module of `minisgl.constrain`, class), imported on first use
+BACKENDS = {"llguidance": ("llg", "LLGuidance"), "xgrammar": ("xgr", "XGrammar")}
 
 
 class Compiled(NamedTuple):
@@ -66,16 +68,9 @@ class GrammarCompiler:
     def backend(self) -> Backend:
         with self._lock:
             if self._backend is None:
-                if self._kind == "xgrammar":
-                    from minisgl.constrain.xgr import XGrammar
-
-                    self._backend = XGrammar(self._load_tokenizer, self.vocab_size, self._end_token)
-                else:
-                    from minisgl.constrain.llg import LLGuidance
-
-                    self._backend = LLGuidance(
-                        self._load_tokenizer, self.vocab_size, self._end_token
-                    )
+                module, name = BACKENDS[self._kind]
+                cls = getattr(importlib.import_module(f"minisgl.constrain.{module}"), name)
+                self._backend = cls(self._load_tokenizer, self.vocab_size, self._end_token)
             return self._backend
 
     def submit(self, constraint: Constraint) -> Future[Compiled]:

@@ -31,19 +31,16 @@ class LLGuidanceMatcher:
 
     def accept(self, token: int) -> bool:
         # (a refused token leaves the matcher as it was; `consume_token` would spend it)
-        ok: bool = self.m.try_consume_tokens([token]) == 1
-        return ok
+        return bool(self.m.try_consume_tokens([token]) == 1)
 
     def rollback(self, n: int) -> None:
         self.m.rollback(n)
 
     def accepting(self) -> bool:
-        done: bool = self.m.is_accepting()
-        return done
+        return bool(self.m.is_accepting())
 
     def stopped(self) -> bool:
-        done: bool = self.m.is_stopped()
-        return done
+        return bool(self.m.is_stopped())
 
 
 class LLGuidance(Backend):
@@ -128,8 +125,7 @@ class LLGuidance(Backend):
     def accept(self, pool: Any, pairs: Sequence[tuple[Matcher, int]]) -> list[bool]:
         if not pairs:
             return []
-        ok: list[bool] = pool.consume_token_par([(g.m, t) for g, t in pairs])  # type: ignore[attr-defined]
-        return ok
+        return list(pool.consume_token_par([(g.m, t) for g, t in pairs]))  # type: ignore[attr-defined]
 
 
 def _lark(text: str) -> str:

@@ -22,15 +22,13 @@ class XGrammarMatcher:
         self.m = m
 
     def accept(self, token: int) -> bool:
-        ok: bool = self.m.accept_token(token)
-        return ok
+        return bool(self.m.accept_token(token))
 
     def rollback(self, n: int) -> None:
         self.m.rollback(n)
 
     def accepting(self) -> bool:
-        done: bool = self.m.is_completed()
-        return done
+        return bool(self.m.is_completed())
 
     def stopped(self) -> bool:
         return False  # xgrammar does not say (an `ignore_eos` request then never ends early)

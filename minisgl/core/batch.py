@@ -112,7 +112,3 @@ class Batch:
     @property
     def slots(self) -> list[int]:
         return [s.slot for s in self.seqs]
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return any(s.params.logprobs for s in self.seqs)

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core.batch import SeqInfo
+from minisgl.core.batch import Batch, SeqInfo
 from minisgl.core.sampling import SamplingParams
 
 
@@ -88,3 +89,26 @@ class Req:
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+def plan_step(
+    reqs: list[Req],
+    extend: list[int],
+    sample: list[bool],
+    grow: Callable[[Req, int], None],
+    writes: Callable[[], dict[str, Any]],
+) -> Batch:
+    """The plan of a step whose row i computes `extend[i]` tokens of `reqs[i]` (sampling one
+    more when `sample[i]`). Each request is grown to its new length by `grow` (which queues
+    its page writes) and counted as computed and sampled from then on: the next step may be
+    planned before this one's results are in, and must start where it ends. `writes()`, asked
+    after the growth: the plan's table writes and other fields (freed pages, drafts, copies)."""
+    prefix = [r.num_computed for r in reqs]
+    out_index = [r.num_sampled for r in reqs]
+    for r, p, e, s in zip(reqs, prefix, extend, sample):
+        grow(r, p + e)
+        r.num_computed = p + e
+        r.num_sampled += int(s)
+    seqs = [r.seq for r in reqs]
+    assert None not in seqs
+    return Batch(seqs, prefix, extend, sample, out_index, **writes())  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.core.constraint import CONSTRAINT_KINDS, Constraint
-from minisgl.core.errors import InvalidRequestError
+from minisgl.core.errors import InvalidRequestError, check_fields, checked
 
 
 @dataclass(frozen=True)
@@ -27,17 +27,17 @@ class SamplingParams:
 
     max_tokens: int = 16
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = checked(1.0, gt=0, le=1)
     top_k: int = -1
-    min_p: float = 0.0
+    min_p: float = checked(0.0, ge=0, le=1)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float = checked(0.0, ge=-2, le=2)
+    frequency_penalty: float = checked(0.0, ge=-2, le=2)
+    repetition_penalty: float = checked(1.0, gt=0, le=10)
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: int = checked(0, ge=0, le=20)
     skip_special_tokens: bool = True
     stop: tuple[str, ...] = field(default=())
     min_tokens: int = 0
@@ -70,20 +70,9 @@ class SamplingParams:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        check_fields(self, InvalidRequestError)
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
             raise bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if not (0.0 < self.repetition_penalty <= 10.0):
-            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
-        if not (0 <= self.top_logprobs <= 20):
-            raise bad("top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
@@ -121,23 +110,19 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias: a token id is given twice")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError if a token id of `logit_bias` or `stop_token_ids` is not
-        in the vocabulary."""
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids: token id {t} is not in the vocabulary [0, {vocab_size}) "
-                    f"of {vocab_size} tokens"
-                )
-        if self.grammar_after_token is not None and self.grammar_after_token >= vocab_size:
-            raise InvalidRequestError(
-                f"grammar_after_token: {self.grammar_after_token} is not in the vocabulary"
-            )
-        for t, _ in self.logit_bias:
-            if t >= vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias: token id {t} is not in the vocabulary [0, {vocab_size})"
-                )
+        """Raise InvalidRequestError if a token id of `stop_token_ids`, `grammar_after_token` or
+        `logit_bias` is not in the vocabulary."""
+        after = () if self.grammar_after_token is None else (self.grammar_after_token,)
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("grammar_after_token", after),
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+        ):
+            for t in ids:
+                if t >= vocab_size:
+                    raise InvalidRequestError(
+                        f"{name}: token id {t} is not in the vocabulary [0, {vocab_size})"
+                    )
 
     @property
     def constraint(self) -> Constraint | None:

@@ -1,7 +1,7 @@
 """Tensor-parallel rank and size, process groups and the collectives the layers call."""
 
-from minisgl.distributed.errors import RankFailedError
 from minisgl.distributed.state import (
+    RankFailedError,
     TPInfo,
     all_gather_last_dim,
     all_reduce,

@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.distributed.errors import RankFailedError
-
 if TYPE_CHECKING:
     from minisgl.distributed.symm_all_reduce import SymmAllReduce
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or cannot be reached; the engine cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -19,10 +21,6 @@ class TPInfo:
     size: int = 1
     # Small CUDA all-reduces go here instead of NCCL (None: NCCL or gloo for everything).
     symm_all_reduce: SymmAllReduce | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == 0
 
 
 # The one process-wide global: which tensor-parallel rank this process is. Set once at start

@@ -1,39 +1,29 @@
 """Paged KV storage, page allocation, the request table and prefix caches."""
 
-from minisgl.kvcache.allocator import OutOfPagesError, PageAllocator, SlotAllocator
+from minisgl.kvcache.allocator import PageAllocator, SlotAllocator
 from minisgl.kvcache.base import BasePrefixCache, MatchResult
-from minisgl.kvcache.naive import NaiveCache
 from minisgl.kvcache.pool import KVPool
+from minisgl.kvcache.radix import NaiveCache, RadixPrefixCache
 from minisgl.kvcache.table import ReqTable
-from minisgl.kvcache.tier import HostTier, TierStats
-
-CACHE_KINDS = ("radix", "naive")
+from minisgl.kvcache.tier import HostTier
 
 
 def make_prefix_cache(kind: str, page_size: int, tier: HostTier | None = None) -> BasePrefixCache:
-    """`tier`: the host tier that keeps what the radix cache evicts (radix only)."""
+    """`kind`: "radix" or "naive" (`EngineConfig.cache`, checked there); `tier`: the host tier
+    that keeps what the radix cache evicts (the config refuses one under a naive cache)."""
     if kind == "naive":
-        if tier is not None:
-            raise ValueError("kv host tier: needs --cache radix")
+        assert tier is None
         return NaiveCache(page_size)
-    if kind == "radix":
-        from minisgl.kvcache.radix import RadixPrefixCache
-
-        return RadixPrefixCache(page_size, None if tier is None else tier.write_back)
-    raise ValueError(f"cache: unknown kind {kind!r}; choose one of {CACHE_KINDS}")
+    return RadixPrefixCache(page_size, None if tier is None else tier.write_back)
 
 
 __all__ = [
-    "CACHE_KINDS",
     "BasePrefixCache",
     "HostTier",
     "KVPool",
     "MatchResult",
-    "NaiveCache",
-    "OutOfPagesError",
     "PageAllocator",
     "ReqTable",
     "SlotAllocator",
-    "TierStats",
     "make_prefix_cache",
 ]

@@ -8,7 +8,10 @@ class OutOfPagesError(RuntimeError):
 
 
 class PageAllocator:
-    """Hands out KV page ids. Pure host-side bookkeeping; O(1) per page."""
+    """Hands out KV page ids (`SlotAllocator`: request-table rows). Pure host-side bookkeeping;
+    O(1) per id; a double free fails an assertion."""
+
+    what = "page"
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
@@ -22,7 +25,7 @@ class PageAllocator:
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
+            raise OutOfPagesError(f"asked for {n} {self.what}s, {len(self._free)} free")
         if n == 0:
             return []
         out = self._free[-n:]
@@ -34,31 +37,16 @@ class PageAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         for p in pages:
-            assert not self._is_free[p], f"double free of page {p}"
+            assert not self._is_free[p], f"double free of {self.what} {p}"
             self._is_free[p] = 1
             self._free.append(p)
 
 
-class SlotAllocator:
-    """Hands out request-table rows (slots). Pure host-side bookkeeping, like `PageAllocator`."""
+class SlotAllocator(PageAllocator):
+    """Hands out request-table rows (slots)."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * num_slots
+    what = "slot"
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise OutOfPagesError("no free request slot (a scheduler bug: it must check)")
-        slot = self._free.pop()
-        self._is_free[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> None:
-        assert not self._is_free[slot], f"double free of slot {slot}"
-        self._is_free[slot] = 1
-        self._free.append(slot)
+    def num_slots(self) -> int:
+        return self.num_pages

@@ -216,3 +216,11 @@ class RadixPrefixCache(BasePrefixCache):
 
     def _first_page(self, key: Sequence[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])
+
+
+class NaiveCache(RadixPrefixCache):
+    """Keeps nothing: every request computes its whole prompt and frees its pages on finish
+    (every offer comes back, so the tree stays empty and every match is empty)."""
+
+    def insert(self, ids: Sequence[int], pages: Sequence[int]) -> list[int]:
+        return list(pages)

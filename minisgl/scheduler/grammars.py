@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -64,9 +62,8 @@ class Grammars:
         self._filler: MaskFiller | None = None  # made with the first mask
         self.threads = fill_threads(ranks_per_node)  # of the filler (set before the first mask)
         # A step's tokens are accepted and its mask filled on this thread (in the backend's
-        # threads, the GIL released), one job after another (made with the first mask)
-        self._worker: threading.Thread | None = None
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # threads, the GIL released), one job after another (started with the first mask)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._error: BaseException | None = None  # of a fill, raised on the loop
         self._flag = HostFlag()  # raised to the number of each fill when it is complete
         self._fills = 0
@@ -197,15 +194,8 @@ class Grammars:
                 self._flag.raise_to(value)
                 self.fill_seconds += time.perf_counter() - start
 
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="mask-fill", daemon=True)
-            self._worker.start()
-        self._queue.put(fill)
+        self._worker.submit(fill)
         return TokenMask(bits, rows, (self._flag, value))
-
-    def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            job()
 
     def _settle(self) -> None:
         """Wait for the fills queued so far (they read the matchers); a failed one's error is
@@ -239,8 +229,6 @@ class Grammars:
 
     def close(self) -> None:
         self._settle()
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        self._worker.shutdown()
         if self._compiler is not None:
             self._compiler.close()

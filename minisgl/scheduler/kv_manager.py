@@ -101,7 +101,7 @@ class KVManager:
         self.cache.lock(match.handle)
         if self.tier is not None:
             match = self._load_from_tier(ids[: len(ids) - 1], match)
-        slot = self.slots.alloc()
+        slot = self.slots.alloc(1)[0]
         req.seq = SeqInfo(slot, req.params, req.seed, req.prompt_len, req.stop_ids)
         req.cache_handle, req.cache_len = match.handle, match.length
         req.pages = list(match.pages)
@@ -235,7 +235,7 @@ class KVManager:
             self._free_pages(d.pages)
             if d.slot is not None:
                 self._check_unused(slots=[d.slot])
-                self.slots.free(d.slot)
+                self.slots.free([d.slot])
             self.cache.unlock(d.handle)
         self._deferred = keep
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from minisgl.core import (
     ReqStatus,
     SamplingParams,
     pages_for,
+    plan_step,
     resolve_max_tokens,
 )
 from minisgl.engine import Engine, ForwardOutput, TokenMask
@@ -63,23 +65,16 @@ class Scheduler:
     """Decides each step's batch and turns sampled tokens into request progress.
 
     Every step carries one token for each decoding request plus prefill chunks (newest
-    admissions last) within a budget (`minisgl.scheduler.budget`): by tokens, decodes and
-    chunks fill the step up to `max_prefill_tokens` tokens in all (prefill gets at least a
-    quarter of it however many requests decode), so that steps that prefill have the same
-    token count while prompts wait and the GEMM libraries see one shape rather than a new one
-    per step (cuBLAS picks an algorithm for each new M, ~0.1 ms of host time per GEMM on an
-    H200 host); by time, while requests decode, the chunks keep the step within the
-    inter-token latency target as the step-time model (`step_model`, fitted at start-up and
-    refined from every measured step, `minisgl.scheduler.timing`) predicts it.
-
-    The waiting queue's order and who gives way when KV runs short follow the schedule policy
-    (`minisgl.scheduler.policy`: first come first served, or by priority). A request is
-    admitted only when the pool can hold its prompt plus a share of its remaining `max_tokens`
-    on top of what running requests reserved; when decoding still runs short, the last
-    request in the policy's order (the newest, under fcfs) is retracted and requeued, its
-    computed pages left in the prefix cache. The share starts at `reserve_ratio` and falls to
-    `min_reserve_ratio` over `reserve_decay_steps` steps; a retraction sets it back (as
-    SGLang's new-token ratio).
+    admissions last) within the budget of `minisgl.scheduler.budget`: a token limit, and while
+    requests decode, the inter-token latency target as the step-time model (`step_model`,
+    fitted at start-up and refined from every measured step, `minisgl.scheduler.timing`)
+    predicts it. The waiting queue's order and who gives way when KV runs short follow the
+    schedule policy (`minisgl.scheduler.policy`). A request is admitted only when the pool can
+    hold its prompt plus a share of its remaining `max_tokens` on top of what running requests
+    reserved; when decoding still runs short, the last request in the policy's order is
+    retracted and requeued, its computed pages left in the prefix cache. The share starts at
+    `reserve_ratio` and falls to `min_reserve_ratio` over `reserve_decay_steps` steps; a
+    retraction sets it back (as SGLang's new-token ratio).
 
     The scheduler talks to the engine through one call, `engine.forward_batch(plan)`: the plan
     (`Batch`) carries the rows of the step and the request-table writes queued since the last
@@ -388,38 +383,25 @@ class Scheduler:
         reqs = decode + [r for r, _ in prefill]
         if not reqs:
             return None
-        prefix = [r.num_computed for r in reqs]
         draft_lens = drafts + [0] * len(prefill) if any(drafts) else []
         extend = [1 + d for d in drafts] + [n for _, n in prefill]
-        sample = [True] * len(decode) + [
-            p + e == r.seq_len for (r, e), p in zip(prefill, prefix[len(decode) :])
-        ]
-        out_index = [r.num_sampled for r in reqs]
-        for r, p, e in zip(reqs, prefix, extend):
-            self.kv.grow(r, p + e)
-            # Counted as computed once launched: the next step may be scheduled before this
-            # one's results are processed (overlap), and must start where this one ends.
-            r.num_computed = p + e
+        sample = [True] * len(decode) + [r.num_computed + n == r.seq_len for r, n in prefill]
+        for r, e in zip(reqs, extend):
+            p = r.num_computed
             self.stats["computed_prompt_tokens"] += max(0, min(p + e, r.prompt_len) - p)
-        for r, s in zip(reqs, sample):
-            r.num_sampled += int(s)
         self.reserve_ratio = max(self._min_reserve, self.reserve_ratio - self._reserve_decay)
-        page_writes, token_writes, freed, copies = self.kv.take_writes()
-        seqs = [r.seq for r in reqs]
-        assert None not in seqs
-        batch = Batch(
-            seqs,  # type: ignore[arg-type]
-            prefix,
-            extend,
-            sample,
-            out_index,
-            token_writes=token_writes,
-            page_writes=page_writes,
-            freed_pages=freed,
-            draft_lens=draft_lens,
-            page_copies=copies,
-        )
-        return reqs, batch
+
+        def writes() -> dict[str, Any]:
+            pages, tokens, freed, copies = self.kv.take_writes()
+            return dict(
+                page_writes=pages,
+                token_writes=tokens,
+                freed_pages=freed,
+                page_copies=copies,
+                draft_lens=draft_lens,
+            )
+
+        return reqs, plan_step(reqs, extend, sample, self.kv.grow, writes)
 
     def _can_sample_more(self, r: Req) -> bool:
         """False once the launched steps have sampled every token `r` may get."""
@@ -678,15 +660,5 @@ class Scheduler:
         tier, copier = self.kv.tier, self.engine.tier
         if tier is None or copier is None:
             return {}
-        cs = copier.collect()
-        return {
-            **tier.accounting(),
-            "host_hit_pages": tier.stats.loaded,
-            "disk_hit_pages": tier.stats.fetched,
-            "saved_bytes": cs.saved_bytes,
-            "loaded_bytes": cs.loaded_bytes,
-            "spilled_bytes": cs.spilled_bytes,
-            "fetched_bytes": cs.fetched_bytes,
-            "load_copy_s": cs.load_copy_s,
-            "wait_s": cs.wait_s,
-        }
+        hits = {"host_hit_pages": tier.stats.loaded, "disk_hit_pages": tier.stats.fetched}
+        return {**tier.accounting(), **hits, **dataclasses.asdict(copier.collect())}

@@ -22,7 +22,7 @@ any CPU, since the prefill budget, and so the batch, depends on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from minisgl.core import Batch
@@ -58,19 +58,13 @@ class StepShape:
         if tokens <= 0:
             return self
         if tokens == 1:
-            return StepShape(
-                self.decode_rows + 1,
-                self.prefill_tokens,
-                self.kv_tokens + prefix + 1,
-                self.mixed,
-                self.graph_tokens,
-                self.eager or (self.mixed and 0 < self.graph_tokens < self.num_tokens + 1),
-            )
+            eager = self.eager or (self.mixed and 0 < self.graph_tokens < self.num_tokens + 1)
+            kv = self.kv_tokens + prefix + 1
+            return replace(self, decode_rows=self.decode_rows + 1, kv_tokens=kv, eager=eager)
         kv = self.kv_tokens + prefix + tokens
         eager = 0 < self.graph_tokens < self.num_tokens + tokens
-        return StepShape(
-            self.decode_rows, self.prefill_tokens + tokens, kv, True, self.graph_tokens, eager
-        )
+        prefill = self.prefill_tokens + tokens
+        return replace(self, prefill_tokens=prefill, kv_tokens=kv, mixed=True, eager=eager)
 
     @property
     def num_tokens(self) -> int:

@@ -51,28 +51,6 @@ BLAME_WAIT_S = 1.0
 Op = list[Any]
 
 
-def encode_req(req: Req) -> Op:
-    params = dataclasses.asdict(req.params)
-    return ["add", req.rid, list(req.prompt_ids), params, req.seed, req.arrival_time]
-
-
-def decode_req(op: Op) -> Req:
-    _, rid, prompt_ids, params, seed, arrival_time = op
-    req = Req(rid=rid, prompt_ids=prompt_ids, params=SamplingParams(**params), seed=seed)
-    req.arrival_time = arrival_time  # rank 0's: the priority policy orders by it
-    return req
-
-
-def encode_step_times(samples: list[tuple[StepShape, float]], anchor: bool) -> Op:
-    rows = [[*dataclasses.astuple(shape), seconds] for shape, seconds in samples]
-    return ["step_times", rows, anchor]
-
-
-def decode_step_times(op: Op) -> tuple[list[tuple[StepShape, float]], bool]:
-    _, rows, anchor = op
-    return [(StepShape(*row[:-1]), row[-1]) for row in rows], anchor
-
-
 class RequestSync:
     """Rank 0 records requests and aborts; `exchange` replays them on every other rank.
 
@@ -91,30 +69,26 @@ class RequestSync:
     # ---- rank 0: record --------------------------------------------------------------------
 
     def publish_add(self, req: Req) -> None:
-        if self.rank == 0:
-            self._ops.append(encode_req(req))
-        else:
-            self._check_replaying()
+        params = dataclasses.asdict(req.params)
+        self._record(["add", req.rid, list(req.prompt_ids), params, req.seed, req.arrival_time])
 
     def publish_abort(self, rid: str) -> None:
-        if self.rank == 0:
-            self._ops.append(["abort", rid])
-        else:
-            self._check_replaying()
+        self._record(["abort", rid])
+
+    def publish_grammar_ready(self, rid: str) -> None:
+        self._record(["grammar_ready", rid])
 
     def publish_step_times(self, samples: list[tuple[StepShape, float]], anchor: bool) -> None:
         """Rank 0's measured step times, for every rank's step-time model."""
         assert self.rank == 0
-        self._ops.append(encode_step_times(samples, anchor))
+        self._record(["step_times", [[*dataclasses.astuple(s), t] for s, t in samples], anchor])
 
-    def publish_grammar_ready(self, rid: str) -> None:
+    def _record(self, op: Op) -> None:
+        """Rank 0 keeps `op` for the next `exchange`; another rank only replays rank 0's."""
         if self.rank == 0:
-            self._ops.append(["grammar_ready", rid])
+            self._ops.append(op)
         else:
-            self._check_replaying()
-
-    def _check_replaying(self) -> None:
-        assert self._replaying, f"rank {self.rank} takes requests only from rank 0"
+            assert self._replaying, f"rank {self.rank} takes requests only from rank 0"
 
     def stop(self) -> None:
         """Rank 0: tell the other ranks to leave their loops (at their next `exchange`)."""
@@ -145,13 +119,16 @@ class RequestSync:
     def _apply(op: Op, sink: RequestSink) -> None:
         kind = op[0]
         if kind == "add":
-            sink.add_request(decode_req(op))
+            _, rid, prompt_ids, params, seed, arrival_time = op
+            req = Req(rid=rid, prompt_ids=prompt_ids, params=SamplingParams(**params), seed=seed)
+            req.arrival_time = arrival_time  # rank 0's: the priority policy orders by it
+            sink.add_request(req)
         elif kind == "abort":
             sink.abort(op[1])
         elif kind == "grammar_ready":
             sink.grammar_ready(op[1])
         elif kind == "step_times":
-            sink.apply_step_times(*decode_step_times(op))
+            sink.apply_step_times([(StepShape(*row[:-1]), row[-1]) for row in op[1]], op[2])
         elif kind == "stop":
             raise EngineStopped
         else:

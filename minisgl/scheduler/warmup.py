@@ -40,11 +40,12 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from minisgl.constrain import bitmask_width
-from minisgl.core import Batch, Req, SamplingParams, SeqInfo, TableWrite, pages_for
+from minisgl.core import Batch, Req, SamplingParams, SeqInfo, TableWrite, pages_for, plan_step
 from minisgl.engine import Engine, ForwardOutput, TokenMask
 from minisgl.kvcache import PageAllocator, SlotAllocator
 from minisgl.layers.fused import fused_kernels
@@ -125,7 +126,7 @@ class WarmupRun:
         vocab = self.engine.model_config.vocab_size
         ids = [(7919 * n + 131 * i + 3) % vocab for i in range(prompt_len)]
         req = Req(f"warmup-{n}", ids, params, seed=n + 1)
-        req.seq = SeqInfo(self.slots.alloc(), params, req.seed, prompt_len)
+        req.seq = SeqInfo(self.slots.alloc(1)[0], params, req.seed, prompt_len)
         self.token_writes.append(TableWrite(req.seq.slot, 0, ids))
         self._grow(req, cached)
         req.num_computed = cached
@@ -136,27 +137,15 @@ class WarmupRun:
         """One batch as the scheduler builds it: (request, new tokens) rows, decodes first;
         the `masked` rows sample under a grammar's token mask (one that allows everything).
         Returns the step's plan."""
-        reqs = [r for r, _ in rows]
-        prefix = [r.num_computed for r in reqs]
-        extend = [n for _, n in rows]
-        sample = [p + e == r.seq_len for r, p, e in zip(reqs, prefix, extend)]
-        out_index = [r.num_sampled for r in reqs]
-        for r, p, e, s in zip(reqs, prefix, extend, sample):
-            self._grow(r, p + e)
-            r.num_computed = p + e
-            r.num_sampled += int(s)
-        seqs = [r.seq for r in reqs]
-        assert None not in seqs
-        batch = Batch(
-            seqs,  # type: ignore[arg-type]
-            prefix,
-            extend,
-            sample,
-            out_index,
-            token_writes=self.token_writes,
-            page_writes=self.page_writes,
-        )
-        self.token_writes, self.page_writes = [], []
+        reqs, extend = [r for r, _ in rows], [n for _, n in rows]
+        sample = [r.num_computed + n == r.seq_len for r, n in rows]
+
+        def writes() -> dict[str, Any]:
+            out = {"token_writes": self.token_writes, "page_writes": self.page_writes}
+            self.token_writes, self.page_writes = [], []
+            return out
+
+        batch = plan_step(reqs, extend, sample, self._grow, writes)
         mask = None
         if masked:
             sampling = [r for r, s in zip(reqs, sample) if s]
@@ -197,7 +186,7 @@ class WarmupRun:
         self.allocator.free(reversed(self.pages))
         for req in reversed(self.reqs):
             assert req.slot is not None
-            self.slots.free(req.slot)
+            self.slots.free([req.slot])
             req.seq, req.pages = None, []
         self.reqs, self.pages = [], []
 
