@@ -18,27 +18,25 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from minisgl.benchmark.common import print_table, time_graph
+from minisgl.benchmark.common import (
+    Row,
+    attempt,
+    emit_json,
+    measure_bandwidth,
+    print_table,
+    time_graph,
+)
 from minisgl.kernels.attention.reference import decode_attention_ref, extend_attention_ref
 from minisgl.kernels.attention.testing import cu_seqlens, random_paged_kv
 
 # W1's head layout (Qwen3-0.6B).
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
-
-
-class Heads(NamedTuple):
-    """A decode table's attention geometry (`--decode-heads`): W3's by default."""
-
-    q: int = NUM_Q_HEADS
-    kv: int = NUM_KV_HEADS
-    dim: int = HEAD_DIM
 
 
 DTYPE = torch.bfloat16
@@ -55,28 +53,17 @@ MAX_INPUT_SETS = 64
 DEVICE = "cuda"
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
-Row = dict[str, Any]
-# timer(fn, n_sets) -> seconds per call of fn(i), i cycling over range(n_sets)
-Timer = Callable[[Callable[[int], object], int], float]
-
 
 def _l2_bytes() -> int:
     return torch.cuda.get_device_properties(DEVICE).L2_cache_size
 
 
-def measure_copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a large device-to-device copy (SM-driven; see `bandwidth.py`)."""
-    from minisgl.benchmark.bandwidth import measure_copy_bandwidth as measure
-
-    return measure(nbytes)
-
-
-def measure_matmul_rate(timer: Timer, n: int = 8192) -> float:
+def measure_matmul_rate(n: int = 8192) -> float:
     """FLOP/s of an n x n x n bf16 matmul."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     c = torch.empty_like(a)
-    seconds = timer(lambda _: torch.matmul(a, b, out=c), 1)
+    seconds = time_graph(lambda _: torch.matmul(a, b, out=c), 1)
     return 2 * n**3 / seconds
 
 
@@ -104,26 +91,25 @@ def decode_case(
     page_size: int,
     spread: float,
     kv_dtype: torch.dtype,
-    heads: Heads = Heads(),
 ) -> DecodeCase:
     """Every request at `context` tokens on randomly scattered pages; with `spread` s, contexts
     drawn uniformly from [context * (1 - s), context * (1 + s)] (ragged, like a continuous
     batch)."""
     elem = torch.empty((), dtype=kv_dtype).element_size()  # 1 for e4m3
-    kv_bytes = 2 * batch * context * heads.kv * heads.dim * elem
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
     n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
     lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
     gen = torch.Generator().manual_seed(batch * 7 + context)
     contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
     contexts[:, 0] = hi
     kv = random_paged_kv(
-        contexts.flatten().tolist(), page_size, heads.kv, heads.dim, kv_dtype, DEVICE,
+        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
         poison=False,
     )  # fmt: skip
-    kv_bytes = 2 * int(contexts[0].sum()) * heads.kv * heads.dim * elem
-    scale_bytes = 2 * heads.kv * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
-    qo_bytes = 2 * batch * heads.q * heads.dim * torch.empty((), dtype=DTYPE).element_size()
-    q = torch.randn(n_sets, batch, heads.q, heads.dim, dtype=DTYPE, device=DEVICE)
+    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
+    scale_bytes = 2 * NUM_KV_HEADS * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
+    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
+    q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     tables, lens = kv.block_table.view(n_sets, batch, -1), kv.seq_lens.view(n_sets, batch)
     return DecodeCase(kv, tables, lens, q, hi, kv_bytes + scale_bytes + qo_bytes)
 
@@ -132,14 +118,12 @@ def run_decode(
     batch: int,
     context: int,
     page_size: int,
-    timer: Timer,
     copy_bw: float,
     *,
     num_splits: int | None = None,
     config: Any = None,
     spread: float = 0.0,
     kv_dtype: torch.dtype = DTYPE,
-    heads: Heads = Heads(),
 ) -> Row:
     """Decode attention over `decode_case(...)`: achieved bytes/s against the copy bandwidth."""
     from minisgl.kernels.attention.decode import (
@@ -149,12 +133,13 @@ def run_decode(
     )
     from minisgl.kernels.common import num_sms
 
-    case = decode_case(batch, context, page_size, spread, kv_dtype, heads)
+    case = decode_case(batch, context, page_size, spread, kv_dtype)
     kv, tables, lens, q = case.kv, case.tables, case.lens, case.q
     out = torch.empty_like(q)
-    cfg = config or default_decode_config(heads.dim, kv_dtype == torch.float8_e4m3fn)
-    splits = num_splits or choose_num_splits(batch, heads.kv, case.max_len, num_sms(q.device), cfg)
-    sm_scale = heads.dim**-0.5
+    cfg = config or default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
+    splits = num_splits or choose_num_splits(
+        batch, NUM_KV_HEADS, case.max_len, num_sms(q.device), cfg
+    )
 
     def call(i: int) -> None:
         decode_attention(
@@ -164,26 +149,25 @@ def run_decode(
             tables[i],
             lens[i],
             page_size,
-            sm_scale,
+            SM_SCALE,
             num_splits=splits,
             config=cfg,
             out=out[i],
             kv_scales=kv.kv_scales,
         )
 
-    seconds = timer(call, q.shape[0])
+    seconds = time_graph(call, q.shape[0])
     call(0)
     rows = min(batch, REF_REQUESTS)
     expected = decode_attention_ref(
         q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size,
-        sm_scale, kv.kv_scales,
+        SM_SCALE, kv.kv_scales,
     )  # fmt: skip
     bytes_per_s = case.nbytes / seconds
     return {
         "batch": batch,
         "context": context,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
-        "heads": ",".join(map(str, heads)),
         "spread": spread,
         "page_size": page_size,
         "num_splits": splits,
@@ -202,7 +186,6 @@ def run_extend(
     new_tokens: int,
     cached: int,
     page_size: int,
-    timer: Timer,
     matmul_rate: float,
     *,
     config: Any = None,
@@ -222,7 +205,7 @@ def run_extend(
     cfg = config or default_extend_config(HEAD_DIM)
     args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, ext, cu, page_size, SM_SCALE)
     scales = kv.kv_scales
-    seconds = timer(
+    seconds = time_graph(
         lambda _: extend_attention(q, *args, new_tokens, config=cfg, out=out, kv_scales=scales), 1
     )
     # Query at position p sees p + 1 keys: QK^T and PV are 2 * D FLOPs per (query, key, head) each.
@@ -301,7 +284,6 @@ def mixed_case(
 def run_mixed(
     shape: tuple[int, int, int],
     page_size: int,
-    timer: Timer,
     copy_bw: float,
     *,
     num_splits: int = 1,
@@ -351,7 +333,7 @@ def run_mixed(
                          prompt, config=default_extend_config(HEAD_DIM), out=pair_out[nd:t],
                          kv_scales=kv.kv_scales)  # fmt: skip
 
-    mixed_s, pair_s = timer(mixed, 1), timer(pair, 1)
+    mixed_s, pair_s = time_graph(mixed, 1), time_graph(pair, 1)
     mixed(0)
     b = nd + 1
     ext = cu[1 : b + 1] - cu[:b]
@@ -385,7 +367,7 @@ def _eager_host_us(fn: Callable[[int], object], calls: int = 50) -> float:
     return host / calls * 1e6
 
 
-def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row:
+def run_mixed_all(args: argparse.Namespace, copy_bw: float) -> Row:
     from minisgl.kernels.attention.mixed import default_mixed_config
 
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
@@ -396,22 +378,11 @@ def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row
     for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS):
         label = {"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
                  "num_splits": splits}  # fmt: skip
-        rows.append(attempt(label, run, shape, ps, timer, copy_bw, num_splits=splits,
+        rows.append(attempt(label, run, shape, ps, copy_bw, num_splits=splits,
                             config=cfg))  # fmt: skip
     print_table(f"mixed steps: one launch vs decode-split + extend (page_size {ps}, "
                 f"{args.kv_cache_dtype} KV; us of one layer)", rows, MIXED_COLUMNS)  # fmt: skip
     return {"mixed": rows}
-
-
-def attempt(label: Row, fn: Callable[..., Row], *args: Any, **kwargs: Any) -> Row:
-    """Run one case; one that fails (a tile that does not fit, out of memory) becomes an error
-    row labelled `label` instead of ending the run."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # triton and torch raise several unrelated types here
-        return {**label, "error": f"{type(e).__name__}: {str(e)[:120]}"}
-    finally:
-        torch.cuda.empty_cache()
 
 
 # fmt: off
@@ -426,19 +397,19 @@ EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num
 # fmt: on
 
 
-def run_all(args: argparse.Namespace, timer: Timer) -> Row:
-    copy_bw = measure_copy_bandwidth(timer)
+def run_all(args: argparse.Namespace) -> Row:
+    copy_bw = measure_bandwidth(torch.device(DEVICE))
     ps = args.page_size
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     if args.mixed:  # only the mixed-step comparison
         print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
-        return {"copy_bytes_per_s": copy_bw, **run_mixed_all(args, timer, copy_bw)}
-    dec = functools.partial(run_decode, kv_dtype=kv_dtype, heads=args.decode_heads)
+        return {"copy_bytes_per_s": copy_bw, **run_mixed_all(args, copy_bw)}
+    dec = functools.partial(run_decode, kv_dtype=kv_dtype)
     ext = functools.partial(run_extend, kv_dtype=kv_dtype)
-    matmul_rate = measure_matmul_rate(timer)
+    matmul_rate = measure_matmul_rate()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s, bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s")
     decode = [
-        attempt({"batch": b, "context": c}, dec, b, c, ps, timer, copy_bw)
+        attempt({"batch": b, "context": c}, dec, b, c, ps, copy_bw)
         for b, c in itertools.product(args.decode_batches, args.decode_contexts)
     ]
     print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
@@ -447,10 +418,10 @@ def run_all(args: argparse.Namespace, timer: Timer) -> Row:
     if args.decode_only:
         return result
     b, c = PAGE_SWEEP_SHAPE
-    sweep = [attempt({"page_size": p}, dec, b, c, p, timer, copy_bw) for p in PAGE_SIZES]
+    sweep = [attempt({"page_size": p}, dec, b, c, p, copy_bw) for p in PAGE_SIZES]
     print_table(f"decode page-size sweep (batch {b} x {c})", sweep, DECODE_COLUMNS)
     extend = [
-        attempt({"requests": r, "cached": c}, ext, r, n, c, ps, timer, matmul_rate)
+        attempt({"requests": r, "cached": c}, ext, r, n, c, ps, matmul_rate)
         for (r, n), c in itertools.product(EXTEND_SHAPES, EXTEND_CACHED)
     ]
     print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
@@ -465,15 +436,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES))
     parser.add_argument("--decode-contexts", type=ints, default=list(DECODE_CONTEXTS))
     parser.add_argument("--decode-only", action="store_true", help="only the decode table")
-    parser.add_argument(
-        "--decode-heads",
-        type=lambda v: Heads(*ints(v)),
-        default=Heads(),
-        metavar="Q,KV,D",
-        help="the decode tables' query heads, KV heads and head dim (default: W3's "
-        f"{NUM_Q_HEADS},{NUM_KV_HEADS},{HEAD_DIM}); e.g. bf16 at D 64 reads 128-byte rows "
-        "per token and head as e4m3 at D 128 does",
-    )
     parser.add_argument(
         "--mixed",
         action="store_true",
@@ -504,14 +466,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "num_q_heads": NUM_Q_HEADS,
         "num_kv_heads": NUM_KV_HEADS,
         "head_dim": HEAD_DIM,
-        "decode_heads": list(args.decode_heads),
     }
     print(
         f"W3 attention kernels on {header['device']} (torch {torch.__version__}, "
         f"triton {triton.__version__})"
     )
-    result = run_all(args, time_graph)
-    print(json.dumps({**header, **result}))
+    result = run_all(args)
+    emit_json({**header, **result})
 
 
 if __name__ == "__main__":

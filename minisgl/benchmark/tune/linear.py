@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.benchmark.common import Row, print_table, time_graph
+from minisgl.benchmark.tune import checked, search
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
@@ -100,6 +102,16 @@ class Probe:
         except Exception:  # noqa: BLE001 (a variant this triton cannot build: not ranked)
             return math.nan
         return ((got - want).abs().max() / want.abs().max()).item()
+
+    def trial(self, fn: Any, x: torch.Tensor, r: torch.Tensor) -> Callable[[Any], Row]:
+        """`search`'s run of `fn` by config: checked against fp32 torch (a wrong one raises),
+        then timed."""
+
+        def run(c: Any) -> Row:
+            err = checked(self.check(fn, x, r, config=c))
+            return {"config": c, "rel_err": err, "us": self.us(fn, x, r, config=c)}
+
+        return run
 
     def cublas_us(self, x: torch.Tensor) -> float:
         xk = x[:, : self.k].contiguous()
@@ -184,18 +196,16 @@ def tune_gemv(quick: bool, fp8: bool, only: list[str]) -> list[Row]:
     for name, (n, k, kind) in _shapes(GEMV_SHAPES, only):
         p = Probe(n, k, kind, fp8)
         x, r = p.inputs(1)
-        errs = {c: p.check(gemv, x, r, config=c) for c in gemv_configs(quick, fp8)}
-        timed = sorted(
-            (p.us(gemv, x, r, config=c), label(c), c) for c, e in errs.items() if e <= 2e-2
-        )
-        us, _, cfg = timed[0]
+        trials = search(gemv_configs(quick, fp8), p.trial(gemv, x, r), "us")
+        timed = [t for t in trials if "error" not in t]
+        us, cfg = timed[0]["us"], timed[0]["config"]
         best[(n, k, kind == "act_residual")] = cfg
         mb = n * k * (1 if fp8 else 2) / 1e6
         rows.append({"gemm": name, "MB": mb, "cublas_us": p.cublas_us(x),
                      "gemv_us": us, "TB/s": mb / us,
-                     "default_us": p.us(gemv, x, r), "best": timed[0][1],
-                     "top5": [f"{lab}: {t:.2f}" for t, lab, _ in timed[:5]],
-                     "wrong": [label(c) for c, e in errs.items() if not e <= 2e-2]})  # fmt: skip
+                     "default_us": p.us(gemv, x, r), "best": label(cfg),
+                     "top5": [f"{label(t['config'])}: {t['us']:.2f}" for t in timed[:5]],
+                     "wrong": [label(t["config"]) for t in trials if "error" in t]})  # fmt: skip
         torch.cuda.empty_cache()
     print_table(
         f"one-row GEMV, {'e4m3' if fp8 else 'bf16'} weights (us per call)",
@@ -241,14 +251,7 @@ def tune_skinny(quick: bool, only: list[str]) -> list[Row]:
         x, r = p.inputs(SKINNY_SWEEP_ROWS)
         default = default_config(n, k, kind == "act_residual")
         configs = list(dict.fromkeys([*skinny_configs(n, k, quick), default]))
-        best = min(
-            configs,
-            key=lambda c: (
-                p.us(skinny, x, r, config=c)
-                if p.check(skinny, x, r, config=c) <= 2e-2
-                else math.inf
-            ),
-        )
+        best = search(configs, p.trial(skinny, x, r), "us")[0]["config"]
         for m in SKINNY_ROWS:
             x, r = p.inputs(m)
             rows.append({"gemm": name, "N": n, "K": k, "M": m, "cublas_us": p.cublas_us(x),

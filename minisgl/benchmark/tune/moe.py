@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from minisgl.benchmark.moe import (
     rel_err,
     routing_sets,
 )
+from minisgl.benchmark.tune import search
 
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192)
 BLOCK_MS = (16, 32, 64, 128)
@@ -72,24 +72,22 @@ W8A8_DOWN = (
 COLUMNS = ("tokens", "path", "block_m", "gate_up", "gate_up_us", "down", "down_us", "layer_us")
 
 
-def time_quietly(fn: Callable[[int], object], n_sets: int = TUNE_SETS) -> float:
-    """Seconds per call; inf when the variant does not compile or fit on this GPU."""
-    try:
-        return time_graph(fn, n_sets, replays=5)
-    except Exception as e:  # noqa: BLE001 (OutOfResources and friends: the tile does not fit)
-        print(f"  skip: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
-        return math.inf
-
-
 def best_tile(
     launch: Callable[[Any, int], object], candidates: Sequence[tuple[Any, ...]], make: Any
 ) -> tuple[Any, float]:
-    """The fastest `make(*candidate)` for `launch(tile, set_index)`, and its seconds."""
-    timed = [(time_quietly(functools.partial(launch, make(*c))), make(*c)) for c in candidates]
-    seconds, tile = min(timed, key=lambda t: t[0])
-    if seconds == math.inf:
-        raise RuntimeError("no tile of the sweep runs on this GPU")
-    return tile, seconds
+    """The fastest `make(*candidate)` for `launch(tile, set_index)` (timed cycling through
+    TUNE_SETS routings), and its seconds; tiles that do not compile or fit are skipped."""
+
+    def run(tile: Any) -> Row:
+        return {
+            "tile": tile,
+            "s": time_graph(functools.partial(launch, tile), TUNE_SETS, replays=5),
+        }
+
+    best = search((make(*c) for c in candidates), run, "s")[0]
+    if "error" in best:
+        raise RuntimeError(f"no tile of the sweep runs on this GPU: {best['error']}")
+    return best["tile"], best["s"]
 
 
 def fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,12 +100,14 @@ def fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _layer_us(inp: MoEInputs, sets: list[torch.Tensor], config: Any, scales: Any = None) -> float:
-    """The whole layer after the router, as decode runs it."""
+    """The whole layer after the router, as decode runs it (inf when it does not run)."""
     from minisgl.kernels.moe.layer import fused_moe
 
-    return 1e6 * time_quietly(
-        lambda i: fused_moe(inp.x, inp.w13, inp.w2, sets[i], TOP_K, True, config, scales)
-    )
+    def run(_: object) -> Row:
+        fn = lambda i: fused_moe(inp.x, inp.w13, inp.w2, sets[i], TOP_K, True, config, scales)  # noqa: E731
+        return {"s": time_graph(fn, TUNE_SETS, replays=5)}
+
+    return 1e6 * search([None], run, "s")[0].get("s", math.inf)
 
 
 def _pair(
