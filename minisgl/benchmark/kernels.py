@@ -7,9 +7,8 @@ over replays of a CUDA graph of back-to-back calls; small cases cycle through en
 inputs that they do not sit in L2. Prints tables, then one JSON object as the last line.
 `--kv-cache-dtype fp8_e4m3` runs the attention on an e4m3 pool (bytes counted at one per value,
 plus the per-head scales). `--mixed` runs only mixed steps (decode rows beside one prompt,
-W4-like): the one-launch `mixed_attention` at the step's token bucket against the decode-split +
-extend pair, device us of each (CUDA graph), their fraction of the copy bandwidth (every
-context's K/V read once) and host us of an eager call. The kernels' tile sweeps are
+W4-like): the one-launch `mixed_attention` at the step's token bucket, its fraction of the copy
+bandwidth (every context's K/V read once) and its error. The kernels' tile sweeps are
 `python -m minisgl.benchmark.tune decode|extend|mixed`.
 """
 
@@ -19,7 +18,7 @@ import argparse
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from minisgl.benchmark.common import (
     Row,
     attempt,
+    device_info,
     emit_json,
     measure_bandwidth,
     print_table,
@@ -241,7 +241,7 @@ def run_extend(
     }
 
 
-# ---- mixed steps: the one-launch kernel against the decode-split + extend pair ------------------
+# ---- mixed steps: decode rows beside one prompt, in one launch ---------------------------------
 
 # (decode rows, their mean context, prompt tokens): W4-like mixed steps at 16 req/s, contexts
 # drawn from [0.5, 1.5] x the mean; the prompt has no cached prefix.
@@ -291,23 +291,14 @@ def run_mixed(
     max_requests: int = MIXED_MAX_REQUESTS,
     kv_dtype: torch.dtype = DTYPE,
 ) -> Row:
-    """One mixed step's attention (one layer): `mixed_attention` at the step's token bucket
-    against today's pair (`decode_attention` on the decode rows, `extend_attention` on the
-    prompt, as `TritonBackend` launches them), device time in a CUDA graph and host time of an
-    eager call each, and the mixed kernel's error against the torch reference."""
-    from minisgl.kernels.attention.decode import (
-        choose_num_splits,
-        decode_attention,
-        default_decode_config,
-    )
-    from minisgl.kernels.attention.extend import default_extend_config, extend_attention
+    """One mixed step's attention (one layer) by `mixed_attention` at the step's token bucket,
+    timed in a CUDA graph, against the torch reference; the bucket's padding must stay zero."""
     from minisgl.kernels.attention.mixed import default_mixed_config, mixed_attention
-    from minisgl.kernels.common import num_sms
 
     nd, ctx, prompt = shape
     case = mixed_case(nd, ctx, prompt, page_size, max_requests, kv_dtype)
     kv, q, cu = case.kv, case.q, case.cu
-    t = nd + prompt
+    t, b = nd + prompt, nd + 1
     cfg = config or default_mixed_config(HEAD_DIM)
     out = torch.empty_like(q)
     caches = (kv.k_cache, kv.v_cache)
@@ -316,72 +307,32 @@ def run_mixed(
         mixed_attention(q, *caches, kv.block_table, kv.seq_lens, cu, page_size, SM_SCALE,
                         num_splits=num_splits, config=cfg, out=out, kv_scales=kv.kv_scales)  # fmt: skip
 
-    dcfg = default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
-    dsplits = choose_num_splits(nd, NUM_KV_HEADS, max(kv.seq_lens_host[:nd]), num_sms(q.device),
-                                dcfg)  # fmt: skip
-    d_table, d_lens = kv.block_table[:nd], kv.seq_lens[:nd]
-    e_table, e_lens = kv.block_table[nd : nd + 1].clone(), kv.seq_lens[nd : nd + 1].clone()
-    e_ext = torch.tensor([prompt], dtype=torch.int32, device=DEVICE)
-    e_cu = cu_seqlens([prompt], DEVICE)
-    pair_out = torch.empty_like(q)
-
-    def pair(_: int) -> None:
-        decode_attention(q[:nd], *caches, d_table, d_lens, page_size, SM_SCALE,
-                         num_splits=dsplits, config=dcfg, out=pair_out[:nd],
-                         kv_scales=kv.kv_scales)  # fmt: skip
-        extend_attention(q[nd:t], *caches, e_table, e_lens, e_ext, e_cu, page_size, SM_SCALE,
-                         prompt, config=default_extend_config(HEAD_DIM), out=pair_out[nd:t],
-                         kv_scales=kv.kv_scales)  # fmt: skip
-
-    mixed_s, pair_s = time_graph(mixed, 1), time_graph(pair, 1)
+    seconds = time_graph(mixed, 1)
     mixed(0)
-    b = nd + 1
-    ext = cu[1 : b + 1] - cu[:b]
-    expected = extend_attention_ref(q[:t], *caches, kv.block_table[:b], kv.seq_lens[:b], ext,
-                                    cu[: b + 1], page_size, SM_SCALE, kv.kv_scales)  # fmt: skip
-    padding_zero = bool((out[t:] == 0).all())
+    expected = extend_attention_ref(q[:t], *caches, kv.block_table[:b], kv.seq_lens[:b],
+                                    cu[1 : b + 1] - cu[:b], cu[: b + 1], page_size, SM_SCALE,
+                                    kv.kv_scales)  # fmt: skip
     return {
         "decode_rows": nd, "context": ctx, "prompt": prompt, "tokens": t, "bucket": q.shape[0],
         "max_requests": max_requests, "num_splits": num_splits, "rows_wide": cfg.rows_wide,
         "block_n": cfg.block_n, "block_n_narrow": cfg.block_n_narrow,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-        "mixed_us": mixed_s * 1e6, "pair_us": pair_s * 1e6, "pair_decode_splits": dsplits,
-        "mixed_fraction_of_copy": case.nbytes / mixed_s / copy_bw,
-        "pair_fraction_of_copy": case.nbytes / pair_s / copy_bw,
-        "mixed_host_us": _eager_host_us(mixed), "pair_host_us": _eager_host_us(pair),
-        "padding_zero": padding_zero, **_errors(out[:t], expected),
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "mixed_us": seconds * 1e6,
+        "mixed_fraction_of_copy": case.nbytes / seconds / copy_bw,
+        "padding_zero": bool((out[t:] == 0).all()), **_errors(out[:t], expected),
     }  # fmt: skip
 
 
-def _eager_host_us(fn: Callable[[int], object], calls: int = 50) -> float:
-    """Host us per eager call (the launch path a step pays outside a CUDA graph)."""
-    import time
-
-    fn(0)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(calls):
-        fn(i)
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6
-
-
 def run_mixed_all(args: argparse.Namespace, copy_bw: float) -> Row:
-    from minisgl.kernels.attention.mixed import default_mixed_config
-
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     ps = args.page_size
     run = functools.partial(run_mixed, max_requests=args.mixed_max_requests, kv_dtype=kv_dtype)
-    rows = []
-    cfg = default_mixed_config(HEAD_DIM)
-    for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS):
-        label = {"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
-                 "num_splits": splits}  # fmt: skip
-        rows.append(attempt(label, run, shape, ps, copy_bw, num_splits=splits,
-                            config=cfg))  # fmt: skip
-    print_table(f"mixed steps: one launch vs decode-split + extend (page_size {ps}, "
-                f"{args.kv_cache_dtype} KV; us of one layer)", rows, MIXED_COLUMNS)  # fmt: skip
+    rows = [
+        attempt({"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
+                 "num_splits": splits}, run, shape, ps, copy_bw, num_splits=splits)
+        for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS)
+    ]  # fmt: skip
+    print_table(f"mixed steps, one launch (page_size {ps}, {args.kv_cache_dtype} KV; us of one "
+                "layer)", rows, MIXED_COLUMNS)  # fmt: skip
     return {"mixed": rows}
 
 
@@ -389,9 +340,8 @@ def run_mixed_all(args: argparse.Namespace, copy_bw: float) -> Row:
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
                   "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err", "error"]
 MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
-                 "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
-                 "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",
-                 "pair_host_us", "rel_err", "padding_zero", "error"]
+                 "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us",
+                 "mixed_fraction_of_copy", "rel_err", "padding_zero", "error"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",
                   "num_stages", "time_us", "flop_per_s", "fraction_of_matmul", "rel_err", "error"]
 # fmt: on
@@ -429,50 +379,28 @@ def run_all(args: argparse.Namespace) -> Row:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--page-size", type=int, default=16, help="page size of the main tables")
-    parser.add_argument("--kv-cache-dtype", default="bfloat16", choices=list(KV_DTYPES))
     ints = lambda v: [int(t) for t in v.split(",")]  # noqa: E731
-    parser.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES))
-    parser.add_argument("--decode-contexts", type=ints, default=list(DECODE_CONTEXTS))
-    parser.add_argument("--decode-only", action="store_true", help="only the decode table")
-    parser.add_argument(
-        "--mixed",
-        action="store_true",
-        help="only mixed steps (decode rows beside a prompt): the one-launch mixed kernel "
-        "against decode-split + extend",
-    )
-    parser.add_argument(
-        "--mixed-max-requests",
-        type=int,
-        default=MIXED_MAX_REQUESTS,
-        help="request capacity of the mixed kernel's launch (its grid and tables)",
-    )
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--page-size", type=int, default=16, help="page size of the main tables")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=list(KV_DTYPES))
+    p.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES))
+    p.add_argument("--decode-contexts", type=ints, default=list(DECODE_CONTEXTS))
+    p.add_argument("--decode-only", action="store_true", help="only the decode table")
+    p.add_argument("--mixed", action="store_true", help="only mixed steps (see above)")
+    p.add_argument("--mixed-max-requests", type=int, default=MIXED_MAX_REQUESTS,
+                   help="request capacity of the mixed kernel's launch (its grid and tables)")  # fmt: skip
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("minisgl.benchmark.kernels needs a CUDA GPU; none is visible here.")
-    try:
-        import triton
-    except ImportError:
-        raise SystemExit("the Triton kernels need triton: pip install 'minisgl[gpu]'") from None
     torch.manual_seed(0)
-    header = {
-        "workload": "W3",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "dtype": "bfloat16",
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "num_q_heads": NUM_Q_HEADS,
-        "num_kv_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
-    }
-    print(
-        f"W3 attention kernels on {header['device']} (torch {torch.__version__}, "
-        f"triton {triton.__version__})"
-    )
-    result = run_all(args)
-    emit_json({**header, **result})
+    device = torch.device(DEVICE)
+    header = {"workload": "W3", **device_info(device), "dtype": "bfloat16",
+              "kv_cache_dtype": args.kv_cache_dtype, "num_q_heads": NUM_Q_HEADS,
+              "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM}  # fmt: skip
+    print(f"W3 attention kernels on {header['device']} (torch {header['torch']}, "
+          f"triton {header.get('triton')})")  # fmt: skip
+    emit_json({**header, **run_all(args)})
 
 
 if __name__ == "__main__":
