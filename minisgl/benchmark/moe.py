@@ -223,12 +223,8 @@ def model_bytes(llm: Any) -> ModelBytes:
     moe_layers = sum(isinstance(m, SparseMoeBlock) for m in model.modules())
     elem = torch.empty((), dtype=llm.engine.dtype).element_size()
     kv_elem = llm.engine.pool.k(0).element_size()
-    return ModelBytes(
-        per_expert=per_expert // max(1, moe_layers),
-        dense=dense,
-        embed_row=cfg.hidden_size * elem,
-        kv_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem,
-    )
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
+    return ModelBytes(per_expert // max(1, moe_layers), dense, cfg.hidden_size * elem, kv)
 
 
 def make_llm(args: Any, batch: int, eager: bool = False, cuda_graphs: bool = True) -> Any:
@@ -244,33 +240,26 @@ def make_llm(args: Any, batch: int, eager: bool = False, cuda_graphs: bool = Tru
     return harness_llm(args, **options)
 
 
-def submit(llm: Any, batch: int, max_tokens: int, seed: int) -> list[Any]:
+def start(llm: Any, batch: int, max_tokens: int, seed: int) -> list[Any]:
+    """`batch` requests of PROMPT_LEN random tokens, stepped until each has its first token (its
+    prefill done)."""
     from minisgl.core import Req, SamplingParams
 
     rng = random.Random(seed)
     vocab = min(10000, llm.engine.model_config.vocab_size)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = []
-    for i in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(PROMPT_LEN)]
-        reqs.append(Req(rid=f"moe-{seed}-{i}", prompt_ids=prompt, params=params, seed=i))
+    reqs = [Req(f"moe-{seed}-{i}", [rng.randrange(vocab) for _ in range(PROMPT_LEN)], params,
+                seed=i) for i in range(batch)]  # fmt: skip
     for r in reqs:
         llm.scheduler.add_request(r)
+    while any(not r.output_ids for r in reqs):
+        llm.scheduler.step()
     return reqs
 
 
-def run_until_decoding(llm: Any, reqs: list[Any]) -> None:
-    """Step until every request has its first token (its prefill is done)."""
-    while any(not r.output_ids for r in reqs):
-        llm.scheduler.step()
-
-
-def run_to_end(llm: Any) -> int:
-    steps = 0
+def run_to_end(llm: Any) -> None:
     while llm.scheduler.has_work:
         llm.scheduler.step()
-        steps += 1
-    return steps
 
 
 def count_experts(args: Any, batches: Sequence[int]) -> dict[int, ExpertCount]:
@@ -287,8 +276,7 @@ def count_experts(args: Any, batches: Sequence[int]) -> dict[int, ExpertCount]:
     llm = make_llm(args, max(batches), eager=True)
     counter = ExpertCounter(llm.engine.model)
     for batch in batches:
-        reqs = submit(llm, batch, COUNT_STEPS + 1, seed + batch)
-        run_until_decoding(llm, reqs)
+        start(llm, batch, COUNT_STEPS + 1, seed + batch)
         counter.batch, counter.counts = batch, []
         run_to_end(llm)
         counter.batch = None
@@ -301,10 +289,9 @@ def count_experts(args: Any, batches: Sequence[int]) -> dict[int, ExpertCount]:
 
 def time_decode(llm: Any, batch: int, seed: int) -> tuple[float, int]:
     """(seconds, decode tokens) of DECODE_STEPS steps of `batch` requests, after a warm-up."""
-    run_until_decoding(llm, submit(llm, batch, 9, seed + 1_000_000))  # compile, capture
+    start(llm, batch, 9, seed + 1_000_000)  # compile, capture
     run_to_end(llm)
-    reqs = submit(llm, batch, DECODE_STEPS + 1, seed + batch)
-    run_until_decoding(llm, reqs)
+    reqs = start(llm, batch, DECODE_STEPS + 1, seed + batch)
     first = sum(len(r.output_ids) for r in reqs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -314,31 +301,18 @@ def time_decode(llm: Any, batch: int, seed: int) -> tuple[float, int]:
     return seconds, sum(len(r.output_ids) for r in reqs) - first
 
 
-def decode_row(
-    batch: int, seconds: float, tokens: int, experts: ExpertCount, mb: ModelBytes, copy_bw: float
-) -> Row:
+def decode_row(batch: int, seconds: float, tokens: int, experts: ExpertCount, mb: ModelBytes,
+               copy_bw: float) -> Row:  # fmt: skip
     steps = tokens / batch
     mean_context = PROMPT_LEN + (steps + 1) / 2  # tokens of KV each request reads per step
-    floor_bytes = (
-        experts.per_step * mb.per_expert
-        + mb.dense
-        + batch * mb.embed_row
-        + batch * mean_context * mb.kv_per_token
-    )
-    step_s = seconds / steps
-    floor_s = floor_bytes / copy_bw
-    return {
-        "batch": batch,
-        "prompt_len": PROMPT_LEN,
-        "decode_steps": steps,
-        "tok_per_s": tokens / seconds,
-        "step_ms": step_s * 1e3,
-        "experts_per_layer": experts.per_step / experts.moe_layers,
-        "floor_gb": floor_bytes / 1e9,
-        "floor_ms": floor_s * 1e3,
-        "floor_tok_per_s": batch / floor_s,
-        "fraction_of_floor": floor_s / step_s,
-    }
+    floor_bytes = (experts.per_step * mb.per_expert + mb.dense + batch * mb.embed_row
+                   + batch * mean_context * mb.kv_per_token)  # fmt: skip
+    step_s, floor_s = seconds / steps, floor_bytes / copy_bw
+    return {"batch": batch, "prompt_len": PROMPT_LEN, "decode_steps": steps,
+            "tok_per_s": tokens / seconds, "step_ms": step_s * 1e3,
+            "experts_per_layer": experts.per_step / experts.moe_layers,
+            "floor_gb": floor_bytes / 1e9, "floor_ms": floor_s * 1e3,
+            "floor_tok_per_s": batch / floor_s, "fraction_of_floor": floor_s / step_s}  # fmt: skip
 
 
 def run_decode(args: Any, copy_bw: float) -> list[Row]:
@@ -373,16 +347,11 @@ def profile_decode(args: Any) -> tuple[list[Row], Row]:
     the kernels are read from the device events of the exported trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    seed, batch, steps, cuda_graphs = (
-        args.seed,
-        args.profile_batch,
-        args.profile_steps,
-        not args.profile_eager,
-    )
+    batch, steps, cuda_graphs = args.profile_batch, args.profile_steps, not args.profile_eager
     llm = make_llm(args, batch, cuda_graphs=cuda_graphs)
-    run_until_decoding(llm, submit(llm, batch, 9, seed + 1_000_000))  # compile, capture
+    start(llm, batch, 9, args.seed + 1_000_000)  # compile, capture
     run_to_end(llm)
-    run_until_decoding(llm, submit(llm, batch, steps + 8, seed + batch))
+    start(llm, batch, steps + 8, args.seed + batch)
     for _ in range(3):  # past the first decode steps
         llm.scheduler.step()
     torch.cuda.synchronize()

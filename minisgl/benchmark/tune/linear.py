@@ -27,27 +27,22 @@ from minisgl.benchmark.tune import checked, search
 DEV = torch.device("cuda")
 DT = torch.bfloat16
 ROTATION_BYTES = 600 << 20
-# name -> (N, K, how the model calls it)
+# name -> (N, K, how the model calls it); SmolLM2-135M's speculative verify steps (5-9 rows) are
+# the skinny GEMM's main use
+# fmt: off
 SHAPES = {
-    "8b qkv": (6144, 4096, "norm"),
-    "8b o_proj": (4096, 4096, "residual"),
-    "8b gate_up": (28672, 4096, "norm"),
-    "8b down act": (4096, 14336, "act_residual"),
+    "8b qkv": (6144, 4096, "norm"), "8b o_proj": (4096, 4096, "residual"),
+    "8b gate_up": (28672, 4096, "norm"), "8b down act": (4096, 14336, "act_residual"),
     "8b lm_head": (128256, 4096, "norm"),
-    "30b-a3b qkv": (5120, 2048, "norm"),
-    "30b-a3b o_proj": (2048, 4096, "residual"),
-    "0.6b qkv": (4096, 1024, "norm"),
-    "0.6b o_proj": (1024, 2048, "residual"),
-    "0.6b gate_up": (6144, 1024, "norm"),
-    "0.6b down act": (1024, 3072, "act_residual"),
+    "30b-a3b qkv": (5120, 2048, "norm"), "30b-a3b o_proj": (2048, 4096, "residual"),
+    "0.6b qkv": (4096, 1024, "norm"), "0.6b o_proj": (1024, 2048, "residual"),
+    "0.6b gate_up": (6144, 1024, "norm"), "0.6b down act": (1024, 3072, "act_residual"),
     "0.6b lm_head": (151936, 1024, "norm"),
-    # SmolLM2-135M: its speculative verify steps (5-9 rows) are the skinny GEMM's main use
-    "135m qkv": (960, 576, "norm"),
-    "135m o_proj": (576, 576, "residual"),
-    "135m gate_up": (3072, 576, "norm"),
-    "135m down act": (576, 1536, "act_residual"),
+    "135m qkv": (960, 576, "norm"), "135m o_proj": (576, 576, "residual"),
+    "135m gate_up": (3072, 576, "norm"), "135m down act": (576, 1536, "act_residual"),
     "135m lm_head": (49152, 576, "norm"),
 }
+# fmt: on
 GEMV_SHAPES = ("8b", "30b")
 SKINNY_SHAPES = ("8b", "0.6b", "135m")
 SKINNY_ROWS = (1, 2, 4, 5, 8, 9, 16)
@@ -133,9 +128,9 @@ def _shapes(prefixes: tuple[str, ...], only: list[str]) -> list[tuple[str, tuple
 
 def gemv_configs(quick: bool, fp8: bool) -> list[Any]:
     """Tiles to sweep; FP8 weights (one byte) take tiles twice as large for the same bytes in
-    flight, and add the vec layout's one-row variants (16 e4m3 columns a thread per step, the
-    bytes as int32 words or e4m3, widened by conversion or inline PTX, sums per column or per
-    16, x a step ahead or not)."""
+    flight, and add the vec layout's one-row variants (16 e4m3 columns a thread per step, kept
+    as int32 words widened by inline PTX, the other widenings having measured slower; sums per
+    column or per 16, x a step ahead or not)."""
     from minisgl.kernels.gemv.gemv import GemvConfig
 
     if quick:
@@ -147,31 +142,15 @@ def gemv_configs(quick: bool, fp8: bool) -> list[Any]:
             if 8 <= bn * bk // (32 * w) <= (256 if fp8 else 128)
             and (fp8 or (bn < 64 and bk < 2048))
         ]
-    if not fp8:
-        return tiles
     vec = [
-        GemvConfig(
-            bn,
-            512 * w,
-            w,
-            layout="vec",
-            vec=16,
-            words=words,
-            widen=widen,
-            keep_vec=keep,
-            x_ahead=ahead,
-        )
-        for bn, w, words, widen, keep, ahead in itertools.product(
-            (4, 8) if quick else (2, 4, 8, 16),
-            (4,) if quick else (4, 8),
-            (False, True),
-            ("cvt", "ptx"),
-            (False, True),
-            (True, False),
-        )
-        if (words or widen != "ptx") and bn * w <= 64 and (ahead or (words and widen == "ptx"))
-    ]
-    return tiles + vec
+        GemvConfig(bn, 512 * w, w, layout="vec", vec=16, words=True, widen="ptx", keep_vec=keep,
+                   x_ahead=ahead)
+        for bn, w, keep, ahead in itertools.product((4, 8) if quick else (2, 4, 8, 16),
+                                                    (4,) if quick else (4, 8), (False, True),
+                                                    (True, False))
+        if bn * w <= 64
+    ]  # fmt: skip
+    return tiles + vec if fp8 else tiles
 
 
 def label(c: Any) -> str:
