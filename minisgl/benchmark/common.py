@@ -11,6 +11,7 @@ context length c reads c tokens of KV in the pool's dtype (one byte per value fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -18,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,18 @@ def release_memory() -> None:
 
 
 # ---- timing ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """`owner.name` replaced by `wrap(original)` while entered: how a benchmark watches the
+    engine's calls (a step's shape, a grammar's tokens) without a hook of its own there."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def best_time(fn: Callable[[], Any], repeat: int = 1, before: Callable[[], Any] | None = None
@@ -274,18 +287,22 @@ class ModelBytes:
     weights: int  # per step: every parameter once, LM head included, untied embedding excluded
     all_params: int  # every parameter once, embedding included
     kv_per_token: int  # K and V of one token, all layers, in the KV pool's dtype
+    experts: int = 0  # of `weights`: the MoE experts' stacks, every layer's
+    num_experts: int = 0  # experts per MoE layer
 
     @staticmethod
     def of(model: nn.Module, mcfg: ModelConfig, kv_dtype: torch.dtype) -> ModelBytes:
-        weights = everything = 0
+        weights = everything = experts = num_experts = 0
         for name, p in model.named_parameters():  # tied parameters are listed once
             nbytes = p.numel() * p.element_size()
             everything += nbytes
             if "embed_tokens" not in name or mcfg.tie_word_embeddings:
                 weights += nbytes
+            if ".experts." in name:  # [E, ...] stacks
+                experts, num_experts = experts + nbytes, p.shape[0]
         elem = torch.empty((), dtype=kv_dtype).element_size()
         kv = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * elem
-        return ModelBytes(weights, everything, kv)
+        return ModelBytes(weights, everything, kv, experts, num_experts)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from minisgl.benchmark.common import (
+    ModelBytes,
     Row,
     emit_json,
     engine_parser,
@@ -203,30 +204,6 @@ class ExpertCount:
     moe_layers: int
 
 
-@dataclass(frozen=True)
-class ModelBytes:
-    per_expert: int  # one expert's three matrices
-    dense: int  # every other weight read by a decode step (embedding rows excluded)
-    embed_row: int
-    kv_per_token: int  # K and V of one token over all layers
-
-
-def model_bytes(llm: Any) -> ModelBytes:
-    model, cfg = llm.engine.model, llm.engine.model_config
-    per_expert = dense = 0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".experts." in name:
-            per_expert += nbytes // p.shape[0]
-        elif "embed_tokens" not in name or cfg.tie_word_embeddings:  # tied: read as lm_head
-            dense += nbytes
-    moe_layers = sum(isinstance(m, SparseMoeBlock) for m in model.modules())
-    elem = torch.empty((), dtype=llm.engine.dtype).element_size()
-    kv_elem = llm.engine.pool.k(0).element_size()
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
-    return ModelBytes(per_expert // max(1, moe_layers), dense, cfg.hidden_size * elem, kv)
-
-
 def make_llm(args: Any, batch: int, eager: bool = False, cuda_graphs: bool = True) -> Any:
     """The engine for the decode runs. The eager one (for counting experts) gets a KV pool just
     big enough, so that little is lost should its memory not come back before the next one."""
@@ -302,10 +279,13 @@ def time_decode(llm: Any, batch: int, seed: int) -> tuple[float, int]:
 
 
 def decode_row(batch: int, seconds: float, tokens: int, experts: ExpertCount, mb: ModelBytes,
-               copy_bw: float) -> Row:  # fmt: skip
+               embed_row: int, copy_bw: float) -> Row:  # fmt: skip
+    """The floor reads the experts the step selected, every other weight once, the embedding
+    rows of its tokens and each request's KV at its mean context."""
     steps = tokens / batch
     mean_context = PROMPT_LEN + (steps + 1) / 2  # tokens of KV each request reads per step
-    floor_bytes = (experts.per_step * mb.per_expert + mb.dense + batch * mb.embed_row
+    per_expert = mb.experts / (experts.moe_layers * mb.num_experts)
+    floor_bytes = (experts.per_step * per_expert + mb.weights - mb.experts + batch * embed_row
                    + batch * mean_context * mb.kv_per_token)  # fmt: skip
     step_s, floor_s = seconds / steps, floor_bytes / copy_bw
     return {"batch": batch, "prompt_len": PROMPT_LEN, "decode_steps": steps,
@@ -319,11 +299,13 @@ def run_decode(args: Any, copy_bw: float) -> list[Row]:
     batches = args.decode_batches
     experts = count_experts(args, batches)
     llm = make_llm(args, max(batches))
-    mb = model_bytes(llm)
+    engine = llm.engine
+    mb = ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
+    embed_row = engine.model_config.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
     rows = []
     for batch in batches:
         seconds, tokens = time_decode(llm, batch, args.seed)
-        rows.append(decode_row(batch, seconds, tokens, experts[batch], mb, copy_bw))
+        rows.append(decode_row(batch, seconds, tokens, experts[batch], mb, embed_row, copy_bw))
     del llm
     release_memory()
     return rows

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from minisgl.benchmark.common import (
     engine_parser,
     make_llm,
     measure_bandwidth,
+    patched,
     print_pairs,
     print_table,
     release_memory,
@@ -109,26 +110,28 @@ def warm_up(llm: LLM, wl: Workload) -> None:
 
 
 class StepRecorder:
-    """Wraps `engine.forward_batch` to log each step's shape and launch time; the period
+    """Notes each step's shape and launch time (`engine.forward_batch`) while entered; the period
     between launches is the step time the loop sustains (device- or host-bound)."""
 
     def __init__(self, llm: LLM) -> None:
-        self.engine = llm.engine
-        self.original = llm.engine.forward_batch
         self.steps: list[tuple[float, int, int, int]] = []  # (time, batch, tokens, sum seq_lens)
+        self._patch = patched(llm.engine, "forward_batch", self._wrap)
 
-    def __enter__(self) -> StepRecorder:
+    def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def record(batch: Batch, mask: Any = None) -> Any:
             self.steps.append(
                 (time.perf_counter(), batch.size, batch.num_tokens, sum(batch.seq_lens))
             )
-            return self.original(batch, mask)
+            return forward(batch, mask)
 
-        self.engine.forward_batch = record  # type: ignore[method-assign]
+        return record
+
+    def __enter__(self) -> StepRecorder:
+        self._patch.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.engine.forward_batch = self.original  # type: ignore[method-assign]
+    def __exit__(self, *exc: Any) -> None:
+        self._patch.__exit__(*exc)
 
     def periods(self, end: float) -> list[tuple[float, int, int, int]]:
         """(seconds until the next launch or `end`, batch, tokens, sum seq_lens) of each step."""

@@ -43,6 +43,7 @@ from minisgl.benchmark.common import (
     emit_json,
     engine_parser,
     make_llm,
+    patched,
     print_table,
     synchronize,
 )
@@ -98,31 +99,21 @@ def document(seed: int, chars: int = 6000) -> str:
     return '{"records": [' + ", ".join(records)
 
 
-class Replay:
-    """Teacher-forced replay: each constrained request's grammar accepts the tokens of a
-    document of its own instead of the ones sampled (wraps the scheduler's `Grammars.accept`),
-    so its masks are those of a real document's states."""
+def replay(llm: LLM, docs: list[list[int]]) -> contextlib.AbstractContextManager[None]:
+    """Teacher-forced replay while entered: each constrained request's grammar accepts the
+    tokens of a document of its own instead of the ones sampled (the scheduler's
+    `Grammars.accept`), so its masks are those of a real document's states."""
+    position: dict[str, tuple[list[int], int]] = {}
 
-    def __init__(self, llm: LLM, docs: list[list[int]]) -> None:
-        self.grammars = llm.scheduler.grammars
-        self.original: Callable[..., Any] = self.grammars.accept
-        self.docs = docs
-        self.position: dict[str, tuple[list[int], int]] = {}
+    def wrap(accept: Callable[..., Any]) -> Callable[..., bool]:
+        def forced(req: Any, token: int) -> bool:
+            doc, at = position.get(req.rid) or (docs[len(position) % len(docs)], 0)
+            position[req.rid] = (doc, at + 1)
+            return bool(accept(req, doc[at]))
 
-    def __enter__(self) -> Replay:
-        def accept(req: Any, token: int) -> bool:
-            doc, at = self.position.get(req.rid) or (
-                self.docs[len(self.position) % len(self.docs)],
-                0,
-            )
-            self.position[req.rid] = (doc, at + 1)
-            return bool(self.original(req, doc[at]))
+        return forced
 
-        self.grammars.accept = accept  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.grammars.accept = self.original  # type: ignore[method-assign]
+    return patched(llm.scheduler.grammars, "accept", wrap)
 
 
 def load_llm(args: Any) -> LLM:
@@ -152,15 +143,15 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_once(
     llm: LLM, ps: list[list[int]], params: SamplingParams, docs: list[list[int]] | None = None
 ) -> Row:
-    """One timed `generate`; with `docs`, constrained rows replay them (`Replay`)."""
+    """One timed `generate`; with `docs`, constrained rows replay them (`replay`)."""
     device = llm.engine.device
     grammars = llm.scheduler.grammars
     with StepRecorder(llm) as steps:
-        replay = Replay(llm, docs) if docs else contextlib.nullcontext()
+        forced = replay(llm, docs) if docs else contextlib.nullcontext()
         synchronize(device)
         filled = grammars.fill_seconds
         start = time.perf_counter()
-        with replay:
+        with forced:
             outs = llm.generate(ps, params, use_tqdm=False)
         synchronize(device)
         seconds = time.perf_counter() - start
