@@ -25,16 +25,8 @@ from typing import Any
 import torch
 
 from minisgl.attention import AttentionInputs, make_backend
-from minisgl.benchmark.common import (
-    Row,
-    device_info,
-    emit_json,
-    engine_parser,
-    make_llm,
-    print_table,
-    release_memory,
-    resolve_device,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import TableWrite
 from minisgl.engine.kv_calibration import text_ids
 from minisgl.kvcache import KVPool, ReqTable
@@ -109,13 +101,13 @@ def run(args: Any) -> Row:
     for name, options in VARIANTS:
         if name not in args.variants:
             continue
-        llm = make_llm(args, num_pages=64, skip_warmup=True, cuda_graph_max_bs=0, **options)
+        llm = common.make_llm(args, num_pages=64, skip_warmup=True, cuda_graph_max_bs=0, **options)
         if not ids:
             ids = text_ids(src, llm.engine.model_config.vocab_size)[: args.tokens]
         lp = text_log_probs(llm, ids)
         dtype = llm.engine.config.dtype
         del llm
-        release_memory()
+        common.release_memory()
         if base is None:
             base = lp
         row = {"variant": name, "dtype": dtype, "tokens": len(ids), **compare(base, lp, ids)}
@@ -126,24 +118,24 @@ def run(args: Any) -> Row:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = engine_parser(__doc__)
+    p = common.engine_parser(__doc__)
     p.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
     names = [name for name, _ in VARIANTS]
     p.add_argument("--variants", type=lambda v: v.split(","), default=names,
                    help="comma-separated subset of: " + ", ".join(names))  # fmt: skip
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
+    device = common.resolve_device(args.device)
     if args.dtype == "auto":  # the baseline: fp32 on a CPU, bf16 on a GPU
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     if args.variants[0] != "baseline":
         args.variants = ["baseline", *args.variants]
     src = resolve_source(args.model)
-    info = {"workload": "W7 accuracy", "model": src.name, **device_info(device)}
+    info = {"workload": "W7 accuracy", "model": src.name, **common.device_info(device)}
     print(f"FP8 accuracy: {src.name} on {info['device']}, {args.dtype}, the built-in text")
     result = run(args)
-    print_table("perplexity and KL(baseline || variant) of the next-token distributions",
+    common.print_table("perplexity and KL(baseline || variant) of the next-token distributions",
                 result["rows"])  # fmt: skip
-    emit_json({**info, **result})
+    common.emit_json({**info, **result})
 
 
 if __name__ == "__main__":

@@ -261,9 +261,34 @@ def print_kernel_table(prof: Any, steps: int, label: str = "", top: int = 24) ->
     except RuntimeError as e:  # no GPU kernels: a dry run on the CPU
         print(f"{label}{e}")
         return
+    _print_kernels(rows[:top], totals, label)
+
+
+def profile_steps(step: Callable[[], object], steps: int, label: str = "", keep: str = "",
+                  groups: dict[str, Sequence[str]] | None = None, top: int = 24
+                  ) -> tuple[list[Row], Row]:  # fmt: skip
+    """torch.profiler (device activity only: less overhead) over `steps` calls of `step`: the
+    top GPU kernels per step and the totals (`gpu_kernel_table`, the trace kept at `keep`),
+    printed and returned, the wall time per step among the totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    rows, totals = gpu_kernel_table(trace_events(prof, keep), steps, groups)
+    totals["wall_ms_per_step"] = wall / steps * 1e3
+    _print_kernels(rows[:top], totals, label)
+    return rows[:top], totals
+
+
+def _print_kernels(rows: Sequence[Row], totals: Row, label: str) -> None:
     print(f"{label}device time per step {totals['gpu_busy_ms_per_step']:.3f} ms busy, "
           f"{totals['gpu_span_ms_per_step']:.3f} ms span, {totals['kernels_per_step']:.0f} kernels")  # fmt: skip
-    for r in rows[:top]:
+    for r in rows:
         print(f"  {r['us_per_step']:8.1f} us (span {r['span_us_per_step']:7.1f}) "
               f"{r['per_step']:6.1f}x  {r['kernel']}")  # fmt: skip
 

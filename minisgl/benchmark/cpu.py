@@ -21,15 +21,8 @@ from typing import Any
 import torch
 
 from minisgl import SamplingParams
-from minisgl.benchmark.common import (
-    Row,
-    best_time,
-    emit_json,
-    engine_parser,
-    make_llm,
-    print_pairs,
-    print_table,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.config import DTYPES
 from minisgl.weights import default_model_path
 
@@ -43,15 +36,15 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_minisgl(prompts: list[list[int]], single: list[int], out_len: int, args: Any) -> Row:
-    llm = make_llm(args)
+    llm = common.make_llm(args)
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4] or [single], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     flush = llm.scheduler.flush_cache  # no prefix reuse from the warm-up or a previous run
     run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
-    outs, batch_s = best_time(run, args.repeat, flush) if prompts else ([], float("nan"))
+    outs, batch_s = common.best_time(run, args.repeat, flush) if prompts else ([], float("nan"))
     tokens = sum(len(o["token_ids"]) for o in outs)
     one = lambda: llm.generate([single], params, use_tqdm=False)  # noqa: E731
-    single_out, single_s = best_time(one, args.repeat, flush)
+    single_out, single_s = common.best_time(one, args.repeat, flush)
     return {
         "dtype": llm.engine.config.dtype,
         "batch_tokens": tokens,
@@ -77,9 +70,9 @@ def run_hf(
     with torch.inference_mode():
         model.generate(torch.tensor([single[:8]]), generation_config=gen)  # warm-up
         run = lambda: model.generate_batch(prompts, generation_config=gen)  # noqa: E731
-        outs, batch_s = best_time(run, repeat) if prompts else ({}, float("nan"))
+        outs, batch_s = common.best_time(run, repeat) if prompts else ({}, float("nan"))
         tokens = sum(len(o.generated_tokens) for o in outs.values())
-        single_out, single_s = best_time(
+        single_out, single_s = common.best_time(
             lambda: model.generate(torch.tensor([single]), generation_config=gen), repeat
         )
     return {
@@ -92,7 +85,7 @@ def run_hf(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = engine_parser(__doc__)
+    p = common.engine_parser(__doc__)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -116,11 +109,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             "batch": ours["batch_tok_s"] / r["batch_tok_s"],
             "single": ours["single_tok_s"] / r["single_tok_s"],
         }
-    print_table(f"W6 CPU ({torch.get_num_threads()} threads, "
+    common.print_table(f"W6 CPU ({torch.get_num_threads()} threads, "
                 f"{torch.backends.cpu.get_cpu_capability()}), SmolLM2-135M, {args.requests} "
                 f"requests x {args.output_len} tokens", rows)  # fmt: skip
-    print_pairs("minisgl's speedup", {k: v for k, v in result.items() if k.startswith("speedup")})
-    emit_json(result)
+    common.print_pairs(
+        "minisgl's speedup", {k: v for k, v in result.items() if k.startswith("speedup")}
+    )
+    common.emit_json(result)
 
 
 if __name__ == "__main__":

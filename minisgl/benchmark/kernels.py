@@ -23,15 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minisgl.benchmark.common import (
-    Row,
-    attempt,
-    device_info,
-    emit_json,
-    measure_bandwidth,
-    print_table,
-    time_graph,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.kernels.attention.reference import decode_attention_ref, extend_attention_ref
 from minisgl.kernels.attention.testing import cu_seqlens, random_paged_kv
 
@@ -63,7 +56,7 @@ def measure_matmul_rate(n: int = 8192) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     c = torch.empty_like(a)
-    seconds = time_graph(lambda _: torch.matmul(a, b, out=c), 1)
+    seconds = common.time_graph(lambda _: torch.matmul(a, b, out=c), 1)
     return 2 * n**3 / seconds
 
 
@@ -156,7 +149,7 @@ def run_decode(
             kv_scales=kv.kv_scales,
         )
 
-    seconds = time_graph(call, q.shape[0])
+    seconds = common.time_graph(call, q.shape[0])
     call(0)
     rows = min(batch, REF_REQUESTS)
     expected = decode_attention_ref(
@@ -205,7 +198,7 @@ def run_extend(
     cfg = config or default_extend_config(HEAD_DIM)
     args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, ext, cu, page_size, SM_SCALE)
     scales = kv.kv_scales
-    seconds = time_graph(
+    seconds = common.time_graph(
         lambda _: extend_attention(q, *args, new_tokens, config=cfg, out=out, kv_scales=scales), 1
     )
     # Query at position p sees p + 1 keys: QK^T and PV are 2 * D FLOPs per (query, key, head) each.
@@ -307,7 +300,7 @@ def run_mixed(
         mixed_attention(q, *caches, kv.block_table, kv.seq_lens, cu, page_size, SM_SCALE,
                         num_splits=num_splits, config=cfg, out=out, kv_scales=kv.kv_scales)  # fmt: skip
 
-    seconds = time_graph(mixed, 1)
+    seconds = common.time_graph(mixed, 1)
     mixed(0)
     expected = extend_attention_ref(q[:t], *caches, kv.block_table[:b], kv.seq_lens[:b],
                                     cu[1 : b + 1] - cu[:b], cu[: b + 1], page_size, SM_SCALE,
@@ -327,11 +320,11 @@ def run_mixed_all(args: argparse.Namespace, copy_bw: float) -> Row:
     ps = args.page_size
     run = functools.partial(run_mixed, max_requests=args.mixed_max_requests, kv_dtype=kv_dtype)
     rows = [
-        attempt({"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
+        common.attempt({"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
                  "num_splits": splits}, run, shape, ps, copy_bw, num_splits=splits)
         for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS)
     ]  # fmt: skip
-    print_table(f"mixed steps, one launch (page_size {ps}, {args.kv_cache_dtype} KV; us of one "
+    common.print_table(f"mixed steps, one launch (page_size {ps}, {args.kv_cache_dtype} KV; us of one "
                 "layer)", rows, MIXED_COLUMNS)  # fmt: skip
     return {"mixed": rows}
 
@@ -348,7 +341,7 @@ EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num
 
 
 def run_all(args: argparse.Namespace) -> Row:
-    copy_bw = measure_bandwidth(torch.device(DEVICE))
+    copy_bw = common.measure_bandwidth(torch.device(DEVICE))
     ps = args.page_size
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     if args.mixed:  # only the mixed-step comparison
@@ -359,22 +352,26 @@ def run_all(args: argparse.Namespace) -> Row:
     matmul_rate = measure_matmul_rate()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s, bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s")
     decode = [
-        attempt({"batch": b, "context": c}, dec, b, c, ps, copy_bw)
+        common.attempt({"batch": b, "context": c}, dec, b, c, ps, copy_bw)
         for b, c in itertools.product(args.decode_batches, args.decode_contexts)
     ]
-    print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
+    common.print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
                 DECODE_COLUMNS)  # fmt: skip
-    result: Row = {"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": matmul_rate, "decode": decode}
+    result: Row = {
+        "copy_bytes_per_s": copy_bw,
+        "matmul_flop_per_s": matmul_rate,
+        "decode": decode,
+    }
     if args.decode_only:
         return result
     b, c = PAGE_SWEEP_SHAPE
-    sweep = [attempt({"page_size": p}, dec, b, c, p, copy_bw) for p in PAGE_SIZES]
-    print_table(f"decode page-size sweep (batch {b} x {c})", sweep, DECODE_COLUMNS)
+    sweep = [common.attempt({"page_size": p}, dec, b, c, p, copy_bw) for p in PAGE_SIZES]
+    common.print_table(f"decode page-size sweep (batch {b} x {c})", sweep, DECODE_COLUMNS)
     extend = [
-        attempt({"requests": r, "cached": c}, ext, r, n, c, ps, matmul_rate)
+        common.attempt({"requests": r, "cached": c}, ext, r, n, c, ps, matmul_rate)
         for (r, n), c in itertools.product(EXTEND_SHAPES, EXTEND_CACHED)
     ]
-    print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
+    common.print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
     return result | {"decode_page_size_sweep": sweep, "extend": extend}
 
 
@@ -395,12 +392,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("minisgl.benchmark.kernels needs a CUDA GPU; none is visible here.")
     torch.manual_seed(0)
     device = torch.device(DEVICE)
-    header = {"workload": "W3", **device_info(device), "dtype": "bfloat16",
+    header = {"workload": "W3", **common.device_info(device), "dtype": "bfloat16",
               "kv_cache_dtype": args.kv_cache_dtype, "num_q_heads": NUM_Q_HEADS,
               "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM}  # fmt: skip
     print(f"W3 attention kernels on {header['device']} (torch {header['torch']}, "
           f"triton {header.get('triton')})")  # fmt: skip
-    emit_json({**header, **run_all(args)})
+    common.emit_json({**header, **run_all(args)})
 
 
 if __name__ == "__main__":

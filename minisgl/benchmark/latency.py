@@ -22,18 +22,8 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import (
-    ModelBytes,
-    Row,
-    device_info,
-    emit_json,
-    engine_parser,
-    make_llm,
-    measure_bandwidth,
-    percentiles,
-    print_pairs,
-    resolve_device,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import Req, SamplingParams
 from minisgl.llm import LLM
 
@@ -77,20 +67,20 @@ def _quant_label(quant: Any) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = engine_parser(__doc__, DEFAULT_MODEL, load_format="dummy", cuda_graph_max_bs=4)
+    p = common.engine_parser(__doc__, DEFAULT_MODEL, load_format="dummy", cuda_graph_max_bs=4)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
-    bandwidth = measure_bandwidth(device)
+    device = common.resolve_device(args.device)
+    bandwidth = common.measure_bandwidth(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     context = args.prompt_len + args.output_len + 64
-    llm = make_llm(args, max_running_requests=4, max_context_len=context)
+    llm = common.make_llm(args, max_running_requests=4, max_context_len=context)
     gaps, ttft = measure(args, llm)
     engine = llm.engine
-    mb = ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
+    mb = common.ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
     mean_context = args.prompt_len + args.output_len / 2
     floor_s = (mb.weights + mean_context * mb.kv_per_token) / bandwidth
     all_params_s = mb.all_params / bandwidth
@@ -100,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "median_itl_ms": median * 1e3,
-        "p99_itl_ms": percentiles(gaps)["p99"] * 1e3,
+        "p99_itl_ms": common.percentiles(gaps)["p99"] * 1e3,
         "mean_itl_ms": statistics.fmean(gaps) * 1e3,
         "min_itl_ms": min(gaps) * 1e3,
         "ttft_ms": statistics.median(ttft) * 1e3,
@@ -119,11 +109,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "kv_cache_dtype": engine.config.kv_cache_dtype,
         "quantization": _quant_label(engine.model_config.quant),
     }
-    info = {"workload": "W2", "model": Path(args.model).name, **device_info(device)}
+    info = {"workload": "W2", "model": Path(args.model).name, **common.device_info(device)}
     print(f"W2 single-stream decode latency: {info['model']} on {info['device']}, copy "
           f"bandwidth {bandwidth / 1e12:.3f} TB/s")  # fmt: skip
-    print_pairs("minisgl", row)
-    emit_json({**info, "bandwidth_bytes_per_s": bandwidth, "measured_s": median, **row})
+    common.print_pairs("minisgl", row)
+    common.emit_json({**info, "bandwidth_bytes_per_s": bandwidth, "measured_s": median, **row})
 
 
 if __name__ == "__main__":

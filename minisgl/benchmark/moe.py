@@ -28,20 +28,8 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import (
-    ModelBytes,
-    Row,
-    emit_json,
-    engine_parser,
-    gpu_kernel_table,
-    measure_bandwidth,
-    print_pairs,
-    print_table,
-    release_memory,
-    time_graph,
-    trace_events,
-)
-from minisgl.benchmark.common import make_llm as harness_llm
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
@@ -128,7 +116,7 @@ def run_kernel_case(inp: MoEInputs, copy_bw: float) -> Row:
     layer = fused_moe(inp.x, inp.w13, inp.w2, inp.logits, inp.top_k, True)
     cfg = default_config(inp.x.shape[0], inp.top_k, inp.w13.shape[0])
     sets = routing_sets(inp)
-    seconds = time_graph(
+    seconds = common.time_graph(
         lambda i: fused_moe(inp.x, inp.w13, inp.w2, sets[i], inp.top_k, True), len(sets)
     )
     tokens, hidden = inp.x.shape
@@ -214,7 +202,7 @@ def make_llm(args: Any, batch: int, eager: bool = False, cuda_graphs: bool = Tru
         pages = batch * (math.ceil((PROMPT_LEN + COUNT_STEPS + 2) / PAGE_SIZE) + 1)
         options |= dict(cuda_graph_max_bs=0, overlap=False, cache="naive", page_size=PAGE_SIZE,
                         num_pages=pages)  # fmt: skip
-    return harness_llm(args, **options)
+    return common.make_llm(args, **options)
 
 
 def start(llm: Any, batch: int, max_tokens: int, seed: int) -> list[Any]:
@@ -260,7 +248,7 @@ def count_experts(args: Any, batches: Sequence[int]) -> dict[int, ExpertCount]:
         result[batch] = counter.result()
     counter.close()
     del llm, counter
-    release_memory()
+    common.release_memory()
     return result
 
 
@@ -278,8 +266,8 @@ def time_decode(llm: Any, batch: int, seed: int) -> tuple[float, int]:
     return seconds, sum(len(r.output_ids) for r in reqs) - first
 
 
-def decode_row(batch: int, seconds: float, tokens: int, experts: ExpertCount, mb: ModelBytes,
-               embed_row: int, copy_bw: float) -> Row:  # fmt: skip
+def decode_row(batch: int, seconds: float, tokens: int, experts: ExpertCount,
+               mb: common.ModelBytes, embed_row: int, copy_bw: float) -> Row:  # fmt: skip
     """The floor reads the experts the step selected, every other weight once, the embedding
     rows of its tokens and each request's KV at its mean context."""
     steps = tokens / batch
@@ -300,14 +288,14 @@ def run_decode(args: Any, copy_bw: float) -> list[Row]:
     experts = count_experts(args, batches)
     llm = make_llm(args, max(batches))
     engine = llm.engine
-    mb = ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
+    mb = common.ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
     embed_row = engine.model_config.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
     rows = []
     for batch in batches:
         seconds, tokens = time_decode(llm, batch, args.seed)
         rows.append(decode_row(batch, seconds, tokens, experts[batch], mb, embed_row, copy_bw))
     del llm
-    release_memory()
+    common.release_memory()
     return rows
 
 
@@ -324,11 +312,9 @@ MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_pair_gate_up_fp8_k
 
 
 def profile_decode(args: Any) -> tuple[list[Row], Row]:
-    """torch.profiler over `steps` decode steps of `batch` requests: (the kernels by GPU time,
-    a summary). A graph replay shows in the profiler's op summaries as one cudaGraphLaunch, so
-    the kernels are read from the device events of the exported trace."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """torch.profiler over `--profile-steps` decode steps of `--profile-batch` requests: the
+    kernels by GPU time (read from the trace's device events: a graph replay shows in the
+    profiler's op summaries as one cudaGraphLaunch) and a summary."""
     batch, steps, cuda_graphs = args.profile_batch, args.profile_steps, not args.profile_eager
     llm = make_llm(args, batch, cuda_graphs=cuda_graphs)
     start(llm, batch, 9, args.seed + 1_000_000)  # compile, capture
@@ -336,21 +322,13 @@ def profile_decode(args: Any) -> tuple[list[Row], Row]:
     start(llm, batch, steps + 8, args.seed + batch)
     for _ in range(3):  # past the first decode steps
         llm.scheduler.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU ops: less overhead
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            llm.scheduler.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    label = f"decode profile, batch {batch}: "
+    rows, totals = common.profile_steps(llm.scheduler.step, steps, label, args.profile_trace,
+                                 {"moe_triton": MOE_KERNELS}, PROFILE_TOP)  # fmt: skip
     run_to_end(llm)
     del llm
-    release_memory()
-    rows, totals = gpu_kernel_table(
-        trace_events(prof, args.profile_trace), steps, {"moe_triton": MOE_KERNELS}
-    )
-    totals |= {"batch": batch, "cuda_graphs": cuda_graphs, "wall_ms_per_step": wall / steps * 1e3}
-    return rows[:PROFILE_TOP], totals
+    common.release_memory()
+    return rows, totals | {"batch": batch, "cuda_graphs": cuda_graphs}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -371,7 +349,7 @@ def summary(result: Row) -> Row:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ints = lambda v: [int(t) for t in v.split(",")]  # noqa: E731
-    p = engine_parser(__doc__, MODEL_DIR, load_format="dummy", dtype="bfloat16")
+    p = common.engine_parser(__doc__, MODEL_DIR, load_format="dummy", dtype="bfloat16")
     p.add_argument("--skip-kernels", action="store_true", help="no kernel-vs-reference table")
     p.add_argument("--skip-decode", action="store_true", help="no engine decode table")
     p.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES),
@@ -388,26 +366,23 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     torch.manual_seed(args.seed)
-    copy_bw = measure_bandwidth(torch.device(DEVICE))
+    copy_bw = common.measure_bandwidth(torch.device(DEVICE))
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
     if args.profile:
-        kernels, totals = profile_decode(args)
-        result["profile"], result["profile_totals"] = kernels, totals
-        title = f"decode profile: batch {args.profile_batch}, top {PROFILE_TOP} GPU kernels"
-        print_table(title, kernels)
-        print_pairs("per decode step", totals)
+        result["profile"], result["profile_totals"] = profile_decode(args)
+        common.print_pairs("per decode step", result["profile_totals"])
     else:
         if not args.skip_kernels:
             result["kernels"] = run_kernels(copy_bw, args.seed)
-            print_table("fused MoE vs the fp32 torch reference (bf16)", result["kernels"])
+            common.print_table("fused MoE vs the fp32 torch reference (bf16)", result["kernels"])
         if not args.skip_decode:
             result["decode"] = run_decode(args, copy_bw)
             result["fp8"] = {k: getattr(args, k) for k in ("kv_cache_dtype", "quantization")}
-            print_table("decode, Qwen3-30B-A3B shape, dummy weights", result["decode"])
+            common.print_table("decode, Qwen3-30B-A3B shape, dummy weights", result["decode"])
         result["summary"] = summary(result)
-    emit_json(result)
+    common.emit_json(result)
     return 0
 
 

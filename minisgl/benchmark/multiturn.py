@@ -30,15 +30,8 @@ from typing import Any
 import torch
 
 from minisgl import LLM
-from minisgl.benchmark.common import (
-    Row,
-    device_info,
-    emit_json,
-    engine_parser,
-    make_llm,
-    print_table,
-    release_memory,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import Req, SamplingParams
 
 GIB = 1 << 30
@@ -135,7 +128,7 @@ def pinned_h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def run(name: str, w: Workload, args: Any, **options: Any) -> Row:
-    llm = make_llm(args, **options)
+    llm = common.make_llm(args, **options)
     row = {"tier": name, **drive(llm, w)}
     stats = llm.scheduler.tier_stats()
     if stats:
@@ -146,12 +139,12 @@ def run(name: str, w: Workload, args: Any, **options: Any) -> Row:
                 "load_gb_s": stats["loaded_bytes"] / max(stats["load_copy_s"], 1e-9) / 1e9,
                 **{k: stats[k] for k in ("wait_s", "host_hit_pages", "disk_hit_pages")}}  # fmt: skip
     del llm
-    release_memory()
+    common.release_memory()
     return row
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = engine_parser(__doc__)
+    p = common.engine_parser(__doc__)
     p.add_argument("--gpu", action="store_true", help="the GPU variant (Llama-3-8B shape)")
     p.add_argument("--conversations", type=int, default=None)
     p.add_argument("--turns", type=int, default=None)
@@ -164,17 +157,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.gpu and args.model is None:  # the shape directory has no weights
         args.model, args.load_format = str(Path(__file__).parent / "models" / "llama-3-8b"), "dummy"
     # The pool holds `pool_share` of the distinct tokens (plus one answer's room per turn).
-    probe = make_llm(args, num_pages=64, skip_warmup=True, cuda_graph_max_bs=0)
+    probe = common.make_llm(args, num_pages=64, skip_warmup=True, cuda_graph_max_bs=0)
     ps, page_bytes, device = (
         probe.engine.page_size,
         probe.engine.pool.page_bytes,
         probe.engine.device,
     )
     del probe
-    release_memory()
+    common.release_memory()
     pages = int(w.distinct_tokens * args.pool_share) // ps + 1
     working_gib = (w.distinct_tokens // ps + w.conversations) * page_bytes / GIB
-    variants: list[tuple[str, Row]] = [("off", {}), ("host", {"kv_host_gib": 1.25 * working_gib})]
+    variants: list[tuple[str, Row]] = [
+        ("off", {}),
+        ("host", {"kv_host_gib": 1.25 * working_gib}),
+    ]
     disk_dir = tempfile.TemporaryDirectory(prefix="minisgl-kv-")
     if not args.no_disk:  # a host tier of a third of the working set over a disk tier
         variants.append(("disk", {"kv_host_gib": working_gib / 3, "kv_disk_dir": disk_dir.name,
@@ -195,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cols = ["tier", "seconds", "turns_s", "output_tok_s", "speedup", "ttft_first_p50_ms",
             "ttft_returning_p50_ms", "ttft_ratio", "computed_prompt_tokens", "loaded_gb",
             "disk_read_gb", "load_gb_s", "load_of_pinned", "wait_s"]  # fmt: skip
-    print_table(title, rows, cols)
-    emit_json({"workload": "W10", **device_info(device), "pool_tokens": pages * ps,
+    common.print_table(title, rows, cols)
+    common.emit_json({"workload": "W10", **common.device_info(device), "pool_tokens": pages * ps,
                "distinct_tokens": w.distinct_tokens, "pinned_h2d_gb_s": h2d / 1e9, "rows": rows})  # fmt: skip
 
 

@@ -21,29 +21,12 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import (
-    Floor,
-    ModelBytes,
-    Row,
-    TokenIdLLM,
-    batch_bucket,
-    decode_floor,
-    device_info,
-    emit_json,
-    engine_parser,
-    make_llm,
-    measure_bandwidth,
-    patched,
-    print_pairs,
-    print_table,
-    release_memory,
-    resolve_device,
-    synchronize,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import Batch, SamplingParams
 from minisgl.llm import LLM
 
-__all__ = ["TokenIdLLM", "sampling_params", "w1_workload"]  # scripts/gpu_profile.py uses them
+TokenIdLLM = common.TokenIdLLM  # scripts/gpu_profile.py takes it from here
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "qwen3-0.6b"
 W1_INPUT_TOKENS, W1_OUTPUT_TOKENS = 142_827, 133_966
@@ -90,10 +73,10 @@ def sampling_params(wl: Workload) -> list[SamplingParams]:
 def time_generate(llm: LLM, wl: Workload) -> tuple[float, int]:
     """(seconds, output tokens) of one `generate` call over the workload."""
     device = llm.engine.device
-    synchronize(device)
+    common.synchronize(device)
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, sampling_params(wl), use_tqdm=False)
-    synchronize(device)
+    common.synchronize(device)
     return time.perf_counter() - start, sum(len(o["token_ids"]) for o in outs)
 
 
@@ -115,7 +98,7 @@ class StepRecorder:
 
     def __init__(self, llm: LLM) -> None:
         self.steps: list[tuple[float, int, int, int]] = []  # (time, batch, tokens, sum seq_lens)
-        self._patch = patched(llm.engine, "forward_batch", self._wrap)
+        self._patch = common.patched(llm.engine, "forward_batch", self._wrap)
 
     def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def record(batch: Batch, mask: Any = None) -> Any:
@@ -138,17 +121,19 @@ class StepRecorder:
         times = [s[0] for s in self.steps] + [end]
         return [(stop - s[0], *s[1:]) for s, stop in zip(self.steps, times[1:])]
 
-    def breakdown(self, end: float, mb: ModelBytes, bandwidth: float) -> list[Row]:
+    def breakdown(self, end: float, mb: common.ModelBytes, bandwidth: float) -> list[Row]:
         """Steps grouped as mixed (some prefill) or decode by batch size: count, mean period,
         mean floor of the step's own work (weights + the KV its requests read)."""
         buckets: dict[str, list[float]] = {}  # name -> [steps, seconds, floor seconds, rows]
         for seconds, b, t, ctx in self.periods(end):
-            acc = buckets.setdefault("mixed" if t != b else batch_bucket(b), [0, 0.0, 0.0, 0])
+            acc = buckets.setdefault(
+                "mixed" if t != b else common.batch_bucket(b), [0, 0.0, 0.0, 0]
+            )
             acc[0] += 1
             acc[1] += seconds
             acc[2] += (mb.weights + ctx * mb.kv_per_token) / bandwidth
             acc[3] += b
-        order = ["mixed", *[batch_bucket(b) for b in (1, 9, 33, 129, 257)]]
+        order = ["mixed", *[common.batch_bucket(b) for b in (1, 9, 33, 129, 257)]]
         return [
             {"kind": name, "steps": int(n), "mean_batch": batch / n, "total_s": seconds,
              "step_ms": seconds / n * 1e3, "floor_ms": floor / n * 1e3,
@@ -159,14 +144,14 @@ class StepRecorder:
 
 
 def run_minisgl(args: Any, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
-    llm = make_llm(args)
+    llm = common.make_llm(args)
     warm_up(llm, wl)
     with StepRecorder(llm) as rec:
         seconds, tokens = time_generate(llm, wl)
         end = time.perf_counter()
     engine = llm.engine
-    mb = ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
-    floor = decode_floor([len(p) for p in wl.prompts], wl.max_tokens, mb, bandwidth)
+    mb = common.ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
+    floor = common.decode_floor([len(p) for p in wl.prompts], wl.max_tokens, mb, bandwidth)
     row = result_row(wl, seconds, tokens, floor)
     keys = ("page_size", "cuda_graph_max_bs", "overlap", "attention_backend", "dtype",
             "kv_cache_dtype", "quantization")  # fmt: skip
@@ -176,7 +161,7 @@ def run_minisgl(args: Any, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
     return row, llm
 
 
-def result_row(wl: Workload, seconds: float, tokens: int, floor: Floor) -> Row:
+def result_row(wl: Workload, seconds: float, tokens: int, floor: common.Floor) -> Row:
     return {
         "requests": len(wl.prompts),
         "input_tokens": wl.input_tokens,
@@ -222,7 +207,7 @@ def _hf_model(args: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(args.model))
-    device = resolve_device(args.device)
+    device = common.resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         try:
@@ -267,39 +252,39 @@ def _hf_collect(manager: Any, wl: Workload, tag: str, timeout_s: float) -> tuple
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = engine_parser(__doc__, DEFAULT_MODEL, load_format="dummy")
+    p = common.engine_parser(__doc__, DEFAULT_MODEL, load_format="dummy")
     p.add_argument("--engine", default="minisgl", choices=["minisgl", "hf"])
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--length-scale", type=float, default=1.0, help="shrink lengths (smoke tests)")
     p.add_argument("--hf-requests", type=int, default=32, help="--engine hf: requests run")
     p.add_argument("--hf-timeout", type=float, default=150.0, help="seconds for the HF run")
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
+    device = common.resolve_device(args.device)
     wl = w1_workload(args.num_requests, args.length_scale, _vocab_size(args.model))
     if args.engine == "hf":
         wl = wl.head(args.hf_requests)
-    bandwidth = measure_bandwidth(device)
+    bandwidth = common.measure_bandwidth(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    info = {"workload": "W1", "model": Path(args.model).name, **device_info(device)}
+    info = {"workload": "W1", "model": Path(args.model).name, **common.device_info(device)}
     print(f"W1 offline throughput: {info['model']} on {info['device']}, {len(wl.prompts)} "
           f"requests, {wl.input_tokens} input / {wl.output_tokens} output tokens; copy "
           f"bandwidth {bandwidth / 1e12:.3f} TB/s")  # fmt: skip
     row, llm = run_minisgl(args, wl, bandwidth)
     steps = row.pop("steps")
-    print_table("minisgl steps (period between launches vs the step's own floor)", steps)
+    common.print_table("minisgl steps (period between launches vs the step's own floor)", steps)
     result: Row = {**info, "bandwidth_bytes_per_s": bandwidth, **row, "steps": steps}
-    print_pairs("minisgl", {k: v for k, v in row.items() if not isinstance(v, dict)})
+    common.print_pairs("minisgl", {k: v for k, v in row.items() if not isinstance(v, dict)})
     if args.engine == "hf":
         llm.close()
         del llm
-        release_memory()
+        common.release_memory()
         hf = run_hf(args, wl)
         if hf.get("hf_output_tok_per_s"):
             hf["minisgl_over_hf"] = row["output_tok_per_s"] / hf["hf_output_tok_per_s"]
-        print_pairs("transformers continuous batching (same requests)", hf)
+        common.print_pairs("transformers continuous batching (same requests)", hf)
         result.update(hf)
-    emit_json(result)
+    common.emit_json(result)
 
 
 def _vocab_size(model: str) -> int:

@@ -27,21 +27,9 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
-import torch
-
-from minisgl.benchmark.common import (
-    Row,
-    add_alias,
-    device_info,
-    emit_json,
-    engine_parser,
-    make_llm,
-    print_kernel_table,
-    print_table,
-    synchronize,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import Batch, Req, SamplingParams, TableWrite
 from minisgl.llm import LLM
 
@@ -186,17 +174,19 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int, profile: bool = Fals
     for name, batch in (("decode", decode), ("verify", verify)):
         seen = []
         for i in range(iters + 3):
-            synchronize(engine.device)
+            common.synchronize(engine.device)
             start = time.perf_counter()
             engine.forward_batch(batch).wait()
-            synchronize(engine.device)
+            common.synchronize(engine.device)
             if i >= 3:
                 seen.append(time.perf_counter() - start)
         times[name] = statistics.median(seen)
-        if profile:
-            print_kernels(
-                name, lambda b=batch: engine.forward_batch(b).wait(), iters, engine.device
-            )
+        if profile and engine.device.type == "cuda":
+
+            def step(b: Batch = batch) -> None:
+                engine.forward_batch(b).wait()
+
+            common.profile_steps(step, iters, f"\n{name} step: ")
     sched.abort(req.rid)
     ratio = times["verify"] / times["decode"]
     return {
@@ -211,23 +201,12 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int, profile: bool = Fals
     }
 
 
-def print_kernels(name: str, step: Any, steps: int, device: torch.device) -> None:
-    """The GPU kernels of `steps` calls of `step`, per call (`print_kernel_table`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        synchronize(device)
-    print_kernel_table(prof, steps, label=f"\n{name} step: ")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    p = engine_parser(__doc__, load_format="auto", speculative_algorithm="ngram")
+    p = common.engine_parser(__doc__, load_format="auto", speculative_algorithm="ngram")
     # The benchmark's short names of the speculative flags (the scripts' and docs' commands).
     for short in ("algorithm", "num-draft-tokens", "ngram-n", "ngram-min-n", "draft-layers",
                   "draft-model", "max-batch"):  # fmt: skip
-        add_alias(p, f"--{short}", f"--speculative-{short}")
+        common.add_alias(p, f"--{short}", f"--speculative-{short}")
     p.add_argument("--workloads", default="copy,chat,concurrent",
                    help="comma-separated: copy, chat, concurrent; none for --verify-cost alone")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=16)
@@ -242,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="--verify-cost: also each step's GPU kernels (torch.profiler)")  # fmt: skip
     args = p.parse_args(argv)
     dummy = args.load_format == "dummy"
-    llm = make_llm(args, **({"max_context_len": 4096} if dummy else {}))
+    llm = common.make_llm(args, **({"max_context_len": 4096} if dummy else {}))
     names = [w for w in args.workloads.split(",") if w and w != "none"]
     rows = workloads(llm, names, args)
     cost = (
@@ -252,16 +231,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     algorithm, k = args.speculative_algorithm, args.speculative_num_draft_tokens
     info = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "algorithm": algorithm,
-            "k": k, **device_info(llm.engine.device)}  # fmt: skip
+            "k": k, **common.device_info(llm.engine.device)}  # fmt: skip
     print(f"speculative decoding ({algorithm}, K = {k}) on {info['device']}")
     if rows:
         columns = ["workload", "requests", "tok_per_s_off", "tok_per_s_on", "speedup",
                    "speedup_cpu_time", "mean_accepted_length", "acceptance", "verify_rows",
                    "missed", "identical"]  # fmt: skip
-        print_table("output tokens/s, speculation off and on", rows, columns)
+        common.print_table("output tokens/s, speculation off and on", rows, columns)
     if cost is not None:
-        print_table("verify step against a decode step", [cost], list(cost))
-    emit_json({**info, "workloads": rows, "verify_cost": cost})
+        common.print_table("verify step against a decode step", [cost], list(cost))
+    common.emit_json({**info, "workloads": rows, "verify_cost": cost})
 
 
 if __name__ == "__main__":

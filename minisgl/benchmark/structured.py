@@ -37,16 +37,8 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import (
-    Row,
-    device_info,
-    emit_json,
-    engine_parser,
-    make_llm,
-    patched,
-    print_table,
-    synchronize,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.benchmark.offline import DEFAULT_MODEL, StepRecorder
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -113,11 +105,11 @@ def replay(llm: LLM, docs: list[list[int]]) -> contextlib.AbstractContextManager
 
         return forced
 
-    return patched(llm.scheduler.grammars, "accept", wrap)
+    return common.patched(llm.scheduler.grammars, "accept", wrap)
 
 
 def load_llm(args: Any) -> LLM:
-    llm = make_llm(args, max_running_requests=max(args.concurrency))
+    llm = common.make_llm(args, max_running_requests=max(args.concurrency))
     if args.threads is not None:
         llm.scheduler.grammars.threads = args.threads
     if args.tokenizer:
@@ -148,12 +140,12 @@ def run_once(
     grammars = llm.scheduler.grammars
     with StepRecorder(llm) as steps:
         forced = replay(llm, docs) if docs else contextlib.nullcontext()
-        synchronize(device)
+        common.synchronize(device)
         filled = grammars.fill_seconds
         start = time.perf_counter()
         with forced:
             outs = llm.generate(ps, params, use_tqdm=False)
-        synchronize(device)
+        common.synchronize(device)
         seconds = time.perf_counter() - start
         filled = grammars.fill_seconds - filled
     tokens = sum(len(o["token_ids"]) for o in outs)
@@ -225,7 +217,7 @@ def available(backends: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     on_gpu = torch.cuda.is_available()
     # GPU: the Qwen3-0.6B shape (dummy weights); CPU: the embedded SmolLM2 (its own weights)
-    p = engine_parser(__doc__, DEFAULT_MODEL if on_gpu else None,
+    p = common.engine_parser(__doc__, DEFAULT_MODEL if on_gpu else None,
                       load_format="dummy" if on_gpu else "auto")  # fmt: skip
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer dir or .gguf")
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256] if on_gpu else [16])
@@ -238,13 +230,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     llm = load_llm(args)
     backends = available(args.backends)
     info = {"workload": "W9", "model": str(args.model or "SmolLM2-135M-Instruct")}
-    info.update(device_info(llm.engine.device))
+    info.update(common.device_info(llm.engine.device))
     print(f"W9 structured output: {info['model']} on {info['device']}; JSON schema on "
           f"{', '.join(backends)} vs none, {args.input_len} prompt / {args.output_len} output "
           "tokens per request")  # fmt: skip
     rows = [r for n in args.concurrency for r in compare(llm, n, args, backends)]
-    print_table("plain vs constrained (each backend, each mode), same request shapes", rows)
-    emit_json({**info, "schemas": {"random": SCHEMA, "realistic": REALISTIC}, "rows": rows})
+    common.print_table("plain vs constrained (each backend, each mode), same request shapes", rows)
+    common.emit_json({**info, "schemas": {"random": SCHEMA, "realistic": REALISTIC}, "rows": rows})
 
 
 if __name__ == "__main__":
