@@ -36,8 +36,6 @@ DTYPE = torch.bfloat16
 SM_SCALE = HEAD_DIM**-0.5
 DECODE_BATCHES = (1, 32, 256)
 DECODE_CONTEXTS = (512, 1024, 4096, 32768)
-PAGE_SIZES = (1, 16, 32, 64)
-PAGE_SWEEP_SHAPE = (256, 4096)  # (batch, context) of the page-size sweep
 EXTEND_SHAPES = ((1, 8192), (16, 1024))  # (requests, new tokens of each)
 EXTEND_CACHED = (0, 2048)
 REF_REQUESTS = 4  # requests of each case checked against the torch reference
@@ -364,15 +362,12 @@ def run_all(args: argparse.Namespace) -> Row:
     }
     if args.decode_only:
         return result
-    b, c = PAGE_SWEEP_SHAPE
-    sweep = [common.attempt({"page_size": p}, dec, b, c, p, copy_bw) for p in PAGE_SIZES]
-    common.print_table(f"decode page-size sweep (batch {b} x {c})", sweep, DECODE_COLUMNS)
     extend = [
         common.attempt({"requests": r, "cached": c}, ext, r, n, c, ps, matmul_rate)
         for (r, n), c in itertools.product(EXTEND_SHAPES, EXTEND_CACHED)
     ]
     common.print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
-    return result | {"decode_page_size_sweep": sweep, "extend": extend}
+    return result | {"extend": extend}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

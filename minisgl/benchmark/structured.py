@@ -160,7 +160,6 @@ def run_once(
         "full_decode_steps": len(full),
         # on the fill threads (wall time), per step (every step of a constrained run masks)
         "mask_fill_ms_per_step": filled / len(steps.steps) * 1e3 if filled else 0.0,
-        "texts": [o["text"] for o in outs[:2]] if outs and outs[0].get("text") else [],
     }
 
 
