@@ -733,7 +733,10 @@ def report(
     if args.token_times_out:
         Path(args.token_times_out).write_text(json.dumps(times))
     for target, rates in servers.items():
-        print_table(f"--itl-target-ms {target}", table_rows(offline, rates))
+        print_table(
+            f"W4 online serving{f', --itl-target-ms {target}' if by_target else ''}",
+            table_rows(offline, rates),
+        )
         for rate, s in rates.items():
             srv, steps = s.get("server", {}), s.get("server", {}).get("steps_timed")
             print(f"rate {rate}: {s['incomplete']} requests short of their tokens"
