@@ -45,18 +45,12 @@ def run_minisgl(prompts: list[list[int]], single: list[int], out_len: int, args:
     tokens = sum(len(o["token_ids"]) for o in outs)
     one = lambda: llm.generate([single], params, use_tqdm=False)  # noqa: E731
     single_out, single_s = common.best_time(one, args.repeat, flush)
-    return {
-        "dtype": llm.engine.config.dtype,
-        "batch_tokens": tokens,
-        "batch_s": batch_s,
-        "batch_tok_s": tokens / batch_s,
-        "single_tok_s": len(single_out[0]["token_ids"]) / single_s,
-    }
+    return _row(llm.engine.config.dtype, tokens, batch_s, len(single_out[0]["token_ids"]), single_s)
 
 
 def run_hf(
     prompts: list[list[int]], single: list[int], out_len: int, dtype: str, repeat: int
-) -> dict[str, Any]:
+) -> Row:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = default_model_path()
@@ -75,13 +69,12 @@ def run_hf(
         single_out, single_s = common.best_time(
             lambda: model.generate(torch.tensor([single]), generation_config=gen), repeat
         )
-    return {
-        "dtype": dtype,
-        "batch_tokens": tokens,
-        "batch_s": batch_s,
-        "batch_tok_s": tokens / batch_s,
-        "single_tok_s": (single_out.shape[1] - len(single)) / single_s,
-    }
+    return _row(dtype, tokens, batch_s, single_out.shape[1] - len(single), single_s)
+
+
+def _row(dtype: str, tokens: int, batch_s: float, single_tokens: int, single_s: float) -> Row:
+    return {"dtype": dtype, "batch_tokens": tokens, "batch_s": batch_s,
+            "batch_tok_s": tokens / batch_s, "single_tok_s": single_tokens / single_s}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -111,20 +111,17 @@ def drive(llm: LLM, w: Workload, seed: int = 0) -> dict[str, Any]:
 
 
 def pinned_h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of one large copy from pinned host memory to the device (the CPU: a memcpy)."""
-    on_cuda = device.type == "cuda"
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
+    """Bytes/s of one large copy from pinned host memory to the device (the CPU: a memcpy),
+    the best of five."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(5):
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
+
+    def copy() -> None:
         dst.copy_(src, non_blocking=True)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
+        common.synchronize(device)
+
+    common.synchronize(device)
+    return nbytes / common.best_time(copy, 5)[1]
 
 
 def run(name: str, w: Workload, args: Any, **options: Any) -> Row:
