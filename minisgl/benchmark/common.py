@@ -448,6 +448,8 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str] | None =
 
 
 def print_pairs(title: str, pairs: Row) -> None:
+    if not pairs:
+        return
     print(f"\n{title}")
     width = max(len(k) for k in pairs)
     for k, v in pairs.items():
