@@ -15,6 +15,7 @@ bandwidth (every context's K/V read once) and its error. The kernels' tile sweep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import math
@@ -56,6 +57,11 @@ def measure_matmul_rate(n: int = 8192) -> float:
     c = torch.empty_like(a)
     seconds = common.time_graph(lambda _: torch.matmul(a, b, out=c), 1)
     return 2 * n**3 / seconds
+
+
+def _tile(cfg: Any, prefix: str = "") -> Row:
+    """A kernel config's fields as table columns (those starting with `prefix`)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k.startswith(prefix)}
 
 
 def _errors(out: torch.Tensor, expected: torch.Tensor) -> Row:
@@ -132,44 +138,25 @@ def run_decode(
         batch, NUM_KV_HEADS, case.max_len, num_sms(q.device), cfg
     )
 
+    caches, tile = (kv.k_cache, kv.v_cache), dict(config=cfg, kv_scales=kv.kv_scales)
+
     def call(i: int) -> None:
-        decode_attention(
-            q[i],
-            kv.k_cache,
-            kv.v_cache,
-            tables[i],
-            lens[i],
-            page_size,
-            SM_SCALE,
-            num_splits=splits,
-            config=cfg,
-            out=out[i],
-            kv_scales=kv.kv_scales,
-        )
+        decode_attention(q[i], *caches, tables[i], lens[i], page_size, SM_SCALE,
+                         num_splits=splits, out=out[i], **tile)  # fmt: skip
 
     seconds = common.time_graph(call, q.shape[0])
     call(0)
     rows = min(batch, REF_REQUESTS)
-    expected = decode_attention_ref(
-        q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size,
-        SM_SCALE, kv.kv_scales,
-    )  # fmt: skip
+    expected = decode_attention_ref(q[0, :rows], *caches, tables[0, :rows], lens[0, :rows],
+                                    page_size, SM_SCALE, kv.kv_scales)  # fmt: skip
     bytes_per_s = case.nbytes / seconds
     return {
-        "batch": batch,
-        "context": context,
-        "kv_dtype": str(kv_dtype).removeprefix("torch."),
-        "spread": spread,
-        "page_size": page_size,
-        "num_splits": splits,
-        "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        "time_us": seconds * 1e6,
-        "bytes_per_s": bytes_per_s,
-        "fraction_of_copy": bytes_per_s / copy_bw,
-        **_errors(out[0, :rows], expected),
-    }
+        "batch": batch, "context": context, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "spread": spread, "page_size": page_size, "num_splits": splits,
+        "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit, **_tile(cfg, "num_"),
+        "time_us": seconds * 1e6, "bytes_per_s": bytes_per_s,
+        "fraction_of_copy": bytes_per_s / copy_bw, **_errors(out[0, :rows], expected),
+    }  # fmt: skip
 
 
 def run_extend(
@@ -204,32 +191,13 @@ def run_extend(
     flops = 4 * NUM_Q_HEADS * HEAD_DIM * visible
     n = min(num_reqs, 2)
     rows = n * new_tokens
-    expected = extend_attention_ref(
-        q[:rows],
-        kv.k_cache,
-        kv.v_cache,
-        kv.block_table[:n],
-        kv.seq_lens[:n],
-        ext[:n],
-        cu[: n + 1],
-        page_size,
-        SM_SCALE,
-        kv.kv_scales,
-    )
+    expected = extend_attention_ref(q[:rows], *args[:2], kv.block_table[:n], kv.seq_lens[:n],
+                                    ext[:n], cu[: n + 1], page_size, SM_SCALE, kv.kv_scales)  # fmt: skip
     return {
-        "requests": num_reqs,
-        "new_tokens": new_tokens,
-        "cached": cached,
-        "page_size": page_size,
-        "block_m": cfg.block_m,
-        "block_n": cfg.block_n,
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        "time_us": seconds * 1e6,
-        "flop_per_s": flops / seconds,
-        "fraction_of_matmul": flops / seconds / matmul_rate,
-        **_errors(out[:rows], expected),
-    }
+        "requests": num_reqs, "new_tokens": new_tokens, "cached": cached, "page_size": page_size,
+        **_tile(cfg), "time_us": seconds * 1e6, "flop_per_s": flops / seconds,
+        "fraction_of_matmul": flops / seconds / matmul_rate, **_errors(out[:rows], expected),
+    }  # fmt: skip
 
 
 # ---- mixed steps: decode rows beside one prompt, in one launch ---------------------------------
@@ -305,9 +273,8 @@ def run_mixed(
                                     kv.kv_scales)  # fmt: skip
     return {
         "decode_rows": nd, "context": ctx, "prompt": prompt, "tokens": t, "bucket": q.shape[0],
-        "max_requests": max_requests, "num_splits": num_splits, "rows_wide": cfg.rows_wide,
-        "block_n": cfg.block_n, "block_n_narrow": cfg.block_n_narrow,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "mixed_us": seconds * 1e6,
+        "max_requests": max_requests, "num_splits": num_splits, **_tile(cfg),
+        "mixed_us": seconds * 1e6,
         "mixed_fraction_of_copy": case.nbytes / seconds / copy_bw,
         "padding_zero": bool((out[t:] == 0).all()), **_errors(out[:t], expected),
     }  # fmt: skip
