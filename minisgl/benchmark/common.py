@@ -15,12 +15,13 @@ import contextlib
 import gc
 import json
 import math
+import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +360,51 @@ def decode_floor(
     kv_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
     steps = max(output_lens, default=0)
     return Floor(steps * mb.weights, kv_tokens * mb.kv_per_token, bandwidth)
+
+
+# ---- workloads --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests as token ids, each with its output length (and priority)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    priorities: list[int] = field(default_factory=list)  # empty: every request's is 0
+
+    @staticmethod
+    def draw(
+        n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
+    ) -> Workload:
+        rng = random.Random(seed)
+        lens = [rng.randint(*prompt_range) for _ in range(n)]
+        prompts = [[rng.randint(0, 9999) for _ in range(k)] for k in lens]
+        return Workload(prompts, [rng.randint(*output_range) for _ in range(n)])
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def priority(self, i: int) -> int:
+        return self.priorities[i] if self.priorities else 0
+
+    def with_classes(self, classes: Sequence[int], seed: int) -> Workload:
+        """Each request gets one of `classes` as its priority (uniformly, from `seed`)."""
+        rng = random.Random(seed + 7919)
+        return Workload(self.prompts, self.output_lens, [rng.choice(classes) for _ in self.prompts])
+
+    def head(self, n: int) -> Workload:
+        return self.part(range(min(n, len(self.prompts))))
+
+    def part(self, ids: Sequence[int]) -> Workload:
+        """Requests `ids` of this workload, in that order."""
+        pick = [self.priority(i) for i in ids] if self.priorities else []
+        return Workload([self.prompts[i] for i in ids], [self.output_lens[i] for i in ids], pick)
 
 
 # ---- an engine from the command line ------------------------------------------------------------

@@ -15,14 +15,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from minisgl.benchmark import common
-from minisgl.benchmark.common import Row
+from minisgl.benchmark.common import Row, Workload
 from minisgl.core import Batch, SamplingParams
 from minisgl.llm import LLM
 
@@ -31,23 +30,6 @@ TokenIdLLM = common.TokenIdLLM  # scripts/gpu_profile.py takes it from here
 DEFAULT_MODEL = Path(__file__).parent / "models" / "qwen3-0.6b"
 W1_INPUT_TOKENS, W1_OUTPUT_TOKENS = 142_827, 133_966
 TEMPERATURE = 0.6
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def input_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-    def head(self, n: int) -> Workload:
-        return Workload(self.prompts[:n], self.max_tokens[:n])
 
 
 def w1_workload(num_requests: int = 256, length_scale: float = 1.0, vocab: int = 10001) -> Workload:
@@ -67,7 +49,7 @@ def w1_workload(num_requests: int = 256, length_scale: float = 1.0, vocab: int =
 
 
 def sampling_params(wl: Workload) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True) for m in wl.max_tokens]  # fmt: skip
+    return [SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True) for m in wl.output_lens]  # fmt: skip
 
 
 def time_generate(llm: LLM, wl: Workload) -> tuple[float, int]:
@@ -89,7 +71,7 @@ def warm_up(llm: LLM, wl: Workload) -> None:
     rng = random.Random(12345)
     vocab = min(10000, llm.engine.model_config.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in p] for p in wl.prompts[:16]]
-    time_generate(llm, Workload(prompts, [min(8, m) for m in wl.max_tokens[:16]]))
+    time_generate(llm, Workload(prompts, [min(8, m) for m in wl.output_lens[:16]]))
 
 
 class StepRecorder:
@@ -151,7 +133,7 @@ def run_minisgl(args: Any, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
         end = time.perf_counter()
     engine = llm.engine
     mb = common.ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
-    floor = common.decode_floor([len(p) for p in wl.prompts], wl.max_tokens, mb, bandwidth)
+    floor = common.decode_floor([len(p) for p in wl.prompts], wl.output_lens, mb, bandwidth)
     row = result_row(wl, seconds, tokens, floor)
     keys = ("page_size", "cuda_graph_max_bs", "overlap", "attention_backend", "dtype",
             "kv_cache_dtype", "quantization")  # fmt: skip
@@ -225,13 +207,13 @@ def _hf_config(wl: Workload) -> Any:
     from transformers import GenerationConfig
 
     return GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
-                            max_new_tokens=max(wl.max_tokens), eos_token_id=None, pad_token_id=0)  # fmt: skip
+                            max_new_tokens=max(wl.output_lens), eos_token_id=None, pad_token_id=0)  # fmt: skip
 
 
 def _hf_collect(manager: Any, wl: Workload, tag: str, timeout_s: float) -> tuple[int, int]:
     """Add the requests, wait for their results; (output tokens, finished requests)."""
     ids = [f"{tag}-{i}" for i in range(len(wl.prompts))]
-    for rid, p, m in zip(ids, wl.prompts, wl.max_tokens):
+    for rid, p, m in zip(ids, wl.prompts, wl.output_lens):
         manager.add_request(list(p), request_id=rid, max_new_tokens=m)
     pending, tokens = set(ids), 0
     deadline = time.perf_counter() + timeout_s

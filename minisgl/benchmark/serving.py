@@ -42,7 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark.common import emit_json, percentiles, print_table
+from minisgl.benchmark.common import Workload, emit_json, percentiles, print_table
 from minisgl.benchmark.datasets import sharegpt_requests
 from minisgl.benchmark.plots import plot_latencies
 from minisgl.weights import load_tokenizer, resolve_source
@@ -56,39 +56,6 @@ SHORT_MODE: dict[str, Any] = {
     "max_in_flight": 512,
     "rates": "inf",
 }
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-    priorities: list[int] = field(default_factory=list)  # empty: every request's is 0
-
-    @staticmethod
-    def draw(
-        n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
-    ) -> Workload:
-        rng = random.Random(seed)
-        lens = [rng.randint(*prompt_range) for _ in range(n)]
-        prompts = [[rng.randint(0, 9999) for _ in range(k)] for k in lens]
-        return Workload(prompts, [rng.randint(*output_range) for _ in range(n)])
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    def priority(self, i: int) -> int:
-        return self.priorities[i] if self.priorities else 0
-
-    def with_classes(self, classes: Sequence[int], seed: int) -> Workload:
-        """Each request gets one of `classes` as its priority (uniformly, from `seed`)."""
-        rng = random.Random(seed + 7919)
-        return Workload(self.prompts, self.output_lens, [rng.choice(classes) for _ in self.prompts])
-
-    def part(self, ids: Sequence[int]) -> Workload:
-        """Requests `ids` of this workload, in that order."""
-        pick = [self.priority(i) for i in ids] if self.priorities else []
-        return Workload([self.prompts[i] for i in ids], [self.output_lens[i] for i in ids], pick)
 
 
 TEMPERATURE = 0.6
