@@ -83,7 +83,7 @@ class Probe:
         return 1e6 * time_graph(lambda i: self.call(fn, x, r, i, **kw), len(self.ws))
 
     def check(self, fn: Any, x: torch.Tensor, r: torch.Tensor, **kw: Any) -> float:
-        """Relative error against fp32 torch; NaN when the variant fails to compile or run."""
+        """Relative error against fp32 torch."""
         weight, scale = self.ws[0]
         w = weight.float() if scale is None else weight.float() * scale[:, None]
         xf = x.float()
@@ -92,10 +92,7 @@ class Probe:
         if self.kind == "norm":
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * self.g.float()
         want = xf @ w.to(DT).float().t() + (r.float() if self.kind.endswith("residual") else 0)
-        try:
-            got = self.call(fn, x, r, 0, **kw).float()
-        except Exception:  # noqa: BLE001 (a variant this triton cannot build: not ranked)
-            return math.nan
+        got = self.call(fn, x, r, 0, **kw).float()  # a variant that does not build raises
         return ((got - want).abs().max() / want.abs().max()).item()
 
     def trial(self, fn: Any, x: torch.Tensor, r: torch.Tensor) -> Callable[[Any], Row]:
