@@ -17,7 +17,6 @@ switch). Prints a table, then one JSON object as the last line.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Sequence
@@ -26,7 +25,8 @@ from typing import Any
 import torch
 
 from minisgl.attention import AttentionInputs, make_backend
-from minisgl.benchmark.common import Row, device_info, emit_json, print_table, release_memory
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import TableWrite
 from minisgl.engine.kv_calibration import text_ids
 from minisgl.kvcache import KVPool, ReqTable
@@ -93,11 +93,7 @@ def compare(base: torch.Tensor, lp: torch.Tensor, ids: list[int]) -> Row:
     }
 
 
-def run(args: argparse.Namespace) -> Row:
-    base_options: dict[str, Any] = dict(
-        device=args.device, dtype=args.dtype, num_pages=64, skip_warmup=True,
-        cuda_graph_max_bs=0, show_progress=False,
-    )  # fmt: skip
+def run(args: Any) -> Row:
     src = resolve_source(args.model)
     rows: list[Row] = []
     base: torch.Tensor | None = None
@@ -105,13 +101,13 @@ def run(args: argparse.Namespace) -> Row:
     for name, options in VARIANTS:
         if name not in args.variants:
             continue
-        llm = LLM(args.model, **base_options, **options)
+        llm = common.make_llm(args, num_pages=64, skip_warmup=True, cuda_graph_max_bs=0, **options)
         if not ids:
             ids = text_ids(src, llm.engine.model_config.vocab_size)[: args.tokens]
         lp = text_log_probs(llm, ids)
         dtype = llm.engine.config.dtype
         del llm
-        release_memory()
+        common.release_memory()
         if base is None:
             base = lp
         row = {"variant": name, "dtype": dtype, "tokens": len(ids), **compare(base, lp, ids)}
@@ -121,37 +117,25 @@ def run(args: argparse.Namespace) -> Row:
     return {"rows": rows}
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", help="auto: float32 on a CPU, bfloat16 on a GPU")
-    p.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
-    p.add_argument(
-        "--variants",
-        type=lambda v: v.split(","),
-        default=[name for name, _ in VARIANTS],
-        help="comma-separated subset of: " + ", ".join(name for name, _ in VARIANTS),
-    )
-    return p.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32"
+    p = common.engine_parser(__doc__)
+    p.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
+    names = [name for name, _ in VARIANTS]
+    p.add_argument("--variants", type=lambda v: v.split(","), default=names,
+                   help="comma-separated subset of: " + ", ".join(names))  # fmt: skip
+    args = p.parse_args(argv)
+    device = common.resolve_device(args.device)
+    if args.dtype == "auto":  # the baseline: fp32 on a CPU, bf16 on a GPU
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     if args.variants[0] != "baseline":
         args.variants = ["baseline", *args.variants]
     src = resolve_source(args.model)
-    device = torch.device(args.device if args.device != "auto" else
-                          ("cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
-    info = {"workload": "W7 accuracy", "model": src.name, **device_info(device)}
+    info = {"workload": "W7 accuracy", "model": src.name, **common.device_info(device)}
     print(f"FP8 accuracy: {src.name} on {info['device']}, {args.dtype}, the built-in text")
     result = run(args)
-    print_table("perplexity and KL(baseline || variant) of the next-token distributions",
-                result["rows"], ["variant", "dtype", "tokens", "perplexity",
-                                 "perplexity_vs_baseline", "mean_kl", "max_kl", "top1_agreement"])  # fmt: skip
-    emit_json({**info, **result})
+    common.print_table("perplexity and KL(baseline || variant) of the next-token distributions",
+                result["rows"])  # fmt: skip
+    common.emit_json({**info, **result})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared pieces of the engine benchmarks: bandwidth, the roofline floor, tables and the JSON.
+"""The benchmarks' shared harness: the device and its bandwidth, timers, GPU kernel tables, the
+roofline floor, an engine built from `python -m minisgl`'s own flags, tables and the JSON line.
 
 The floor (BENCHMARKS.md): a decode step cannot beat (weight bytes + KV bytes read) / memory
 bandwidth, counting the bytes as stored: every parameter once per step in its own dtype (FP8
@@ -9,51 +10,149 @@ context length c reads c tokens of KV in the pool's dtype (one byte per value fo
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import gc
 import json
 import math
+import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from minisgl.config import ModelConfig
+from minisgl.config import EngineConfig, ModelConfig
+from minisgl.config.cli import add_config_flags, cli_fields, config_kwargs
+from minisgl.llm import LLM
 
 Row = dict[str, Any]
 
 
-# ---- bandwidth ---------------------------------------------------------------------------------
+# ---- device and bandwidth ----------------------------------------------------------------------
 
 
-def measure_bandwidth(device: torch.device) -> float:
-    """Bytes/s (read + written) of a large device-to-device copy on `device`."""
+def resolve_device(name: str = "auto") -> torch.device:
+    return torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
-        from minisgl.benchmark.bandwidth import measure_copy_bandwidth
-
-        with torch.cuda.device(device):
-            return measure_copy_bandwidth(device=str(device))
-    return _cpu_copy_bandwidth()
+        torch.cuda.synchronize(device)
 
 
-def _cpu_copy_bandwidth(nbytes: int = 256 << 20) -> float:
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
+def device_info(device: torch.device) -> Row:
+    info: Row = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes/s (read + written) of a large device-to-device copy on `device`.
+
+    On a GPU a graph-captured `copy_` becomes a DMA memcpy node that runs well below what SM
+    loads reach (2.76 against 4.3+ TB/s on an H200), which would make the floor too lenient:
+    SM-driven copies (`copy_` and an elementwise kernel) are timed eagerly between CUDA events
+    and the faster counts."""
+    if device.type != "cuda":
+        src = torch.ones(256 << 18, dtype=torch.float32)  # 256 MiB
+        dst = torch.empty_like(src)
+        _, seconds = best_time(lambda: dst.copy_(src), 5)
+        return 2 * src.numel() * 4 / seconds
+    with torch.cuda.device(device):
+        src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+        dst = torch.empty_like(src)
+        methods = (lambda: dst.copy_(src), lambda: torch.mul(src, 1, out=dst))
+        return max(2 * nbytes / _median_event_seconds(fn) for fn in methods)
+
+
+def _median_event_seconds(fn: Callable[[], object], iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
     times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def release_memory() -> None:
+    """Give a dropped engine's device memory back (its graphs and caches hold cycles) before
+    the next engine sizes its KV pool from what is free."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()
+    if held > 1 << 30:
+        print(f"warning: {held / 2**30:.1f} GiB still allocated after dropping an engine",
+              file=sys.stderr)  # fmt: skip
 
 
 # ---- timing ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """`owner.name` replaced by `wrap(original)` while entered: how a benchmark watches the
+    engine's calls (a step's shape, a grammar's tokens) without a hook of its own there."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def best_time(fn: Callable[[], Any], repeat: int = 1, before: Callable[[], Any] | None = None
+              ) -> tuple[Any, float]:  # fmt: skip
+    """fn's last result and its best wall time of `repeat` runs (a shared machine only ever
+    slows a run down); `before` runs untimed ahead of each."""
+    best, out = math.inf, None
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return out, best
+
+
+def attempt(label: Row, fn: Callable[..., Row], *args: Any, **kwargs: Any) -> Row:
+    """Run one case; one that fails (a tile that does not fit or compile, out of memory, a wrong
+    result) becomes an error row labelled `label` instead of ending the run."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # triton and torch raise several unrelated types here
+        return {**label, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    if len(values) < 2:
+        v = values[0] if values else float("nan")
+        return {"p50": v, "p90": v, "p99": v}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
 def time_graph(
@@ -163,9 +262,34 @@ def print_kernel_table(prof: Any, steps: int, label: str = "", top: int = 24) ->
     except RuntimeError as e:  # no GPU kernels: a dry run on the CPU
         print(f"{label}{e}")
         return
+    _print_kernels(rows[:top], totals, label)
+
+
+def profile_steps(step: Callable[[], object], steps: int, label: str = "", keep: str = "",
+                  groups: dict[str, Sequence[str]] | None = None, top: int = 24
+                  ) -> tuple[list[Row], Row]:  # fmt: skip
+    """torch.profiler (device activity only: less overhead) over `steps` calls of `step`: the
+    top GPU kernels per step and the totals (`gpu_kernel_table`, the trace kept at `keep`),
+    printed and returned, the wall time per step among the totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    rows, totals = gpu_kernel_table(trace_events(prof, keep), steps, groups)
+    totals["wall_ms_per_step"] = wall / steps * 1e3
+    _print_kernels(rows[:top], totals, label)
+    return rows[:top], totals
+
+
+def _print_kernels(rows: Sequence[Row], totals: Row, label: str) -> None:
     print(f"{label}device time per step {totals['gpu_busy_ms_per_step']:.3f} ms busy, "
           f"{totals['gpu_span_ms_per_step']:.3f} ms span, {totals['kernels_per_step']:.0f} kernels")  # fmt: skip
-    for r in rows[:top]:
+    for r in rows:
         print(f"  {r['us_per_step']:8.1f} us (span {r['span_us_per_step']:7.1f}) "
               f"{r['per_step']:6.1f}x  {r['kernel']}")  # fmt: skip
 
@@ -176,19 +300,6 @@ def batch_bucket(batch: int) -> str:
         if lo <= batch <= hi:
             return f"decode {lo}-{hi}"
     return "decode >256"
-
-
-def release_memory() -> None:
-    """Give a dropped engine's device memory back (its graphs and caches hold cycles) before
-    the next engine sizes its KV pool from what is free."""
-    gc.collect()
-    if not torch.cuda.is_available():
-        return
-    torch.cuda.empty_cache()
-    held = torch.cuda.memory_allocated()
-    if held > 1 << 30:
-        print(f"warning: {held / 2**30:.1f} GiB still allocated after dropping an engine",
-              file=sys.stderr)  # fmt: skip
 
 
 # ---- the floor ---------------------------------------------------------------------------------
@@ -202,18 +313,22 @@ class ModelBytes:
     weights: int  # per step: every parameter once, LM head included, untied embedding excluded
     all_params: int  # every parameter once, embedding included
     kv_per_token: int  # K and V of one token, all layers, in the KV pool's dtype
+    experts: int = 0  # of `weights`: the MoE experts' stacks, every layer's
+    num_experts: int = 0  # experts per MoE layer
 
     @staticmethod
     def of(model: nn.Module, mcfg: ModelConfig, kv_dtype: torch.dtype) -> ModelBytes:
-        weights = everything = 0
+        weights = everything = experts = num_experts = 0
         for name, p in model.named_parameters():  # tied parameters are listed once
             nbytes = p.numel() * p.element_size()
             everything += nbytes
             if "embed_tokens" not in name or mcfg.tie_word_embeddings:
                 weights += nbytes
+            if ".experts." in name:  # [E, ...] stacks
+                experts, num_experts = experts + nbytes, p.shape[0]
         elem = torch.empty((), dtype=kv_dtype).element_size()
         kv = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * elem
-        return ModelBytes(weights, everything, kv)
+        return ModelBytes(weights, everything, kv, experts, num_experts)
 
 
 @dataclass(frozen=True)
@@ -247,55 +362,117 @@ def decode_floor(
     return Floor(steps * mb.weights, kv_tokens * mb.kv_per_token, bandwidth)
 
 
-# ---- output ------------------------------------------------------------------------------------
+# ---- workloads --------------------------------------------------------------------------------
 
 
-def add_fp8_args(p: Any) -> None:
-    """`--kv-cache-dtype`, `--kv-cache-calibrate`, `--quantization` of the engine benchmarks, and
-    the linear layers' kernel switches (`--fp8-gemv-max-rows`, `--fp8-skinny`,
-    `--skinny-max-rows`)."""
-    from minisgl.config.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+@dataclass(frozen=True)
+class Workload:
+    """Requests as token ids, each with its output length (and priority)."""
 
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--kv-cache-calibrate", type=int, default=0, metavar="N",
-                   help="FP8 KV scales from N tokens of the built-in text")  # fmt: skip
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
-    p.add_argument("--fp8-gemv-max-rows", type=int, default=None,
+    prompts: list[list[int]]
+    output_lens: list[int]
+    priorities: list[int] = field(default_factory=list)  # empty: every request's is 0
+
+    @staticmethod
+    def draw(
+        n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
+    ) -> Workload:
+        rng = random.Random(seed)
+        lens = [rng.randint(*prompt_range) for _ in range(n)]
+        prompts = [[rng.randint(0, 9999) for _ in range(k)] for k in lens]
+        return Workload(prompts, [rng.randint(*output_range) for _ in range(n)])
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def priority(self, i: int) -> int:
+        return self.priorities[i] if self.priorities else 0
+
+    def with_classes(self, classes: Sequence[int], seed: int) -> Workload:
+        """Each request gets one of `classes` as its priority (uniformly, from `seed`)."""
+        rng = random.Random(seed + 7919)
+        return Workload(self.prompts, self.output_lens, [rng.choice(classes) for _ in self.prompts])
+
+    def head(self, n: int) -> Workload:
+        return self.part(range(min(n, len(self.prompts))))
+
+    def part(self, ids: Sequence[int]) -> Workload:
+        """Requests `ids` of this workload, in that order."""
+        pick = [self.priority(i) for i in ids] if self.priorities else []
+        return Workload([self.prompts[i] for i in ids], [self.output_lens[i] for i in ids], pick)
+
+
+# ---- an engine from the command line ------------------------------------------------------------
+
+
+class TokenIdLLM(LLM):
+    """Token ids in, token ids out: dummy weights write no meaningful text, and config-only
+    directories have no tokenizer to look for."""
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return False
+
+
+def engine_parser(doc: str | None, model: str | Path | None = None, **defaults: Any
+                  ) -> argparse.ArgumentParser:  # fmt: skip
+    """A benchmark's parser: its docstring as the description, `--model` and every engine flag
+    of `python -m minisgl` (the config's own, grouped as there), plus the kernel switches the
+    server leaves at their defaults; `defaults`: the benchmark's own defaults of those flags."""
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default=None if model is None else str(model),
+                   help=f"model directory, .gguf or hub id (default: {model or 'the embedded SmolLM2'})")  # fmt: skip
+    names = dict.fromkeys(f.metadata["group"] for f in cli_fields(EngineConfig))
+    add_config_flags({g: p.add_argument_group(f"engine: {g}") for g in names}, EngineConfig)
+    k = p.add_argument_group("engine: kernels")
+    k.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    k.add_argument("--disable-overlap", action="store_true", help="no overlap scheduling")
+    k.add_argument("--fp8-gemv-max-rows", type=int, default=None,
                    help="FP8 linear layers: rows up to which the weight-only GEMV runs")  # fmt: skip
-    p.add_argument("--fp8-skinny", action="store_true",
+    k.add_argument("--fp8-skinny", action="store_true",
                    help="FP8 weight-only rows take the skinny tensor-core GEMM, not the GEMV")  # fmt: skip
-    p.add_argument("--skinny-max-rows", type=int, default=None, metavar="N",
+    k.add_argument("--skinny-max-rows", type=int, default=None, metavar="N",
                    help="unquantized linear layers with 2..N rows take the skinny GEMM (0: off; "
                    "default: 16 for models with hidden size <= 1024)")  # fmt: skip
+    p.set_defaults(**defaults)
+    return p
 
 
-def fp8_options(args: Any) -> Row:
-    """The engine options `add_fp8_args` set."""
-    options: Row = dict(
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_calibrate=args.kv_cache_calibrate,
-        quantization=args.quantization,
-    )
-    if args.fp8_gemv_max_rows is not None:
-        options["fp8_gemv_max_rows"] = args.fp8_gemv_max_rows
-    if args.fp8_skinny:
-        options["fp8_skinny"] = True
-    if args.skinny_max_rows is not None:
-        options["skinny_max_rows"] = args.skinny_max_rows
-    return options
+def add_alias(p: argparse.ArgumentParser, alias: str, flag: str) -> None:
+    """`alias` is another name of `flag` (--help lists both)."""
+    action = p._option_string_actions[flag]  # argparse's own index of option strings
+    action.option_strings = [*action.option_strings, alias]
+    p._option_string_actions[alias] = action
 
 
-def device_info(device: torch.device) -> Row:
-    info: Row = {"device": str(device), "torch": torch.__version__}
-    if device.type == "cuda":
-        info["device"] = torch.cuda.get_device_name(device)
-        try:
-            import triton
+def engine_options(args: argparse.Namespace, **extra: Any) -> Row:
+    """The `LLM` options that `engine_parser`'s flags set, then `extra`."""
+    options: Row = config_kwargs(EngineConfig, args) | {
+        "attention_backend": args.attention_backend,
+        "overlap": not args.disable_overlap,
+        "fp8_skinny": args.fp8_skinny,
+        "show_progress": False,
+    }
+    for name in ("fp8_gemv_max_rows", "skinny_max_rows"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return options | extra
 
-            info["triton"] = triton.__version__
-        except ImportError:
-            pass
-    return info
+
+def make_llm(args: argparse.Namespace, **extra: Any) -> LLM:
+    """The engine the flags describe (token ids only with dummy weights)."""
+    cls = TokenIdLLM if args.load_format == "dummy" else LLM
+    return cls(args.model, **engine_options(args, **extra))
+
+
+# ---- output ------------------------------------------------------------------------------------
 
 
 def fmt(v: Any) -> str:
@@ -304,7 +481,10 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None:
+def print_table(title: str, rows: Sequence[Row], columns: Sequence[str] | None = None) -> None:
+    """`rows` under `columns` (default: the first row's keys that are not lists or dicts)."""
+    if columns is None:
+        columns = [k for k, v in rows[0].items() if not isinstance(v, (list, dict))] if rows else []
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print(f"\n{title}")
@@ -314,6 +494,8 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 
 def print_pairs(title: str, pairs: Row) -> None:
+    if not pairs:
+        return
     print(f"\n{title}")
     width = max(len(k) for k in pairs)
     for k, v in pairs.items():
@@ -323,8 +505,3 @@ def print_pairs(title: str, pairs: Row) -> None:
 def emit_json(result: Row) -> None:
     """The benchmark's last line: one JSON object with every figure."""
     print(json.dumps(result, default=str), flush=True)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

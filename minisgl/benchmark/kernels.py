@@ -7,25 +7,25 @@ over replays of a CUDA graph of back-to-back calls; small cases cycle through en
 inputs that they do not sit in L2. Prints tables, then one JSON object as the last line.
 `--kv-cache-dtype fp8_e4m3` runs the attention on an e4m3 pool (bytes counted at one per value,
 plus the per-head scales). `--mixed` runs only mixed steps (decode rows beside one prompt,
-W4-like): the one-launch `mixed_attention` at the step's token bucket against the decode-split +
-extend pair, device us of each (CUDA graph), their fraction of the copy bandwidth (every
-context's K/V read once) and host us of an eager call. The kernels' tile sweeps are
+W4-like): the one-launch `mixed_attention` at the step's token bucket, its fraction of the copy
+bandwidth (every context's K/V read once) and its error. The kernels' tile sweeps are
 `python -m minisgl.benchmark.tune decode|extend|mixed`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
-import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from minisgl.benchmark.common import print_table, time_graph
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.kernels.attention.reference import decode_attention_ref, extend_attention_ref
 from minisgl.kernels.attention.testing import cu_seqlens, random_paged_kv
 
@@ -33,20 +33,10 @@ from minisgl.kernels.attention.testing import cu_seqlens, random_paged_kv
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
-class Heads(NamedTuple):
-    """A decode table's attention geometry (`--decode-heads`): W3's by default."""
-
-    q: int = NUM_Q_HEADS
-    kv: int = NUM_KV_HEADS
-    dim: int = HEAD_DIM
-
-
 DTYPE = torch.bfloat16
 SM_SCALE = HEAD_DIM**-0.5
 DECODE_BATCHES = (1, 32, 256)
 DECODE_CONTEXTS = (512, 1024, 4096, 32768)
-PAGE_SIZES = (1, 16, 32, 64)
-PAGE_SWEEP_SHAPE = (256, 4096)  # (batch, context) of the page-size sweep
 EXTEND_SHAPES = ((1, 8192), (16, 1024))  # (requests, new tokens of each)
 EXTEND_CACHED = (0, 2048)
 REF_REQUESTS = 4  # requests of each case checked against the torch reference
@@ -55,29 +45,23 @@ MAX_INPUT_SETS = 64
 DEVICE = "cuda"
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
-Row = dict[str, Any]
-# timer(fn, n_sets) -> seconds per call of fn(i), i cycling over range(n_sets)
-Timer = Callable[[Callable[[int], object], int], float]
-
 
 def _l2_bytes() -> int:
     return torch.cuda.get_device_properties(DEVICE).L2_cache_size
 
 
-def measure_copy_bandwidth(timer: Timer, nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a large device-to-device copy (SM-driven; see `bandwidth.py`)."""
-    from minisgl.benchmark.bandwidth import measure_copy_bandwidth as measure
-
-    return measure(nbytes)
-
-
-def measure_matmul_rate(timer: Timer, n: int = 8192) -> float:
+def measure_matmul_rate(n: int = 8192) -> float:
     """FLOP/s of an n x n x n bf16 matmul."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     c = torch.empty_like(a)
-    seconds = timer(lambda _: torch.matmul(a, b, out=c), 1)
+    seconds = common.time_graph(lambda _: torch.matmul(a, b, out=c), 1)
     return 2 * n**3 / seconds
+
+
+def _tile(cfg: Any, prefix: str = "") -> Row:
+    """A kernel config's fields as table columns (those starting with `prefix`)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k.startswith(prefix)}
 
 
 def _errors(out: torch.Tensor, expected: torch.Tensor) -> Row:
@@ -104,26 +88,25 @@ def decode_case(
     page_size: int,
     spread: float,
     kv_dtype: torch.dtype,
-    heads: Heads = Heads(),
 ) -> DecodeCase:
     """Every request at `context` tokens on randomly scattered pages; with `spread` s, contexts
     drawn uniformly from [context * (1 - s), context * (1 + s)] (ragged, like a continuous
     batch)."""
     elem = torch.empty((), dtype=kv_dtype).element_size()  # 1 for e4m3
-    kv_bytes = 2 * batch * context * heads.kv * heads.dim * elem
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem
     n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * _l2_bytes() / kv_bytes)))
     lo, hi = round(context * (1 - spread)), round(context * (1 + spread))
     gen = torch.Generator().manual_seed(batch * 7 + context)
     contexts = torch.randint(lo, hi + 1, (n_sets, batch), generator=gen)
     contexts[:, 0] = hi
     kv = random_paged_kv(
-        contexts.flatten().tolist(), page_size, heads.kv, heads.dim, kv_dtype, DEVICE,
+        contexts.flatten().tolist(), page_size, NUM_KV_HEADS, HEAD_DIM, kv_dtype, DEVICE,
         poison=False,
     )  # fmt: skip
-    kv_bytes = 2 * int(contexts[0].sum()) * heads.kv * heads.dim * elem
-    scale_bytes = 2 * heads.kv * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
-    qo_bytes = 2 * batch * heads.q * heads.dim * torch.empty((), dtype=DTYPE).element_size()
-    q = torch.randn(n_sets, batch, heads.q, heads.dim, dtype=DTYPE, device=DEVICE)
+    kv_bytes = 2 * int(contexts[0].sum()) * NUM_KV_HEADS * HEAD_DIM * elem
+    scale_bytes = 2 * NUM_KV_HEADS * 4 if kv.kv_scales is not None else 0  # fp32 per KV head
+    qo_bytes = 2 * batch * NUM_Q_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
+    q = torch.randn(n_sets, batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     tables, lens = kv.block_table.view(n_sets, batch, -1), kv.seq_lens.view(n_sets, batch)
     return DecodeCase(kv, tables, lens, q, hi, kv_bytes + scale_bytes + qo_bytes)
 
@@ -132,14 +115,12 @@ def run_decode(
     batch: int,
     context: int,
     page_size: int,
-    timer: Timer,
     copy_bw: float,
     *,
     num_splits: int | None = None,
     config: Any = None,
     spread: float = 0.0,
     kv_dtype: torch.dtype = DTYPE,
-    heads: Heads = Heads(),
 ) -> Row:
     """Decode attention over `decode_case(...)`: achieved bytes/s against the copy bandwidth."""
     from minisgl.kernels.attention.decode import (
@@ -149,52 +130,33 @@ def run_decode(
     )
     from minisgl.kernels.common import num_sms
 
-    case = decode_case(batch, context, page_size, spread, kv_dtype, heads)
+    case = decode_case(batch, context, page_size, spread, kv_dtype)
     kv, tables, lens, q = case.kv, case.tables, case.lens, case.q
     out = torch.empty_like(q)
-    cfg = config or default_decode_config(heads.dim, kv_dtype == torch.float8_e4m3fn)
-    splits = num_splits or choose_num_splits(batch, heads.kv, case.max_len, num_sms(q.device), cfg)
-    sm_scale = heads.dim**-0.5
+    cfg = config or default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
+    splits = num_splits or choose_num_splits(
+        batch, NUM_KV_HEADS, case.max_len, num_sms(q.device), cfg
+    )
+
+    caches, tile = (kv.k_cache, kv.v_cache), dict(config=cfg, kv_scales=kv.kv_scales)
 
     def call(i: int) -> None:
-        decode_attention(
-            q[i],
-            kv.k_cache,
-            kv.v_cache,
-            tables[i],
-            lens[i],
-            page_size,
-            sm_scale,
-            num_splits=splits,
-            config=cfg,
-            out=out[i],
-            kv_scales=kv.kv_scales,
-        )
+        decode_attention(q[i], *caches, tables[i], lens[i], page_size, SM_SCALE,
+                         num_splits=splits, out=out[i], **tile)  # fmt: skip
 
-    seconds = timer(call, q.shape[0])
+    seconds = common.time_graph(call, q.shape[0])
     call(0)
     rows = min(batch, REF_REQUESTS)
-    expected = decode_attention_ref(
-        q[0, :rows], kv.k_cache, kv.v_cache, tables[0, :rows], lens[0, :rows], page_size,
-        sm_scale, kv.kv_scales,
-    )  # fmt: skip
+    expected = decode_attention_ref(q[0, :rows], *caches, tables[0, :rows], lens[0, :rows],
+                                    page_size, SM_SCALE, kv.kv_scales)  # fmt: skip
     bytes_per_s = case.nbytes / seconds
     return {
-        "batch": batch,
-        "context": context,
-        "kv_dtype": str(kv_dtype).removeprefix("torch."),
-        "heads": ",".join(map(str, heads)),
-        "spread": spread,
-        "page_size": page_size,
-        "num_splits": splits,
-        "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit,
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        "time_us": seconds * 1e6,
-        "bytes_per_s": bytes_per_s,
-        "fraction_of_copy": bytes_per_s / copy_bw,
-        **_errors(out[0, :rows], expected),
-    }
+        "batch": batch, "context": context, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "spread": spread, "page_size": page_size, "num_splits": splits,
+        "block_n": cfg.block_n if splits > 1 else cfg.block_n_unsplit, **_tile(cfg, "num_"),
+        "time_us": seconds * 1e6, "bytes_per_s": bytes_per_s,
+        "fraction_of_copy": bytes_per_s / copy_bw, **_errors(out[0, :rows], expected),
+    }  # fmt: skip
 
 
 def run_extend(
@@ -202,7 +164,6 @@ def run_extend(
     new_tokens: int,
     cached: int,
     page_size: int,
-    timer: Timer,
     matmul_rate: float,
     *,
     config: Any = None,
@@ -222,7 +183,7 @@ def run_extend(
     cfg = config or default_extend_config(HEAD_DIM)
     args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, ext, cu, page_size, SM_SCALE)
     scales = kv.kv_scales
-    seconds = timer(
+    seconds = common.time_graph(
         lambda _: extend_attention(q, *args, new_tokens, config=cfg, out=out, kv_scales=scales), 1
     )
     # Query at position p sees p + 1 keys: QK^T and PV are 2 * D FLOPs per (query, key, head) each.
@@ -230,35 +191,16 @@ def run_extend(
     flops = 4 * NUM_Q_HEADS * HEAD_DIM * visible
     n = min(num_reqs, 2)
     rows = n * new_tokens
-    expected = extend_attention_ref(
-        q[:rows],
-        kv.k_cache,
-        kv.v_cache,
-        kv.block_table[:n],
-        kv.seq_lens[:n],
-        ext[:n],
-        cu[: n + 1],
-        page_size,
-        SM_SCALE,
-        kv.kv_scales,
-    )
+    expected = extend_attention_ref(q[:rows], *args[:2], kv.block_table[:n], kv.seq_lens[:n],
+                                    ext[:n], cu[: n + 1], page_size, SM_SCALE, kv.kv_scales)  # fmt: skip
     return {
-        "requests": num_reqs,
-        "new_tokens": new_tokens,
-        "cached": cached,
-        "page_size": page_size,
-        "block_m": cfg.block_m,
-        "block_n": cfg.block_n,
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        "time_us": seconds * 1e6,
-        "flop_per_s": flops / seconds,
-        "fraction_of_matmul": flops / seconds / matmul_rate,
-        **_errors(out[:rows], expected),
-    }
+        "requests": num_reqs, "new_tokens": new_tokens, "cached": cached, "page_size": page_size,
+        **_tile(cfg), "time_us": seconds * 1e6, "flop_per_s": flops / seconds,
+        "fraction_of_matmul": flops / seconds / matmul_rate, **_errors(out[:rows], expected),
+    }  # fmt: skip
 
 
-# ---- mixed steps: the one-launch kernel against the decode-split + extend pair ------------------
+# ---- mixed steps: decode rows beside one prompt, in one launch ---------------------------------
 
 # (decode rows, their mean context, prompt tokens): W4-like mixed steps at 16 req/s, contexts
 # drawn from [0.5, 1.5] x the mean; the prompt has no cached prefix.
@@ -301,7 +243,6 @@ def mixed_case(
 def run_mixed(
     shape: tuple[int, int, int],
     page_size: int,
-    timer: Timer,
     copy_bw: float,
     *,
     num_splits: int = 1,
@@ -309,23 +250,14 @@ def run_mixed(
     max_requests: int = MIXED_MAX_REQUESTS,
     kv_dtype: torch.dtype = DTYPE,
 ) -> Row:
-    """One mixed step's attention (one layer): `mixed_attention` at the step's token bucket
-    against today's pair (`decode_attention` on the decode rows, `extend_attention` on the
-    prompt, as `TritonBackend` launches them), device time in a CUDA graph and host time of an
-    eager call each, and the mixed kernel's error against the torch reference."""
-    from minisgl.kernels.attention.decode import (
-        choose_num_splits,
-        decode_attention,
-        default_decode_config,
-    )
-    from minisgl.kernels.attention.extend import default_extend_config, extend_attention
+    """One mixed step's attention (one layer) by `mixed_attention` at the step's token bucket,
+    timed in a CUDA graph, against the torch reference; the bucket's padding must stay zero."""
     from minisgl.kernels.attention.mixed import default_mixed_config, mixed_attention
-    from minisgl.kernels.common import num_sms
 
     nd, ctx, prompt = shape
     case = mixed_case(nd, ctx, prompt, page_size, max_requests, kv_dtype)
     kv, q, cu = case.kv, case.q, case.cu
-    t = nd + prompt
+    t, b = nd + prompt, nd + 1
     cfg = config or default_mixed_config(HEAD_DIM)
     out = torch.empty_like(q)
     caches = (kv.k_cache, kv.v_cache)
@@ -334,184 +266,100 @@ def run_mixed(
         mixed_attention(q, *caches, kv.block_table, kv.seq_lens, cu, page_size, SM_SCALE,
                         num_splits=num_splits, config=cfg, out=out, kv_scales=kv.kv_scales)  # fmt: skip
 
-    dcfg = default_decode_config(HEAD_DIM, kv_dtype == torch.float8_e4m3fn)
-    dsplits = choose_num_splits(nd, NUM_KV_HEADS, max(kv.seq_lens_host[:nd]), num_sms(q.device),
-                                dcfg)  # fmt: skip
-    d_table, d_lens = kv.block_table[:nd], kv.seq_lens[:nd]
-    e_table, e_lens = kv.block_table[nd : nd + 1].clone(), kv.seq_lens[nd : nd + 1].clone()
-    e_ext = torch.tensor([prompt], dtype=torch.int32, device=DEVICE)
-    e_cu = cu_seqlens([prompt], DEVICE)
-    pair_out = torch.empty_like(q)
-
-    def pair(_: int) -> None:
-        decode_attention(q[:nd], *caches, d_table, d_lens, page_size, SM_SCALE,
-                         num_splits=dsplits, config=dcfg, out=pair_out[:nd],
-                         kv_scales=kv.kv_scales)  # fmt: skip
-        extend_attention(q[nd:t], *caches, e_table, e_lens, e_ext, e_cu, page_size, SM_SCALE,
-                         prompt, config=default_extend_config(HEAD_DIM), out=pair_out[nd:t],
-                         kv_scales=kv.kv_scales)  # fmt: skip
-
-    mixed_s, pair_s = timer(mixed, 1), timer(pair, 1)
+    seconds = common.time_graph(mixed, 1)
     mixed(0)
-    b = nd + 1
-    ext = cu[1 : b + 1] - cu[:b]
-    expected = extend_attention_ref(q[:t], *caches, kv.block_table[:b], kv.seq_lens[:b], ext,
-                                    cu[: b + 1], page_size, SM_SCALE, kv.kv_scales)  # fmt: skip
-    padding_zero = bool((out[t:] == 0).all())
+    expected = extend_attention_ref(q[:t], *caches, kv.block_table[:b], kv.seq_lens[:b],
+                                    cu[1 : b + 1] - cu[:b], cu[: b + 1], page_size, SM_SCALE,
+                                    kv.kv_scales)  # fmt: skip
     return {
         "decode_rows": nd, "context": ctx, "prompt": prompt, "tokens": t, "bucket": q.shape[0],
-        "max_requests": max_requests, "num_splits": num_splits, "rows_wide": cfg.rows_wide,
-        "block_n": cfg.block_n, "block_n_narrow": cfg.block_n_narrow,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-        "mixed_us": mixed_s * 1e6, "pair_us": pair_s * 1e6, "pair_decode_splits": dsplits,
-        "mixed_fraction_of_copy": case.nbytes / mixed_s / copy_bw,
-        "pair_fraction_of_copy": case.nbytes / pair_s / copy_bw,
-        "mixed_host_us": _eager_host_us(mixed), "pair_host_us": _eager_host_us(pair),
-        "padding_zero": padding_zero, **_errors(out[:t], expected),
+        "max_requests": max_requests, "num_splits": num_splits, **_tile(cfg),
+        "mixed_us": seconds * 1e6,
+        "mixed_fraction_of_copy": case.nbytes / seconds / copy_bw,
+        "padding_zero": bool((out[t:] == 0).all()), **_errors(out[:t], expected),
     }  # fmt: skip
 
 
-def _eager_host_us(fn: Callable[[int], object], calls: int = 50) -> float:
-    """Host us per eager call (the launch path a step pays outside a CUDA graph)."""
-    import time
-
-    fn(0)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(calls):
-        fn(i)
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6
-
-
-def run_mixed_all(args: argparse.Namespace, timer: Timer, copy_bw: float) -> Row:
-    from minisgl.kernels.attention.mixed import default_mixed_config
-
+def run_mixed_all(args: argparse.Namespace, copy_bw: float) -> Row:
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     ps = args.page_size
     run = functools.partial(run_mixed, max_requests=args.mixed_max_requests, kv_dtype=kv_dtype)
-    rows = []
-    cfg = default_mixed_config(HEAD_DIM)
-    for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS):
-        label = {"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
-                 "num_splits": splits}  # fmt: skip
-        rows.append(attempt(label, run, shape, ps, timer, copy_bw, num_splits=splits,
-                            config=cfg))  # fmt: skip
-    print_table(f"mixed steps: one launch vs decode-split + extend (page_size {ps}, "
-                f"{args.kv_cache_dtype} KV; us of one layer)", rows, MIXED_COLUMNS)  # fmt: skip
+    rows = [
+        common.attempt({"decode_rows": shape[0], "context": shape[1], "prompt": shape[2],
+                 "num_splits": splits}, run, shape, ps, copy_bw, num_splits=splits)
+        for shape, splits in itertools.product(MIXED_SHAPES, MIXED_SPLITS)
+    ]  # fmt: skip
+    common.print_table(f"mixed steps, one launch (page_size {ps}, {args.kv_cache_dtype} KV; us of one "
+                "layer)", rows, MIXED_COLUMNS)  # fmt: skip
     return {"mixed": rows}
-
-
-def attempt(label: Row, fn: Callable[..., Row], *args: Any, **kwargs: Any) -> Row:
-    """Run one case; one that fails (a tile that does not fit, out of memory) becomes an error
-    row labelled `label` instead of ending the run."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # triton and torch raise several unrelated types here
-        return {**label, "error": f"{type(e).__name__}: {str(e)[:120]}"}
-    finally:
-        torch.cuda.empty_cache()
 
 
 # fmt: off
 DECODE_COLUMNS = ["batch", "context", "page_size", "num_splits", "block_n", "num_warps",
                   "num_stages", "time_us", "bytes_per_s", "fraction_of_copy", "rel_err", "error"]
 MIXED_COLUMNS = ["decode_rows", "context", "prompt", "bucket", "num_splits", "rows_wide",
-                 "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us", "pair_us",
-                 "mixed_fraction_of_copy", "pair_fraction_of_copy", "mixed_host_us",
-                 "pair_host_us", "rel_err", "padding_zero", "error"]
+                 "block_n", "block_n_narrow", "num_warps", "num_stages", "mixed_us",
+                 "mixed_fraction_of_copy", "rel_err", "padding_zero", "error"]
 EXTEND_COLUMNS = ["requests", "new_tokens", "cached", "block_m", "block_n", "num_warps",
                   "num_stages", "time_us", "flop_per_s", "fraction_of_matmul", "rel_err", "error"]
 # fmt: on
 
 
-def run_all(args: argparse.Namespace, timer: Timer) -> Row:
-    copy_bw = measure_copy_bandwidth(timer)
+def run_all(args: argparse.Namespace) -> Row:
+    copy_bw = common.measure_bandwidth(torch.device(DEVICE))
     ps = args.page_size
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     if args.mixed:  # only the mixed-step comparison
         print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
-        return {"copy_bytes_per_s": copy_bw, **run_mixed_all(args, timer, copy_bw)}
-    dec = functools.partial(run_decode, kv_dtype=kv_dtype, heads=args.decode_heads)
+        return {"copy_bytes_per_s": copy_bw, **run_mixed_all(args, copy_bw)}
+    dec = functools.partial(run_decode, kv_dtype=kv_dtype)
     ext = functools.partial(run_extend, kv_dtype=kv_dtype)
-    matmul_rate = measure_matmul_rate(timer)
+    matmul_rate = measure_matmul_rate()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s, bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s")
     decode = [
-        attempt({"batch": b, "context": c}, dec, b, c, ps, timer, copy_bw)
+        common.attempt({"batch": b, "context": c}, dec, b, c, ps, copy_bw)
         for b, c in itertools.product(args.decode_batches, args.decode_contexts)
     ]
-    print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
+    common.print_table(f"decode attention (page_size {ps}, {args.kv_cache_dtype} KV)", decode,
                 DECODE_COLUMNS)  # fmt: skip
-    result: Row = {"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": matmul_rate, "decode": decode}
+    result: Row = {
+        "copy_bytes_per_s": copy_bw,
+        "matmul_flop_per_s": matmul_rate,
+        "decode": decode,
+    }
     if args.decode_only:
         return result
-    b, c = PAGE_SWEEP_SHAPE
-    sweep = [attempt({"page_size": p}, dec, b, c, p, timer, copy_bw) for p in PAGE_SIZES]
-    print_table(f"decode page-size sweep (batch {b} x {c})", sweep, DECODE_COLUMNS)
     extend = [
-        attempt({"requests": r, "cached": c}, ext, r, n, c, ps, timer, matmul_rate)
+        common.attempt({"requests": r, "cached": c}, ext, r, n, c, ps, matmul_rate)
         for (r, n), c in itertools.product(EXTEND_SHAPES, EXTEND_CACHED)
     ]
-    print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
-    return result | {"decode_page_size_sweep": sweep, "extend": extend}
+    common.print_table(f"extend attention (page_size {ps})", extend, EXTEND_COLUMNS)
+    return result | {"extend": extend}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--page-size", type=int, default=16, help="page size of the main tables")
-    parser.add_argument("--kv-cache-dtype", default="bfloat16", choices=list(KV_DTYPES))
     ints = lambda v: [int(t) for t in v.split(",")]  # noqa: E731
-    parser.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES))
-    parser.add_argument("--decode-contexts", type=ints, default=list(DECODE_CONTEXTS))
-    parser.add_argument("--decode-only", action="store_true", help="only the decode table")
-    parser.add_argument(
-        "--decode-heads",
-        type=lambda v: Heads(*ints(v)),
-        default=Heads(),
-        metavar="Q,KV,D",
-        help="the decode tables' query heads, KV heads and head dim (default: W3's "
-        f"{NUM_Q_HEADS},{NUM_KV_HEADS},{HEAD_DIM}); e.g. bf16 at D 64 reads 128-byte rows "
-        "per token and head as e4m3 at D 128 does",
-    )
-    parser.add_argument(
-        "--mixed",
-        action="store_true",
-        help="only mixed steps (decode rows beside a prompt): the one-launch mixed kernel "
-        "against decode-split + extend",
-    )
-    parser.add_argument(
-        "--mixed-max-requests",
-        type=int,
-        default=MIXED_MAX_REQUESTS,
-        help="request capacity of the mixed kernel's launch (its grid and tables)",
-    )
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--page-size", type=int, default=16, help="page size of the main tables")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=list(KV_DTYPES))
+    p.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES))
+    p.add_argument("--decode-contexts", type=ints, default=list(DECODE_CONTEXTS))
+    p.add_argument("--decode-only", action="store_true", help="only the decode table")
+    p.add_argument("--mixed", action="store_true", help="only mixed steps (see above)")
+    p.add_argument("--mixed-max-requests", type=int, default=MIXED_MAX_REQUESTS,
+                   help="request capacity of the mixed kernel's launch (its grid and tables)")  # fmt: skip
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("minisgl.benchmark.kernels needs a CUDA GPU; none is visible here.")
-    try:
-        import triton
-    except ImportError:
-        raise SystemExit("the Triton kernels need triton: pip install 'minisgl[gpu]'") from None
     torch.manual_seed(0)
-    header = {
-        "workload": "W3",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "dtype": "bfloat16",
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "num_q_heads": NUM_Q_HEADS,
-        "num_kv_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "decode_heads": list(args.decode_heads),
-    }
-    print(
-        f"W3 attention kernels on {header['device']} (torch {torch.__version__}, "
-        f"triton {triton.__version__})"
-    )
-    result = run_all(args, time_graph)
-    print(json.dumps({**header, **result}))
+    device = torch.device(DEVICE)
+    header = {"workload": "W3", **common.device_info(device), "dtype": "bfloat16",
+              "kv_cache_dtype": args.kv_cache_dtype, "num_q_heads": NUM_Q_HEADS,
+              "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM}  # fmt: skip
+    print(f"W3 attention kernels on {header['device']} (torch {header['torch']}, "
+          f"triton {header.get('triton')})")  # fmt: skip
+    common.emit_json({**header, **run_all(args)})
 
 
 if __name__ == "__main__":

@@ -2,20 +2,17 @@
 
 Batch 1, a 128-token prompt, 256 greedy output tokens (`ignore_eos`), dummy weights of the
 Llama-3-8B shape. The scheduler loop runs as the server runs it; a token's time is when it
-reaches the host, and the inter-token latency is the gap between consecutive tokens (255 per
-run), median and p99 over `--runs` runs after a warm-up run. The floor (`floor_ms`, the one the
-targets use) is what a token must read, each tensor in the dtype it is stored in, at the copy
-bandwidth measured in the same run: every weight once (FP8 ones at a byte, int4 at half a byte,
-with their scales)
-except the input embedding table, of which a step reads one row, plus the KV of the mean context
-(`common.ModelBytes`). `floor_all_params_ms` is the older, looser count of every parameter
-(16.06 GB for this shape in bf16). `--quantization fp8|int4|int8` and `--kv-cache-dtype fp8_e4m3`
-run the quantized engines. Prints a table, then one JSON object as the last line.
+reaches the host, and the inter-token latency is the gap between consecutive tokens, median and
+p99 over `--runs` runs after a warm-up run. The floor (`floor_ms`) is what a token must read at
+the copy bandwidth measured in the same run: every weight once in the dtype it is stored in (FP8
+at a byte, int4 at half a byte, with their scales) except the input embedding table, of which a
+step reads one row, plus the KV of the mean context (`common.ModelBytes`);
+`floor_all_params_ms` counts every parameter (16.06 GB for this shape in bf16).
+`--quantization fp8|int4|int8` and `--kv-cache-dtype fp8_e4m3` run the quantized engines.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
@@ -25,17 +22,8 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import (
-    ModelBytes,
-    Row,
-    add_fp8_args,
-    device_info,
-    emit_json,
-    fp8_options,
-    measure_bandwidth,
-    print_pairs,
-)
-from minisgl.benchmark.offline import TokenIdLLM
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import Req, SamplingParams
 from minisgl.llm import LLM
 
@@ -56,32 +44,7 @@ def run_once(llm: LLM, prompt: list[int], output_len: int, rid: str) -> tuple[fl
     return start, arrivals
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
-def make_llm(args: argparse.Namespace) -> LLM:
-    options: dict[str, Any] = dict(
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        page_size=args.page_size,
-        max_running_requests=4,
-        max_context_len=args.prompt_len + args.output_len + 64,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        attention_backend=args.attention_backend,
-        show_progress=False,
-        tp_size=args.tp_size,
-        **fp8_options(args),
-    )
-    if args.disable_overlap:
-        options["overlap"] = False
-    return TokenIdLLM(str(args.model), **options)
-
-
-def measure(args: argparse.Namespace, llm: LLM) -> tuple[list[float], list[float]]:
+def measure(args: Any, llm: LLM) -> tuple[list[float], list[float]]:
     """Inter-token gaps of `--runs` runs, and each run's time to first token (seconds)."""
     vocab = min(10000, llm.engine.model_config.vocab_size)
     rng = random.Random(0)
@@ -96,43 +59,28 @@ def measure(args: argparse.Namespace, llm: LLM) -> tuple[list[float], list[float
     return gaps, ttft
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--page-size", type=int, default=0)
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=4)
-    p.add_argument("--disable-overlap", action="store_true")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
-    add_fp8_args(p)
-    return p.parse_args(argv)
-
-
 def _quant_label(quant: Any) -> str | None:
-    """fp8, int4 / int8 (online), or the integer checkpoint's format; the floor counts the
-    packed integers and their scales as stored (`ModelBytes`)."""
+    """fp8, int4 / int8 (online), or the integer checkpoint's format."""
     if quant is None or not quant.is_int:
         return None if quant is None else "fp8"
     return f"int{quant.bits}" if quant.source == "online" else quant.source
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device if args.device != "auto" else auto)
-    bandwidth = measure_bandwidth(device)
+    p = common.engine_parser(__doc__, DEFAULT_MODEL, load_format="dummy", cuda_graph_max_bs=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args(argv)
+    device = common.resolve_device(args.device)
+    bandwidth = common.measure_bandwidth(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    llm = make_llm(args)
+    context = args.prompt_len + args.output_len + 64
+    llm = common.make_llm(args, max_running_requests=4, max_context_len=context)
     gaps, ttft = measure(args, llm)
     engine = llm.engine
-    mb = ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
+    mb = common.ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
     mean_context = args.prompt_len + args.output_len / 2
     floor_s = (mb.weights + mean_context * mb.kv_per_token) / bandwidth
     all_params_s = mb.all_params / bandwidth
@@ -142,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "median_itl_ms": median * 1e3,
-        "p99_itl_ms": percentile(gaps, 99) * 1e3,
+        "p99_itl_ms": common.percentiles(gaps)["p99"] * 1e3,
         "mean_itl_ms": statistics.fmean(gaps) * 1e3,
         "min_itl_ms": min(gaps) * 1e3,
         "ttft_ms": statistics.median(ttft) * 1e3,
@@ -161,11 +109,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "kv_cache_dtype": engine.config.kv_cache_dtype,
         "quantization": _quant_label(engine.model_config.quant),
     }
-    info = {"workload": "W2", "model": args.model.name, **device_info(device)}
-    print(f"W2 single-stream decode latency: {args.model.name} on {info['device']}, copy "
+    info = {"workload": "W2", "model": Path(args.model).name, **common.device_info(device)}
+    print(f"W2 single-stream decode latency: {info['model']} on {info['device']}, copy "
           f"bandwidth {bandwidth / 1e12:.3f} TB/s")  # fmt: skip
-    print_pairs("minisgl", row)
-    emit_json({**info, "bandwidth_bytes_per_s": bandwidth, "measured_s": median, **row})
+    common.print_pairs("minisgl", row)
+    common.emit_json({**info, "bandwidth_bytes_per_s": bandwidth, "measured_s": median, **row})
 
 
 if __name__ == "__main__":

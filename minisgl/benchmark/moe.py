@@ -1,31 +1,23 @@
 """Mixture-of-experts benchmark: `python -m minisgl.benchmark.moe`.
 
-On one CUDA GPU, in one run:
-
-1. the device-to-device copy bandwidth (the floor's denominator);
-2. the fused Triton MoE against the torch reference at the Qwen3-30B-A3B layer shape and on
-   random shapes, 1..8192 tokens: relative error (both against fp32 math on the same bf16
-   inputs), time per call, and the achieved share of the copy bandwidth for the expert weights
-   the call touches;
-3. decode through the engine with the Qwen3-30B-A3B shape and dummy weights at batch 1, 64 and
-   256: tokens/s and the fraction of the floor, where the floor reads, per step, the weights of
-   the experts the step actually selected (counted in a separate eager run with the same
-   prompts), every other weight once, and each request's KV.
+On one CUDA GPU, in one run: the copy bandwidth (the floor's denominator); the fused Triton MoE
+layer at the Qwen3-30B-A3B layer shape, 1..8192 tokens, against the fp32 torch reference on the
+same bf16 inputs (relative error, time per call and the share of the copy bandwidth for the
+expert weights the call touches); and decode through the engine with that model's shape and
+dummy weights at batch 1, 64 and 256: tokens/s and the fraction of the floor, where the floor
+reads, per step, the weights of the experts the step actually selected (counted in a separate
+eager run with the same prompts), every other weight once, and each request's KV.
 
 `--profile` runs only torch.profiler over a few decode steps (batch 1 by default, CUDA graphs
-as in serving) and prints the top GPU kernels by time with their counts per step.
-`--moe-fp8-weight-only` keeps FP8 experts off the W8A8 path (`minisgl.kernels.moe.w8a8`, on by
-default) for the run. The kernels' tile sweeps are `python -m minisgl.benchmark.tune moe |
-moe-fp8 | w8a8`. Prints tables, then one JSON object as the last line.
+as in serving) and prints the top GPU kernels by time with their counts per step. The kernels'
+tile sweeps are `python -m minisgl.benchmark.tune moe | moe-fp8 | w8a8`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -36,18 +28,8 @@ from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import (
-    Row,
-    add_fp8_args,
-    fp8_options,
-    gpu_kernel_table,
-    measure_bandwidth,
-    print_pairs,
-    print_table,
-    release_memory,
-    time_graph,
-    trace_events,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
@@ -55,7 +37,6 @@ MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 DTYPE = torch.bfloat16
 KERNEL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-RANDOM_SHAPE_TOKENS = (1, 37, 512, 8192)
 DECODE_BATCHES = (1, 64, 256)
 PROMPT_LEN = 256
 DECODE_STEPS = 128
@@ -64,20 +45,7 @@ PAGE_SIZE = 16  # of the expert-counting engine
 DEVICE = "cuda"
 
 
-# ---- timing ------------------------------------------------------------------------------------
-
-
-def time_eager(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats
-
-
-# ---- 2. kernels ----------------------------------------------------------------------------------
+# ---- kernels ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -138,73 +106,40 @@ def expert_bytes(ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> int:
     return distinct * per_expert
 
 
-def mismatched_rows(ids: torch.Tensor, ref_ids: torch.Tensor) -> int:
-    """Tokens whose expert sets differ (near-ties may break apart in the two softmaxes)."""
-    return int((ids.long().sort(-1).values != ref_ids.sort(-1).values).any(-1).sum())
-
-
-def run_kernel_case(inp: MoEInputs, copy_bw: float, time_reference: bool) -> Row:
-    from minisgl.kernels.moe.layer import fused_experts, fused_moe
-    from minisgl.kernels.moe.routing import fused_topk
+def run_kernel_case(inp: MoEInputs, copy_bw: float) -> Row:
+    """The layer from the router's logits (on the pair path the routing runs inside the gate/up
+    kernel), timed cycling through `routing_sets`, against the fp32 reference."""
+    from minisgl.kernels.moe.layer import fused_moe
     from minisgl.kernels.moe.tiles import PairConfig, default_config
 
     routing = inp.routing
-    truth = fp32_truth(inp, routing)
-    fused = fused_experts(inp.x, inp.w13, inp.w2, routing.weights, routing.ids)
-    # From the logits: on the pair path the routing runs inside the gate/up kernel.
     layer = fused_moe(inp.x, inp.w13, inp.w2, inp.logits, inp.top_k, True)
     cfg = default_config(inp.x.shape[0], inp.top_k, inp.w13.shape[0])
-    ref = moe_reference(inp.x, inp.w13, inp.w2, routing)
-    _, topk_ids = fused_topk(inp.logits, inp.top_k, True)
-    logit_sets = routing_sets(inp)
-    seconds = time_graph(
-        lambda i: fused_moe(inp.x, inp.w13, inp.w2, logit_sets[i], inp.top_k, True),
-        len(logit_sets),
+    sets = routing_sets(inp)
+    seconds = common.time_graph(
+        lambda i: fused_moe(inp.x, inp.w13, inp.w2, sets[i], inp.top_k, True), len(sets)
     )
     tokens, hidden = inp.x.shape
     nbytes = expert_bytes(routing.ids, inp.w13, inp.w2) + 2 * inp.x.numel() * inp.x.element_size()
     flops = 2 * tokens * inp.top_k * 3 * hidden * inp.w2.shape[2]
-    row: Row = {
+    return {
         "tokens": tokens,
-        "experts": inp.w13.shape[0],
-        "top_k": inp.top_k,
-        "hidden": hidden,
-        "inter": inp.w2.shape[2],
         "path": "pair" if isinstance(cfg, PairConfig) else f"blocked{cfg.block_m}",
-        "rel_err": rel_err(fused, truth),
-        "moe_rel_err": rel_err(layer, truth),
-        "ref_bf16_rel_err": rel_err(ref, truth),
-        "topk_mismatch": mismatched_rows(topk_ids, routing.ids),
+        "rel_err": rel_err(layer, fp32_truth(inp, routing)),
         "fused_us": seconds * 1e6,
         "bw_fraction": nbytes / seconds / copy_bw,
         "tflops": flops / seconds / 1e12,
     }
-    if time_reference:
-        row["ref_us"] = time_eager(lambda: moe_reference(inp.x, inp.w13, inp.w2, inp.routing)) * 1e6
-    return row
 
 
 def run_kernels(copy_bw: float, seed: int) -> list[Row]:
     weights = random_weights(NUM_EXPERTS, HIDDEN, INTER, seed)
-    rows = [
-        run_kernel_case(random_inputs(t, weights, TOP_K, seed + t), copy_bw, time_reference=True)
-        for t in KERNEL_TOKENS
+    return [
+        run_kernel_case(random_inputs(t, weights, TOP_K, seed + t), copy_bw) for t in KERNEL_TOKENS
     ]
-    del weights
-    rng = random.Random(seed)
-    for _ in range(4):
-        experts = rng.randint(8, 160)
-        top_k = rng.randint(1, min(8, experts))
-        hidden = rng.choice([256, 1000, 1536, 4096])
-        inter = rng.choice([96, 200, 512, 1536])
-        shape_weights = random_weights(experts, hidden, inter, rng.randrange(1 << 30))
-        for t in RANDOM_SHAPE_TOKENS:
-            inp = random_inputs(t, shape_weights, top_k, rng.randrange(1 << 30))
-            rows.append(run_kernel_case(inp, copy_bw, time_reference=False))
-    return rows
 
 
-# ---- 3. decode through the engine ----------------------------------------------------------------
+# ---- decode through the engine ----------------------------------------------------------------
 
 
 class ExpertCounter:
@@ -257,92 +192,42 @@ class ExpertCount:
     moe_layers: int
 
 
-@dataclass(frozen=True)
-class ModelBytes:
-    per_expert: int  # one expert's three matrices
-    dense: int  # every other weight read by a decode step (embedding rows excluded)
-    embed_row: int
-    kv_per_token: int  # K and V of one token over all layers
-
-
-def model_bytes(llm: Any) -> ModelBytes:
-    model, cfg = llm.engine.model, llm.engine.model_config
-    per_expert = dense = 0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".experts." in name:
-            per_expert += nbytes // p.shape[0]
-        elif "embed_tokens" not in name or cfg.tie_word_embeddings:  # tied: read as lm_head
-            dense += nbytes
-    moe_layers = sum(isinstance(m, SparseMoeBlock) for m in model.modules())
-    elem = torch.empty((), dtype=llm.engine.dtype).element_size()
-    kv_elem = llm.engine.pool.k(0).element_size()
-    return ModelBytes(
-        per_expert=per_expert // max(1, moe_layers),
-        dense=dense,
-        embed_row=cfg.hidden_size * elem,
-        kv_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem,
-    )
-
-
-def make_llm(
-    batch: int, eager: bool, attention_backend: str, cuda_graphs: bool = True, fp8: Row | None = None
-) -> Any:  # fmt: skip
+def make_llm(args: Any, batch: int, eager: bool = False, cuda_graphs: bool = True) -> Any:
     """The engine for the decode runs. The eager one (for counting experts) gets a KV pool just
-    big enough, so that little is lost should its memory not come back before the next one.
-    `fp8`: the FP8 options (`common.fp8_options`)."""
-    from minisgl.llm import LLM
-
-    options: dict[str, Any] = dict(
-        load_format="dummy",
-        dtype="bfloat16",
-        device=DEVICE,
-        max_running_requests=batch,
-        max_context_len=PROMPT_LEN + DECODE_STEPS + 64,
-        attention_backend=attention_backend,
-        **(fp8 or {}),
-    )
+    big enough, so that little is lost should its memory not come back before the next one."""
+    options: Row = dict(max_running_requests=batch, max_context_len=PROMPT_LEN + DECODE_STEPS + 64)
     if not cuda_graphs:
         options["cuda_graph_max_bs"] = 0
     if eager:
         pages = batch * (math.ceil((PROMPT_LEN + COUNT_STEPS + 2) / PAGE_SIZE) + 1)
         options |= dict(cuda_graph_max_bs=0, overlap=False, cache="naive", page_size=PAGE_SIZE,
                         num_pages=pages)  # fmt: skip
-    return LLM(str(MODEL_DIR), **options)
+    return common.make_llm(args, **options)
 
 
-def submit(llm: Any, batch: int, max_tokens: int, seed: int) -> list[Any]:
+def start(llm: Any, batch: int, max_tokens: int, seed: int) -> list[Any]:
+    """`batch` requests of PROMPT_LEN random tokens, stepped until each has its first token (its
+    prefill done)."""
     from minisgl.core import Req, SamplingParams
 
     rng = random.Random(seed)
     vocab = min(10000, llm.engine.model_config.vocab_size)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = []
-    for i in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(PROMPT_LEN)]
-        reqs.append(Req(rid=f"moe-{seed}-{i}", prompt_ids=prompt, params=params, seed=i))
+    reqs = [Req(f"moe-{seed}-{i}", [rng.randrange(vocab) for _ in range(PROMPT_LEN)], params,
+                seed=i) for i in range(batch)]  # fmt: skip
     for r in reqs:
         llm.scheduler.add_request(r)
+    while any(not r.output_ids for r in reqs):
+        llm.scheduler.step()
     return reqs
 
 
-def run_until_decoding(llm: Any, reqs: list[Any]) -> None:
-    """Step until every request has its first token (its prefill is done)."""
-    while any(not r.output_ids for r in reqs):
-        llm.scheduler.step()
-
-
-def run_to_end(llm: Any) -> int:
-    steps = 0
+def run_to_end(llm: Any) -> None:
     while llm.scheduler.has_work:
         llm.scheduler.step()
-        steps += 1
-    return steps
 
 
-def count_experts(
-    batches: Sequence[int], seed: int, attention_backend: str, fp8: Row | None = None
-) -> dict[int, ExpertCount]:
+def count_experts(args: Any, batches: Sequence[int]) -> dict[int, ExpertCount]:
     """Distinct experts per decode step (summed over layers), from an eager engine. One token
     selects exactly top_k experts in every MoE layer: batch 1 is not run (with FP8 experts on the
     H200 its eager run recorded no router call, not yet explained)."""
@@ -352,27 +237,26 @@ def count_experts(
     batches = [b for b in batches if b != 1]
     if not batches:
         return result
-    llm = make_llm(max(batches), eager=True, attention_backend=attention_backend, fp8=fp8)
+    seed = args.seed
+    llm = make_llm(args, max(batches), eager=True)
     counter = ExpertCounter(llm.engine.model)
     for batch in batches:
-        reqs = submit(llm, batch, COUNT_STEPS + 1, seed + batch)
-        run_until_decoding(llm, reqs)
+        start(llm, batch, COUNT_STEPS + 1, seed + batch)
         counter.batch, counter.counts = batch, []
         run_to_end(llm)
         counter.batch = None
         result[batch] = counter.result()
     counter.close()
     del llm, counter
-    release_memory()
+    common.release_memory()
     return result
 
 
 def time_decode(llm: Any, batch: int, seed: int) -> tuple[float, int]:
     """(seconds, decode tokens) of DECODE_STEPS steps of `batch` requests, after a warm-up."""
-    run_until_decoding(llm, submit(llm, batch, 9, seed + 1_000_000))  # compile, capture
+    start(llm, batch, 9, seed + 1_000_000)  # compile, capture
     run_to_end(llm)
-    reqs = submit(llm, batch, DECODE_STEPS + 1, seed + batch)
-    run_until_decoding(llm, reqs)
+    reqs = start(llm, batch, DECODE_STEPS + 1, seed + batch)
     first = sum(len(r.output_ids) for r in reqs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -382,49 +266,36 @@ def time_decode(llm: Any, batch: int, seed: int) -> tuple[float, int]:
     return seconds, sum(len(r.output_ids) for r in reqs) - first
 
 
-def decode_row(
-    batch: int, seconds: float, tokens: int, experts: ExpertCount, mb: ModelBytes, copy_bw: float
-) -> Row:
+def decode_row(batch: int, seconds: float, tokens: int, experts: ExpertCount,
+               mb: common.ModelBytes, embed_row: int, copy_bw: float) -> Row:  # fmt: skip
+    """The floor reads the experts the step selected, every other weight once, the embedding
+    rows of its tokens and each request's KV at its mean context."""
     steps = tokens / batch
     mean_context = PROMPT_LEN + (steps + 1) / 2  # tokens of KV each request reads per step
-    floor_bytes = (
-        experts.per_step * mb.per_expert
-        + mb.dense
-        + batch * mb.embed_row
-        + batch * mean_context * mb.kv_per_token
-    )
-    step_s = seconds / steps
-    floor_s = floor_bytes / copy_bw
-    return {
-        "batch": batch,
-        "prompt_len": PROMPT_LEN,
-        "decode_steps": steps,
-        "tok_per_s": tokens / seconds,
-        "step_ms": step_s * 1e3,
-        "experts_per_layer": experts.per_step / experts.moe_layers,
-        "floor_gb": floor_bytes / 1e9,
-        "floor_ms": floor_s * 1e3,
-        "floor_tok_per_s": batch / floor_s,
-        "fraction_of_floor": floor_s / step_s,
-    }
+    per_expert = mb.experts / (experts.moe_layers * mb.num_experts)
+    floor_bytes = (experts.per_step * per_expert + mb.weights - mb.experts + batch * embed_row
+                   + batch * mean_context * mb.kv_per_token)  # fmt: skip
+    step_s, floor_s = seconds / steps, floor_bytes / copy_bw
+    return {"batch": batch, "prompt_len": PROMPT_LEN, "decode_steps": steps,
+            "tok_per_s": tokens / seconds, "step_ms": step_s * 1e3,
+            "experts_per_layer": experts.per_step / experts.moe_layers,
+            "floor_gb": floor_bytes / 1e9, "floor_ms": floor_s * 1e3,
+            "floor_tok_per_s": batch / floor_s, "fraction_of_floor": floor_s / step_s}  # fmt: skip
 
 
-def run_decode(
-    copy_bw: float,
-    seed: int,
-    attention_backend: str = "auto",
-    batches: Sequence[int] = DECODE_BATCHES,
-    fp8: Row | None = None,
-) -> list[Row]:
-    experts = count_experts(batches, seed, attention_backend, fp8)
-    llm = make_llm(max(batches), eager=False, attention_backend=attention_backend, fp8=fp8)
-    mb = model_bytes(llm)
+def run_decode(args: Any, copy_bw: float) -> list[Row]:
+    batches = args.decode_batches
+    experts = count_experts(args, batches)
+    llm = make_llm(args, max(batches))
+    engine = llm.engine
+    mb = common.ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
+    embed_row = engine.model_config.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
     rows = []
     for batch in batches:
-        seconds, tokens = time_decode(llm, batch, seed)
-        rows.append(decode_row(batch, seconds, tokens, experts[batch], mb, copy_bw))
+        seconds, tokens = time_decode(llm, batch, args.seed)
+        rows.append(decode_row(batch, seconds, tokens, experts[batch], mb, embed_row, copy_bw))
     del llm
-    release_memory()
+    common.release_memory()
     return rows
 
 
@@ -440,71 +311,33 @@ MOE_KERNELS = ("_pair_gate_up_kernel", "_pair_down_kernel", "_pair_gate_up_fp8_k
                "_align_kernel", "_w8a8_gate_up_kernel", "_w8a8_down_kernel")  # fmt: skip
 
 
-def profile_decode(
-    seed: int,
-    attention_backend: str,
-    batch: int,
-    steps: int,
-    cuda_graphs: bool,
-    trace: str,
-    fp8: Row | None = None,
-) -> tuple[list[Row], Row]:
-    """torch.profiler over `steps` decode steps of `batch` requests: (the kernels by GPU time,
-    a summary). A graph replay shows in the profiler's op summaries as one cudaGraphLaunch, so
-    the kernels are read from the device events of the exported trace."""
-    from torch.profiler import ProfilerActivity, profile
-
-    llm = make_llm(batch, eager=False, attention_backend=attention_backend,
-                   cuda_graphs=cuda_graphs, fp8=fp8)  # fmt: skip
-    run_until_decoding(llm, submit(llm, batch, 9, seed + 1_000_000))  # compile, capture
+def profile_decode(args: Any) -> tuple[list[Row], Row]:
+    """torch.profiler over `--profile-steps` decode steps of `--profile-batch` requests: the
+    kernels by GPU time (read from the trace's device events: a graph replay shows in the
+    profiler's op summaries as one cudaGraphLaunch) and a summary."""
+    batch, steps, cuda_graphs = args.profile_batch, args.profile_steps, not args.profile_eager
+    llm = make_llm(args, batch, cuda_graphs=cuda_graphs)
+    start(llm, batch, 9, args.seed + 1_000_000)  # compile, capture
     run_to_end(llm)
-    run_until_decoding(llm, submit(llm, batch, steps + 8, seed + batch))
+    start(llm, batch, steps + 8, args.seed + batch)
     for _ in range(3):  # past the first decode steps
         llm.scheduler.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU ops: less overhead
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            llm.scheduler.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    label = f"decode profile, batch {batch}: "
+    rows, totals = common.profile_steps(llm.scheduler.step, steps, label, args.profile_trace,
+                                 {"moe_triton": MOE_KERNELS}, PROFILE_TOP)  # fmt: skip
     run_to_end(llm)
     del llm
-    release_memory()
-    rows, totals = gpu_kernel_table(trace_events(prof, trace), steps, {"moe_triton": MOE_KERNELS})
-    totals |= {"batch": batch, "cuda_graphs": cuda_graphs, "wall_ms_per_step": wall / steps * 1e3}
-    return rows[:PROFILE_TOP], totals
+    common.release_memory()
+    return rows, totals | {"batch": batch, "cuda_graphs": cuda_graphs}
 
 
 # ---- report --------------------------------------------------------------------------------------
-
-KERNEL_COLUMNS = (
-    "tokens", "experts", "top_k", "hidden", "inter", "path", "rel_err", "moe_rel_err",
-    "ref_bf16_rel_err", "topk_mismatch", "fused_us", "ref_us", "bw_fraction", "tflops",
-)  # fmt: skip
-DECODE_COLUMNS = (
-    "batch", "tok_per_s", "step_ms", "experts_per_layer", "floor_gb", "floor_ms",
-    "floor_tok_per_s", "fraction_of_floor",
-)  # fmt: skip
-PROFILE_COLUMNS = (
-    "kernel",
-    "calls",
-    "per_step",
-    "us_per_step",
-    "span_us_per_step",
-    "mean_us",
-    "share",
-)
 
 
 def summary(result: Row) -> Row:
     out: Row = {}
     if result.get("kernels"):
-        # moe_rel_err counts where both routings agree (near-ties may split them apart).
-        out["max_rel_err"] = max(
-            max(r["rel_err"], r["moe_rel_err"] if r["topk_mismatch"] == 0 else 0.0)
-            for r in result["kernels"]
-        )
+        out["max_rel_err"] = max(r["rel_err"] for r in result["kernels"])
         out["kernel_rel_err_ok"] = out["max_rel_err"] <= 1e-2
     decode = {r["batch"]: r for r in result.get("decode", [])}
     if 1 in decode:
@@ -514,87 +347,42 @@ def summary(result: Row) -> Row:
     return out
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m minisgl.benchmark.moe", description=__doc__)
-    ap.add_argument("--skip-kernels", action="store_true", help="no kernel-vs-reference table")
-    ap.add_argument("--skip-decode", action="store_true", help="no engine decode table")
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="only torch.profiler over a few decode steps: the top GPU kernels by time",
-    )
-    ap.add_argument("--profile-batch", type=int, default=1, help="requests of the profiled steps")
-    ap.add_argument("--profile-steps", type=int, default=PROFILE_STEPS)
-    ap.add_argument("--profile-eager", action="store_true", help="profile without CUDA graphs")
-    ap.add_argument("--profile-trace", default="", help="keep the Chrome trace at this path")
-    ap.add_argument(
-        "--moe-fp8-weight-only",
-        action="store_true",
-        help="FP8 experts on the blocked path keep the weight-only grouped GEMMs, not the W8A8 "
-        "kernels (minisgl.kernels.moe.w8a8; sets MINISGL_MOE_W8A8=0 for this process and its "
-        "children)",
-    )
-    ap.add_argument(
-        "--w8a8-block-m",
-        type=int,
-        default=None,
-        help="the W8A8 path's least BLOCK_M (w8a8.MIN_BLOCK_M; sets MINISGL_MOE_W8A8_BLOCK_M)",
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
-    ap.add_argument(
-        "--decode-batches",
-        type=lambda v: [int(t) for t in v.split(",")],
-        default=list(DECODE_BATCHES),
-        help="batch sizes of the decode table, comma-separated",
-    )
-    add_fp8_args(ap)
-    return ap.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    ints = lambda v: [int(t) for t in v.split(",")]  # noqa: E731
+    p = common.engine_parser(__doc__, MODEL_DIR, load_format="dummy", dtype="bfloat16")
+    p.add_argument("--skip-kernels", action="store_true", help="no kernel-vs-reference table")
+    p.add_argument("--skip-decode", action="store_true", help="no engine decode table")
+    p.add_argument("--decode-batches", type=ints, default=list(DECODE_BATCHES),
+                   help="batch sizes of the decode table, comma-separated")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="only torch.profiler over a few decode steps: the top GPU kernels by time")  # fmt: skip
+    p.add_argument("--profile-batch", type=int, default=1, help="requests of the profiled steps")
+    p.add_argument("--profile-steps", type=int, default=PROFILE_STEPS)
+    p.add_argument("--profile-eager", action="store_true", help="profile without CUDA graphs")
+    p.add_argument("--profile-trace", default="", help="keep the Chrome trace at this path")
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe benchmark: needs a CUDA GPU and none is visible; nothing measured.",
               file=sys.stderr)  # fmt: skip
         return 2
     torch.manual_seed(args.seed)
-    copy_bw = measure_bandwidth(torch.device(DEVICE))
+    copy_bw = common.measure_bandwidth(torch.device(DEVICE))
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
-    if args.moe_fp8_weight_only:
-        from minisgl.kernels.moe import w8a8
-
-        os.environ[w8a8.ENV_W8A8] = "0"  # engine processes started from here
-        w8a8.ENABLED = False
-        result["moe_fp8_weight_only"] = True
-    if args.w8a8_block_m is not None:
-        from minisgl.kernels.moe import w8a8
-
-        os.environ[w8a8.ENV_W8A8_BLOCK_M] = str(args.w8a8_block_m)
-        w8a8.MIN_BLOCK_M = args.w8a8_block_m
-        result["w8a8_block_m"] = args.w8a8_block_m
     if args.profile:
-        kernels, totals = profile_decode(args.seed, args.attention_backend, args.profile_batch,
-                                         args.profile_steps, not args.profile_eager,
-                                         args.profile_trace, fp8_options(args))  # fmt: skip
-        result["profile"], result["profile_totals"] = kernels, totals
-        title = f"decode profile: batch {args.profile_batch}, top {PROFILE_TOP} GPU kernels"
-        print_table(title, kernels, PROFILE_COLUMNS)
-        print_pairs("per decode step", totals)
+        result["profile"], result["profile_totals"] = profile_decode(args)
+        common.print_pairs("per decode step", result["profile_totals"])
     else:
         if not args.skip_kernels:
             result["kernels"] = run_kernels(copy_bw, args.seed)
-            print_table("fused MoE vs torch reference (bf16)", result["kernels"], KERNEL_COLUMNS)
+            common.print_table("fused MoE vs the fp32 torch reference (bf16)", result["kernels"])
         if not args.skip_decode:
-            result["decode"] = run_decode(copy_bw, args.seed, args.attention_backend,
-                                          args.decode_batches, fp8_options(args))  # fmt: skip
-            result["fp8"] = fp8_options(args)
-            print_table("decode, Qwen3-30B-A3B shape, dummy weights", result["decode"],
-                        DECODE_COLUMNS)  # fmt: skip
+            result["decode"] = run_decode(args, copy_bw)
+            result["fp8"] = {k: getattr(args, k) for k in ("kv_cache_dtype", "quantization")}
+            common.print_table("decode, Qwen3-30B-A3B shape, dummy weights", result["decode"])
         result["summary"] = summary(result)
-    print(json.dumps(result, default=str))
+    common.emit_json(result)
     return 0
 
 

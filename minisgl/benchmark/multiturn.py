@@ -12,23 +12,26 @@ python -m minisgl.benchmark.multiturn --gpu       # GPU: Llama-3-8B shape, dummy
 Rows: off (radix cache alone), host (--kv-host-gib holding the whole working set), and disk (a
 host tier of a third of it over a disk tier that takes the rest). Reported: throughput, TTFT
 p50 of returning turns, bytes loaded, and the load bandwidth against a pinned host-to-device
-copy of the same machine. Prints a table, then one JSON object as the last line.
+copy of the same machine.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from minisgl import LLM
-from minisgl.benchmark.common import device_info, emit_json, print_table, release_memory
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import Req, SamplingParams
 
 GIB = 1 << 30
@@ -108,96 +111,68 @@ def drive(llm: LLM, w: Workload, seed: int = 0) -> dict[str, Any]:
 
 
 def pinned_h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of one large copy from pinned host memory to the device (the CPU: a memcpy)."""
-    on_cuda = device.type == "cuda"
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
+    """Bytes/s of one large copy from pinned host memory to the device (the CPU: a memcpy),
+    the best of five."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(5):
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
+
+    def copy() -> None:
         dst.copy_(src, non_blocking=True)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
+        common.synchronize(device)
+
+    common.synchronize(device)
+    return nbytes / common.best_time(copy, 5)[1]
 
 
-def run(name: str, w: Workload, options: dict[str, Any]) -> tuple[dict[str, Any], LLM]:
-    llm = LLM(**options)
+def run(name: str, w: Workload, args: Any, **options: Any) -> Row:
+    llm = common.make_llm(args, **options)
     row = {"tier": name, **drive(llm, w)}
     stats = llm.scheduler.tier_stats()
     if stats:
         assert llm.engine.tier is not None
         stats = {**stats, **vars(llm.engine.tier.collect(block=True))}
-        row["loaded_gb"] = stats["loaded_bytes"] / 1e9
-        row["saved_gb"] = stats["saved_bytes"] / 1e9
-        row["disk_read_gb"] = stats["fetched_bytes"] / 1e9
-        row["load_gb_s"] = stats["loaded_bytes"] / max(stats["load_copy_s"], 1e-9) / 1e9
-        row["wait_s"] = stats["wait_s"]
-        row["host_hit_pages"] = stats["host_hit_pages"]
-        row["disk_hit_pages"] = stats["disk_hit_pages"]
-    return row, llm
+        row |= {"loaded_gb": stats["loaded_bytes"] / 1e9, "saved_gb": stats["saved_bytes"] / 1e9,
+                "disk_read_gb": stats["fetched_bytes"] / 1e9,
+                "load_gb_s": stats["loaded_bytes"] / max(stats["load_copy_s"], 1e-9) / 1e9,
+                **{k: stats[k] for k in ("wait_s", "host_hit_pages", "disk_hit_pages")}}  # fmt: skip
+    del llm
+    common.release_memory()
+    return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", action="store_true", help="the GPU variant (Llama-3-8B shape)")
-    ap.add_argument("--model", default=None, help="default: SmolLM2 (CPU) / Llama-3-8B shape")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--conversations", type=int, default=None)
-    ap.add_argument("--turns", type=int, default=None)
-    ap.add_argument("--page-size", type=int, default=0)
-    ap.add_argument("--pool-share", type=float, default=1 / 3, help="device pool / distinct tokens")
-    ap.add_argument("--no-disk", action="store_true", help="skip the disk row")
-    args = ap.parse_args()
+def main(argv: Sequence[str] | None = None) -> None:
+    p = common.engine_parser(__doc__)
+    p.add_argument("--gpu", action="store_true", help="the GPU variant (Llama-3-8B shape)")
+    p.add_argument("--conversations", type=int, default=None)
+    p.add_argument("--turns", type=int, default=None)
+    p.add_argument("--pool-share", type=float, default=1 / 3, help="device pool / distinct tokens")
+    p.add_argument("--no-disk", action="store_true", help="skip the disk row")
+    args = p.parse_args(argv)
     w = GPU if args.gpu else CPU
-    if args.conversations or args.turns:
-        w = Workload(args.conversations or w.conversations, args.turns or w.turns, w.system,
-                     w.user, w.answer)  # fmt: skip
-    model = args.model or ("minisgl/benchmark/models/llama-3-8b" if args.gpu else None)
-    dummy = args.gpu and args.model is None  # the shape directory has no weights
-    options: dict[str, Any] = {
-        "model": model,
-        "load_format": "dummy" if dummy else args.load_format,
-    }
-    if args.page_size:
-        options["page_size"] = args.page_size
+    w = dataclasses.replace(w, conversations=args.conversations or w.conversations,
+                            turns=args.turns or w.turns)  # fmt: skip
+    if args.gpu and args.model is None:  # the shape directory has no weights
+        args.model, args.load_format = str(Path(__file__).parent / "models" / "llama-3-8b"), "dummy"
     # The pool holds `pool_share` of the distinct tokens (plus one answer's room per turn).
-    probe = LLM(**options, num_pages=64, skip_warmup=True, cuda_graph_max_bs=0)
+    probe = common.make_llm(args, num_pages=64, skip_warmup=True, cuda_graph_max_bs=0)
     ps, page_bytes, device = (
         probe.engine.page_size,
         probe.engine.pool.page_bytes,
         probe.engine.device,
     )
     del probe
-    release_memory()
+    common.release_memory()
     pages = int(w.distinct_tokens * args.pool_share) // ps + 1
     working_gib = (w.distinct_tokens // ps + w.conversations) * page_bytes / GIB
-    options = {**options, "num_pages": pages, "page_size": ps}
-    variants: list[tuple[str, dict[str, Any]]] = [
+    variants: list[tuple[str, Row]] = [
         ("off", {}),
         ("host", {"kv_host_gib": 1.25 * working_gib}),
     ]
     disk_dir = tempfile.TemporaryDirectory(prefix="minisgl-kv-")
-    if not args.no_disk:
-        variants.append(
-            (
-                "disk",
-                {
-                    "kv_host_gib": working_gib / 3,
-                    "kv_disk_dir": disk_dir.name,
-                    "kv_disk_gib": 1.25 * working_gib,
-                },
-            )  # fmt: skip
-        )
-    rows = []
-    for name, extra in variants:
-        row, llm = run(name, w, {**options, **extra})
-        rows.append(row)
-        del llm
-        release_memory()
+    if not args.no_disk:  # a host tier of a third of the working set over a disk tier
+        variants.append(("disk", {"kv_host_gib": working_gib / 3, "kv_disk_dir": disk_dir.name,
+                                  "kv_disk_gib": 1.25 * working_gib}))  # fmt: skip
+    rows = [run(name, w, args, num_pages=pages, page_size=ps, **extra) for name, extra in variants]
     disk_dir.cleanup()
     h2d = pinned_h2d_bandwidth(device)
     for r in rows:
@@ -213,17 +188,9 @@ def main() -> None:
     cols = ["tier", "seconds", "turns_s", "output_tok_s", "speedup", "ttft_first_p50_ms",
             "ttft_returning_p50_ms", "ttft_ratio", "computed_prompt_tokens", "loaded_gb",
             "disk_read_gb", "load_gb_s", "load_of_pinned", "wait_s"]  # fmt: skip
-    print_table(title, rows, cols)
-    emit_json(
-        {
-            "workload": "W10",
-            **device_info(device),
-            "pool_tokens": pages * ps,
-            "distinct_tokens": w.distinct_tokens,
-            "pinned_h2d_gb_s": h2d / 1e9,
-            "rows": rows,
-        }
-    )
+    common.print_table(title, rows, cols)
+    common.emit_json({"workload": "W10", **common.device_info(device), "pool_tokens": pages * ps,
+               "distinct_tokens": w.distinct_tokens, "pinned_h2d_gb_s": h2d / 1e9, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

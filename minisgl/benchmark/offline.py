@@ -2,69 +2,34 @@
 
 256 requests drawn exactly as nano-vllm's bench draws them (`random.seed(0)`; prompt lengths
 and token ids first, then the output lengths), temperature 0.6, `ignore_eos`; dummy weights of
-the Qwen3-0.6B shape by default. After a warm-up, the whole `LLM.generate` call is timed. The
-copy bandwidth is measured in the same run and gives the floor (common.py).
-
-`--engine hf` runs the first `--hf-requests` requests through minisgl and then through Hugging
-Face transformers' continuous batching, in the same process, and prints the ratio of output
-tokens/s (the full W1 takes transformers minutes). `--profile` adds a torch-profiler table of a
-short run. A per-step breakdown (decode steps by batch size against their own floor) shows
-where the time goes. `--kv-cache-dtype fp8_e4m3` and `--quantization fp8` run the FP8 engine;
-the floor counts the bytes as stored (one per FP8 value). Prints tables, then one JSON object as
-the last line.
+the Qwen3-0.6B shape by default. After a warm-up, the whole `LLM.generate` call is timed against
+the floor at the copy bandwidth measured in the same run, each tensor counted in the dtype it is
+stored in (`--kv-cache-dtype fp8_e4m3`, `--quantization fp8`). A per-step table (decode steps by
+batch size against their own floor) shows where the time goes. `--engine hf` runs the first
+`--hf-requests` requests through minisgl, then through transformers' continuous batching in the
+same process, and prints the ratio of output tokens/s.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import (
-    Floor,
-    ModelBytes,
-    Row,
-    add_fp8_args,
-    batch_bucket,
-    decode_floor,
-    device_info,
-    emit_json,
-    fp8_options,
-    measure_bandwidth,
-    print_pairs,
-    print_table,
-    release_memory,
-    synchronize,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row, Workload
 from minisgl.core import Batch, SamplingParams
 from minisgl.llm import LLM
+
+TokenIdLLM = common.TokenIdLLM  # scripts/gpu_profile.py takes it from here
 
 DEFAULT_MODEL = Path(__file__).parent / "models" / "qwen3-0.6b"
 W1_INPUT_TOKENS, W1_OUTPUT_TOKENS = 142_827, 133_966
 TEMPERATURE = 0.6
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def input_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-    def head(self, n: int) -> Workload:
-        return Workload(self.prompts[:n], self.max_tokens[:n])
 
 
 def w1_workload(num_requests: int = 256, length_scale: float = 1.0, vocab: int = 10001) -> Workload:
@@ -83,49 +48,17 @@ def w1_workload(num_requests: int = 256, length_scale: float = 1.0, vocab: int =
     return Workload(prompts, max_tokens)
 
 
-class TokenIdLLM(LLM):
-    """Token ids in, token ids out: dummy-weight directories have no tokenizer to look for."""
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return False
-
-
-# ---- minisgl -----------------------------------------------------------------------------------
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = dict(
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        page_size=args.page_size,
-        max_running_requests=args.max_running_requests,
-        max_prefill_tokens=args.max_prefill_tokens,
-        mem_fraction=args.mem_fraction,
-        attention_backend=args.attention_backend,
-        show_progress=False,
-        tp_size=args.tp_size,
-        **fp8_options(args),
-    )
-    if args.cuda_graph_max_bs is not None:
-        options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
-    if args.disable_overlap:
-        options["overlap"] = False
-    return options
-
-
 def sampling_params(wl: Workload) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True) for m in wl.max_tokens]  # fmt: skip
+    return [SamplingParams(max_tokens=m, temperature=TEMPERATURE, ignore_eos=True) for m in wl.output_lens]  # fmt: skip
 
 
 def time_generate(llm: LLM, wl: Workload) -> tuple[float, int]:
     """(seconds, output tokens) of one `generate` call over the workload."""
     device = llm.engine.device
-    synchronize(device)
+    common.synchronize(device)
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, sampling_params(wl), use_tqdm=False)
-    synchronize(device)
+    common.synchronize(device)
     return time.perf_counter() - start, sum(len(o["token_ids"]) for o in outs)
 
 
@@ -138,112 +71,79 @@ def warm_up(llm: LLM, wl: Workload) -> None:
     rng = random.Random(12345)
     vocab = min(10000, llm.engine.model_config.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in p] for p in wl.prompts[:16]]
-    time_generate(llm, Workload(prompts, [min(8, m) for m in wl.max_tokens[:16]]))
+    time_generate(llm, Workload(prompts, [min(8, m) for m in wl.output_lens[:16]]))
 
 
 class StepRecorder:
-    """Wraps `engine.forward_batch` to log each step's shape and launch time; the period
+    """Notes each step's shape and launch time (`engine.forward_batch`) while entered; the period
     between launches is the step time the loop sustains (device- or host-bound)."""
 
     def __init__(self, llm: LLM) -> None:
-        self.engine = llm.engine
-        self.original = llm.engine.forward_batch
         self.steps: list[tuple[float, int, int, int]] = []  # (time, batch, tokens, sum seq_lens)
+        self._patch = common.patched(llm.engine, "forward_batch", self._wrap)
 
-    def __enter__(self) -> StepRecorder:
+    def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def record(batch: Batch, mask: Any = None) -> Any:
             self.steps.append(
                 (time.perf_counter(), batch.size, batch.num_tokens, sum(batch.seq_lens))
             )
-            return self.original(batch, mask)
+            return forward(batch, mask)
 
-        self.engine.forward_batch = record  # type: ignore[method-assign]
+        return record
+
+    def __enter__(self) -> StepRecorder:
+        self._patch.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.engine.forward_batch = self.original  # type: ignore[method-assign]
+    def __exit__(self, *exc: Any) -> None:
+        self._patch.__exit__(*exc)
 
-    def breakdown(self, end: float, mb: ModelBytes, bandwidth: float) -> list[Row]:
+    def periods(self, end: float) -> list[tuple[float, int, int, int]]:
+        """(seconds until the next launch or `end`, batch, tokens, sum seq_lens) of each step."""
+        times = [s[0] for s in self.steps] + [end]
+        return [(stop - s[0], *s[1:]) for s, stop in zip(self.steps, times[1:])]
+
+    def breakdown(self, end: float, mb: common.ModelBytes, bandwidth: float) -> list[Row]:
         """Steps grouped as mixed (some prefill) or decode by batch size: count, mean period,
         mean floor of the step's own work (weights + the KV its requests read)."""
         buckets: dict[str, list[float]] = {}  # name -> [steps, seconds, floor seconds, rows]
-        times = [s[0] for s in self.steps] + [end]
-        for (start, b, t, ctx), stop in zip(self.steps, times[1:]):
-            name = "mixed" if t != b else batch_bucket(b)
-            acc = buckets.setdefault(name, [0, 0.0, 0.0, 0])
+        for seconds, b, t, ctx in self.periods(end):
+            acc = buckets.setdefault(
+                "mixed" if t != b else common.batch_bucket(b), [0, 0.0, 0.0, 0]
+            )
             acc[0] += 1
-            acc[1] += stop - start
+            acc[1] += seconds
             acc[2] += (mb.weights + ctx * mb.kv_per_token) / bandwidth
             acc[3] += b
-        order = ["mixed", *[batch_bucket(b) for b in (1, 9, 33, 129, 257)]]
-        rows = []
-        for name in order:
-            if name not in buckets:
-                continue
-            n, seconds, floor, batch = buckets[name]
-            rows.append({
-                "kind": name,
-                "steps": int(n),
-                "mean_batch": batch / n,
-                "total_s": seconds,
-                "step_ms": seconds / n * 1e3,
-                "floor_ms": floor / n * 1e3,
-                "fraction_of_floor": floor / seconds if seconds else 0.0,
-            })  # fmt: skip
-        return rows
+        order = ["mixed", *[common.batch_bucket(b) for b in (1, 9, 33, 129, 257)]]
+        return [
+            {"kind": name, "steps": int(n), "mean_batch": batch / n, "total_s": seconds,
+             "step_ms": seconds / n * 1e3, "floor_ms": floor / n * 1e3,
+             "fraction_of_floor": floor / seconds if seconds else 0.0}
+            for name in order if name in buckets
+            for n, seconds, floor, batch in [buckets[name]]
+        ]  # fmt: skip
 
 
-class CompileRecorder:
-    """Names of the Triton kernel variants compiled (or loaded from the disk cache) while it is
-    entered: a warm-up that missed a variant shows up here as host time in the timed run."""
-
-    def __init__(self) -> None:
-        self.compiled: list[str] = []
-        self.previous: Any = None
-
-    def __enter__(self) -> CompileRecorder:
-        try:
-            from triton import knobs
-        except ImportError:  # no triton (CPU without it), or one too old for knobs
-            return self
-        self.previous = knobs.runtime.jit_cache_hook
-
-        def hook(**kwargs: Any) -> bool:
-            fn = kwargs.get("fn")
-            self.compiled.append(str(getattr(fn, "name", fn)))
-            return False  # compile as usual
-
-        knobs.runtime.jit_cache_hook = hook
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            from triton import knobs
-        except ImportError:
-            return
-        knobs.runtime.jit_cache_hook = self.previous
-
-
-def run_minisgl(args: argparse.Namespace, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
-    llm = TokenIdLLM(str(args.model), **engine_options(args))
+def run_minisgl(args: Any, wl: Workload, bandwidth: float) -> tuple[Row, LLM]:
+    llm = common.make_llm(args)
     warm_up(llm, wl)
-    with StepRecorder(llm) as rec, CompileRecorder() as compiles:
+    with StepRecorder(llm) as rec:
         seconds, tokens = time_generate(llm, wl)
         end = time.perf_counter()
     engine = llm.engine
-    mb = ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
-    floor = decode_floor([len(p) for p in wl.prompts], wl.max_tokens, mb, bandwidth)
+    mb = common.ModelBytes.of(engine.model, engine.model_config, engine.pool.dtype)
+    floor = common.decode_floor([len(p) for p in wl.prompts], wl.output_lens, mb, bandwidth)
     row = result_row(wl, seconds, tokens, floor)
     keys = ("page_size", "cuda_graph_max_bs", "overlap", "attention_backend", "dtype",
             "kv_cache_dtype", "quantization")  # fmt: skip
     row["config"] = {k: getattr(engine.config, k) for k in keys}
     row["num_pages"] = engine.num_pages
     row["steps"] = rec.breakdown(end, mb, bandwidth)
-    row["compiled_in_timed_run"] = compiles.compiled
     return row, llm
 
 
-def result_row(wl: Workload, seconds: float, tokens: int, floor: Floor) -> Row:
+def result_row(wl: Workload, seconds: float, tokens: int, floor: common.Floor) -> Row:
     return {
         "requests": len(wl.prompts),
         "input_tokens": wl.input_tokens,
@@ -256,109 +156,64 @@ def result_row(wl: Workload, seconds: float, tokens: int, floor: Floor) -> Row:
     }
 
 
-def profile(llm: LLM, wl: Workload) -> None:
-    """Top kernels of a short run (64 requests x 64 tokens) under torch.profiler."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    short = Workload(wl.prompts[:64], [min(64, m) for m in wl.max_tokens[:64]])
-    activities = [ProfilerActivity.CPU]
-    if llm.engine.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with torch_profile(activities=activities) as prof:
-        seconds, tokens = time_generate(llm, short)
-    print(f"\nprofile: {tokens} tokens in {seconds:.3f} s (profiler overhead included)")
-    for key in ("device_time_total", "cuda_time_total", "cpu_time_total"):
-        try:
-            print(prof.key_averages().table(sort_by=key, row_limit=25))
-            return
-        except (AttributeError, KeyError, ValueError, RuntimeError):
-            continue
-
-
 # ---- transformers ------------------------------------------------------------------------------
 
 
-def run_hf(args: argparse.Namespace, wl: Workload) -> Row:
-    """The same requests through transformers' continuous batching (sdpa), dummy weights."""
+def run_hf(args: Any, wl: Workload) -> Row:
+    """The same requests through transformers' continuous batching (sdpa), dummy weights; per
+    request max_new_tokens, timed from the first request added to the last result, after a
+    two-request warm-up."""
     try:
         import transformers
     except ImportError as e:
         return {"hf_error": f"transformers missing: {e}"}
     row: Row = {"hf_transformers": transformers.__version__, "hf_requests": len(wl.prompts)}
     try:
-        model = _hf_model(args)
-        row.update(_hf_manager_run(model, wl, args.hf_timeout))
+        manager = _hf_model(args).init_continuous_batching(generation_config=_hf_config(wl))
+        manager.start()
+        try:
+            _hf_collect(manager, Workload([p[:64] for p in wl.prompts[:2]], [4, 4]), "warm", 300)
+            start = time.perf_counter()
+            tokens, done = _hf_collect(manager, wl, "req", args.hf_timeout)
+            seconds = time.perf_counter() - start
+        finally:
+            manager.stop(block=True, timeout=30)
     except Exception as e:  # transformers' API moves between versions: report, do not crash
-        row["hf_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return row
+        return row | {"hf_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return row | {"hf_api": "init_continuous_batching", "hf_output_tokens": tokens,
+                  "hf_finished_requests": done, "hf_complete": done == len(wl.prompts),
+                  "hf_seconds": seconds, "hf_output_tok_per_s": tokens / seconds}  # fmt: skip
 
 
-def _hf_model(args: argparse.Namespace) -> Any:
+def _hf_model(args: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(args.model))
-    device = torch.device(args.device if args.device != "auto" else _auto_device())
+    device = common.resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         try:
             model = AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation="sdpa"
             )
-        except TypeError:
+        except TypeError:  # transformers before 4.56 names it torch_dtype
             model = AutoModelForCausalLM.from_config(
                 config, torch_dtype=dtype, attn_implementation="sdpa"
             )
     return model.eval()
 
 
-def _hf_generation_config(max_new_tokens: int) -> Any:
+def _hf_config(wl: Workload) -> Any:
     from transformers import GenerationConfig
 
-    return GenerationConfig(
-        do_sample=True,
-        temperature=TEMPERATURE,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    return GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                            max_new_tokens=max(wl.output_lens), eos_token_id=None, pad_token_id=0)  # fmt: skip
 
 
-def _hf_manager_run(model: Any, wl: Workload, timeout_s: float) -> Row:
-    """Per-request max_new_tokens through the continuous-batching manager, timed from the
-    first request added to the last result, after a two-request warm-up."""
-    gen = _hf_generation_config(max(wl.max_tokens))
-    manager = model.init_continuous_batching(generation_config=gen)
-    manager.start()
-    try:
-        _hf_collect(manager, [p[:64] for p in wl.prompts[:2]], [4, 4], "warm", 300.0)
-        start = time.perf_counter()
-        tokens, done = _hf_collect(manager, wl.prompts, wl.max_tokens, "req", timeout_s)
-        seconds = time.perf_counter() - start
-    finally:
-        manager.stop(block=True, timeout=30)
-    return {
-        "hf_api": "init_continuous_batching",
-        "hf_output_tokens": tokens,
-        "hf_finished_requests": done,
-        "hf_complete": done == len(wl.prompts),
-        "hf_seconds": seconds,
-        "hf_output_tok_per_s": tokens / seconds if seconds else 0.0,
-    }
-
-
-def _hf_collect(
-    manager: Any,
-    prompts: Sequence[list[int]],
-    max_tokens: Sequence[int],
-    tag: str,
-    timeout_s: float,
-) -> tuple[int, int]:
+def _hf_collect(manager: Any, wl: Workload, tag: str, timeout_s: float) -> tuple[int, int]:
     """Add the requests, wait for their results; (output tokens, finished requests)."""
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, p, m in zip(ids, prompts, max_tokens):
+    ids = [f"{tag}-{i}" for i in range(len(wl.prompts))]
+    for rid, p, m in zip(ids, wl.prompts, wl.output_lens):
         manager.add_request(list(p), request_id=rid, max_new_tokens=m)
     pending, tokens = set(ids), 0
     deadline = time.perf_counter() + timeout_s
@@ -378,73 +233,46 @@ def _hf_collect(
 # ---- main --------------------------------------------------------------------------------------
 
 
-def _auto_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
+def main(argv: Sequence[str] | None = None) -> None:
+    p = common.engine_parser(__doc__, DEFAULT_MODEL, load_format="dummy")
     p.add_argument("--engine", default="minisgl", choices=["minisgl", "hf"])
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--length-scale", type=float, default=1.0, help="shrink lengths (smoke tests)")
     p.add_argument("--hf-requests", type=int, default=32, help="--engine hf: requests run")
     p.add_argument("--hf-timeout", type=float, default=150.0, help="seconds for the HF run")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--page-size", type=int, default=0)
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=8192)
-    p.add_argument("--mem-fraction", type=float, default=0.9)
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    p.add_argument("--disable-overlap", action="store_true")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
-    p.add_argument("--profile", action="store_true", help="also profile a short run")
-    add_fp8_args(p)
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    device = torch.device(args.device if args.device != "auto" else _auto_device())
-    vocab = _vocab_size(args.model)
-    wl = w1_workload(args.num_requests, args.length_scale, vocab)
+    args = p.parse_args(argv)
+    device = common.resolve_device(args.device)
+    wl = w1_workload(args.num_requests, args.length_scale, _vocab_size(args.model))
     if args.engine == "hf":
         wl = wl.head(args.hf_requests)
-    bandwidth = measure_bandwidth(device)
+    bandwidth = common.measure_bandwidth(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    info = {"workload": "W1", "model": args.model.name, **device_info(device)}
-    print(f"W1 offline throughput: {args.model.name} on {info['device']}, {len(wl.prompts)} "
+    info = {"workload": "W1", "model": Path(args.model).name, **common.device_info(device)}
+    print(f"W1 offline throughput: {info['model']} on {info['device']}, {len(wl.prompts)} "
           f"requests, {wl.input_tokens} input / {wl.output_tokens} output tokens; copy "
           f"bandwidth {bandwidth / 1e12:.3f} TB/s")  # fmt: skip
     row, llm = run_minisgl(args, wl, bandwidth)
-    if args.profile:
-        profile(llm, wl)
     steps = row.pop("steps")
-    print_table("minisgl steps (period between launches vs the step's own floor)", steps,
-                ["kind", "steps", "mean_batch", "total_s", "step_ms", "floor_ms",
-                 "fraction_of_floor"])  # fmt: skip
+    common.print_table("minisgl steps (period between launches vs the step's own floor)", steps)
     result: Row = {**info, "bandwidth_bytes_per_s": bandwidth, **row, "steps": steps}
-    print_pairs("minisgl", {k: v for k, v in row.items() if not isinstance(v, dict)})
+    common.print_pairs("minisgl", {k: v for k, v in row.items() if not isinstance(v, dict)})
     if args.engine == "hf":
         llm.close()
         del llm
-        release_memory()
+        common.release_memory()
         hf = run_hf(args, wl)
         if hf.get("hf_output_tok_per_s"):
             hf["minisgl_over_hf"] = row["output_tok_per_s"] / hf["hf_output_tok_per_s"]
-        print_pairs("transformers continuous batching (same requests)", hf)
+        common.print_pairs("transformers continuous batching (same requests)", hf)
         result.update(hf)
-    emit_json(result)
+    common.emit_json(result)
 
 
-def _vocab_size(model: Path) -> int:
+def _vocab_size(model: str) -> int:
     from minisgl.weights import load_model_config, resolve_source
 
-    return load_model_config(resolve_source(str(model))).vocab_size
+    return load_model_config(resolve_source(model)).vocab_size
 
 
 if __name__ == "__main__":

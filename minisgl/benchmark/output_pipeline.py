@@ -6,25 +6,22 @@ python -m minisgl.benchmark.output_pipeline --tokens 8000 --repeat 9
 One token per event, as the server's detokenizer sees a decoding request. Variants: the
 pipeline alone (`RequestOutput.add`) without and with stop strings (which never match, so every
 token is checked) and log-probs; the detokenizer worker's whole step (`Detokenizer.process`:
-`TokenOut` in, `StrOut` out); and, for scale, decoding the whole output at every token (what the
-offline `LLM` did before it ran the pipeline). Each token's time is the median over `--repeat`
-runs; the table compares the first and the last quarter of the output.
-
-Prints a table, then one JSON object as the last line.
+`TokenOut` in, `StrOut` out). Each token's time is the median over `--repeat` runs; the table
+compares the first and the last quarter of the output.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from minisgl.benchmark.common import emit_json, print_table
 from minisgl.message import TokenOut
 from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.output import OutputOptions, RequestOutput
@@ -91,56 +88,34 @@ def worker(tokenizer: Any, n: int, stops: tuple[str, ...]) -> Step:
     return step
 
 
-def full_decode(tokenizer: Any, ids: list[int]) -> Step:
-    def step(i: int, t: int) -> object:
-        return tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
-
-    return step
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5, help="runs per variant (median per token)")
     ap.add_argument("--model", default=None, help="whose tokenizer (default: SmolLM2)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     tokenizer = load_tokenizer(resolve_source(args.model))
     ids = token_stream(tokenizer, args.tokens)
-    n = len(ids)
+    n, q = len(ids), len(ids) // 4
     variants: dict[str, Callable[[], Step]] = {
         "pipeline": lambda: pipeline(tokenizer, n, (), False),
         "pipeline+stops": lambda: pipeline(tokenizer, n, STOPS, False),
         "pipeline+stops+logprobs": lambda: pipeline(tokenizer, n, STOPS, True),
         "detokenizer worker+stops": lambda: worker(tokenizer, n, STOPS),
-        "full decode per token (old offline loop)": lambda: full_decode(tokenizer, ids),
     }
-    q = n // 4
     rows = []
     for name, make in variants.items():
         per_token = time_per_token(make, ids, args.repeat)
         first, last = statistics.mean(per_token[:q]), statistics.mean(per_token[-q:])
-        rows.append(
-            {
-                "variant": name,
-                "first_quarter_us": first * 1e6,
-                "last_quarter_us": last * 1e6,
-                "last_over_first": last / first,
-                "total_ms": sum(per_token) * 1e3,
-            }
-        )
+        rows.append({"variant": name, "first_quarter_us": first * 1e6,
+                     "last_quarter_us": last * 1e6, "last_over_first": last / first,
+                     "total_ms": sum(per_token) * 1e3})  # fmt: skip
     where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-    print(f"{n} tokens, one per event, median of {args.repeat} runs per token ({where})")
-    print(f"{'variant':42s} {'first 1/4 us/tok':>17s} {'last 1/4 us/tok':>16s} {'last/first':>11s}")
-    for r in rows:
-        print(
-            f"{r['variant']:42s} {r['first_quarter_us']:17.1f} {r['last_quarter_us']:16.1f} "
-            f"{r['last_over_first']:11.2f}"
-        )
-    print(
-        json.dumps(
-            {"benchmark": "output_pipeline", "tokens": n, "repeat": args.repeat, "rows": rows}
-        )
+    print_table(
+        f"{n} tokens, one per event, median of {args.repeat} runs per token ({where})", rows
     )
+    emit_json({"benchmark": "output_pipeline", "tokens": n, "repeat": args.repeat, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,45 +1,25 @@
 """W4, online serving (BENCHMARKS.md): `python -m minisgl.benchmark.serving`.
 
-The default SmolLM2 model on a CPU; on a GPU host a config-only model directory with
-`--load-format dummy` (e.g. `minisgl/benchmark/models/qwen3-0.6b`), which gets a synthetic
-word-level tokenizer of the config's vocabulary (token i is the word "t<i>": the requests are
-token ids, and the server streams their text), and `--mem-fraction` below 0.5 for the server,
-so that the offline engine fits on the same GPU. `scripts/gpu_serving.sh` runs it there.
-
-Workload: `random.Random(seed)` draws every prompt's length (32-256 tokens by default), then its
-token ids (0-9999), then every output length (16-96 tokens); temperature 0.6 with a per-request
-seed, `ignore_eos`. In one run:
-
-1. offline: `LLM.generate` on all prompts at once (the throughput the server should approach),
-   in this process;
-2. online: a server process (`python -m minisgl`) fed through the `openai` client, streaming,
-   with Poisson arrivals at each request rate (`inf` sends everything at once: saturation).
-
-The offline run and the saturated server run alternate `--repeats` times and the best of each
-counts, so that other load on a shared machine hurts both alike. The prefix cache is emptied
-before every run (`/flush_cache` on the server), so no run reuses another's prompts.
+The default SmolLM2 on a CPU; on a GPU a config-only model directory with `--load-format dummy`
+(e.g. `minisgl/benchmark/models/qwen3-0.6b`), served with a synthetic word-level tokenizer of
+its vocabulary (token i is the word "t<i>"), and `--mem-fraction` below 0.5 so that the offline
+engine fits beside the server (`scripts/gpu_serving.sh` runs it there). `random.Random(seed)`
+draws every prompt's length (32-256 tokens), then its token ids, then every output length
+(16-96); temperature 0.6 with a per-request seed, `ignore_eos`. In one run: the offline engine
+(`LLM.generate` on every prompt at once, the throughput the server should approach) and a
+server process fed by the `openai` client, streaming, with Poisson arrivals at each rate (`inf`:
+all at once). The offline and saturated runs alternate `--repeats` times, the best of each
+counting; the prefix cache is emptied before every run.
 
 Reports request throughput, output tokens/s, TTFT, inter-token latency and time per output
-token, p50/p90/p99; and `server_vs_offline`, the saturated server's output tokens/s over the
-offline figure (target >= 0.85). Inter-token latency is measured twice: `itl_ms` from the gaps
-between streamed chunks at the client (a busy client or network merges chunks), and
-`itl_server_ms` from the server's own token times (each request asks for them with
-`return_token_times`: when the scheduler had each token), which the table shows. TTFT is split
-into its parts: the client's own delay before its HTTP stack sends a request (`client_delay_ms`,
-an httpx request hook), the wire and the API's ingest up to the handler (`ingest_ms`, to the
-server's `received_at`; one host, one clock), and the server's part (`ttft_server_ms`). Prints a
-table, then one JSON object as the last line.
-
-Scheduling comparisons: `--itl-targets auto,0` runs everything once per `--itl-target-ms`
-value, each against a server of its own (the offline run once), and reports each under
-`by_itl_target`; `--priority-classes 0,1` gives each request one of those priorities (drawn
-uniformly, seeded), starts the server with `--schedule-policy priority` and reports TTFT and
-ITL per class under `by_priority`; `--server-args` passes more flags to the server (e.g.
-`--num-pages 4000` for a pool too small for every request, so that retraction happens).
-
-Against a running server: `--url URL` (with `--api-key KEY` or `$OPENAI_API_KEY` when it has a
-key); `--dataset FILE` takes the prompts from a ShareGPT-style JSON file; `--plot OUT.png` draws
-the ITL and TTFT distributions (matplotlib).
+token (p50/p90/p99), and `server_vs_offline` (target >= 0.85). ITL comes from the chunks at the
+client (`itl_ms`) and from the server's own token times (`itl_server_ms`, the table's); TTFT is
+split into the client's delay before its HTTP stack sends (`client_delay_ms`), the wire and the
+API's ingest (`ingest_ms`) and the server's part (`ttft_server_ms`); the API processes' CPU per
+streamed token is sampled from /proc. `--short-requests` is the short-request mode (many small
+requests, where the API's cost per request shows). `--itl-targets auto,0` runs a server per
+latency target; `--priority-classes 0,1` reports TTFT and ITL per class; `--url` measures a
+running server; `--dataset` takes ShareGPT-style prompts; `--plot` draws ITL and TTFT curves.
 """
 
 from __future__ import annotations
@@ -52,7 +32,6 @@ import os
 import random
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from minisgl.benchmark.common import Workload, emit_json, percentiles, print_table
 from minisgl.benchmark.datasets import sharegpt_requests
 from minisgl.benchmark.plots import plot_latencies
 from minisgl.weights import load_tokenizer, resolve_source
@@ -76,39 +56,6 @@ SHORT_MODE: dict[str, Any] = {
     "max_in_flight": 512,
     "rates": "inf",
 }
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-    priorities: list[int] = field(default_factory=list)  # empty: every request's is 0
-
-    @staticmethod
-    def draw(
-        n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
-    ) -> Workload:
-        rng = random.Random(seed)
-        lens = [rng.randint(*prompt_range) for _ in range(n)]
-        prompts = [[rng.randint(0, 9999) for _ in range(k)] for k in lens]
-        return Workload(prompts, [rng.randint(*output_range) for _ in range(n)])
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    def priority(self, i: int) -> int:
-        return self.priorities[i] if self.priorities else 0
-
-    def with_classes(self, classes: Sequence[int], seed: int) -> Workload:
-        """Each request gets one of `classes` as its priority (uniformly, from `seed`)."""
-        rng = random.Random(seed + 7919)
-        return Workload(self.prompts, self.output_lens, [rng.choice(classes) for _ in self.prompts])
-
-    def part(self, ids: Sequence[int]) -> Workload:
-        """Requests `ids` of this workload, in that order."""
-        pick = [self.priority(i) for i in ids] if self.priorities else []
-        return Workload([self.prompts[i] for i in ids], [self.output_lens[i] for i in ids], pick)
 
 
 TEMPERATURE = 0.6
@@ -312,14 +259,6 @@ def run_clients(
         for i, trace in zip(ids, part, strict=True):
             traces[i] = trace
     return [t for t in traces if t is not None]
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if len(values) < 2:
-        v = values[0] if values else float("nan")
-        return {"p50": v, "p90": v, "p99": v}
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
 def latencies(traces: list[RequestTrace]) -> dict[str, dict[str, float]]:
@@ -560,45 +499,25 @@ def measure(
 # ---- report ----------------------------------------------------------------------------------
 
 
-def print_table(offline: dict[str, float] | None, online: dict[str, Any]) -> None:
-    head = (
-        f"{'rate req/s':>10} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p90/p99 ms':>22} "
-        f"{'(server p99)':>12} {'ITL p50/p90/p99 ms (server)':>28} {'TPOT p50 ms':>11}"
-    )
-    print(head)
-    print("-" * len(head))
+def table_rows(offline: dict[str, Any] | None, online: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per rate (and priority class), then the offline run; latencies as p50/p90/p99."""
 
     def trio(p: dict[str, float], digits: int = 0) -> str:
         return "/".join(f"{p[k]:.{digits}f}" for k in ("p50", "p90", "p99"))
 
-    def row(label: str, s: dict[str, Any]) -> None:
-        # A priority class's row has latencies only (its throughput is the whole run's).
-        rates = (
-            f"{s['request_s']:>7.2f} {s['output_tok_s']:>9.1f}"
-            if "request_s" in s
-            else f"{s['requests']:>5} r {'':>9}"
-        )
-        print(
-            f"{label:>10} {rates} "
-            f"{trio(s['ttft_ms']):>22} {s['ttft_server_ms']['p99']:>12.0f} "
-            f"{trio(s['itl_server_ms'], 1):>28} "
-            f"{s['tpot_ms']['p50']:>11.1f}"
-        )
+    def row(label: str, s: dict[str, Any]) -> dict[str, Any]:
+        return {"rate": label, "req/s": s.get("request_s", ""), "out tok/s": s.get("output_tok_s", ""),
+                "TTFT ms": trio(s["ttft_ms"]), "client delay": trio(s["client_delay_ms"]),
+                "ingest": trio(s["ingest_ms"]), "server TTFT": trio(s["ttft_server_ms"]),
+                "server ITL ms": trio(s["itl_server_ms"], 1), "TPOT p50": s["tpot_ms"]["p50"]}  # fmt: skip
 
+    rows = []
     for rate, s in online.items():
-        row(rate, s)
-        for p, c in s.get("by_priority", {}).items():
-            row(f"prio {p}", c)
-    for rate, s in online.items():
-        parts = [("client delay", "client_delay_ms"), ("ingest", "ingest_ms"),
-                 ("server", "ttft_server_ms")]  # fmt: skip
-        print(f"{rate:>10} TTFT parts p50/p90/p99 ms: "
-              + ", ".join(f"{label} {trio(s[key])}" for label, key in parts))  # fmt: skip
+        rows += [row(rate, s)] + [row(f"prio {p}", c) for p, c in s.get("by_priority", {}).items()]
     if offline is not None:
-        print(
-            f"{'offline':>10} {'':>7} {offline['output_tok_s']:>9.1f}   (LLM.generate, "
-            f"{offline['output_tokens']} tokens in {offline['seconds']:.1f} s)"
-        )
+        rows.append({"rate": "offline", "req/s": offline["request_s"],
+                     "out tok/s": offline["output_tok_s"]})  # fmt: skip
+    return rows
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -634,103 +553,60 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--prompt-len", type=parse_range, default=(32, 256), help="lo-hi tokens")
-    p.add_argument("--output-len", type=parse_range, default=(16, 96), help="lo-hi tokens")
-    p.add_argument(
-        "--rates",
-        default=",".join(DEFAULT_RATES),
-        help="comma-separated requests/s; inf sends all at once",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--url", default=None, help="use a running server instead of starting one")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get(ENV_OPENAI_KEY),
-        help=f"the key of a server started with one (default: ${ENV_OPENAI_KEY})",
-    )
-    p.add_argument(
-        "--dataset",
-        default=None,
-        metavar="SHAREGPT_JSON",
-        help="draw the prompts from this ShareGPT-style JSON file (the first human turn of "
-        "each conversation; the reply's length, within --output-len, sets max_tokens) instead "
-        "of random token ids",
-    )
-    p.add_argument(
-        "--plot",
-        default=None,
-        metavar="PNG",
-        help="draw the ITL and TTFT distributions of every rate here (needs matplotlib: "
-        "pip install 'minisgl[plot]')",
-    )
-    p.add_argument("--skip-offline", action="store_true")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=2,
-        help="alternating offline / saturated runs (the best of each counts)",
-    )
-    p.add_argument("--server-log", default="minisgl-bench-server.log")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument(
-        "--client-procs",
-        type=int,
-        default=1,
+# fmt: off
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--model", default=None, help="default: the embedded SmolLM2")
+    add("--load-format", default="auto", choices=["auto", "dummy"])
+    add("--num-requests", type=int, default=48)
+    add("--prompt-len", type=parse_range, default=(32, 256), help="lo-hi tokens")
+    add("--output-len", type=parse_range, default=(16, 96), help="lo-hi tokens")
+    add("--rates", default=",".join(DEFAULT_RATES),
+        help="requests/s, comma-separated; inf: all at once")
+    add("--seed", type=int, default=0)
+    add("--url", default=None, help="measure this running server instead of starting one")
+    add("--api-key", default=os.environ.get(ENV_OPENAI_KEY),
+        help=f"the key of a server started with one (default: ${ENV_OPENAI_KEY})")
+    add("--dataset", default=None, metavar="SHAREGPT_JSON",
+        help="prompts from this ShareGPT-style file (the first human turn; the reply's length, "
+        "within --output-len, sets max_tokens)")
+    add("--plot", default=None, metavar="PNG",
+        help="draw the ITL and TTFT distributions of every rate here (needs matplotlib)")
+    add("--skip-offline", action="store_true")
+    add("--repeats", type=int, default=2,
+        help="alternating offline / saturated runs (the best counts)")
+    add("--server-log", default="minisgl-bench-server.log")
+    add("--client-procs", type=int, default=1,
         help="client processes sending the requests (one Python client tops out near 10k "
-        "streamed tokens/s; a GPU server needs several)",
-    )
-    p.add_argument(
-        "--mem-fraction",
-        type=float,
-        default=None,
-        help="the server's share of the GPU's memory; the offline engine then loads after it and "
-        "keeps its default (0.9 of the total, less what the server holds)",
-    )
-    p.add_argument(
-        "--itl-targets",
-        default=None,
-        help="comma-separated --itl-target-ms values (e.g. auto,0: the latency target and the "
-        "old policy); each gets a server of its own and a report under by_itl_target",
-    )
-    p.add_argument(
-        "--priority-classes",
-        default=None,
-        help="comma-separated priorities (e.g. 0,1): each request gets one, drawn uniformly; "
-        "the server runs --schedule-policy priority; TTFT and ITL reported per class",
-    )
-    p.add_argument(
-        "--server-args", default="", help="more flags for the server, e.g. '--num-pages 4000'"
-    )
-    p.add_argument(
-        "--token-times-out",
-        default=None,
-        metavar="PATH",
+        "streamed tokens/s; a GPU server needs several)")
+    add("--mem-fraction", type=float, default=None,
+        help="the server's share of the GPU's memory (the offline engine then loads after it)")
+    add("--itl-targets", default=None,
+        help="--itl-target-ms values, comma-separated (e.g. auto,0): a server each, reported "
+        "under by_itl_target")
+    add("--priority-classes", default=None,
+        help="priorities, comma-separated (e.g. 0,1): each request gets one, the server runs "
+        "--schedule-policy priority, TTFT and ITL per class")
+    add("--server-args", default="", help="more flags for the server, e.g. '--num-pages 4000'")
+    add("--token-times-out", default=None, metavar="PATH",
         help="write every request's server token times here (JSON: {itl target: {rate: "
-        "[[priority, t0, t1, ...], ...]}}), e.g. to plot ITL distributions",
-    )
-    p.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=0,
-        help="requests at once at most (each sent as soon as one ends); 0: no limit",
-    )
-    p.add_argument(
-        "--short-requests",
-        action="store_true",
-        help=f"the short-request mode: {SHORT_MODE['num_requests']} requests of "
-        f"{SHORT_MODE['prompt_len'][0]}-token prompts and {SHORT_MODE['output_len'][0]}-token "
-        f"outputs, {SHORT_MODE['max_in_flight']} in flight, at saturation (requests/s against "
-        "the offline engine on the same requests)",
-    )
+        "[[priority, t0, t1, ...], ...]}})")
+    add("--max-in-flight", type=int, default=0, help="requests at once at most; 0: no limit")
+    add("--short-requests", action="store_true",
+        help="the short-request mode: " + ", ".join(f"{k} {v}" for k, v in SHORT_MODE.items()))
     args = p.parse_args(argv)
     if args.short_requests:
         vars(args).update(SHORT_MODE)
     if args.url and args.itl_targets:
         p.error("--itl-targets starts servers of its own; leave --url out")
+    return args
+# fmt: on
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.api_key:
         os.environ[ENV_OPENAI_KEY] = args.api_key
     work = Workload.draw(args.num_requests, args.seed, args.prompt_len, args.output_len)
@@ -810,69 +686,50 @@ def report(
     by_target: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """`online`: the first server's runs; `by_target`: every server's, by ITL target."""
-    for target, runs in (by_target or {}).items():
-        print(f"--itl-target-ms {target}:")
-        print_table(None, runs)
-    if args.plot:  # every rate of every server (one per ITL target)
-        servers = by_target or {"": online}
-        runs = {
-            f"{t} rate {r}".strip(): s for t, rates in servers.items() for r, s in rates.items()
-        }
-        plot_latencies(runs, args.plot)
+    servers = by_target or {"default": online}
+    if args.plot:  # every rate of every server
+        label = "" if by_target is None else "{} "
+        plot_latencies({f"{label.format(t)}rate {r}": s for t, rates in servers.items()
+                        for r, s in rates.items()}, args.plot)  # fmt: skip
     times = {
-        target: {rate: summary.pop("token_times", []) for rate, summary in runs.items()}
-        for target, runs in (by_target or {"default": online}).items()
+        t: {r: s.pop("token_times", []) for r, s in rates.items()} for t, rates in servers.items()
     }
     for summary in (*online.values(), *saturated_runs):
         summary.pop("token_times", None)
         summary.pop("ttft_each_ms", None)
     if args.token_times_out:
         Path(args.token_times_out).write_text(json.dumps(times))
-    print_table(offline, online)
-    for rate, summary in online.items():
-        if summary["incomplete"]:
-            print(f"rate {rate}: {summary['incomplete']} requests did not stream all their tokens")
-        srv = summary.get("server")
-        if srv and srv["steps_timed"]:
-            print(
-                f"rate {rate}: {srv['retractions']:.0f} retractions; {srv['steps_timed']:.0f} "
-                f"steps timed, mean period {srv['step_measured_s'] / srv['steps_timed'] * 1e3:.2f}"
-                f" ms, predicted {srv['step_predicted_s'] / srv['steps_timed'] * 1e3:.2f} ms, "
-                f"mean abs error {srv['step_abs_error_s'] / srv['steps_timed'] * 1e3:.2f} ms"
-            )
+    for target, rates in servers.items():
+        print_table(
+            f"W4 online serving{f', --itl-target-ms {target}' if by_target else ''}",
+            table_rows(offline, rates),
+        )
+        for rate, s in rates.items():
+            srv, steps = s.get("server", {}), s.get("server", {}).get("steps_timed")
+            print(f"rate {rate}: {s['incomplete']} requests short of their tokens"
+                  + (f"; {srv['retractions']:.0f} retractions; step period "
+                     f"{srv['step_measured_s'] / steps * 1e3:.2f} ms, predicted "
+                     f"{srv['step_predicted_s'] / steps * 1e3:.2f} ms" if steps else ""))  # fmt: skip
     sat = online["inf"]
     ratio = sat["output_tok_s"] / offline["output_tok_s"] if offline else None
-    if ratio is not None:
-        print(
-            f"server at saturation / offline: {ratio:.3f} (target >= 0.85; best of "
-            f"{args.repeats} alternating runs each); requests/s {sat['request_s']:.1f} against "
-            f"{offline['request_s']:.1f} offline"  # type: ignore[index]
-        )
+    if offline is not None:
+        print(f"server at saturation / offline: {ratio:.3f} (target >= 0.85; best of "
+              f"{args.repeats} alternating runs each); requests/s {sat['request_s']:.1f} against "
+              f"{offline['request_s']:.1f} offline")  # fmt: skip
     if "api_us_per_token" in sat:
-        print(
-            f"API processes at saturation: {sat['api_cpu_s']:.2f} CPU s, "
-            f"{sat['api_us_per_token']:.1f} us per streamed token"
-        )
-    result = {
-        "workload": "W4",
-        "model": args.model or "SmolLM2-135M-Instruct",
-        "load_format": args.load_format,
-        "num_requests": args.num_requests,
-        "client_procs": args.client_procs,
-        "max_in_flight": args.max_in_flight,
-        "prompt_tokens": sum(len(x) for x in work.prompts),
-        "output_tokens": work.output_tokens,
-        "offline": offline,
-        "online": online,
-        "server_vs_offline": ratio,
-        "offline_runs_tok_s": [r["output_tok_s"] for r in offline_runs],
-        "saturated_runs_tok_s": [r["output_tok_s"] for r in saturated_runs],
-        "priority_classes": args.priority_classes,
-        "server_args": args.server_args,
-    }
+        print(f"API processes at saturation: {sat['api_cpu_s']:.2f} CPU s, "
+              f"{sat['api_us_per_token']:.1f} us per streamed token")  # fmt: skip
+    keys = ("load_format", "num_requests", "client_procs", "max_in_flight", "priority_classes",
+            "server_args")  # fmt: skip
+    result = {"workload": "W4", "model": args.model or "SmolLM2-135M-Instruct",
+              **{k: getattr(args, k) for k in keys},
+              "prompt_tokens": sum(len(x) for x in work.prompts), "output_tokens": work.output_tokens,
+              "offline": offline, "online": online, "server_vs_offline": ratio,
+              "offline_runs_tok_s": [r["output_tok_s"] for r in offline_runs],
+              "saturated_runs_tok_s": [r["output_tok_s"] for r in saturated_runs]}  # fmt: skip
     if by_target is not None:
         result["by_itl_target"] = by_target
-    print(json.dumps(result))
+    emit_json(result)
 
 
 if __name__ == "__main__":

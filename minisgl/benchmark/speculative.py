@@ -17,10 +17,8 @@ greedy texts are identical. These need a model with a tokenizer (the default: th
 step of K drafts, the step a fully accepted draft would replace K + 1 decode steps with;
 `--profile` prints each step's GPU kernels (time, count, share of the step's span).
 `--skinny-max-rows 16` runs the verify step's linear layers (and LM head) through the skinny
-tensor-core GEMM (`minisgl.kernels.gemv.skinny`) instead of cuBLAS: run the command with and without
-it for an A/B (`scripts/gpu_speculative.sh` part `verify_cost_skinny`). The FP8 options
-(`--quantization`, `--kv-cache-dtype`, `--fp8-skinny`, ...) are the engine benchmarks' own.
-Prints a table, then one JSON object as the last line.
+tensor-core GEMM instead of cuBLAS (a verify step of K drafts is K + 1 rows, padded to the next
+CUDA-graph size): run with and without it for an A/B.
 """
 
 from __future__ import annotations
@@ -29,20 +27,9 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
-import torch
-
-from minisgl.benchmark.common import (
-    Row,
-    add_fp8_args,
-    device_info,
-    emit_json,
-    fp8_options,
-    print_kernel_table,
-    print_table,
-    synchronize,
-)
+from minisgl.benchmark import common
+from minisgl.benchmark.common import Row
 from minisgl.core import Batch, Req, SamplingParams, TableWrite
 from minisgl.llm import LLM
 
@@ -187,17 +174,19 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int, profile: bool = Fals
     for name, batch in (("decode", decode), ("verify", verify)):
         seen = []
         for i in range(iters + 3):
-            synchronize(engine.device)
+            common.synchronize(engine.device)
             start = time.perf_counter()
             engine.forward_batch(batch).wait()
-            synchronize(engine.device)
+            common.synchronize(engine.device)
             if i >= 3:
                 seen.append(time.perf_counter() - start)
         times[name] = statistics.median(seen)
-        if profile:
-            print_kernels(
-                name, lambda b=batch: engine.forward_batch(b).wait(), iters, engine.device
-            )
+        if profile and engine.device.type == "cuda":
+
+            def step(b: Batch = batch) -> None:
+                engine.forward_batch(b).wait()
+
+            common.profile_steps(step, iters, f"\n{name} step: ")
     sched.abort(req.rid)
     ratio = times["verify"] / times["decode"]
     return {
@@ -212,35 +201,15 @@ def verify_cost(llm: LLM, context: int, k: int, iters: int, profile: bool = Fals
     }
 
 
-def print_kernels(name: str, step: Any, steps: int, device: torch.device) -> None:
-    """The GPU kernels of `steps` calls of `step`, per call (`print_kernel_table`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        synchronize(device)
-    print_kernel_table(prof, steps, label=f"\n{name} step: ")
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--algorithm", default="ngram", choices=["ngram", "draft"])
-    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K")
-    p.add_argument("--ngram-n", type=int, default=3)
-    p.add_argument("--ngram-min-n", type=int, default=3)
-    p.add_argument("--draft-layers", type=int, default=0)
-    p.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="draft: a separate draft model of the same vocabulary")  # fmt: skip
+def main(argv: Sequence[str] | None = None) -> None:
+    p = common.engine_parser(__doc__, load_format="auto", speculative_algorithm="ngram")
+    # The benchmark's short names of the speculative flags (the scripts' and docs' commands).
+    for short in ("algorithm", "num-draft-tokens", "ngram-n", "ngram-min-n", "draft-layers",
+                  "draft-model", "max-batch"):  # fmt: skip
+        common.add_alias(p, f"--{short}", f"--speculative-{short}")
     p.add_argument("--workloads", default="copy,chat,concurrent",
                    help="comma-separated: copy, chat, concurrent; none for --verify-cost alone")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--max-batch", type=int, default=8,
-                   help="--speculative-max-batch: larger steps decode plainly")  # fmt: skip
     p.add_argument("--copy-tokens", type=int, default=320)
     p.add_argument("--chat-tokens", type=int, default=256,
                    help="chat and concurrent: output tokens per request (short runs are noisy)")  # fmt: skip
@@ -250,54 +219,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="--verify-cost's timed steps")
     p.add_argument("--profile", action="store_true",
                    help="--verify-cost: also each step's GPU kernels (torch.profiler)")  # fmt: skip
-    add_fp8_args(p)  # and --skinny-max-rows: a verify step of K drafts
-    # is K + 1 rows (padded to the next CUDA-graph size: 8 for K = 4)
-    return p.parse_args(argv)
-
-
-def make_llm(args: argparse.Namespace) -> LLM:
-    options: dict[str, Any] = dict(
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        show_progress=False,
-        speculative_algorithm=args.algorithm,
-        speculative_num_draft_tokens=args.num_draft_tokens,
-        speculative_ngram_n=args.ngram_n,
-        speculative_ngram_min_n=args.ngram_min_n,
-        speculative_draft_layers=args.draft_layers,
-        speculative_draft_model=args.draft_model,
-        speculative_max_batch=args.max_batch,
-        **fp8_options(args),
-    )
-    if args.load_format == "dummy":
-        options["max_context_len"] = 4096
-    return LLM(args.model, **options)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    llm = make_llm(args)
+    args = p.parse_args(argv)
+    dummy = args.load_format == "dummy"
+    llm = common.make_llm(args, **({"max_context_len": 4096} if dummy else {}))
     names = [w for w in args.workloads.split(",") if w and w != "none"]
     rows = workloads(llm, names, args)
     cost = (
-        verify_cost(llm, args.context, args.num_draft_tokens, args.iters, args.profile)
+        verify_cost(llm, args.context, args.speculative_num_draft_tokens, args.iters, args.profile)
         if args.verify_cost
         else None
     )
-    info = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "algorithm": args.algorithm,
-            "k": args.num_draft_tokens, **device_info(llm.engine.device)}  # fmt: skip
-    print(
-        f"speculative decoding ({args.algorithm}, K = {args.num_draft_tokens}) on {info['device']}"
-    )
+    algorithm, k = args.speculative_algorithm, args.speculative_num_draft_tokens
+    info = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "algorithm": algorithm,
+            "k": k, **common.device_info(llm.engine.device)}  # fmt: skip
+    print(f"speculative decoding ({algorithm}, K = {k}) on {info['device']}")
     if rows:
         columns = ["workload", "requests", "tok_per_s_off", "tok_per_s_on", "speedup",
                    "speedup_cpu_time", "mean_accepted_length", "acceptance", "verify_rows",
                    "missed", "identical"]  # fmt: skip
-        print_table("output tokens/s, speculation off and on", rows, columns)
+        common.print_table("output tokens/s, speculation off and on", rows, columns)
     if cost is not None:
-        print_table("verify step against a decode step", [cost], list(cost))
-    emit_json({**info, "workloads": rows, "verify_cost": cost})
+        common.print_table("verify step against a decode step", [cost], list(cost))
+    common.emit_json({**info, "workloads": rows, "verify_cost": cost})
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import torch
 
 from minisgl.benchmark.common import Row, emit_json
+from minisgl.benchmark.kernels import KV_DTYPES
 
 KERNELS = ("gemv", "skinny", "fp8-gemm", "decode", "extend", "mixed", "moe", "moe-fp8", "w8a8")
-KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -1,46 +1,36 @@
 """Tuners of the attention kernels on one CUDA GPU, on W3's cases (`minisgl.benchmark.kernels`,
-whose timers and error checks they use): decode tiles and split counts (`DecodeConfig`,
+whose cases, timers and error checks they use): decode tiles and split counts (`DecodeConfig`,
 `default_decode_config`), extend tiles (`ExtendConfig`), the mixed kernel's tiles
-(`MixedConfig`). A tile that does not fit becomes an error row, not the end of the run."""
+(`MixedConfig`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
+from typing import Any
 
 import torch
 
-from minisgl.benchmark.common import Row, print_table, time_graph
+from minisgl.benchmark.common import Row, measure_bandwidth, print_table
 from minisgl.benchmark.kernels import (
     DECODE_COLUMNS,
     EXTEND_COLUMNS,
     MIXED_COLUMNS,
     MIXED_SHAPES,
-    attempt,
-    measure_copy_bandwidth,
     measure_matmul_rate,
     run_decode,
     run_extend,
     run_mixed,
 )
+from minisgl.benchmark.tune import fastest, search
 
 # (batch, context, spread): W3's shapes, and W1's decode steps (ragged: contexts drawn from
 # [1 - spread, 1 + spread] x the mean) of the 129-256 running requests and of the tail.
 DECODE_SHAPES = ((256, 4096, 0.0), (256, 1024, 0.0), (32, 4096, 0.0), (1, 32768, 0.0),
                  (200, 820, 0.32), (80, 1250, 0.6), (48, 1400, 0.5))  # fmt: skip
 SPLIT_SHAPES = ((1, 4096), (1, 32768), (32, 1024), (32, 4096), (256, 1024))
-
-
-def _best(rows: list[Row], key: str, group: tuple[str, ...]) -> list[Row]:
-    """The fastest row of each `group` value, rows with an error left out."""
-    best: dict[tuple[object, ...], Row] = {}
-    for r in rows:
-        g = tuple(r.get(k) for k in group)
-        if key in r and (g not in best or r[key] < best[g][key]):
-            best[g] = r
-    return list(best.values())
+CUDA = torch.device("cuda")
 
 
 def tune_decode(page_size: int, kv_dtype: torch.dtype) -> list[Row]:
@@ -48,51 +38,51 @@ def tune_decode(page_size: int, kv_dtype: torch.dtype) -> list[Row]:
     the bytes, larger steps), then split counts at SPLIT_SHAPES with the default tiles."""
     from minisgl.kernels.attention.decode import DecodeConfig
 
-    copy_bw = measure_copy_bandwidth(time_graph)
+    copy_bw = measure_bandwidth(CUDA)
     fp8 = kv_dtype == torch.float8_e4m3fn
-    dec = functools.partial(run_decode, kv_dtype=kv_dtype)
-    rows = []
-    for (b, ctx, spread), bn, w, st in itertools.product(
-        DECODE_SHAPES, (64, 128, 256) if fp8 else (32, 64, 128), (4, 8), range(2, 6 if fp8 else 5)
-    ):  # fmt: skip
+
+    def tiles(case: tuple[Any, ...]) -> Row:
+        (b, ctx, spread), bn, w, st = case
         cfg = DecodeConfig(block_n=bn, block_n_unsplit=bn, num_warps=w, num_stages=st)
-        label = {"batch": b, "context": ctx, "block_n": bn, "num_warps": w, "num_stages": st}
-        rows.append(
-            attempt(label, dec, b, ctx, page_size, time_graph, copy_bw, config=cfg, spread=spread)
-        )
-    for (b, ctx), splits in itertools.product(SPLIT_SHAPES, (1, 2, 4, 8, 16, 32, 64)):
-        if splits * 128 <= ctx:
-            label = {"batch": b, "context": ctx, "num_splits": splits}
-            rows.append(
-                attempt(label, dec, b, ctx, page_size, time_graph, copy_bw, num_splits=splits)
-            )
+        return run_decode(b, ctx, page_size, copy_bw, config=cfg, spread=spread, kv_dtype=kv_dtype)
+
+    def splits(case: tuple[Any, ...]) -> Row:
+        (b, ctx), n = case
+        return run_decode(b, ctx, page_size, copy_bw, num_splits=n, kv_dtype=kv_dtype)
+
+    def label(case: tuple[Any, ...]) -> Row:
+        return {"batch": case[0][0], "context": case[0][1], "config": case[1:]}
+
+    sweep = itertools.product(DECODE_SHAPES, (64, 128, 256) if fp8 else (32, 64, 128), (4, 8),
+                              range(2, 6 if fp8 else 5))  # fmt: skip
+    split_cases = [(s, n) for s, n in itertools.product(SPLIT_SHAPES, (1, 2, 4, 8, 16, 32, 64))
+                   if n * 128 <= s[1]]  # fmt: skip
+    rows = search(sweep, tiles, "time_us", label) + search(split_cases, splits, "time_us", label)
     # A broken variant is off by O(1); e4m3 rounding stays far below 0.2.
     ok = [r for r in rows if r.get("rel_err", math.inf) < 0.2 or "error" in r]
     print_table("tune: decode", ok, DECODE_COLUMNS)
-    print_table(
-        "tune: decode, the fastest per shape",
-        _best(ok, "time_us", ("batch", "context")),
-        DECODE_COLUMNS,
-    )
+    best = fastest(ok, "time_us", ("batch", "context"))
+    print_table("tune: decode, the fastest per shape", best, DECODE_COLUMNS)
     return rows
 
 
 def tune_extend(page_size: int, kv_dtype: torch.dtype) -> list[Row]:
     from minisgl.kernels.attention.extend import ExtendConfig
 
-    rate = measure_matmul_rate(time_graph)
-    ext = functools.partial(run_extend, kv_dtype=kv_dtype)
-    rows = []
-    for (r, n, c), bm, bn, w, st in itertools.product(
-        ((1, 8192, 0), (16, 1024, 2048)), (64, 128), (32, 64, 128), (4, 8), (2, 3)
-    ):
-        cfg = ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-        label = {"requests": r, "new_tokens": n, "cached": c, **dataclasses.asdict(cfg)}
-        rows.append(attempt(label, ext, r, n, c, page_size, time_graph, rate, config=cfg))
+    rate = measure_matmul_rate()
+
+    def run(case: tuple[Any, ...]) -> Row:
+        (r, n, c), cfg = case
+        return run_extend(r, n, c, page_size, rate, config=cfg, kv_dtype=kv_dtype)
+
+    configs = [ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+               for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]  # fmt: skip
+    cases = itertools.product(((1, 8192, 0), (16, 1024, 2048)), configs)
+    rows = search(cases, run, "time_us",
+                  lambda c: {"requests": c[0][0], **dataclasses.asdict(c[1])})  # fmt: skip
     print_table("tune: extend", rows, EXTEND_COLUMNS)
-    print_table(
-        "tune: extend, the fastest per shape", _best(rows, "time_us", ("requests",)), EXTEND_COLUMNS
-    )
+    best = fastest(rows, "time_us", ("requests",))
+    print_table("tune: extend, the fastest per shape", best, EXTEND_COLUMNS)
     return rows
 
 
@@ -100,15 +90,18 @@ def tune_mixed(page_size: int, kv_dtype: torch.dtype, max_requests: int) -> list
     """The mixed kernel's tiles at two W4-like steps (num_splits 1)."""
     from minisgl.kernels.attention.mixed import MixedConfig
 
-    copy_bw = measure_copy_bandwidth(time_graph)
-    run = functools.partial(run_mixed, max_requests=max_requests, kv_dtype=kv_dtype)
-    rows = []
-    for shape, rw, bn, bnn, w, st in itertools.product(
-        MIXED_SHAPES[1:4:2], (64, 128), (32, 64), (64, 128, 256), (4, 8), (2, 3)
-    ):
-        cfg = MixedConfig(rows_wide=rw, block_n=bn, block_n_narrow=bnn, num_warps=w, num_stages=st)
-        label = {"decode_rows": shape[0], "prompt": shape[2], **dataclasses.asdict(cfg)}
-        rows.append(attempt(label, run, shape, page_size, time_graph, copy_bw, config=cfg))
-    rows.sort(key=lambda r: (r["decode_rows"], r.get("mixed_us", math.inf)))
+    copy_bw = measure_bandwidth(CUDA)
+
+    def run(case: tuple[Any, ...]) -> Row:
+        shape, cfg = case
+        return run_mixed(shape, page_size, copy_bw, config=cfg, max_requests=max_requests,
+                         kv_dtype=kv_dtype)  # fmt: skip
+
+    configs = [MixedConfig(rows_wide=rw, block_n=bn, block_n_narrow=bnn, num_warps=w, num_stages=st)
+               for rw, bn, bnn, w, st in itertools.product((64, 128), (32, 64), (64, 128, 256),
+                                                           (4, 8), (2, 3))]  # fmt: skip
+    rows = search(itertools.product(MIXED_SHAPES[1:4:2], configs), run, "mixed_us",
+                  lambda c: {"decode_rows": c[0][0], "prompt": c[0][2], **dataclasses.asdict(c[1])})  # fmt: skip
+    rows.sort(key=lambda r: r["decode_rows"])  # stable: the fastest first within each step
     print_table("tune: mixed kernel tiles (num_splits 1)", rows, MIXED_COLUMNS)
     return rows
