@@ -13,6 +13,7 @@ from minisgl.config.quant import (
     INT_GROUP,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    QuantConfig,
     check_fp8_device,
     resolve_quantization,
     resolve_skinny_max_rows,
@@ -248,6 +249,14 @@ class EngineConfig:
         "steps with more decoding requests than this do not speculate",
         "speculative decoding",
     )
+    deterministic: bool = cli_field(
+        False,
+        "batch-invariant numerics: a request's token ids and logprobs are bit-identical "
+        "whatever runs beside it (batch, prefill chunks, prefix-cache hits, speculation, "
+        "overlap); slower. Refused where it cannot hold: tp > 1, a mixture of experts, "
+        "quantized weights on a GPU",
+        "model",
+    )
     show_progress: bool = True
     # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
     # allocator are overwritten with NaN, and giving back a page or slot that a step in flight
@@ -267,6 +276,11 @@ class EngineConfig:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        if self.deterministic and self.tp_size > 1:
+            raise ValueError(
+                "deterministic: the all-reduce at tp_size > 1 sums in an order that is not "
+                "fixed; run it at tp_size 1"
+            )
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction: must be in (0, 1], got {self.mem_fraction}")
         if self.cpu_kv_gib <= 0:
@@ -478,4 +492,20 @@ def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelCon
     if cfg.kv_cache_dtype == "fp8_e4m3":
         check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
     rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
+    if cfg.deterministic:
+        check_deterministic(mcfg, quant, cfg.torch_device)
     return replace(mcfg, quant=quant, skinny_max_rows=rows)
+
+
+def check_deterministic(mcfg: ModelConfig, quant: QuantConfig | None, device: torch.device) -> None:
+    """Refuse what `--deterministic` cannot make batch-invariant (ValueError saying so)."""
+    if mcfg.moe is not None:
+        raise ValueError(
+            "deterministic: the mixture-of-experts kernels group tokens by expert, so a "
+            "token's sums depend on the batch; use a dense model or drop --deterministic"
+        )
+    if quant is not None and (quant.is_int or device.type == "cuda"):
+        raise ValueError(
+            "deterministic: integer weights, and FP8 ones on a GPU, take kernels chosen by the "
+            "row count; serve the model in its 16-bit dtype or drop --deterministic"
+        )
