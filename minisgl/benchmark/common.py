@@ -267,6 +267,7 @@ def add_fp8_args(p: Any) -> None:
     p.add_argument("--skinny-max-rows", type=int, default=None, metavar="N",
                    help="unquantized linear layers with 2..N rows take the skinny GEMM (0: off; "
                    "default: 16 for models with hidden size <= 1024)")  # fmt: skip
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant engine numerics")
 
 
 def fp8_options(args: Any) -> Row:
@@ -275,6 +276,7 @@ def fp8_options(args: Any) -> Row:
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_calibrate=args.kv_cache_calibrate,
         quantization=args.quantization,
+        deterministic=args.deterministic,
     )
     if args.fp8_gemv_max_rows is not None:
         options["fp8_gemv_max_rows"] = args.fp8_gemv_max_rows
