@@ -115,6 +115,21 @@ def test_speculation_and_overlap(reference, tiny_model_dir, kind, overlap, spec)
         assert llm.scheduler.spec is not None and llm.scheduler.spec.stats.verify_rows > 0
 
 
+@pytest.mark.parametrize("kind", PARAMS)
+def test_retraction_and_the_layer_skip_draft(reference, tiny_model_dir, kind):
+    """A pool too small for the batch (requests are retracted and compute their tokens again)
+    and drafts from the model's own first layer."""
+    llm = det_llm(
+        tiny_model_dir("qwen3"), page_size=4, num_pages=18, reserve_ratio=0.05,
+        min_reserve_ratio=0.05, speculative_algorithm="draft", speculative_draft_layers=1,
+    )  # fmt: skip
+    outs = llm.generate(targets() + fillers(8), mixed(PARAMS[kind], 8), use_tqdm=False)
+    assert [(o["token_ids"], o["logprobs"]) for o in outs[:3]] == reference("qwen3", kind)
+    assert llm.scheduler.stats["retractions"] > 0
+    assert llm.scheduler.spec is not None and llm.scheduler.spec.stats.verify_rows > 0
+    assert_kv_clean(llm)
+
+
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
