@@ -482,7 +482,8 @@ def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
 def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
     """The model config with the weight format the engine builds it in and the rows up to which
     its linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA checks the
-    device), checking the device for an FP8 KV cache too."""
+    device), checking the device for an FP8 KV cache too and refusing what `--deterministic`
+    cannot hold."""
     group = INT_GROUP if cfg.torch_device.type == "cuda" else CPU_INT_GROUP
     quant = resolve_quantization(
         cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny, group
@@ -493,12 +494,19 @@ def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelCon
         check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
     rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
     if cfg.deterministic:
-        check_deterministic(mcfg, quant, cfg.torch_device)
+        check_deterministic(mcfg, quant, cfg.torch_device, cfg.attention_backend)
     return replace(mcfg, quant=quant, skinny_max_rows=rows)
 
 
-def check_deterministic(mcfg: ModelConfig, quant: QuantConfig | None, device: torch.device) -> None:
+def check_deterministic(
+    mcfg: ModelConfig, quant: QuantConfig | None, device: torch.device, backend: str
+) -> None:
     """Refuse what `--deterministic` cannot make batch-invariant (ValueError saying so)."""
+    if device.type == "cuda" and backend != "triton":
+        raise ValueError(
+            "deterministic: on a GPU only the Triton attention kernels sum in a fixed order "
+            "(the torch backend's batched matmuls go to cuBLAS); pass attention_backend triton"
+        )
     if mcfg.moe is not None:
         raise ValueError(
             "deterministic: the mixture-of-experts kernels group tokens by expert, so a "

@@ -213,9 +213,11 @@ def test_refused_where_it_cannot_hold(tiny_model_dir, options, message):
             LLM(str(tiny_model_dir("qwen3")), device="cpu", deterministic=True, **options)
 
 
-def test_refuses_a_mixture_of_experts(tiny_model_dir):
+def test_refuses_a_mixture_of_experts_and_the_torch_backend_on_cuda(tiny_model_dir):
     mcfg = load_model_config(resolve_source(str(tiny_model_dir("qwen3"))))
     moe = replace(mcfg, moe=MoEConfig(8, 2, 32, True))
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_deterministic(moe, None, torch.device("cpu"))
-    check_deterministic(mcfg, None, torch.device("cpu"))  # a dense model passes
+        check_deterministic(moe, None, torch.device("cpu"), "torch")
+    check_deterministic(mcfg, None, torch.device("cpu"), "torch")  # a dense model passes
+    with pytest.raises(ValueError, match="attention_backend triton"):
+        check_deterministic(mcfg, None, torch.device("cuda"), "torch")
