@@ -254,7 +254,7 @@ class EngineConfig:
         "batch-invariant numerics: a request's token ids and logprobs are bit-identical "
         "whatever runs beside it (batch, prefill chunks, prefix-cache hits, speculation, "
         "overlap); slower. Refused where it cannot hold: tp > 1, a mixture of experts, "
-        "quantized weights on a GPU",
+        "quantized weights",
         "model",
     )
     show_progress: bool = True
@@ -512,8 +512,9 @@ def check_deterministic(
             "deterministic: the mixture-of-experts kernels group tokens by expert, so a "
             "token's sums depend on the batch; use a dense model or drop --deterministic"
         )
-    if quant is not None and (quant.is_int or device.type == "cuda"):
+    if quant is not None:
         raise ValueError(
-            "deterministic: integer weights, and FP8 ones on a GPU, take kernels chosen by the "
-            "row count; serve the model in its 16-bit dtype or drop --deterministic"
+            "deterministic: quantized weights take kernels (and FP8 an activation rounding) "
+            "chosen by the row count; serve the model in its 16-bit dtype or drop "
+            "--deterministic"
         )

@@ -205,8 +205,8 @@ class LinearBase(nn.Module):
         reference path (CPU, or CUDA without the fused kernels) rounds x the same way."""
         if self.lowbit is not None:
             return self.lowbit.matmul(x, self.weight, bias)
-        linear = invariant_linear if self.batch_invariant else F.linear
         if self.quant is None:
+            linear = invariant_linear if self.batch_invariant else F.linear
             return linear(x, self.weight, bias)
         weight_only = x.numel() <= self.quant.gemv_max_rows * x.shape[-1]
         assert self.weight_scale is not None
@@ -223,7 +223,7 @@ class LinearBase(nn.Module):
         w = dequantized(self.weight, self.weight_scale, self.quant, x.dtype)
         if not weight_only:
             x = round_trip_activations(x, self.quant.weight_block)
-        return linear(x, w, bias)
+        return F.linear(x, w, bias)
 
     def one_row(
         self,

@@ -203,6 +203,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch():
     [
         ({"tp_size": 2}, "tp_size 1"),
         ({"quantization": "int8"}, "16-bit dtype"),
+        ({"quantization": "fp8"}, "16-bit dtype"),
     ],
 )
 def test_refused_where_it_cannot_hold(tiny_model_dir, options, message):
