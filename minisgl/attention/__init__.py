@@ -9,16 +9,21 @@ BACKENDS = ("torch", "triton")
 
 
 def make_backend(
-    name: str, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float
+    name: str,
+    pool: KVPool,
+    table: ReqTable,
+    num_q_heads: int,
+    sm_scale: float,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     if name == "torch":
         from minisgl.attention.torch_backend import TorchBackend
 
-        return TorchBackend(pool, table, num_q_heads, sm_scale)
+        return TorchBackend(pool, table, num_q_heads, sm_scale, deterministic)
     if name == "triton":
         from minisgl.attention.triton_backend import TritonBackend
 
-        return TritonBackend(pool, table, num_q_heads, sm_scale)
+        return TritonBackend(pool, table, num_q_heads, sm_scale, deterministic)
     raise ValueError(f"attention backend: {name!r} is not one of {BACKENDS}")
 
 

@@ -91,11 +91,22 @@ class AttentionBackend(ABC):
     # grid depends only on a token bucket): a prefilling step can be one graph.
     supports_mixed_step: bool = False
 
-    def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        table: ReqTable,
+        num_q_heads: int,
+        sm_scale: float,
+        deterministic: bool = False,
+    ) -> None:
+        """`deterministic`: a token's attention sums in one order whatever else the step holds
+        (decodes, prefill chunks, verified drafts of other requests) and however its own request
+        is split into steps."""
         self.pool = pool
         self.table = table
         self.num_q_heads = num_q_heads
         self.sm_scale = sm_scale
+        self.deterministic = deterministic
 
     @abstractmethod
     def prepare(self, inputs: AttentionInputs) -> object:

@@ -23,6 +23,8 @@ _QUERY_BLOCK = 512
 # Elsewhere the torch backend is a reference and keeps one group.
 _GROUP_COST = {"cpu": 256}
 _MAX_GROUP_CANDIDATES = 32
+# Keys per block of the batch-invariant attention (`invariant_attention`).
+_INVARIANT_KEYS = 64
 
 
 @dataclass
@@ -41,6 +43,9 @@ class TorchMeta:
     inputs: AttentionInputs
     ctx_slots: torch.Tensor  # [B, max_seq_len] int64 KV slot of each context position
     groups: list[DecodeGroup] = field(default_factory=list)  # decode steps only
+    # Deterministic mode: each new token's batch row [T] and position [T].
+    token_rows: torch.Tensor | None = None
+    token_pos: torch.Tensor | None = None
 
 
 def context_slots(
@@ -138,6 +143,13 @@ class TorchBackend(AttentionBackend):
             self.pool.page_size,
             inputs.max_seq_len,
         )
+        if self.deterministic:
+            # Padded to whole key blocks; padding and past-the-end positions read the spare
+            # slot (finite, weighed 0).
+            spare = self.pool.spare_loc
+            slots = slots.masked_fill(~valid, spare)
+            slots = F.pad(slots, (0, -slots.shape[1] % _INVARIANT_KEYS), value=spare)
+            return TorchMeta(inputs, slots, [], *token_rows_and_positions(inputs))
         meta = TorchMeta(inputs, slots)
         if inputs.is_decode:
             meta.groups = self._decode_groups(inputs, slots, valid)
@@ -181,6 +193,11 @@ class TorchBackend(AttentionBackend):
         pool = self.pool
         kv = _LayerKV(pool.k(layer), pool.v(layer), pool.scales(layer), pool.k_shift(layer))
         new_k, new_v = kv.store(meta.inputs.out_loc, k, v)
+        if meta.token_rows is not None:
+            assert meta.token_pos is not None
+            return invariant_attention(
+                q, kv, meta.ctx_slots, meta.token_rows, meta.token_pos, self.sm_scale
+            )
         if meta.inputs.is_decode:
             return self._decode(q, kv, meta)
         return self._extend(q, new_k, new_v, kv, meta)
@@ -255,3 +272,46 @@ def causal_attention(
             q[:, :, lo:hi], keys, vals, attn_mask=mask, scale=sm_scale, enable_gqa=True
         )
     return out[0]
+
+
+def token_rows_and_positions(inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch row [T] int64 and the position [T] int64 of each new token of a step."""
+    dev = inputs.cu_extend.device
+    lens = torch.tensor(inputs.extend_lens_host)
+    rows = torch.repeat_interleave(torch.arange(len(lens)), lens).to(dev)
+    offset = torch.arange(rows.shape[0], device=dev) - inputs.cu_extend[rows]
+    return rows, inputs.prefix_lens[rows].long() + offset
+
+
+def invariant_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv: _LayerKV,
+    ctx_slots: torch.Tensor,  # [B, S] int64 context slots, S whole blocks (padding: finite)
+    rows: torch.Tensor,  # [T] int64, each token's request
+    pos: torch.Tensor,  # [T] int64, each token's position: it sees positions 0..pos
+    sm_scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention whose sums do not depend on the step: keys are folded in blocks of
+    `_INVARIANT_KEYS` from position 0 by an online softmax in fp32, each block one batched
+    matmul of one shape per (token, KV head), so a token gets the same bits decoded, verified
+    or in any prefill chunk, beside any other tokens (blocks past its position weigh 0 and
+    leave its sums unchanged)."""
+    t, hq, d = q.shape
+    b, hkv, kb = ctx_slots.shape[0], kv.k_cache.shape[1], _INVARIANT_KEYS
+    qf = q.float().view(t, hkv, hq // hkv, d) * sm_scale  # [T, Hkv, G, D]
+    m = torch.full((t, hkv, hq // hkv, 1), float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros_like(qf)
+    for lo in range(0, ctx_slots.shape[1], kb):
+        keys, vals = kv.read(ctx_slots[:, lo : lo + kb].reshape(-1), torch.float32)
+        # Contiguous: a strided operand lets MKL pick another kernel for some batch sizes.
+        keys = keys.view(b, kb, hkv, d)[rows].permute(0, 2, 3, 1).contiguous()  # [T, Hkv, D, kb]
+        vals = vals.view(b, kb, hkv, d)[rows].transpose(1, 2).contiguous()  # [T, Hkv, kb, D]
+        hidden = torch.arange(lo, lo + kb, device=q.device)[None, :] > pos[:, None]  # [T, kb]
+        scores = torch.matmul(qf, keys).masked_fill(hidden[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        alpha, p = torch.exp(m - m_new), torch.exp(scores - m_new)
+        denom = denom * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, vals)
+        m = m_new
+    return (acc / denom).view(t, hq, d).to(q.dtype)

@@ -8,7 +8,7 @@ width and the split count for every replay, and the kernels read the true length
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,8 +65,15 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_mixed_step = True
 
-    def __init__(self, pool: KVPool, table: ReqTable, num_q_heads: int, sm_scale: float) -> None:
-        super().__init__(pool, table, num_q_heads, sm_scale)
+    def __init__(
+        self,
+        pool: KVPool,
+        table: ReqTable,
+        num_q_heads: int,
+        sm_scale: float,
+        deterministic: bool = False,
+    ) -> None:
+        super().__init__(pool, table, num_q_heads, sm_scale, deterministic)
         self.decode_config: DecodeConfig = default_decode_config(pool.head_dim, pool.quantized)
         self.extend_config: ExtendConfig = default_extend_config(
             pool.head_dim, torch.empty((), dtype=pool.dtype).element_size()
@@ -74,15 +81,21 @@ class TritonBackend(AttentionBackend):
         self.mixed_config: MixedConfig = default_mixed_config(
             pool.head_dim, torch.empty((), dtype=pool.dtype).element_size()
         )
+        if deterministic:
+            self.mixed_config = invariant_mixed_config(self.mixed_config)
         self.num_sms = num_sms(pool.device)
 
-    def prepare(self, inputs: AttentionInputs) -> TritonMeta:
+    def prepare(self, inputs: AttentionInputs) -> TritonMeta | MixedMeta:
         """A mixed step's leading one-token rows (the scheduler puts decodes first) go to the
         decode kernel, which reads each KV head once for its whole query group; an extend
-        tile would spend a BLOCK_M-row tile and a KV read per query head on each of them."""
+        tile would spend a BLOCK_M-row tile and a KV read per query head on each of them.
+        Deterministic: every step is one `mixed_attention` of one split and one tile shape
+        (`invariant_mixed_config`), decode steps (and their CUDA graphs) included."""
         ps = self.pool.page_size
         width = min(-(-inputs.max_seq_len // ps), self.table.max_pages_per_req)
         block_table = self.table.page_table[inputs.req_slots, :width]  # [B, P] gather
+        if self.deterministic:
+            return MixedMeta(inputs.out_loc, block_table, inputs.seq_lens, inputs.cu_extend, 1)
         ext = inputs.extend_lens_host
         nd = inputs.batch_size if inputs.is_decode else _leading_ones(ext)
         num_splits, extend = 1, None
@@ -146,6 +159,15 @@ class TritonBackend(AttentionBackend):
                 out=out[nd:], kv_scales=scales,
             )  # fmt: skip
         return out
+
+
+def invariant_mixed_config(cfg: MixedConfig) -> MixedConfig:
+    """`cfg` with one tile for every row: prefill blocks of the 16 (token, head) rows of a
+    decode tile, and the decode tile's key block. With one split, a token's keys then fold
+    in blocks from position 0 in one order, through one tile shape, whether its request
+    decodes, verifies drafts or prefills, and whatever else the step holds (blocks past its
+    position weigh 0 and leave its sums unchanged)."""
+    return replace(cfg, rows_wide=16, block_n=cfg.block_n_narrow)
 
 
 def _leading_ones(extend_lens: list[int]) -> int:

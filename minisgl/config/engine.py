@@ -13,6 +13,7 @@ from minisgl.config.quant import (
     INT_GROUP,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    QuantConfig,
     check_fp8_device,
     resolve_quantization,
     resolve_skinny_max_rows,
@@ -264,6 +265,14 @@ class EngineConfig:
         "speculative decoding",
         ge=1,
     )
+    deterministic: bool = cli_field(
+        False,
+        "batch-invariant numerics: a request's token ids and logprobs are bit-identical "
+        "whatever runs beside it (batch, prefill chunks, prefix-cache hits, speculation, "
+        "overlap); slower. Refused where it cannot hold: tp > 1, a mixture of experts, "
+        "quantized weights",
+        "model",
+    )
     show_progress: bool = True
     # The KV debug mode (`MINISGL_DEBUG_KV=1`; the tests turn it on): pages given back to the
     # allocator are overwritten with NaN, and giving back a page or slot that a step in flight
@@ -272,6 +281,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.deterministic and self.tp_size > 1:
+            raise ValueError(
+                "deterministic: the all-reduce at tp_size > 1 sums in an order that is not "
+                "fixed; run it at tp_size 1"
+            )
         t = self.itl_target_ms
         if not (t is None or t == "auto" or (isinstance(t, (int, float)) and t >= 0)):
             raise ValueError(
@@ -406,7 +420,8 @@ def apply_env_switches(cfg: EngineConfig) -> EngineConfig:
 def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelConfig:
     """The model config with the weight format the engine builds it in and the rows up to which
     its linear layers take the skinny GEMM (pure, except that an FP8 choice on CUDA checks the
-    device), checking the device for an FP8 KV cache too."""
+    device), checking the device for an FP8 KV cache too and refusing what `--deterministic`
+    cannot hold."""
     group = INT_GROUP if cfg.torch_device.type == "cuda" else CPU_INT_GROUP
     quant = resolve_quantization(
         cfg.quantization, mcfg.quant, cfg.fp8_gemv_max_rows, cfg.fp8_skinny, group
@@ -416,4 +431,28 @@ def resolve_model_quantization(mcfg: ModelConfig, cfg: EngineConfig) -> ModelCon
     if cfg.kv_cache_dtype == "fp8_e4m3":
         check_fp8_device(cfg.torch_device, "--kv-cache-dtype fp8_e4m3")
     rows = resolve_skinny_max_rows(cfg.skinny_max_rows, mcfg.hidden_size)
+    if cfg.deterministic:
+        check_deterministic(mcfg, quant, cfg.torch_device, cfg.attention_backend)
     return replace(mcfg, quant=quant, skinny_max_rows=rows)
+
+
+def check_deterministic(
+    mcfg: ModelConfig, quant: QuantConfig | None, device: torch.device, backend: str
+) -> None:
+    """Refuse what `--deterministic` cannot make batch-invariant (ValueError saying so)."""
+    if device.type == "cuda" and backend != "triton":
+        raise ValueError(
+            "deterministic: on a GPU only the Triton attention kernels sum in a fixed order "
+            "(the torch backend's batched matmuls go to cuBLAS); pass attention_backend triton"
+        )
+    if mcfg.moe is not None:
+        raise ValueError(
+            "deterministic: the mixture-of-experts kernels group tokens by expert, so a "
+            "token's sums depend on the batch; use a dense model or drop --deterministic"
+        )
+    if quant is not None:
+        raise ValueError(
+            "deterministic: quantized weights take kernels (and FP8 an activation rounding) "
+            "chosen by the row count; serve the model in its 16-bit dtype or drop "
+            "--deterministic"
+        )

@@ -92,7 +92,12 @@ class DraftModel:
         self.dummy_loc = self.pool.spare_loc
         sm_scale = mcfg.head_dim**-0.5
         self.backend = make_backend(
-            cfg.attention_backend, self.pool, self.table, self.num_q_heads, sm_scale
+            cfg.attention_backend,
+            self.pool,
+            self.table,
+            self.num_q_heads,
+            sm_scale,
+            cfg.deterministic,
         )
         if max_graph_bs is not None and (self.backend.supports_cuda_graph or not capture):
             self.graphs = CudaGraphRunner(self, capture, max_graph_bs)

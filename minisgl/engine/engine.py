@@ -142,7 +142,12 @@ class Engine:
         )  # fmt: skip
         self.dummy_loc = self.pool.spare_loc
         self.backend = make_backend(
-            cfg.attention_backend, self.pool, self.table, num_q_heads, sm_scale
+            cfg.attention_backend,
+            self.pool,
+            self.table,
+            num_q_heads,
+            sm_scale,
+            cfg.deterministic,
         )
         agreed = f" (the ranks' minimum; this rank's budget holds {own})" if agree_num_pages else ""
         # The start-up summary (`minisgl.engine.startup`) says it once; this line says how the

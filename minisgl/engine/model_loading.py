@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from minisgl.config import EngineConfig, ModelConfig
+from minisgl.layers.linear import set_batch_invariant
 from minisgl.models import build_model
 from minisgl.weights import ModelSource, init_dummy_weights, load_weights
 from minisgl.weights.fp8 import KVScales
@@ -37,5 +38,7 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         kv_scales = load_weights(model, src, mcfg)
+    if cfg.deterministic:
+        set_batch_invariant(model)
     model.eval()
     return model, kv_scales

@@ -365,22 +365,24 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     """logits [B, V] (fp32, or the model's 16-bit dtype: upcast here where the math needs it;
     argmax and the fused kernel take them as they are, the upcast being exact) -> next tokens,
     and log-probs when asked for."""
-    raw = logits
-    logits = adjust_logits(logits, inp)
+    return with_logprobs(logits, draw(adjust_logits(logits, inp), inp), inp)
+
+
+def draw(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """Adjusted logits [B, V] -> each row's token [B] int64: the argmax at temperature 0, else
+    the exponential race over the row's (seed, output index) uniforms."""
     if inp.all_greedy:
-        tokens = logits.argmax(dim=-1)
-    elif use_fused(logits, inp):
+        return logits.argmax(dim=-1)
+    if use_fused(logits, inp):
         from minisgl.engine.sample_kernel import gumbel_argmax
 
         assert inp.keys is not None
-        tokens = gumbel_argmax(logits, inp.temperature, inp.keys)
-    else:
-        greedy_tokens = logits.argmax(dim=-1)
-        probs = sampling_probs(logits, inp)
-        noise = -torch.log(hashed_uniform(inp.seeds, inp.steps, probs.shape[1]))
-        sampled = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(inp.temperature == 0, greedy_tokens, sampled)
-    return with_logprobs(raw, tokens, inp)
+        return gumbel_argmax(logits, inp.temperature, inp.keys)
+    greedy_tokens = logits.argmax(dim=-1)
+    probs = sampling_probs(logits, inp)
+    noise = -torch.log(hashed_uniform(inp.seeds, inp.steps, probs.shape[1]))
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(inp.temperature == 0, greedy_tokens, sampled)
 
 
 def with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, inp: SamplingInputs) -> SampleOutput:

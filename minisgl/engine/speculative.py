@@ -17,6 +17,7 @@ from minisgl.engine.draft_model import DraftModel
 from minisgl.engine.sampler import (
     SamplingInputs,
     adjust_logits,
+    draw,
     hashed_uniform,
     sampling_inputs,
     sampling_probs,
@@ -169,21 +170,14 @@ def verify_step(
     adjusted = adjust_logits(logits, sin)
     width = engine.table.token_table.shape[1]
     draft = engine.table.token_table[slots, (pos + 1).clamp(max=width - 1)].long()  # [N]
-    verdict = greedy_verify(adjusted, draft, has)
-    if not sin.all_greedy:
-        if use_fused(adjusted, sin):
-            assert sin.keys is not None
-            drawn = fused_rejection(adjusted, sin.temperature, sin.keys, draft, has)
-        else:
-            probs = sampling_probs(adjusted, sin)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-            u = hashed_uniform(sin.seeds, sin.steps, probs.shape[1])
-            drawn = rejection_sample(probs, draft, has, u)
-        greedy = sin.temperature == 0
-        verdict = Verdict(
-            torch.where(greedy, verdict.accept, drawn.accept),
-            torch.where(greedy, verdict.choice, drawn.choice),
-        )
+    if engine.config.deterministic:
+        # Each position draws its token as plain decoding would (the same per-position
+        # stream) and a draft stands while it equals the draw: exact for point-mass drafts,
+        # and the very tokens of decoding without drafts.
+        choice = draw(adjusted, sin)
+        verdict = Verdict(has & (choice == draft), choice)
+    else:
+        verdict = _verdict(adjusted, sin, draft, has)
     out = _outputs(engine, sc, logits, sin, draft, verdict.accept, verdict.choice)
     if engine.draft_model is not None and batch.draft_lens:
         assert out.counts is not None
@@ -191,6 +185,28 @@ def verify_step(
             slot, last = batch.seqs[row].slot, batch.prefix_lens[row]
             engine.draft_model.verified(slot, last, batch.draft_lens[row], count - 1)
     return out
+
+
+def _verdict(
+    adjusted: torch.Tensor, sin: SamplingInputs, draft: torch.Tensor, has: torch.Tensor
+) -> Verdict:
+    """Greedy rows accept the argmax; the others take the rejection rule."""
+    verdict = greedy_verify(adjusted, draft, has)
+    if sin.all_greedy:
+        return verdict
+    if use_fused(adjusted, sin):
+        assert sin.keys is not None
+        drawn = fused_rejection(adjusted, sin.temperature, sin.keys, draft, has)
+    else:
+        probs = sampling_probs(adjusted, sin)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        u = hashed_uniform(sin.seeds, sin.steps, probs.shape[1])
+        drawn = rejection_sample(probs, draft, has, u)
+    greedy = sin.temperature == 0
+    return Verdict(
+        torch.where(greedy, verdict.accept, drawn.accept),
+        torch.where(greedy, verdict.choice, drawn.choice),
+    )
 
 
 def fused_rejection(

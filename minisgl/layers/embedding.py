@@ -6,6 +6,7 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.fused import fused_kernels
+from minisgl.layers.linear import invariant_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,6 +44,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     2..`skinny_max_rows` rows (a speculative verify step) take the skinny GEMM
     (`minisgl.kernels.gemv.skinny`) instead of cuBLAS."""
 
+    batch_invariant = False  # `minisgl.layers.linear.set_batch_invariant`
+
     def __init__(
         self,
         vocab_size: int,
@@ -59,7 +62,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         fused = fused_kernels(hidden)
         rows = hidden.shape[0] if hidden.dim() == 2 and hidden.stride(-1) == 1 else 0
         few = 2 <= rows <= min(self.skinny_max_rows, 16)
-        if fused is not None and few:
+        if self.batch_invariant:
+            logits = invariant_linear(hidden, self.weight)  # [N, vocab_local]
+        elif fused is not None and few:
             logits = fused.skinny(hidden, self.weight)  # [N, vocab_local]
         else:
             logits = F.linear(hidden, self.weight)  # [N, vocab_local]

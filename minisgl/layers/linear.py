@@ -82,6 +82,8 @@ class LinearBase(nn.Module):
     checkpoint parts go (`_place`) and, for fused projections, how a fused tensor splits into
     parts (`_part_sizes`)."""
 
+    batch_invariant = False  # `set_batch_invariant`: multiply with `invariant_linear`
+
     def __init__(
         self,
         in_local: int,
@@ -204,7 +206,8 @@ class LinearBase(nn.Module):
         if self.lowbit is not None:
             return self.lowbit.matmul(x, self.weight, bias)
         if self.quant is None:
-            return F.linear(x, self.weight, bias)
+            linear = invariant_linear if self.batch_invariant else F.linear
+            return linear(x, self.weight, bias)
         weight_only = x.numel() <= self.quant.gemv_max_rows * x.shape[-1]
         assert self.weight_scale is not None
         fused = fused_kernels(x)
@@ -370,6 +373,39 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
+
+
+# Rows per matmul of the batch-invariant CPU path: MKL picks its kernel (and so the order of
+# each row's sums) by the row count, but matmuls of one shape sum every row alike, wherever it
+# sits (1.3-2.5x the time of one F.linear on a 2-core x86 CPU).
+INVARIANT_BLOCK_ROWS = 16
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] W^T [K, N] (+ bias) with each row's sums independent of the other rows: on
+    CUDA one Triton GEMM tiling whatever the row count (`minisgl.kernels.gemv.invariant`),
+    elsewhere batched matmuls of exactly `INVARIANT_BLOCK_ROWS` rows (the last block padded)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.is_cuda or fused_kernels(x) is not None:  # (the latter: the interpreter in tests)
+        from minisgl.kernels.gemv.invariant import invariant_matmul
+
+        y = invariant_matmul(x2, weight)
+    else:
+        m, rows, w = x2.shape[0], INVARIANT_BLOCK_ROWS, weight.t()  # w [K, N]
+        blocks = F.pad(x2, (0, 0, 0, -m % rows)).view(-1, rows, x2.shape[1])
+        y = torch.bmm(blocks, w.expand(blocks.shape[0], *w.shape)).flatten(0, 1)[:m]
+    y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def set_batch_invariant(model: nn.Module) -> None:
+    """Every layer of `model` with a batch-invariant path (a `batch_invariant` attribute:
+    linears, the LM head, decoder layers' one-row kernels) takes it: `--deterministic`."""
+    for m in model.modules():
+        if hasattr(type(m), "batch_invariant"):
+            m.batch_invariant = True  # type: ignore[assignment]
 
 
 class OneRowGemv(Protocol):

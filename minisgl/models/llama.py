@@ -83,6 +83,8 @@ class LlamaMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    batch_invariant = False  # `minisgl.layers.linear.set_batch_invariant`: no one-row kernels
+
     def __init__(self, cfg: ModelConfig, attn: LlamaAttention, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = attn
@@ -99,7 +101,7 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, residual): the layer's result is their sum (no residual: the output)."""
-        gemv = one_row_gemv(x, self.quant, self.skinny_max_rows)
+        gemv = None if self.batch_invariant else one_row_gemv(x, self.quant, self.skinny_max_rows)
         # (A mixture of experts' fused path takes one token; a piecewise graph's attention
         # runs between its pieces.)
         few = x.shape[0] == 1 or isinstance(self.mlp, LlamaMLP)
