@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisgl import LLM, SamplingParams
-from minisgl.config import EngineConfig, MoEConfig
+from minisgl.config import EngineConfig
 from minisgl.config.engine import check_deterministic
+from minisgl.config.model import MoEConfig
 from minisgl.layers.linear import invariant_linear
 from minisgl.weights import load_model_config, resolve_source
 
