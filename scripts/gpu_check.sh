@@ -3,7 +3,7 @@
 #   OUT=/dir bash scripts/gpu_check.sh
 #   OUT=/dir STEPS="w1 w1_fp8 w3_fp8 moe moe_fp8 accuracy" bash scripts/gpu_check.sh   # FP8
 # STEPS (default "tests w1 w2 w2_fp8 w3"), any of: tests (TESTS, default tests/gpu), w1, w1_fp8
-# (an FP8 KV cache), w1_int4, w2, w2_fp8 (FP8 weights), w2_int4 (int4 weights), w2_tp2 (2+ GPUs),
+# (an FP8 KV cache), w1_det and w2_det (--deterministic, this tree only), w1_int4, w2, w2_fp8 (FP8 weights), w2_int4 (int4 weights), w2_tp2 (2+ GPUs),
 # w3, w3_fp8 (an e4m3 pool), moe,
 # moe_fp8 (FP8 experts), accuracy (FP8 perplexity and KL; ACC_MODEL, default the embedded
 # SmolLM2), hf (W1 against transformers), spec (W8 with SmolLM2, K = 15), verify (W8's verify
@@ -42,9 +42,11 @@ B="$PY -m minisgl.benchmark"
 run_step tests 300 "$PY" -m pytest -q ${XDIST:-} -p no:cacheprovider -rfE ${TESTS:-tests/gpu}
 bench w1 150 $B.offline --model $M/qwen3-0.6b --load-format dummy
 bench w1_fp8 150 $B.offline --model $M/qwen3-0.6b --load-format dummy --kv-cache-dtype fp8_e4m3
+run_step w1_det 150 $B.offline --model $M/qwen3-0.6b --load-format dummy --deterministic
 bench w1_int4 150 $B.offline --model $M/qwen3-0.6b --load-format dummy --quantization int4
 bench w2 100 $B.latency --model $M/llama-3-8b --load-format dummy
 bench w2_fp8 100 $B.latency --model $M/llama-3-8b --load-format dummy --quantization fp8
+run_step w2_det 100 $B.latency --model $M/llama-3-8b --load-format dummy --deterministic
 bench w2_int4 100 $B.latency --model $M/llama-3-8b --load-format dummy --quantization int4
 if (($("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2)); then
   bench w2_tp2 120 $B.latency --model $M/llama-3-8b --load-format dummy --tp-size 2
