@@ -48,6 +48,7 @@ from minisgl.benchmark.common import (
     time_graph,
     trace_events,
 )
+from minisgl.config import env
 from minisgl.layers.moe import Routing, SparseMoeBlock, moe_reference, select_experts
 
 MODEL_DIR = Path(__file__).parent / "models" / "qwen3-30b-a3b"
@@ -538,7 +539,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--w8a8-block-m",
         type=int,
         default=None,
-        help="the W8A8 path's least BLOCK_M (w8a8.MIN_BLOCK_M; sets MINISGL_MOE_W8A8_BLOCK_M)",
+        help="the W8A8 path's least BLOCK_M (sets MINISGL_MOE_W8A8_BLOCK_M)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default="auto", help="of the decode engine")
@@ -564,16 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{gpu}: copy bandwidth {copy_bw / 1e12:.3f} TB/s")
     result: Row = {"benchmark": "moe", "gpu": gpu, "copy_bw_tb_s": copy_bw / 1e12}
     if args.moe_fp8_weight_only:
-        from minisgl.kernels.moe import w8a8
-
-        os.environ[w8a8.ENV_W8A8] = "0"  # engine processes started from here
-        w8a8.ENABLED = False
+        os.environ[env.MOE_W8A8.name] = "0"  # read at use, here and in engine processes
         result["moe_fp8_weight_only"] = True
     if args.w8a8_block_m is not None:
-        from minisgl.kernels.moe import w8a8
-
-        os.environ[w8a8.ENV_W8A8_BLOCK_M] = str(args.w8a8_block_m)
-        w8a8.MIN_BLOCK_M = args.w8a8_block_m
+        os.environ[env.MOE_W8A8_BLOCK_M.name] = str(args.w8a8_block_m)
         result["w8a8_block_m"] = args.w8a8_block_m
     if args.profile:
         kernels, totals = profile_decode(args.seed, args.attention_backend, args.profile_batch,

@@ -306,9 +306,9 @@ def test_fused_experts_fp8_match_their_dequantized_values(
     against the reference on the fp32 values they stand for. The blocked path's weight-only
     grouped GEMMs: the W8A8 kernels it takes by default quantize the activations too
     (`tests/kernels/test_moe_fp8.py`)."""
-    from minisgl.kernels.moe import w8a8
+    from minisgl.config import env
 
-    monkeypatch.setattr(w8a8, "ENABLED", False)
+    monkeypatch.setenv(env.MOE_W8A8.name, "0")
     hidden, inter = FP8_SHAPES[layout]
     q13, q2, scales, d13, d2 = fp8_experts(6, hidden, inter, layout, seed=11)
     x = torch.randn(5, hidden, device=DEVICE).to(dtype)

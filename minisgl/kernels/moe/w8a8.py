@@ -53,17 +53,12 @@ if TYPE_CHECKING:
     from minisgl.kernels.moe.routing import AlignedRows
 
 GROUP = 128  # columns per activation scale (and the weights' block size)
-ENV_W8A8 = env.MOE_W8A8.name
-# The switch: read once at import; the benchmark's `--moe-fp8-weight-only` clears both.
-ENABLED = env.MOE_W8A8.get()
 MAX_BLOCK_M = 64  # taller blocks (prefill) keep the weight-only path: tiles not sized for them
-# The W8A8 path's own floor on BLOCK_M (`w8a8_block_m`). The token rows are wgmma's N side, so
-# a taller block costs no MMA throughput while the step is memory-bound: at ~16 rows per expert
-# (decode batch 256) BLOCK_M 32 holds most experts' rows in one block, which reads each weight
-# tile once rather than leaning on L2 for the second block. 16 (the weight-only table's) until
-# measured; `MINISGL_MOE_W8A8_BLOCK_M=32` (or `--w8a8-block-m 32` in benchmark.moe) tries it.
-ENV_W8A8_BLOCK_M = env.MOE_W8A8_BLOCK_M.name
-MIN_BLOCK_M = env.MOE_W8A8_BLOCK_M.get()
+# The W8A8 path's floor on BLOCK_M (`w8a8_block_m`) is `MINISGL_MOE_W8A8_BLOCK_M`. The token
+# rows are wgmma's N side, so a taller block costs no MMA throughput while the step is
+# memory-bound: at ~16 rows per expert (decode batch 256) BLOCK_M 32 holds most experts' rows in
+# one block, which reads each weight tile once rather than leaning on L2 for the second block.
+# 16 (the weight-only table's) until measured.
 
 
 @dataclass(frozen=True)
@@ -103,18 +98,19 @@ def w8a8_config(block_m: int) -> W8A8Config:
 
 
 def w8a8_block_m(block_m: int) -> int:
-    """The W8A8 path's BLOCK_M for a call the table gives `block_m`: at least MIN_BLOCK_M."""
-    return min(max(block_m, MIN_BLOCK_M), MAX_BLOCK_M)
+    """The W8A8 path's BLOCK_M for a call the table gives `block_m`: at least
+    `MINISGL_MOE_W8A8_BLOCK_M` (read now)."""
+    return min(max(block_m, env.MOE_W8A8_BLOCK_M.get()), MAX_BLOCK_M)
 
 
 def use_w8a8(x: torch.Tensor, w13: torch.Tensor, block_m: int) -> bool:
-    """Whether the blocked path takes the W8A8 kernels: switched on, e4m3 experts, decode-sized
-    blocks, on CUDA (or in the CPU interpreter, for the tests)."""
+    """Whether the blocked path takes the W8A8 kernels: switched on (`MINISGL_MOE_W8A8`, read
+    now), e4m3 experts, decode-sized blocks, on CUDA (or in the CPU interpreter, for the tests)."""
     return (
-        ENABLED
-        and w13.dtype == torch.float8_e4m3fn
+        w13.dtype == torch.float8_e4m3fn
         and block_m <= MAX_BLOCK_M
         and (x.device.type == "cuda" or is_interpreted(_w8a8_gate_up_kernel))
+        and env.MOE_W8A8.get()
     )
 
 
