@@ -48,8 +48,8 @@ if DEVICE == "cpu" and not COMPILE_MODE and not is_interpreted(F._w8a8_gate_up_k
 
 # Gate/up at 128 columns (quantizes its output in the epilogue) or 64 (a separate launch does);
 # BLOCK_K 64 takes two K steps per activation group.
-FUSED = F.W8A8Config(F.W8A8Tile(128, 128), F.W8A8Tile(64, 128))
-SPLIT = F.W8A8Config(F.W8A8Tile(64, 64), F.W8A8Tile(128, 64))
+FUSED = F.W8A8Config(GemmTile(128, 128, 4, 4), GemmTile(64, 128, 4, 4))
+SPLIT = F.W8A8Config(GemmTile(64, 64, 4, 4), GemmTile(128, 64, 4, 4))
 CONFIGS = pytest.mark.parametrize("config", [FUSED, SPLIT], ids=["fused-quant", "split-quant"])
 
 
@@ -261,7 +261,7 @@ _TYPES = {
 }  # fmt: skip
 
 
-def _variants() -> list[tuple[str, Any, dict[str, Any], F.W8A8Tile]]:
+def _variants() -> list[tuple[str, Any, dict[str, Any], GemmTile]]:
     """Every table entry's two kernels, per-row and block weight scales (and the split-quant
     gate/up variant at BLOCK_M 16)."""
     out = []

@@ -267,6 +267,7 @@ def _w8a8_row(inp: MoEInputs, cfg: Any, experts: tuple[torch.Tensor, torch.Tenso
     from minisgl.kernels.moe import w8a8
     from minisgl.kernels.moe.blocked import down_gemm, gate_up_gemm
     from minisgl.kernels.moe.routing import fused_topk, moe_align
+    from minisgl.kernels.moe.tiles import GemmTile
     from minisgl.layers.moe import Routing, moe_reference
 
     q13, q2, scales = experts
@@ -288,13 +289,13 @@ def _w8a8_row(inp: MoEInputs, cfg: Any, experts: tuple[torch.Tensor, torch.Tenso
         return w8a8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], w8_rows[i], config)
 
     acts = [w8_gate_up(w8a8.w8a8_config(m).gate_up, i) for i in range(len(routed))]
-    gu, _ = best_tile(w8_gate_up, W8A8_GATE_UP, w8a8.W8A8Tile)
+    gu, _ = best_tile(w8_gate_up, W8A8_GATE_UP, GemmTile)
 
     def w8_down(tile: Any, i: int) -> torch.Tensor:
         aq, a_scale = acts[i]
         return w8a8.w8a8_down(aq, a_scale, q2, scales.w2, routed[i][0], w8_rows[i], tile, dtype)
 
-    dn, _ = best_tile(w8_down, W8A8_DOWN, w8a8.W8A8Tile)
+    dn, _ = best_tile(w8_down, W8A8_DOWN, GemmTile)
     tuned = w8a8.W8A8Config(gu, dn)
     routing = Routing(routed[0][0], routed[0][1].long())
     truth = moe_reference(inp.x.float(), q13, q2, routing, scales)

@@ -163,27 +163,28 @@ class ExpertScales(NamedTuple):
     w2: torch.Tensor  # [E, H] per row, or [E, cdiv(H, 128), cdiv(I, 128)]
 
 
-def expert_scale_kind(w: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """The MoE kernels' W_SCALE for an expert stack `w` [E, N, K]: 0 for 16/32-bit experts, 1
-    for e4m3 with a scale per row ([E, N]), 2 per 128 x 128 block ([E, cdiv(N, 128),
-    cdiv(K, 128)])."""
-    assert is_fp8(w.dtype) == (scale is not None), "e4m3 experts need their scales (and only they)"
+def weight_scale_kind(w: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The kernels' W_SCALE for a weight (or expert stack) `w` [..., N, K]: 0 for 16/32-bit
+    weights, 1 for e4m3 with a scale per row ([..., N]), 2 per 128 x 128 block ([...,
+    cdiv(N, 128), cdiv(K, 128)]); fp32 scales, last dim contiguous."""
+    assert is_fp8(w.dtype) == (scale is not None), "e4m3 weights need their scales (and only they)"
     if scale is None:
         return 0
-    assert scale.dtype == torch.float32 and scale.is_contiguous()
-    e, n, k = w.shape
-    if scale.dim() == 2:
-        assert scale.shape == (e, n)
+    assert scale.dtype == torch.float32 and scale.stride(-1) == 1
+    *lead, n, k = w.shape
+    if scale.dim() == w.dim() - 1:
+        assert scale.shape == (*lead, n)
         return 1
-    assert scale.shape == (e, -(-n // BLOCK), -(-k // BLOCK))
+    assert scale.shape == (*lead, -(-n // BLOCK), -(-k // BLOCK))
     return 2
 
 
 def expert_scale_args(
-    scale: torch.Tensor | None, fallback: torch.Tensor
-) -> tuple[torch.Tensor, int, int]:
-    """(pointer, stride per expert, stride per block row) of an expert stack's scales for the
-    MoE kernels; `fallback` (never read) when there are none."""
+    w: torch.Tensor, scale: torch.Tensor | None
+) -> tuple[int, torch.Tensor, int, int]:
+    """(W_SCALE, pointer, stride per expert, stride per block row) of an expert stack's scales
+    for the MoE kernels; the stack itself (never read) when there are none."""
+    kind = weight_scale_kind(w, scale)
     if scale is None:
-        return fallback, 0, 0
-    return scale, scale.stride(0), scale.stride(1) if scale.dim() == 3 else 0
+        return 0, w, 0, 0
+    return kind, scale, scale.stride(0), scale.stride(1) if kind == 2 else 0

@@ -7,28 +7,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from minisgl.kernels.common import pdl_args, pdl_prologue
-from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
+from minisgl.kernels.common import dot_flags, pdl_args, pdl_prologue
+from minisgl.kernels.fp8 import expert_scale_args
 from minisgl.kernels.moe.common import row_block_scales, sorted_block
 from minisgl.kernels.moe.routing import AlignedRows
-from minisgl.kernels.moe.tiles import (
-    GemmTile,
-    _block_tile,
-)
-
-
-def _flags(dtype: torch.dtype, kernel: object) -> tuple[bool, bool]:
-    """(IEEE, UPCAST) for the dots: exact fp32 products (no TF32) for fp32 inputs; Triton's
-    CPU interpreter multiplies 16-bit operands wrongly, so there they are widened first."""
-    upcast = dtype != torch.float32 and isinstance(kernel, InterpretedFunction)
-    return dtype == torch.float32, upcast
+from minisgl.kernels.moe.tiles import GemmTile, _block_tile
 
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a [M, K] @ b [K, N] with fp32 accumulation."""
+    """acc + a [M, K] @ b [K, N] with fp32 accumulation (UPCAST: the interpreter's bf16, as
+    `common.dot`'s EMULATE_BF16)."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -37,9 +27,6 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-# ---- 3, 4. grouped GEMMs -----------------------------------------------------------------------
 
 
 # `numel` (tokens x top_k) changes every step: no variant per "% 16" (a JIT compile mid-serving).
@@ -58,18 +45,15 @@ def _gate_up_kernel(
     IEEE: tl.constexpr, UPCAST: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # Program (m, n): block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I. The
-    # grid runs m fastest, so neighbouring programs share an expert's weight tile in L2.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I. The grid runs m
+    # fastest, so neighbouring programs share an expert's weight tile in L2.
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
+    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < inter
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn  # [BLOCK_K, BLOCK_N]
@@ -123,15 +107,12 @@ def _down_kernel(
     UPCAST: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)  # block m x columns n of H
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < hidden
+    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     s_expert = s_ptr + expert * stride_se
@@ -166,11 +147,10 @@ def gate_up_gemm(
     scale: torch.Tensor | None = None,  # e4m3 w13: ExpertScales.w13
 ) -> torch.Tensor:  # [max_blocks * block_m, I]
     inter = w13.shape[1] // 2
-    w_scale = expert_scale_kind(w13, scale)
+    w_scale, s, stride_se, stride_sn = expert_scale_args(w13, scale)
     tile = _block_tile(tile, w_scale)
     act = torch.empty(rows.sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
-    s, stride_se, stride_sn = expert_scale_args(scale, act)
-    ieee, upcast = _flags(x.dtype, _gate_up_kernel)
+    ieee, upcast = dot_flags(x.dtype, _gate_up_kernel)
     grid = (rows.max_blocks, triton.cdiv(inter, tile.block_n))
     _gate_up_kernel[grid](
         x, w13, act, rows.sorted_ids, rows.block_expert, rows.num_padded, s,
@@ -192,11 +172,10 @@ def down_gemm(
 ) -> torch.Tensor:  # [T * K, H]
     numel = topk_weights.numel()
     hidden, inter = w2.shape[1], w2.shape[2]
-    w_scale = expert_scale_kind(w2, scale)
+    w_scale, s, stride_se, stride_sn = expert_scale_args(w2, scale)
     tile = _block_tile(tile, w_scale)
     out = torch.empty(numel, hidden, dtype=act.dtype, device=act.device)
-    s, stride_se, stride_sn = expert_scale_args(scale, out)
-    ieee, upcast = _flags(act.dtype, _down_kernel)
+    ieee, upcast = dot_flags(act.dtype, _down_kernel)
     grid = (rows.max_blocks, triton.cdiv(hidden, tile.block_n))
     _down_kernel[grid](
         act, w2, out, topk_weights, rows.sorted_ids, rows.block_expert, rows.num_padded, s,

@@ -1,37 +1,25 @@
 """The blocked MoE path with FP8 activations too (W8A8; imports Triton).
 
-At decode batch 256 of Qwen3-30B-A3B (128 experts, top 8) an expert gets ~16 rows, so the
-blocked path's grouped GEMMs (`minisgl.kernels.moe`) run tl.dot on 16-row blocks. On sm_90
-Triton lowers an M=16 dot to mma.sync, which has no e4m3 form there: FP8 experts are widened to
-bf16 element by element in registers and barely beat bf16 experts, though they read half the
-bytes. Hopper's warpgroup MMA (wgmma) multiplies e4m3 x e4m3 natively, but its M side is 64
-rows. Here both operands are e4m3 and A/B are swapped: each program computes the transposed
-tile out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @ A^T [BLOCK_K, BLOCK_M], so the weights
-fill wgmma's M side and the few gathered token rows are its N side (8..256, any multiple of 8).
-Both operands are K-major in shared memory (W rows and A rows are K-contiguous), which is what
-FP8 wgmma requires.
+At decode batch 256 of Qwen3-30B-A3B an expert gets ~16 rows. On sm_90 Triton lowers an M=16
+dot to mma.sync, which has no e4m3 form, so the weight-only kernels widen e4m3 experts to bf16
+in registers. Hopper's wgmma multiplies e4m3 x e4m3 natively but its M side is 64 rows, so here
+A and B are swapped: each program computes out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @
+A^T [BLOCK_K, BLOCK_M]; the weights fill wgmma's M side, the gathered token rows its N side.
+Both operands are K-major in shared memory, as FP8 wgmma requires.
 
-Activations are quantized per token and group of 128 columns (the DeepSeek-V3 / vLLM
-"per-token-group" scheme): each K step of 128 columns is one e4m3 dot started from zero, then
-added to the fp32 accumulator times the activation group's scale (and a 128 x 128 weight block's
-scale). Promoting every 128 columns also bounds the reduced precision of Hopper's FP8 MMA
-accumulator (`minisgl.kernels.fp8.gemm`); per-row weight scales are applied once at the end.
+Activations are quantized per token and group of 128 columns: each 128-column K step is one
+e4m3 dot from zero, added to the fp32 accumulator times the group's activation scale (and the
+weight block's scale), which also bounds the reduced precision of Hopper's FP8 accumulator;
+per-row weight scales are applied once at the end.
 
-Launches per layer after `fused_topk` and `moe_align` (shared with the weight-only path):
+Launches after `fused_topk` and `moe_align`: `quantize_activations` (x -> e4m3 + [T, H/128]
+scales); `_w8a8_gate_up_kernel` (silu(gate) * up; with BLOCK_N == 128 a program holds whole
+groups of I and quantizes its output itself, else a separate `quantize_activations` follows);
+`_w8a8_down_kernel` (times the routing weight, per (token, k) row); the sum over k.
 
-1. `quantize_activations` (`minisgl.kernels.fp8.gemm`): x [T, H] -> e4m3 + [T, H/128] scales.
-2. `_w8a8_gate_up_kernel`: silu(gate) * up of each sorted row. With BLOCK_N == 128 a program
-   holds whole 128-column groups of I, so its epilogue quantizes the result itself (e4m3 +
-   one scale per row and group); narrower tiles write 16-bit activations and a separate
-   `quantize_activations` launch follows (a group would span two programs).
-3. `_w8a8_down_kernel`: the down projection times the routing weight, per (token, k) row.
-4. the sum over k (as the weight-only path).
-
-On by default since measured on the H200 (Qwen3-30B-A3B shape, dummy weights, decode batch
-256: 16,041 tok/s against 10,964 with bf16 experts, 1.46x; the weight-only path: 1.05x):
-e4m3 experts on CUDA take it (`use_w8a8`) on rows `moe_align` pads to its own BLOCK_M
-(`w8a8_block_m`); `MINISGL_MOE_W8A8=0` keeps them on the weight-only grouped GEMMs. Its
-accuracy on a real MoE checkpoint is not measured.
+On by default (H200, Qwen3-30B-A3B shape, decode batch 256: 16,041 tok/s against 10,964 with
+bf16 experts; the weight-only path 1.05x): e4m3 experts on CUDA take it (`use_w8a8`) on rows
+`moe_align` pads to `w8a8_block_m`; `MINISGL_MOE_W8A8=0` keeps the weight-only GEMMs.
 """
 
 from __future__ import annotations
@@ -45,50 +33,38 @@ import triton.language as tl
 
 from minisgl.config import env
 from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
-from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
+from minisgl.kernels.fp8 import expert_scale_args
 from minisgl.kernels.fp8.gemm import quantize_activations
 from minisgl.kernels.moe.common import row_block_scales, sorted_block
+from minisgl.kernels.moe.tiles import GemmTile
 
 if TYPE_CHECKING:
     from minisgl.kernels.moe.routing import AlignedRows
 
 GROUP = 128  # columns per activation scale (and the weights' block size)
 MAX_BLOCK_M = 64  # taller blocks (prefill) keep the weight-only path: tiles not sized for them
-# The W8A8 path's floor on BLOCK_M (`w8a8_block_m`) is `MINISGL_MOE_W8A8_BLOCK_M`. The token
-# rows are wgmma's N side, so a taller block costs no MMA throughput while the step is
-# memory-bound: at ~16 rows per expert (decode batch 256) BLOCK_M 32 holds most experts' rows in
-# one block, which reads each weight tile once rather than leaning on L2 for the second block.
-# 16 (the weight-only table's) until measured.
-
-
-@dataclass(frozen=True)
-class W8A8Tile:
-    block_n: int  # weight rows per program: wgmma's M side, a multiple of 64
-    block_k: int = GROUP  # must divide 128: one activation scale per row and K step
-    num_warps: int = 4
-    num_stages: int = 4
+# The least BLOCK_M is `MINISGL_MOE_W8A8_BLOCK_M` (16 until 32 is measured: token rows are
+# wgmma's N side, so a taller block costs no MMA work and reads each weight tile once).
 
 
 @dataclass(frozen=True)
 class W8A8Config:
-    gate_up: W8A8Tile
-    down: W8A8Tile
+    """The two kernels' tiles: block_n (weight rows per program) is wgmma's M side, a multiple of
+    64; block_k must divide 128 (one activation scale per row and K step)."""
+
+    gate_up: GemmTile
+    down: GemmTile
 
 
-# Tiles by the blocked path's BLOCK_M (`FusedMoEConfig.block_m`, up to MAX_BLOCK_M): starting
-# points for an H200 at the Qwen3-30B-A3B shape, not swept yet (the BLOCK_M 16 entry gave the
-# 1.46x decode figure above at batch 256; `python -m minisgl.benchmark.tune w8a8` times them
-# against the weight-only kernels and a few other tiles). Gate/up at
-# 128 columns of I quantizes its output in its epilogue; 4 stages of its 2 x 128 x 128 + 16 x
-# 128 bytes fill 136 KiB of shared memory (one program per SM, ~100 KiB of loads in flight).
-# Down at 64 columns of H spreads an expert's weights over more programs (its K loop is only
-# I / 128 = 6 steps). Taller blocks take 8 warps: two warpgroups split the weight rows, which
-# keeps the 2 x [128, BLOCK_M] fp32 accumulators of gate/up in registers (4 warps at BLOCK_M
-# 32 reach 255 registers).
+# Tiles by the blocked path's BLOCK_M (up to MAX_BLOCK_M): starting points for an H200 at the
+# Qwen3-30B-A3B shape (`python -m minisgl.benchmark.tune w8a8` times others). Gate/up at 128
+# columns of I quantizes in its epilogue; down at 64 columns of H spreads an expert over more
+# programs (its K loop is only I / 128 = 6 steps); taller blocks take 8 warps, which keeps
+# gate/up's two [128, BLOCK_M] fp32 accumulators in registers.
 W8A8_CONFIGS: dict[int, W8A8Config] = {
-    16: W8A8Config(W8A8Tile(128, 128, 4, 4), W8A8Tile(64, 128, 4, 4)),
-    32: W8A8Config(W8A8Tile(128, 128, 8, 4), W8A8Tile(64, 128, 4, 4)),
-    64: W8A8Config(W8A8Tile(128, 128, 8, 3), W8A8Tile(128, 128, 8, 3)),
+    16: W8A8Config(GemmTile(128, 128, 4, 4), GemmTile(64, 128, 4, 4)),
+    32: W8A8Config(GemmTile(128, 128, 8, 4), GemmTile(64, 128, 4, 4)),
+    64: W8A8Config(GemmTile(128, 128, 8, 3), GemmTile(128, 128, 8, 3)),
 }
 
 
@@ -140,18 +116,15 @@ def _w8a8_gate_up_kernel(
     EMULATE_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # Program (m, n): block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I, as the
-    # transposed tiles gate^T, up^T [BLOCK_N, BLOCK_M] (see the module docstring).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I, as the transposed
+    # tiles gate^T, up^T [BLOCK_N, BLOCK_M] (see the module docstring).
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
+    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < inter
     # Both tiles K-contiguous, as FP8 wgmma wants them in shared memory.
     a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -222,17 +195,13 @@ def _w8a8_down_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # Program (m, n): block m of the sorted rows x columns [n * BLOCK_N, +BLOCK_N) of H, as the
-    # transposed tile out^T [BLOCK_N, BLOCK_M].
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Block m of the sorted rows x columns [n * BLOCK_N, +BLOCK_N) of H, as out^T.
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < hidden
+    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
     as_rows = as_ptr + rows.to(tl.int64) * stride_ast  # [BLOCK_M]
@@ -263,7 +232,7 @@ def _w8a8_down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
 
 
-def _check_tile(tile: W8A8Tile) -> None:
+def _check_tile(tile: GemmTile) -> None:
     assert GROUP % tile.block_k == 0, "a K step must lie in one 128-column group"
 
 
@@ -274,7 +243,7 @@ def w8a8_gate_up(
     scale: torch.Tensor,  # ExpertScales.w13
     rows: AlignedRows,
     top_k: int,
-    tile: W8A8Tile,
+    tile: GemmTile,
     out_dtype: torch.dtype = torch.bfloat16,  # of the activations when BLOCK_N != 128
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [max_blocks * block_m, I], fp32 [.., I/128]
     """silu(gate) * up of every sorted row, quantized per 128-column group."""
@@ -282,13 +251,12 @@ def w8a8_gate_up(
     assert xq.dtype == torch.float8_e4m3fn and xq.stride(1) == 1 and xq.shape[1] == hidden
     assert xs.shape == (xq.shape[0], triton.cdiv(hidden, GROUP)) and xs.stride(1) == 1
     _check_tile(tile)
-    w_scale = expert_scale_kind(w13, scale)
+    w_scale, _, stride_se, stride_sn = expert_scale_args(w13, scale)
     n_rows, groups = rows.sorted_ids.shape[0], triton.cdiv(inter, GROUP)
     fused = tile.block_n == GROUP  # a program holds exactly one group of I: quantize in place
     dev = xq.device
     act = torch.empty(n_rows, inter, dtype=torch.float8_e4m3fn if fused else out_dtype, device=dev)
     acts = torch.empty(n_rows, groups, dtype=torch.float32, device=dev)
-    _, stride_se, stride_sn = expert_scale_args(scale, act)
     grid = (rows.max_blocks, triton.cdiv(inter, tile.block_n))
     _w8a8_gate_up_kernel[grid](
         xq, xs, w13, scale, act, acts, rows.sorted_ids, rows.block_expert, rows.num_padded,
@@ -312,7 +280,7 @@ def w8a8_down(
     scale: torch.Tensor,  # ExpertScales.w2
     topk_weights: torch.Tensor,  # [T, K] fp32
     rows: AlignedRows,
-    tile: W8A8Tile,
+    tile: GemmTile,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [T * K, H]
     numel = topk_weights.numel()
@@ -320,9 +288,8 @@ def w8a8_down(
     assert aq.shape == (rows.sorted_ids.shape[0], inter) and aq.stride(1) == 1
     assert a_scale.shape == (aq.shape[0], triton.cdiv(inter, GROUP)) and a_scale.stride(1) == 1
     _check_tile(tile)
-    w_scale = expert_scale_kind(w2, scale)
+    w_scale, _, stride_se, stride_sn = expert_scale_args(w2, scale)
     out = torch.empty(numel, hidden, dtype=out_dtype, device=aq.device)
-    _, stride_se, stride_sn = expert_scale_args(scale, out)
     grid = (rows.max_blocks, triton.cdiv(hidden, tile.block_n))
     _w8a8_down_kernel[grid](
         aq, a_scale, w2, scale, out, topk_weights, rows.sorted_ids, rows.block_expert,
