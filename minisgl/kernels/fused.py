@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.attention.common import quantize_fp8, store_args, v_row_ptrs
-from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
 from minisgl.kernels.fp8.gemm import fp8_linear as fp8_linear
 from minisgl.kernels.gemv.gemv import gemv as gemv
 from minisgl.kernels.gemv.skinny import skinny as skinny
@@ -239,7 +239,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), positions.stride(0), q_heads,
         kv_heads, eps, HAS_NORM=has_norm, STORE=store is not None, KV_FP8=fp8,
-        EMULATE_FP8=fp8 and emulate_fp8(_qk_norm_rope_kernel), PAGE_SIZE=page_size, HALF=dim // 2,
+        EMULATE_FP8=fp8 and is_interpreted(_qk_norm_rope_kernel), PAGE_SIZE=page_size, HALF=dim // 2,
         BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)), num_warps=4,
         **pdl_args(q.device),
     )  # fmt: skip

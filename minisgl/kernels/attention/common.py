@@ -26,7 +26,11 @@ def check_paged_args(
         assert t is None or (t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous())
     _, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    check_head_dim(head_dim)
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"head_dim {head_dim} is not supported by the Triton attention kernels: "
+            "use a power of two between 16 and 256"
+        )
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     assert k_cache.shape[2] == head_dim
@@ -46,11 +50,14 @@ def paged_launch(
     seq_lens: torch.Tensor,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor | None,
+    cu_extend: torch.Tensor | None = None,
+    extend_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[int, ...], dict[str, bool]]:
-    """What every paged attention launch shares: (the output: `out`, checked, or a new tensor
-    like q; K's and V's scales (`seq_lens`, never read, for a 16-bit cache); the nine strides in
-    the kernels' order (q's token and head, K's, V's, the block table's row, out's token and
-    head); the KV_FP8, IEEE, EMULATE_BF16 and PDL flags)."""
+    """What every paged attention launch shares, its arguments checked (`check_paged_args`):
+    (the output: `out` or a new tensor like q; K's and V's scales (`seq_lens`, never read, for
+    a 16-bit cache); the nine strides in the kernels' order (q's token and head, K's, V's, the
+    block table's row, out's token and head); the KV_FP8, IEEE, EMULATE_BF16 and PDL flags)."""
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend, extend_lens)
     fp8 = check_kv_scales(k_cache, kv_scales, k_cache.shape[1])
     if out is None:
         out = torch.empty_like(q)
@@ -113,14 +120,6 @@ def store_args(
     assert k_shift.shape == k_cache.shape[1:] and k_shift.dtype == torch.float32
     assert k_shift.is_contiguous()
     return page_size, True, scales[0], scales[1], k_shift
-
-
-def check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(
-            f"head_dim {head_dim} is not supported by the Triton attention kernels: "
-            "use a power of two between 16 and 256"
-        )
 
 
 @triton.jit

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from minisgl.kernels.attention.common import (
     attend_keys,
-    check_paged_args,
     check_tile_sizes,
     combine_splits,
     kv_split_len,
@@ -179,7 +178,6 @@ def decode_attention(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert seq_lens.shape == (batch,)
-    check_paged_args(q, k_cache, v_cache, block_table, seq_lens)
     out, (k_scale, v_scale), strides, flags = paged_launch(
         _decode_split_kernel, q, k_cache, v_cache, block_table, seq_lens, kv_scales, out
     )

@@ -17,7 +17,6 @@ import triton.language as tl
 
 from minisgl.kernels.attention.common import (
     attend_keys,
-    check_paged_args,
     check_tile_sizes,
     load_q,
     normalize,
@@ -136,10 +135,8 @@ def extend_attention(
     scales."""
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend, extend_lens)
-    out, (k_scale, v_scale), strides, flags = paged_launch(
-        _extend_kernel, q, k_cache, v_cache, block_table, seq_lens, kv_scales, out
-    )
+    out, (k_scale, v_scale), strides, flags = paged_launch(_extend_kernel, q, k_cache, v_cache,
+        block_table, seq_lens, kv_scales, out, cu_extend, extend_lens)  # fmt: skip
     cfg = config or default_extend_config(head_dim, q.element_size())
     if num_tokens == 0 or batch == 0 or max_extend_len == 0:
         return out

@@ -30,7 +30,6 @@ import triton.language as tl
 
 from minisgl.kernels.attention.common import (
     attend_keys,
-    check_paged_args,
     check_tile_sizes,
     combine_splits,
     fp8_operand,
@@ -118,18 +117,12 @@ def _load_q(q_ptr, rows, heads, valid, stride_qt, stride_qh, HEAD_DIM: tl.conste
 
 @triton.jit(do_not_specialize=["stride_bt", "num_requests", "num_rows", "num_splits"])
 def _mixed_kernel(
-    q_ptr,  # [Tp, Hq, D]
-    k_ptr,  # [slots, Hkv, D]
-    v_ptr,  # [slots, Hkv, D]; FP8: [pages, Hkv, D, PAGE_SIZE] (`KVPool`)
-    block_table_ptr,  # [Bmax, P] int32
-    seq_lens_ptr,  # [Bmax] int32
-    cu_extend_ptr,  # [Bmax+1] int32
-    o_ptr,  # [Tp, Hq, D]
+    # as `_extend_kernel`'s (Tp rows, Bmax requests), without extend_lens_ptr
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, cu_extend_ptr, o_ptr,
     part_o_ptr,  # [Bmax, Hkv, ROWS_N, num_splits, D] fp32 (SPLIT)
     part_lse_ptr,  # [Bmax, Hkv, ROWS_N, num_splits] fp32 (SPLIT)
     counter_ptr,  # [Bmax, Hkv] int32, zero between launches (SPLIT)
-    k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
-    v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    k_scale_ptr, v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ot,
     stride_oh,
     num_requests,  # Bmax
@@ -328,9 +321,8 @@ def mixed_attention(
     num_rows, num_q_heads, head_dim = q.shape
     num_requests = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[1]
-    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend)
     out, (k_scale, v_scale), strides, flags = paged_launch(
-        _mixed_kernel, q, k_cache, v_cache, block_table, seq_lens, kv_scales, out
+        _mixed_kernel, q, k_cache, v_cache, block_table, seq_lens, kv_scales, out, cu_extend
     )
     cfg = config or default_mixed_config(head_dim, q.element_size())
     if num_splits < 1:

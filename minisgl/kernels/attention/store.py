@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.attention.common import quantize_fp8, store_args, v_row_ptrs
-from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -69,6 +69,6 @@ def store_kv(
         k_cache, v_cache, loc, k, v, k_scale, v_scale, shift, k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_HEADS=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
-        KV_FP8=fp8, EMULATE_FP8=fp8 and emulate_fp8(_store_kv_kernel), PAGE_SIZE=page_size,
+        KV_FP8=fp8, EMULATE_FP8=fp8 and is_interpreted(_store_kv_kernel), PAGE_SIZE=page_size,
         num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_args(k.device),
     )  # fmt: skip

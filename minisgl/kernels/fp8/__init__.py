@@ -44,12 +44,10 @@ def quantize_kv(
 
 
 # ---- an FP8 pool's V: each page stored [Hkv, D, page_size] -------------------------------------
-# The P V product wants each channel's keys side by side (the tensor cores' operand layout for V
-# in the dot). 16-bit V gets there through a transposing shared-memory load (ldmatrix.trans);
-# e4m3 has none, so the Triton kernels would move V byte by byte (on the H200 that held the FP8
-# decode kernel to ~0.65 of the copy bandwidth at 200 registers per thread). An FP8 pool keeps
-# its V transposed within each page instead: a [pages, Hkv, D, page_size] tensor over the same
-# memory as [slots, Hkv, D]. K keeps the row layout (q K^T wants a key's channels together).
+# The P V product wants each channel's keys side by side. 16-bit V gets there through a
+# transposing shared-memory load; e4m3 has none, so an FP8 pool keeps its V transposed within
+# each page: a [pages, Hkv, D, page_size] tensor over the memory of [slots, Hkv, D]. K keeps the
+# row layout (q K^T wants a key's channels together).
 
 
 def v_pages(v: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -200,12 +200,10 @@ def _x_rows_tile(
     rows,  # [ROWS, 1, 1, 1]: rows of x below M
     ACT: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """(x at `cols` as multiplied: times the norm weight (NORM) and the block scales (W_SCALE
-    2), fp32 [ROWS, 1, BLOCK_K // VEC, VEC]; the sums of squares of its raw values
-    [ROWS, 1, BLOCK_K // VEC] (zeros without NORM)). Applied as x is loaded, one
-    step ahead. The norm weight and the scales are read as [ROWS, ...] tiles (one L1 read per
-    row): a [1, ...] tile is laid out on its own by the compiler, which then moves the whole
-    product to that layout, a shared-memory round trip each step."""
+    """(x at `cols` times the norm weight (NORM) and the block scales (W_SCALE 2), fp32; the
+    sums of squares of its raw values [ROWS, 1, BLOCK_K // VEC] (zeros without NORM)). The norm
+    weight and scales are read as [ROWS, ...] tiles: a [1, ...] tile would get a layout of its
+    own, and the product a shared-memory round trip each step."""
     x = _load_x(x_rows, cols, K, ACT, rows)
     if NORM:
         ss = tl.sum(x * x, 3)
@@ -244,13 +242,10 @@ def _step_sums(
     WIDEN: tl.constexpr, HALVES: tl.constexpr, KEEP_VEC: tl.constexpr, WORDS: tl.constexpr,
     ROWS: tl.constexpr, S: tl.constexpr, XV: tl.constexpr,
 ):  # fmt: skip
-    """`acc` plus the step's products: summed over each thread's VEC columns (a multiply and
-    an add tree), or with KEEP_VEC one partial sum per column (ACC_W = VEC; one FMA per weight,
-    VEC times the registers). With HALVES 2 (one 16-byte load of 16 e4m3 weights against two
-    of x) the two halves of x are joined in registers (fp32, one value a register: no
-    instructions) into the weights' layout: every operand keeps one thread's columns, so
-    nothing moves between threads. With WORDS each int32 of weights meets x split by byte
-    position (x[4i + j] for byte j of word i; ACC_W = VEC // 4 with KEEP_VEC)."""
+    """`acc` plus the step's products, summed over each thread's VEC columns or (KEEP_VEC) one
+    partial sum per column. With HALVES 2 (16 e4m3 weights against two 16-byte loads of x) the
+    halves of x are joined in registers into the weights' layout (no instructions); with WORDS
+    each int32 of weights meets x split by byte position (x[4i + j] for byte j of word i)."""
     if HALVES == 2:
         x = tl.reshape(tl.permute(tl.join(x, x2), [0, 1, 2, 4, 3]), [ROWS, 1, S, 2 * XV])
     if WORDS:
@@ -274,9 +269,8 @@ def _step_sums(
 
 @triton.jit
 def _bytes(words, WIDEN: tl.constexpr):
-    """The four e4m3 bytes of each int32 (byte j: column 4i + j) in fp32. WIDEN 2 (CUDA only,
-    inline PTX): each 16-bit half is one hardware conversion of two e4m3 to f16x2, then each
-    half to fp32: no byte extraction (1.5 instructions a weight)."""
+    """The four e4m3 bytes of each int32 (byte j: column 4i + j) in fp32. WIDEN 2 (CUDA, inline
+    PTX): one conversion of each 16-bit half to f16x2, then to fp32 (1.5 instructions a weight)."""
     if WIDEN == 2:
         b0, b1, b2, b3 = tl.inline_asm_elementwise(
             asm="""{
@@ -316,11 +310,9 @@ def _byte(words, J: tl.constexpr):
 @triton.jit
 def _steps_cols(S: tl.constexpr, W: tl.constexpr):
     """[S, W] offsets s * W + w: a K step's columns (or words) as S pieces of W, each one
-    thread's. Declared contiguous in pairs along S (they are not): the compiler lays a tile's
-    threads along its most contiguous dims first and breaks ties by dim order, which triton
-    3.6 and 3.9 take in opposite directions; this puts the threads along S in both (3.6 would
-    otherwise spread them over the weight rows and move every weight tile through shared
-    memory to meet x). Only the order comes from it: loads vectorize along W alone."""
+    thread's. Declared contiguous in pairs along S (they are not), so that triton 3.6 and 3.9
+    both lay the threads along S (ties in contiguity are broken in opposite directions), not
+    over the weight rows; loads still vectorize along W alone."""
     return tl.max_contiguous(tl.arange(0, S)[:, None] * W + tl.arange(0, W)[None, :], [2, W])
 
 

@@ -15,6 +15,13 @@ def row_block_scales(s_ptr, rows, block_col, stride_sn, mask):
 
 
 @triton.jit
+def block_done(num_padded_ptr, BLOCK_M: tl.constexpr):
+    """(pid_m, pid_n, whether block pid_m lies past the padded rows in use: nothing to do)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    return pid_m, pid_n, pid_m * BLOCK_M >= tl.load(num_padded_ptr)
+
+
+@triton.jit
 def sorted_block(
     sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, n_cols, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

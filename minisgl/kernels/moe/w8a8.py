@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 
 from minisgl.config import env
-from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue, round_e4m3
 from minisgl.kernels.fp8 import expert_scale_args
 from minisgl.kernels.fp8.gemm import quantize_activations
-from minisgl.kernels.moe.common import row_block_scales, sorted_block
+from minisgl.kernels.moe.common import block_done, row_block_scales, sorted_block
 from minisgl.kernels.moe.tiles import GemmTile
 
 if TYPE_CHECKING:
@@ -107,8 +107,7 @@ def _w8a8_gate_up_kernel(
     act_ptr,  # [max_blocks * BLOCK_M, I] in sorted order: e4m3 (QUANT_OUT) or 16-bit
     acts_ptr,  # [max_blocks * BLOCK_M, cdiv(I, 128)] fp32 (QUANT_OUT)
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, numel,
-    inter,  # I
-    hidden,  # H
+    inter, hidden,  # I, H
     stride_xt, stride_xst, stride_we, stride_wn, stride_at, stride_ast, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_SCALE: tl.constexpr,
@@ -118,8 +117,8 @@ def _w8a8_gate_up_kernel(
     pdl_prologue(PDL)
     # Block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I, as the transposed
     # tiles gate^T, up^T [BLOCK_N, BLOCK_M] (see the module docstring).
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
+    if done:
         return
     rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
         sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, BLOCK_M, BLOCK_N, BLOCK_K
@@ -188,16 +187,15 @@ def _w8a8_down_kernel(
     out_ptr,  # [T * K, H]: row t * K + k
     topk_weights_ptr,  # [T * K] fp32
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, numel,
-    hidden,  # H (the output columns)
-    inter,  # I (the reduction)
+    hidden, inter,  # H (the output columns), I (the reduction)
     stride_at, stride_ast, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     # Block m of the sorted rows x columns [n * BLOCK_N, +BLOCK_N) of H, as out^T.
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
+    if done:
         return
     rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
         sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, BLOCK_M, BLOCK_N, BLOCK_K
@@ -263,7 +261,7 @@ def w8a8_gate_up(
         xq.shape[0] * top_k, inter, hidden, xq.stride(0), xs.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), acts.stride(0), stride_se, stride_sn, TOP_K=top_k,
         BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, W_SCALE=w_scale,
-        QUANT_OUT=fused, EMULATE_FP8=emulate_fp8(_w8a8_gate_up_kernel),
+        QUANT_OUT=fused, EMULATE_FP8=is_interpreted(_w8a8_gate_up_kernel),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(dev),
     )  # fmt: skip
     if fused:
