@@ -36,8 +36,7 @@ class DecodeConfig:
     """Tuning knobs of `decode_attention` (sweep them on the target GPU)."""
 
     block_n: int = 64  # key tokens per loop step
-    # ... when a request is one program (no splits: large batches; H200, a ragged batch of 200
-    # at contexts 560-1080: 128 keys 1.01 of the copy bandwidth, 64 keys 0.98)
+    # ... when a request is one program (no splits: large batches)
     block_n_unsplit: int = 128
     num_warps: int = 4
     num_stages: int = 3  # H200 sweep: 4.46 TB/s at 256 x 4096 (2 stages: 4.23)
@@ -53,8 +52,7 @@ class DecodeConfig:
 def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
     if kv_fp8:
         # The best of `python -m minisgl.benchmark.tune decode --kv-cache-dtype fp8_e4m3` on an
-        # H200 (head_dim 128): 0.933 of the copy bandwidth at batch 256 x 4096 tokens, 0.887 at
-        # 256 x 1024, 0.78 on W1's ragged 200 x ~820.
+        # H200 (head_dim 128): 0.933 of the copy bandwidth at batch 256 x 4096 tokens.
         block = max(16, min(256, 16384 // head_dim))
         return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=4, num_stages=3)
     # ~16 KiB per K (or V) tile in bf16: Triton keeps one K and one V tile in flight per program

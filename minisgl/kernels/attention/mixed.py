@@ -47,14 +47,11 @@ class MixedConfig:
     minisgl.benchmark.tune mixed`). One kernel holds both tile shapes, so warps and stages are
     shared."""
 
-    # The best by geometric mean of `benchmark.tune mixed` on an H200 (head_dim 128, GQA 2,
-    # bf16, page 16): 54.1 us a layer at 20 decodes (context ~1000) + a 1000-token prompt,
-    # 83.2 at 64 decodes + a 100-token prompt.
+    # The best by geometric mean of `benchmark.tune mixed` on an H200 (head_dim 128, GQA 2).
     rows_wide: int = 64  # (token, head) rows of a prefill q-block: 32 tokens at GQA group 2
     block_n: int = 64  # keys per step of a wide item
     block_n_narrow: int = 128  # keys per step of a narrow item (16 rows: a decode's tile)
-    # sm_90 build at head_dim 128, GQA 2 (bf16): 196-198 registers, 80 KiB shared, so two
-    # programs per SM; FP8 K/V take 252 and fp32 255, without spills (the limit at 4 warps).
+    # sm_90, head_dim 128, GQA 2: 196-198 registers (FP8 K/V 252, fp32 255), two programs an SM.
     num_warps: int = 4
     num_stages: int = 2
 

@@ -429,9 +429,8 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> 
     )
 
 
-# The vec layout's kernel keeps every row of x in one program (registers per row): more rows
-# (`fp8_gemv_max_rows` set high) run in chunks of this many. The sm_90 build of the 8B FP8
-# tiles is at 254-255 registers from 4 rows on; larger chunks were never compiled or timed.
+# The vec layout keeps every row of x in one program's registers: more rows run in chunks of
+# this many (the sm_90 build of the 8B FP8 tiles is at 254-255 registers from 4 rows on).
 VEC_MAX_ROWS = 8
 
 

@@ -49,10 +49,9 @@ def _gate_up_kernel(
     pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
     if done:
         return
-    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
-        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, BLOCK_M, BLOCK_N, BLOCK_K
-    )
-    token = (pair // TOP_K).to(tl.int64)
+    rows, pair, valid, expert, token, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, TOP_K, BLOCK_M, BLOCK_N,
+        BLOCK_K)  # fmt: skip
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn  # [BLOCK_K, BLOCK_N]
@@ -108,8 +107,8 @@ def _down_kernel(
     pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)  # block m x columns n of H
     if done:
         return
-    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
-        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+    rows, pair, valid, expert, _, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, 1, BLOCK_M, BLOCK_N, BLOCK_K
     )
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk

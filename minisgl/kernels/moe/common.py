@@ -23,16 +23,18 @@ def block_done(num_padded_ptr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def sorted_block(
-    sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, n_cols, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, n_cols, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program (pid_m, pid_n) of a blocked MoE grouped GEMM: block pid_m of `routing.moe_align`'s
     sorted (token, k) pairs x columns [pid_n * BLOCK_N, +BLOCK_N) of `n_cols`. Returns (its rows
     in the sorted buffers [BLOCK_M], their pair ids, which of them are real pairs (not padding),
-    the block's expert as int64, the output columns [BLOCK_N], the K step's offsets [BLOCK_K],
-    which columns are below n_cols)."""
+    the block's expert as int64, the pairs' tokens as int64 (TOP_K per token), the output
+    columns [BLOCK_N], the K step's offsets [BLOCK_K], which columns are below n_cols)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + rows)
+    valid = pair < numel
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rows, pair, pair < numel, expert, offs_n, tl.arange(0, BLOCK_K), offs_n < n_cols
+    return rows, pair, valid, expert, token, offs_n, tl.arange(0, BLOCK_K), offs_n < n_cols

@@ -60,9 +60,8 @@ def _pair_gate_up_kernel(
 ):  # fmt: skip
     pdl_prologue(PDL)
     # Program (p, n): pair p = t * K + k x columns [n * BLOCK_N, +BLOCK_N) of I. With ROUTE every
-    # program of token t routes t again (a few hundred cycles; cheaper than a launch) and the
-    # n == 0 programs publish the result for the down kernel. The programs of one kernel run
-    # the same code on the same logits, so they agree on every pair's expert.
+    # program of token t routes t again (cheaper than a launch; all agree: the same code on the
+    # same logits) and the n == 0 programs publish the result for the down kernel.
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
@@ -84,9 +83,8 @@ def _pair_gate_up_kernel(
     s_expert = s_ptr + expert.to(tl.int64) * stride_se
     sg_row = s_expert + (pid_n * BLOCK_N // 128) * stride_sn
     su_row = s_expert + ((inter + pid_n * BLOCK_N) // 128) * stride_sn
-    # Products summed per lane in fp32, reduced across the K lanes once at the end. Triton
-    # pipelines only loads that feed a tl.dot, so the loop prefetches by hand: tile k + 1's
-    # loads are in flight while tile k is multiplied (at k + 1 == n_k they are all masked off).
+    # Products summed per lane in fp32, reduced across K once at the end. Triton pipelines only
+    # a tl.dot's loads, so the loop prefetches tile k + 1 by hand while tile k is multiplied.
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     mask_k = offs_k < hidden
@@ -184,9 +182,7 @@ def _pair_down_kernel(
 ):  # fmt: skip
     pdl_prologue(PDL)
     # Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of token t's output, summed over its K
-    # experts in registers (no atomics, no separate sum). One flat loop over (k, I tile) steps
-    # with the next step's loads in flight during this one's products (see the gate/up kernel);
-    # the token's experts and weights sit in registers, so no load waits on another.
+    # experts in registers (no atomics): one flat loop over (k, I tile) steps, prefetching.
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -56,11 +56,9 @@ class W8A8Config:
     down: GemmTile
 
 
-# Tiles by the blocked path's BLOCK_M (up to MAX_BLOCK_M): starting points for an H200 at the
-# Qwen3-30B-A3B shape (`python -m minisgl.benchmark.tune w8a8` times others). Gate/up at 128
-# columns of I quantizes in its epilogue; down at 64 columns of H spreads an expert over more
-# programs (its K loop is only I / 128 = 6 steps); taller blocks take 8 warps, which keeps
-# gate/up's two [128, BLOCK_M] fp32 accumulators in registers.
+# Tiles by the blocked path's BLOCK_M (up to MAX_BLOCK_M), for an H200 at the Qwen3-30B-A3B
+# shape (`python -m minisgl.benchmark.tune w8a8`): gate/up at 128 columns quantizes in its
+# epilogue; taller blocks take 8 warps (gate/up's two fp32 accumulators stay in registers).
 W8A8_CONFIGS: dict[int, W8A8Config] = {
     16: W8A8Config(GemmTile(128, 128, 4, 4), GemmTile(64, 128, 4, 4)),
     32: W8A8Config(GemmTile(128, 128, 8, 4), GemmTile(64, 128, 4, 4)),
@@ -120,10 +118,9 @@ def _w8a8_gate_up_kernel(
     pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
     if done:
         return
-    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
-        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, BLOCK_M, BLOCK_N, BLOCK_K
-    )
-    token = (pair // TOP_K).to(tl.int64)
+    rows, pair, valid, expert, token, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, TOP_K, BLOCK_M, BLOCK_N,
+        BLOCK_K)  # fmt: skip
     # Both tiles K-contiguous, as FP8 wgmma wants them in shared memory.
     a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -197,8 +194,8 @@ def _w8a8_down_kernel(
     pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
     if done:
         return
-    rows, pair, valid, expert, offs_n, offs_k, mask_n = sorted_block(
-        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+    rows, pair, valid, expert, _, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, 1, BLOCK_M, BLOCK_N, BLOCK_K
     )
     a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
