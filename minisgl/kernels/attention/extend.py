@@ -30,7 +30,7 @@ from minisgl.kernels.common import pdl_prologue, round_bf16
 class ExtendConfig:
     """Tuning knobs of `extend_attention` (sweep them on the target GPU)."""
 
-    # Best of the H200 sweep (docs/benchmarks.md, W3): 0.43 of the bf16 matmul rate at 1 x 8192.
+    # Best of the H200 sweep (W3 in docs/performance.md): 0.43 of the bf16 matmul rate.
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
