@@ -1,24 +1,18 @@
 """Linear layers of a few rows (batch-1 decode) on CUDA cores, with the work around them fused
 in: y[M, N] = epilogue(W[N, K] @ prologue(x[M, K])).
 
-At batch 1 a linear layer is a pure read of its weight; what costs is every kernel boundary (a
-launch and a ramp) and cuBLAS's own split-K reduce kernels. Here:
+At batch 1 a linear layer is a pure read of its weight; what costs is every kernel boundary and
+cuBLAS's own split-K reduce kernels. So the prologue can apply RMSNorm to x (`norm_weight`: x^2
+summed on the way, the dot products scaled by the rstd at the end) or SiLU-and-multiply (`act`:
+x is [2K], gate then up); the epilogue can add a bias and a residual; each program loads its
+first weight tile before the programmatic-dependent-launch wait and double-buffers weights and x
+in registers. fp32 products and sums (the normalised x is not rounded to the model dtype first:
+results agree with the torch layers within bf16 rounding).
 
-- the prologue can apply RMSNorm to x (`norm_weight`: x^2 is summed on the way and the dot
-  products are scaled by the rstd at the end, no normalised copy of x) or SiLU-and-multiply
-  (`act`: x is [2K], gate then up);
-- the epilogue can add a bias and a residual (`residual`: y = W x + r, the next residual);
-- each program loads its first weight tile before the programmatic-dependent-launch wait (weights
-  do not depend on the previous kernel), and double-buffers weights and x in registers.
-
-Numerics: fp32 products and sums; the normalised x is not rounded to the model dtype first, so
-results agree with the torch layers within bf16 rounding, not bit for bit.
-
-FP8 weights (`weight_scale`): e4m3 rows widened in registers, one scale per output row (on the
-row's sum at the end) or per 128 x 128 block (folded into x; a program's rows lie in one block
-row). At one row FP8 is bound by instructions, not bytes: at the copy bandwidth an H200 SM
-takes in ~16 e4m3 weights a clock and issues 128 thread instructions, so the widening must cost
-a few instructions a weight. Hence two layouts (`GemvConfig.layout`):
+FP8 weights (`weight_scale`): e4m3 rows widened in registers, one scale per output row or per
+128 x 128 block (folded into x; a program's rows lie in one block row). At one row FP8 is bound
+by instructions: at the copy bandwidth an H200 SM takes in ~16 e4m3 weights a clock and issues
+128 thread instructions. Hence two layouts (`GemvConfig.layout`):
 
 - "tile" (`_gemv_kernel`): a [BLOCK_N, BLOCK_K] fp32 partial sum per program and row of x,
   reduced once at the end; several rows of x run as neighbouring programs (all but the first

@@ -7,16 +7,12 @@ owns BLOCK_N weight rows and all rows of x: each K step is one `tl.dot(w [BLOCK_
 x^T [BLOCK_K, 16])` (rows past M are zeros) into a [BLOCK_N, 16] fp32 accumulator, so tiles can
 be large and Triton's software pipeline keeps several in flight.
 
-- Prologue and epilogue as in the GEMV (RMSNorm or SiLU-and-multiply of x; per-row FP8 scales,
-  the rstd, bias, residual); the normalised x is rounded to the operand dtype for the dot, as
-  the torch layers round it.
-- FP8 (e4m3) weights are widened to x's dtype in registers (exact); 128 x 128 block scales
-  multiply each 128-column K step's dot.
-- Split-K (`SkinnyConfig.split_k`) for shapes with too few tiles to fill the SMs: each split
-  writes its fp32 partials to a scratch buffer and the last split of a tile to finish (a
-  counter per tile, zeroed again by it) adds them in a fixed order and runs the epilogue: one
-  kernel, deterministic.
-- A program's first weight tile is loaded before the PDL wait and multiplied after the loop.
+Prologue and epilogue as in the GEMV (x rounded to the operand dtype for the dot, as the torch
+layers round it); e4m3 weights widened to x's dtype in registers, block scales on each
+128-column step's dot. Split-K (`SkinnyConfig.split_k`) for shapes with too few tiles: the last
+split of a tile to finish (a counter per tile, zeroed again by it) adds the splits' fp32
+partials in a fixed order and runs the epilogue (one kernel, deterministic). A program's first
+weight tile is loaded before the PDL wait and multiplied after the loop.
 
 No host sync; the allocations are the output and the split-K scratch, of sizes fixed by the
 shape: CUDA-graph capturable (run once before capturing: the split counters).

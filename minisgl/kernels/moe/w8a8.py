@@ -1,16 +1,13 @@
 """The blocked MoE path with FP8 activations too (W8A8; imports Triton).
 
-At decode batch 256 of Qwen3-30B-A3B an expert gets ~16 rows. On sm_90 Triton lowers an M=16
-dot to mma.sync, which has no e4m3 form, so the weight-only kernels widen e4m3 experts to bf16
-in registers. Hopper's wgmma multiplies e4m3 x e4m3 natively but its M side is 64 rows, so here
-A and B are swapped: each program computes out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @
-A^T [BLOCK_K, BLOCK_M]; the weights fill wgmma's M side, the gathered token rows its N side.
-Both operands are K-major in shared memory, as FP8 wgmma requires.
+At decode batch 256 of Qwen3-30B-A3B an expert gets ~16 rows; on sm_90 an M=16 dot is
+mma.sync, which has no e4m3 form. Hopper's wgmma multiplies e4m3 natively but its M side is 64
+rows, so A and B are swapped: out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @ A^T, the weights
+on wgmma's M side, the gathered token rows on its N side, both K-major in shared memory.
 
-Activations are quantized per token and group of 128 columns: each 128-column K step is one
-e4m3 dot from zero, added to the fp32 accumulator times the group's activation scale (and the
-weight block's scale), which also bounds the reduced precision of Hopper's FP8 accumulator;
-per-row weight scales are applied once at the end.
+Activations are quantized per token and 128-column group: each 128-column K step is one e4m3
+dot from zero, added to the fp32 accumulator times the group's scale (and the weight block's),
+which also bounds the reduced precision of Hopper's FP8 accumulator.
 
 Launches after `fused_topk` and `moe_align`: `quantize_activations` (x -> e4m3 + [T, H/128]
 scales); `_w8a8_gate_up_kernel` (silu(gate) * up; with BLOCK_N == 128 a program holds whole
