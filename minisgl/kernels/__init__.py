@@ -1,5 +1,4 @@
-"""Device kernels (Triton), one subpackage per family, each with its shared tile helpers, its
-tile tables and a pure-torch reference beside it:
+"""Device kernels (Triton), one subpackage per family, with its tile helpers and tables:
 
 - `attention/`: paged decode, extend and mixed-step attention, the KV store (`reference` and
   `testing` are pure torch);
@@ -7,6 +6,7 @@ tile tables and a pure-torch reference beside it:
   on tensor cores), 16-bit or FP8 weights;
 - `moe/`: routing, the blocked and pair paths, the W8A8 path, their tile tables;
 - `fp8/`: e4m3 numerics in torch (the package itself) and the FP8 GEMM (`gemm`);
+- `lowbit/`: 4/8-bit integer weights (the layout; torch's CPU kernel; Triton on CUDA);
 - `fused.py`: RMSNorm, q/k norm + RoPE (+ KV store), SiLU-and-multiply, and the kernels the
   layers call (`minisgl.layers.fused`); `common.py`: what every family shares.
 

@@ -42,11 +42,9 @@ def _pdl_capable(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Programmatic dependent launch for our Triton kernels: on Hopper and newer unless
-    `MINISGL_DISABLE_PDL=1`. Such a kernel may be scheduled while the kernel before it in the
-    stream still runs; it waits (`pdl_prologue`) before touching memory. In a decode step at
-    small batch, where ~10 small kernels per layer each cost a launch and a ramp, that hides a
-    kernel's launch behind its predecessor's tail."""
+    """Programmatic dependent launch for our Triton kernels (Hopper and newer, unless
+    `MINISGL_DISABLE_PDL=1`): a kernel may be scheduled while its predecessor still runs and
+    waits (`pdl_prologue`) before touching memory, hiding its launch behind that tail."""
     if device.type != "cuda":
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
@@ -68,13 +66,11 @@ def pdl_prologue(PDL: tl.constexpr):
 
 
 def dot_flags(dtype: torch.dtype, kernel: object, kv_fp8: bool = False) -> tuple[bool, bool]:
-    """(IEEE, EMULATE_BF16) flags: exact fp32 products (no TF32) for fp32 inputs, and a
-    workaround for the CPU interpreter's bf16 (triton 3.9), which multiplies bf16 operands wrongly
-    and truncates fp32 -> bf16 casts. Under it, bf16 operands are widened to fp32 before `tl.dot`
-    (exact, and what the tensor cores accumulate in) and roundings to bf16 go through
-    `round_bf16`, so the interpreter reproduces the GPU's numerics. Off the interpreter
-    EMULATE_BF16 is always False and costs nothing. With an FP8 KV cache the dots run in fp16
-    (`fp8_operand`), so there is no bf16 operand to emulate."""
+    """(IEEE, EMULATE_BF16) flags: exact fp32 products (no TF32) for fp32 inputs, and, under
+    the CPU interpreter (triton 3.9: it multiplies bf16 operands wrongly and truncates fp32 ->
+    bf16 casts), bf16 operands widened to fp32 before `tl.dot` and roundings through
+    `round_bf16`, so it reproduces the GPU's numerics. With an FP8 KV cache the dots run in fp16
+    (`fp8_operand`): no bf16 to emulate."""
     ieee = dtype == torch.float32
     emulate_bf16 = dtype == torch.bfloat16 and is_interpreted(kernel) and not kv_fp8
     return ieee, emulate_bf16
@@ -89,11 +85,6 @@ def round_e4m3(x):
     # rounds to it.
     subnormal = (x + 24576.0) - 24576.0
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
-
-
-def emulate_fp8(kernel: object) -> bool:
-    """The EMULATE_FP8 flag of kernels that round to e4m3: True under the CPU interpreter."""
-    return is_interpreted(kernel)
 
 
 @triton.jit

@@ -13,14 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.attention.common import (
-    check_kv_scales,
-    key_shift,
-    quantize_fp8,
-    v_page_size,
-    v_row_ptrs,
-)
-from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
+from minisgl.kernels.attention.common import quantize_fp8, store_args, v_row_ptrs
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
 from minisgl.kernels.fp8.gemm import fp8_linear as fp8_linear
 from minisgl.kernels.gemv.gemv import gemv as gemv
 from minisgl.kernels.gemv.skinny import skinny as skinny
@@ -229,19 +223,15 @@ def qk_norm_rope(
         assert v is not None and v.shape == k.shape and v.stride(-1) == 1
         assert loc.shape == (tokens,) and kc.shape[1:] == k.shape[1:]
         assert kc.stride(-1) == 1 and vc.stride(-1) == 1
-        page_size = v_page_size(kc, vc)
-        fp8 = check_kv_scales(kc, kv_scales, kv_heads)
+        page_size, fp8, k_scale, v_scale, shift = store_args(kc, vc, kv_scales, k_shift, cos_sin)
         k_out, vv = None, v
     else:
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         kc = vc = vv = k_out
         loc = positions
-        fp8 = False
-        page_size = 1
+        page_size, fp8, k_scale, v_scale, shift = 1, False, cos_sin, cos_sin, cos_sin
     if tokens == 0:
         return q_out, k_out
-    k_scale, v_scale = kv_scales if kv_scales is not None else (cos_sin, cos_sin)  # unread
-    shift = key_shift(kc, k_shift) if fp8 else cos_sin
     _qk_norm_rope_kernel[(tokens, 2)](
         q, k, vv, q_out, k_out if k_out is not None else q_out, kc, vc, loc, k_scale, v_scale,
         shift,
@@ -249,7 +239,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), positions.stride(0), q_heads,
         kv_heads, eps, HAS_NORM=has_norm, STORE=store is not None, KV_FP8=fp8,
-        EMULATE_FP8=fp8 and emulate_fp8(_qk_norm_rope_kernel), PAGE_SIZE=page_size, HALF=dim // 2,
+        EMULATE_FP8=fp8 and is_interpreted(_qk_norm_rope_kernel), PAGE_SIZE=page_size, HALF=dim // 2,
         BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)), num_warps=4,
         **pdl_args(q.device),
     )  # fmt: skip

@@ -167,8 +167,8 @@ def test_fp8_moe_matches_reference(
     of 128 (each element by at most 2^-4 relative, errors of either sign: the H200 measured
     0.036-0.050; their kernel-level check against a model of the same roundings, within 2e-2,
     is tests/kernels/test_moe_fp8.py)."""
+    from minisgl.config import env
     from minisgl.kernels.fp8 import ExpertScales
-    from minisgl.kernels.moe import w8a8
 
     e, top_k, h, i = 128, 8, 2048, 768
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
@@ -186,8 +186,8 @@ def test_fp8_moe_matches_reference(
     x = torch.randn(tokens, h, device=DEVICE, generator=gen).bfloat16()
     logits = torch.randn(tokens, e, device=DEVICE, generator=gen)
     want = moe_reference(x.float(), d13, d2, select_experts(logits, top_k, True))
-    for on, tol in ((False, 1e-2), (w8a8.ENABLED, 8e-2)):
-        monkeypatch.setattr(w8a8, "ENABLED", on)
+    for on, tol in ((False, 1e-2), (env.MOE_W8A8.get(), 8e-2)):
+        monkeypatch.setenv(env.MOE_W8A8.name, str(int(on)))
         out = fused_moe(x, q13, q2, logits, top_k, True, scales=ExpertScales(s13, s2))
         assert rel_err(out, want) <= tol, on
 

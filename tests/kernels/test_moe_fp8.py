@@ -7,8 +7,8 @@ What is tested how:
   the same roundings, tightly, and (b)
   `moe_reference` on the dequantized experts within an element-wise bound derived from e4m3's
   precision (`w8a8_bound`);
-- the wiring: `fused_experts` takes the path when `moe_fp8.ENABLED` is set (the default;
-  and only then);
+- the wiring: `fused_experts` takes the path when `MINISGL_MOE_W8A8` is on (the default;
+  and only then), read at the call;
 - the FP8 tensor-core lowering, which the interpreter never sees: compiled for sm_90 in a
   subprocess (`test_w8a8_kernels_compile_for_sm90`): FP8 wgmma (SASS `QGMMA ... E4M3.E4M3`)
   in the main loop, no conversions of the weights there, no register spills.
@@ -29,6 +29,7 @@ if not torch.cuda.is_available() and not COMPILE_MODE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (optional dependency 'gpu')")
 
+from minisgl.config import env  # noqa: E402
 from minisgl.kernels.common import is_interpreted  # noqa: E402
 from minisgl.kernels.fp8 import (  # noqa: E402
     FP8_REL_ERR,
@@ -47,8 +48,8 @@ if DEVICE == "cpu" and not COMPILE_MODE and not is_interpreted(F._w8a8_gate_up_k
 
 # Gate/up at 128 columns (quantizes its output in the epilogue) or 64 (a separate launch does);
 # BLOCK_K 64 takes two K steps per activation group.
-FUSED = F.W8A8Config(F.W8A8Tile(128, 128), F.W8A8Tile(64, 128))
-SPLIT = F.W8A8Config(F.W8A8Tile(64, 64), F.W8A8Tile(128, 64))
+FUSED = F.W8A8Config(GemmTile(128, 128, 4, 4), GemmTile(64, 128, 4, 4))
+SPLIT = F.W8A8Config(GemmTile(64, 64, 4, 4), GemmTile(128, 64, 4, 4))
 CONFIGS = pytest.mark.parametrize("config", [FUSED, SPLIT], ids=["fused-quant", "split-quant"])
 
 
@@ -199,8 +200,8 @@ def test_fused_experts_takes_the_w8a8_path_when_enabled(
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(7))
     x = x.to(torch.bfloat16)
     r = routing(num_tokens, num_experts, top_k, seed=6)
-    monkeypatch.setattr(F, "ENABLED", enabled)
-    monkeypatch.setattr(F, "MIN_BLOCK_M", min_block_m)
+    monkeypatch.setenv(env.MOE_W8A8.name, str(int(enabled)))
+    monkeypatch.setenv(env.MOE_W8A8_BLOCK_M.name, str(min_block_m))
     calls: list[int] = []
     real = F.w8a8_experts
 
@@ -218,25 +219,26 @@ def test_fused_experts_takes_the_w8a8_path_when_enabled(
     assert (out.cpu().double() - ref).abs().max() <= 0.1 * ref.abs().max()
 
 
-def test_w8a8_is_the_default_for_fp8_experts() -> None:
+def test_w8a8_is_the_default_for_fp8_experts(monkeypatch: pytest.MonkeyPatch) -> None:
     """On unless `MINISGL_MOE_W8A8=0` (measured 1.46x bf16 experts at decode batch 256 on the
-    H200, against 1.05x for the weight-only path)."""
-    import os
-
-    default_on = os.environ.get(F.ENV_W8A8, "1") == "1"
-    assert F.ENABLED is default_on
+    H200, against 1.05x for the weight-only path), with a least BLOCK_M of 16."""
+    monkeypatch.delenv(env.MOE_W8A8.name, raising=False)
+    monkeypatch.delenv(env.MOE_W8A8_BLOCK_M.name, raising=False)
+    x = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
+    assert F.use_w8a8(x, torch.zeros(2, 256, 128, device=DEVICE).to(torch.float8_e4m3fn), 16)
+    assert [F.w8a8_block_m(m) for m in (8, 16, 32)] == [16, 16, 32]
 
 
 def test_w8a8_is_not_taken_for_16_bit_experts_or_tall_blocks(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(F, "ENABLED", True)
+    monkeypatch.setenv(env.MOE_W8A8.name, "1")
     x = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
     w = torch.zeros(2, 256, 128, device=DEVICE)
     assert F.use_w8a8(x, w.to(torch.float8_e4m3fn), 16)
     assert not F.use_w8a8(x, w.to(torch.bfloat16), 16)
     assert not F.use_w8a8(x, w.to(torch.float8_e4m3fn), 2 * F.MAX_BLOCK_M)
-    monkeypatch.setattr(F, "ENABLED", False)
+    monkeypatch.setenv(env.MOE_W8A8.name, "0")  # read at the call: no restart, no reload
     assert not F.use_w8a8(x, w.to(torch.float8_e4m3fn), 16)
-    monkeypatch.setattr(F, "MIN_BLOCK_M", 32)
+    monkeypatch.setenv(env.MOE_W8A8_BLOCK_M.name, "32")
     assert [F.w8a8_block_m(m) for m in (16, 32, 64)] == [32, 32, 64]
 
 
@@ -259,7 +261,7 @@ _TYPES = {
 }  # fmt: skip
 
 
-def _variants() -> list[tuple[str, Any, dict[str, Any], F.W8A8Tile]]:
+def _variants() -> list[tuple[str, Any, dict[str, Any], GemmTile]]:
     """Every table entry's two kernels, per-row and block weight scales (and the split-quant
     gate/up variant at BLOCK_M 16)."""
     out = []

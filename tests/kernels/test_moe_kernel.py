@@ -38,10 +38,11 @@ from minisgl.kernels.moe.pair import (  # noqa: E402
     pair_tiles,
 )
 from minisgl.kernels.moe.routing import (  # noqa: E402
+    AlignedRows,
     _align_kernel,
     _topk_kernel,
-    align_reference,
     fused_topk,
+    max_blocks,
     moe_align,
 )
 from minisgl.kernels.moe.tiles import (  # noqa: E402
@@ -64,6 +65,31 @@ if DEVICE == "cpu" and not COMPILE_MODE and not isinstance(_align_kernel, Interp
         "run with TRITON_INTERPRET=1 in the environment",
         allow_module_level=True,
     )
+
+
+def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRows:
+    """The specification of `moe_align` in torch ops (positions past num_padded left 0): each
+    expert's pairs in their original order, its run padded to a multiple of block_m."""
+    flat = topk_ids.reshape(-1).long()  # [N]
+    numel, dev = flat.numel(), flat.device
+    n_blocks = max_blocks(numel, num_experts, block_m)
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    run_start = torch.cumsum(padded, 0) - padded  # [E]
+    order = torch.argsort(flat, stable=True)  # [N] pairs grouped by expert, in original order
+    experts = flat[order]
+    rank = torch.arange(numel, device=dev) - (torch.cumsum(counts, 0) - counts)[experts]
+    sorted_ids = torch.zeros(n_blocks * block_m, dtype=torch.int32, device=dev)
+    total = int(padded.sum())
+    sorted_ids[:total] = numel
+    sorted_ids[run_start[experts] + rank] = order.int()
+    block_expert = torch.zeros(n_blocks, dtype=torch.int32, device=dev)
+    block_expert[: total // block_m] = torch.repeat_interleave(
+        torch.arange(num_experts, device=dev, dtype=torch.int32), padded // block_m
+    )
+    num_padded = torch.tensor([total], dtype=torch.int32, device=dev)
+    return AlignedRows(sorted_ids, block_expert, num_padded, block_m)
+
 
 # The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest), which about
 # doubles the error of each bf16 intermediate there.
@@ -306,9 +332,9 @@ def test_fused_experts_fp8_match_their_dequantized_values(
     against the reference on the fp32 values they stand for. The blocked path's weight-only
     grouped GEMMs: the W8A8 kernels it takes by default quantize the activations too
     (`tests/kernels/test_moe_fp8.py`)."""
-    from minisgl.kernels.moe import w8a8
+    from minisgl.config import env
 
-    monkeypatch.setattr(w8a8, "ENABLED", False)
+    monkeypatch.setenv(env.MOE_W8A8.name, "0")
     hidden, inter = FP8_SHAPES[layout]
     q13, q2, scales, d13, d2 = fp8_experts(6, hidden, inter, layout, seed=11)
     x = torch.randn(5, hidden, device=DEVICE).to(dtype)

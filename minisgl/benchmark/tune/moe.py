@@ -222,6 +222,7 @@ def _w8a8_row(inp: MoEInputs, m: int, experts: tuple[torch.Tensor, torch.Tensor,
     from minisgl.kernels.fp8.gemm import quantize_activations
     from minisgl.kernels.moe import w8a8
     from minisgl.kernels.moe.routing import fused_topk, moe_align
+    from minisgl.kernels.moe.tiles import GemmTile
     from minisgl.layers.moe import Routing, moe_reference
 
     q13, q2, scales = experts
@@ -237,13 +238,13 @@ def _w8a8_row(inp: MoEInputs, m: int, experts: tuple[torch.Tensor, torch.Tensor,
         return w8a8.w8a8_experts(inp.x, q13, q2, scales, routed[i][0], sorted_rows[i], config)
 
     acts = [gate_up(w8a8.w8a8_config(m).gate_up, i) for i in range(len(routed))]
-    gu, _ = best_tile(gate_up, W8A8_GATE_UP, w8a8.W8A8Tile)
+    gu, _ = best_tile(gate_up, W8A8_GATE_UP, GemmTile)
 
     def down(tile: Any, i: int) -> torch.Tensor:
         aq, a_scale = acts[i]
         return w8a8.w8a8_down(aq, a_scale, q2, scales.w2, routed[i][0], sorted_rows[i], tile, dtype)
 
-    dn, _ = best_tile(down, W8A8_DOWN, w8a8.W8A8Tile)
+    dn, _ = best_tile(down, W8A8_DOWN, GemmTile)
     tuned = w8a8.W8A8Config(gu, dn)
     truth = moe_reference(
         inp.x.float(), q13, q2, Routing(routed[0][0], routed[0][1].long()), scales

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import dot, round_bf16, round_e4m3
+from minisgl.kernels.common import dot, dot_flags, pdl_args, round_bf16, round_e4m3
 
 
 def check_paged_args(
@@ -26,7 +26,11 @@ def check_paged_args(
         assert t is None or (t.dtype == torch.int32 and t.shape == (n,) and t.is_contiguous())
     _, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    check_head_dim(head_dim)
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"head_dim {head_dim} is not supported by the Triton attention kernels: "
+            "use a power of two between 16 and 256"
+        )
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     assert k_cache.shape[2] == head_dim
@@ -35,6 +39,43 @@ def check_paged_args(
     for t in (q, k_cache, v_cache):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
     assert block_table.stride(1) == 1
+
+
+def paged_launch(
+    kernel: object,
+    q: torch.Tensor,  # [rows, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor | None,
+    cu_extend: torch.Tensor | None = None,
+    extend_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[int, ...], dict[str, bool]]:
+    """What every paged attention launch shares, its arguments checked (`check_paged_args`):
+    (the output: `out` or a new tensor like q; K's and V's scales (`seq_lens`, never read, for
+    a 16-bit cache); the nine strides in the kernels' order (q's token and head, K's, V's, the
+    block table's row, out's token and head); the KV_FP8, IEEE, EMULATE_BF16 and PDL flags)."""
+    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend, extend_lens)
+    fp8 = check_kv_scales(k_cache, kv_scales, k_cache.shape[1])
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    scales = kv_scales if kv_scales is not None else (seq_lens, seq_lens)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+               v_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1))  # fmt: skip
+    ieee, emulate_bf16 = dot_flags(q.dtype, kernel, fp8)
+    flags = dict(KV_FP8=fp8, IEEE=ieee, EMULATE_BF16=emulate_bf16, **pdl_args(q.device))
+    return out, scales, strides, flags
+
+
+def check_tile_sizes(config: object, *names: str) -> None:
+    """Tile sizes of an attention config: powers of two >= 16 (tl.dot)."""
+    for name in names:
+        size = getattr(config, name)
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
 
 
 def v_page_size(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -60,34 +101,34 @@ def check_kv_scales(
     return fp8
 
 
-def key_shift(k_cache: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
-    """An FP8 cache's [Hkv, D] fp32 key shift (zeros when none is given; unread otherwise)."""
-    if shift is None:
-        return torch.zeros(k_cache.shape[1:], dtype=torch.float32, device=k_cache.device)
-    assert shift.shape == k_cache.shape[1:] and shift.dtype == torch.float32
-    assert shift.is_contiguous()
-    return shift
-
-
-def check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(
-            f"head_dim {head_dim} is not supported by the Triton attention kernels: "
-            "use a power of two between 16 and 256"
-        )
+def store_args(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    k_shift: torch.Tensor | None,
+    unread: torch.Tensor,
+) -> tuple[int, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(V's page size, whether the cache is FP8, K's and V's scales, the [Hkv, D] fp32 key shift
+    (zeros when none is given)) of a store into a pool layer; `unread` for what a 16-bit cache
+    does not read."""
+    page_size = v_page_size(k_cache, v_cache)
+    if not check_kv_scales(k_cache, scales, k_cache.shape[1]):
+        return page_size, False, unread, unread, unread
+    assert scales is not None
+    if k_shift is None:
+        k_shift = torch.zeros(k_cache.shape[1:], dtype=torch.float32, device=k_cache.device)
+    assert k_shift.shape == k_cache.shape[1:] and k_shift.dtype == torch.float32
+    assert k_shift.is_contiguous()
+    return page_size, True, scales[0], scales[1], k_shift
 
 
 @triton.jit
 def quantize_fp8(x, scale, shift, EMULATE_FP8: tl.constexpr):
     """(x [H, D] - shift [H, D] or 0) / scale [H] in fp32, clamped to e4m3's +-448 (a store then
     rounds it to e4m3): `minisgl.kernels.fp8.quantize_kv`. EMULATE_FP8 (the CPU interpreter,
-    whose fp32 -> e4m3 cast rounds ties away from zero and drops the carry into the exponent, so
-    127.99 becomes 64): round to the e4m3 grid here, so the cast only sees values it can
-    represent."""
-    # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference. A
-    # product by one reciprocal per head moved ~1e-7 of random values' bytes, yet SmolLM2's
-    # calibrated FP8-KV perplexity went from +0.45% to +0.60% (noise at this size, but the
-    # target is 1%), for a store kernel of ~6 us a layer: not worth it.
+    whose fp32 -> e4m3 cast rounds wrongly: 127.99 becomes 64): round to the e4m3 grid here, so
+    the cast only sees values it can represent."""
+    # IEEE division (Triton's `/` may be approximate): the same e4m3 as the torch reference.
     y = tl.math.div_rn(x.to(tl.float32) - shift, scale[:, None] + tl.zeros_like(x.to(tl.float32)))
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EMULATE_FP8:
@@ -118,10 +159,9 @@ def load_v_block(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED_T: tl.constexpr,
 ):  # fmt: skip
     """A [BLOCK_N, HEAD_DIM] block of V. PAGED_T (an FP8 pool, `minisgl.kernels.fp8`): pages
-    stored [Hkv, D, PAGE_SIZE], read as [HEAD_DIM, BLOCK_N] with a page's keys side by side, the
-    layout the P V product takes without byte shuffles, and not masked (a mask along the keys
-    would split the 16-byte loads): keys past the context read their last page's other slots,
-    always finite in such a pool, which the caller's softmax weighs 0."""
+    stored [Hkv, D, PAGE_SIZE], read as [HEAD_DIM, BLOCK_N] (the P V product's layout, no byte
+    shuffles), unmasked (a mask would split the 16-byte loads): keys past the context read their
+    last page's other slots, finite in such a pool, which the caller's softmax weighs 0."""
     if PAGED_T:
         # Runs of keys in one page, aligned: the largest power of two dividing PAGE_SIZE (any
         # page size works), at most BLOCK_N (blocks start at multiples of BLOCK_N).
@@ -157,14 +197,17 @@ def v_row_ptrs(
 
 @triton.jit
 def token_slots(table_row_ptr, pos, PAGE_SIZE: tl.constexpr):
-    """KV slots (int64) of positions `pos` of one request whose page ids start at `table_row_ptr`.
-
-    Every `pos` must lie inside the request's pages (clamp positions past its end). The page
-    id of a block of positions is one small gather that stays in L1; the division and modulo
-    are shifts when PAGE_SIZE is a power of two.
-    """
+    """KV slots (int64) of positions `pos` (inside the request's pages: clamp positions past
+    its end) of one request whose page ids start at `table_row_ptr`."""
     page = tl.load(table_row_ptr + pos // PAGE_SIZE)
     return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+
+
+@triton.jit
+def softmax_init(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The running softmax of ROWS rows before any key: (m_i -inf, l_i 0, acc 0)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    return m_i, tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, HEAD_DIM], tl.float32)
 
 
 @triton.jit

@@ -20,21 +20,15 @@ import triton.language as tl
 
 from minisgl.kernels.attention.common import (
     attend_keys,
-    check_kv_scales,
-    check_paged_args,
+    check_tile_sizes,
     combine_splits,
     kv_split_len,
     load_q,
     normalize,
+    paged_launch,
+    softmax_init,
 )
-from minisgl.kernels.common import (
-    dot_flags,
-    num_sms,
-    pdl_args,
-    pdl_prologue,
-    round_bf16,
-    split_counters,
-)
+from minisgl.kernels.common import num_sms, pdl_prologue, round_bf16, split_counters
 
 
 @dataclass(frozen=True)
@@ -42,8 +36,7 @@ class DecodeConfig:
     """Tuning knobs of `decode_attention` (sweep them on the target GPU)."""
 
     block_n: int = 64  # key tokens per loop step
-    # ... when a request is one program (no splits: large batches): W1-like ragged batch of 200
-    # at contexts 560-1080 on the H200, 128: 156 us (1.01 of the copy bandwidth), 64: 161 us.
+    # ... when a request is one program (no splits: large batches)
     block_n_unsplit: int = 128
     num_warps: int = 4
     num_stages: int = 3  # H200 sweep: 4.46 TB/s at 256 x 4096 (2 stages: 4.23)
@@ -53,19 +46,13 @@ class DecodeConfig:
     max_splits: int = 64
 
     def __post_init__(self) -> None:
-        for size in (self.block_n, self.block_n_unsplit):
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {size}")
+        check_tile_sizes(self, "block_n", "block_n_unsplit")
 
 
 def default_decode_config(head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
     if kv_fp8:
         # The best of `python -m minisgl.benchmark.tune decode --kv-cache-dtype fp8_e4m3` on an
-        # NVIDIA H200 (torch 2.11, triton 3.6, V pages transposed: `KVPool`), head_dim 128: 128
-        # keys, 4 warps, 3 stages reach 0.933 of the copy bandwidth at batch 256 x 4096 tokens,
-        # 0.887 at 256 x 1024, 0.78 on W1's ragged 200 x ~820 (5 stages: 0.825 / 0.799; with V
-        # in rows, before: 0.72 / 0.64 / 0.52 at 200 registers a thread, the P V operand moved
-        # from shared memory a byte at a time; now ~120 registers).
+        # H200 (head_dim 128): 0.933 of the copy bandwidth at batch 256 x 4096 tokens.
         block = max(16, min(256, 16384 // head_dim))
         return DecodeConfig(block_n=block, block_n_unsplit=block, num_warps=4, num_stages=3)
     # ~16 KiB per K (or V) tile in bf16: Triton keeps one K and one V tile in flight per program
@@ -129,9 +116,7 @@ def _decode_split_kernel(
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_ptr + kv_head * stride_vh
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = softmax_init(BLOCK_H, HEAD_DIM)
     m_i, l_i, acc = attend_keys(
         q, None, table_row, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, start, end,
         qk_scale, False, BLOCK_N, PAGE_SIZE, KV_FP8, IEEE, EMULATE_BF16,
@@ -191,15 +176,13 @@ def decode_attention(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert seq_lens.shape == (batch,)
-    check_paged_args(q, k_cache, v_cache, block_table, seq_lens)
-    fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
-    cfg = config or default_decode_config(head_dim, fp8)
+    out, (k_scale, v_scale), strides, flags = paged_launch(
+        _decode_split_kernel, q, k_cache, v_cache, block_table, seq_lens, kv_scales, out
+    )
+    cfg = config or default_decode_config(head_dim, flags["KV_FP8"])
     if num_splits is None:
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         num_splits = choose_num_splits(batch, num_kv_heads, max_len, num_sms(q.device), cfg)
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -210,17 +193,12 @@ def decode_attention(
     else:
         part_o = part_lse = out  # unused by the kernel
         counters = seq_lens
-    ieee, emulate_bf16 = dot_flags(q.dtype, _decode_split_kernel, fp8)
-    k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
-    pdl = pdl_args(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, counters, k_scale,
-        v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), num_q_heads, num_splits, sm_scale * math.log2(math.e),
+        v_scale, *strides, num_q_heads, num_splits, sm_scale * math.log2(math.e),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n if num_splits > 1 else cfg.block_n_unsplit, PAGE_SIZE=page_size,
-        SINGLE_SPLIT=num_splits == 1, KV_FP8=fp8, IEEE=ieee, EMULATE_BF16=emulate_bf16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        SINGLE_SPLIT=num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **flags,
     )  # fmt: skip
     return out

@@ -17,29 +17,27 @@ import triton.language as tl
 
 from minisgl.kernels.attention.common import (
     attend_keys,
-    check_kv_scales,
-    check_paged_args,
+    check_tile_sizes,
     load_q,
     normalize,
+    paged_launch,
+    softmax_init,
 )
-from minisgl.kernels.common import dot_flags, pdl_args, pdl_prologue, round_bf16
+from minisgl.kernels.common import pdl_prologue, round_bf16
 
 
 @dataclass(frozen=True)
 class ExtendConfig:
     """Tuning knobs of `extend_attention` (sweep them on the target GPU)."""
 
-    # Best of the H200 sweep (docs/benchmarks.md, W3): 0.43 of the bf16 matmul rate at 1 x 8192.
+    # Best of the H200 sweep (W3 in docs/performance.md): 0.43 of the bf16 matmul rate.
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            size = getattr(self, name)
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+        check_tile_sizes(self, "block_m", "block_n")
 
 
 def default_extend_config(head_dim: int, elem_size: int = 2) -> ExtendConfig:
@@ -94,9 +92,7 @@ def _extend_kernel(
     table_row = block_table_ptr + b * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_ptr + kv_head * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = softmax_init(BLOCK_M, HEAD_DIM)
 
     # Keys before this block's first query: visible to every row, no mask.
     full_end = tl.where(active, (prefix_len + m_start) // BLOCK_N * BLOCK_N, 0)
@@ -139,24 +135,16 @@ def extend_attention(
     scales."""
     num_tokens, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
-    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend, extend_lens)
-    fp8 = check_kv_scales(k_cache, kv_scales, k_cache.shape[1])
+    out, (k_scale, v_scale), strides, flags = paged_launch(_extend_kernel, q, k_cache, v_cache,
+        block_table, seq_lens, kv_scales, out, cu_extend, extend_lens)  # fmt: skip
     cfg = config or default_extend_config(head_dim, q.element_size())
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0 or batch == 0 or max_extend_len == 0:
         return out
-    ieee, emulate_bf16 = dot_flags(q.dtype, _extend_kernel, fp8)
-    k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
     grid = (triton.cdiv(max_extend_len, cfg.block_m), num_q_heads, batch)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, extend_lens, cu_extend, out, k_scale, v_scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), sm_scale * math.log2(math.e),
-        GROUP=num_q_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PAGE_SIZE=page_size, KV_FP8=fp8, IEEE=ieee, EMULATE_BF16=emulate_bf16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
+        *strides, sm_scale * math.log2(math.e), GROUP=num_q_heads // k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )  # fmt: skip
     return out

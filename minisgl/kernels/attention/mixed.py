@@ -1,30 +1,22 @@
 """Paged attention of a mixed step in one launch whose grid depends only on a capacity, so a
 CUDA graph captured once per token bucket replays it for any mix of decode and prefill rows.
 
-A step's rows are requests' new tokens, any mix of one-token (decode) and many-token (prefill
-or extend) requests: request b's rows are `cu_extend[b] : cu_extend[b+1]` of q, at positions
-`seq_lens[b] - ext_b .. seq_lens[b] - 1`, attending causally to each other and fully to the
-request's prefix in the paged pool (the new tokens' K/V are already stored). All tensors are
-sized by the capacity: Tp query rows and Bmax requests; requests past the step's end have
-`cu_extend[b + 1] == cu_extend[b]` (no rows) and rows past `cu_extend[Bmax]` are padding.
+Request b's rows are `cu_extend[b] : cu_extend[b+1]` of q, at positions `seq_lens[b] - ext_b ..
+seq_lens[b] - 1`, attending causally to each other and fully to the request's cached prefix
+(their K/V are already stored). Tensors are sized by the capacity (Tp rows, Bmax requests):
+requests past the step have no rows and rows past `cu_extend[Bmax]` are padding.
 
 Grid: (KV heads, work items). A program reads its KV head once for the whole GQA group: its
-tile's rows are (token, query head of the group) pairs, GPAD = the group padded to a power of
-two heads per token. Each program derives its work from `cu_extend` on the device (a cumulative
-sum over the Bmax requests, no host list, no planning launch):
-- wide items (requests with more than TOK_N new tokens): q-blocks of TOK_W = ROWS_W / GPAD
-  tokens, last block of each request first (it sees the most keys); keys before the block's
-  first query unmasked, the diagonal blocks causal, as in `extend.py`;
-- narrow items (decode rows, short extends of up to TOK_N = ROWS_N / GPAD tokens): one tile of
-  ROWS_N rows (16 at GQA group 2: 8 tokens x 2 heads), the tile shape of `decode.py`, with the
-  key range split `num_splits` ways (a host int fixed per capture) so that a few decodes at
-  long contexts still fill the GPU; the last split to finish combines the partials, counted
-  with an atomic, exactly as `decode.py` does;
-- padding rows (past `cu_extend[Bmax]`) get zeros, so a replay leaves no stale or NaN rows
-  there; no program writes a row of another request.
-One program per item the capacity can need (`max_work_items`): those past the step's items
-share the padding rows' zeros and exit. (A persistent grid, a few programs per SM each looping
-over every G-th item, lost to it in the H200 sweep of 2026-12-02 and was removed.)
+tile's rows are (token, query head) pairs, GPAD = the group padded to a power of two. Each
+program derives its item from `cu_extend` on the device (no host list, no planning launch):
+- wide items (requests of more than TOK_N new tokens): q-blocks of TOK_W = ROWS_W / GPAD
+  tokens, each request's last block first; unmasked keys before the block, causal diagonal, as
+  `extend.py`;
+- narrow items (decodes, short extends of up to TOK_N = ROWS_N / GPAD tokens): one tile of
+  ROWS_N rows (`decode.py`'s shape) with the keys split `num_splits` ways (a host int fixed per
+  capture); the last split to finish combines the partials, as `decode.py` does;
+- the rest zero the padding rows and exit (`max_work_items` leaves at least one such program),
+  so a replay leaves no stale or NaN rows.
 """
 
 from __future__ import annotations
@@ -38,20 +30,15 @@ import triton.language as tl
 
 from minisgl.kernels.attention.common import (
     attend_keys,
-    check_kv_scales,
-    check_paged_args,
+    check_tile_sizes,
     combine_splits,
     fp8_operand,
     kv_split_len,
     normalize,
+    paged_launch,
+    softmax_init,
 )
-from minisgl.kernels.common import (
-    dot_flags,
-    pdl_args,
-    pdl_prologue,
-    round_bf16,
-    split_counters,
-)
+from minisgl.kernels.common import pdl_prologue, round_bf16, split_counters
 
 
 @dataclass(frozen=True)
@@ -60,24 +47,16 @@ class MixedConfig:
     minisgl.benchmark.tune mixed`). One kernel holds both tile shapes, so warps and stages are
     shared."""
 
-    # The best by geometric mean of `benchmark.tune mixed` on an NVIDIA H200
-    # (2026-12-02; head_dim 128, GQA 2, bf16, page 16, one layer's us): 54.1 at 20 decodes
-    # (context ~1000) + a 1000-token prompt, 83.2 at 64 decodes + a 100-token prompt; the old
-    # default (64, 64, 64, 8 warps, 2 stages) took ~99-105 and ~149. Per case the best were
-    # (64, 32, 64, 4, 2) at 53.9 and (128, 32, 128, 4, 3) at 79.7. A persistent grid lost.
+    # The best by geometric mean of `benchmark.tune mixed` on an H200 (head_dim 128, GQA 2).
     rows_wide: int = 64  # (token, head) rows of a prefill q-block: 32 tokens at GQA group 2
     block_n: int = 64  # keys per step of a wide item
     block_n_narrow: int = 128  # keys per step of a narrow item (16 rows: a decode's tile)
-    # sm_90 build at head_dim 128, GQA 2 (bf16): 196-198 registers, 80 KiB shared, so two
-    # programs per SM; FP8 K/V take 252 and fp32 255, without spills (the limit at 4 warps).
+    # sm_90, head_dim 128, GQA 2: 196-198 registers (FP8 K/V 252, fp32 255), two programs an SM.
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("rows_wide", "block_n", "block_n_narrow"):
-            size = getattr(self, name)
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+        check_tile_sizes(self, "rows_wide", "block_n", "block_n_narrow")
 
 
 def default_mixed_config(head_dim: int, elem_size: int = 2) -> MixedConfig:
@@ -135,18 +114,12 @@ def _load_q(q_ptr, rows, heads, valid, stride_qt, stride_qh, HEAD_DIM: tl.conste
 
 @triton.jit(do_not_specialize=["stride_bt", "num_requests", "num_rows", "num_splits"])
 def _mixed_kernel(
-    q_ptr,  # [Tp, Hq, D]
-    k_ptr,  # [slots, Hkv, D]
-    v_ptr,  # [slots, Hkv, D]; FP8: [pages, Hkv, D, PAGE_SIZE] (`KVPool`)
-    block_table_ptr,  # [Bmax, P] int32
-    seq_lens_ptr,  # [Bmax] int32
-    cu_extend_ptr,  # [Bmax+1] int32
-    o_ptr,  # [Tp, Hq, D]
+    # as `_extend_kernel`'s (Tp rows, Bmax requests), without extend_lens_ptr
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, cu_extend_ptr, o_ptr,
     part_o_ptr,  # [Bmax, Hkv, ROWS_N, num_splits, D] fp32 (SPLIT)
     part_lse_ptr,  # [Bmax, Hkv, ROWS_N, num_splits] fp32 (SPLIT)
     counter_ptr,  # [Bmax, Hkv] int32, zero between launches (SPLIT)
-    k_scale_ptr,  # [Hkv] fp32 (KV_FP8)
-    v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
+    k_scale_ptr, v_scale_ptr,  # [Hkv] fp32 (KV_FP8)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ot,
     stride_oh,
     num_requests,  # Bmax
@@ -245,9 +218,7 @@ def _wide_item(
         q = fp8_operand(q, q)
     q_pos = prefix_len + tok
     table_row = block_table_ptr + b * stride_bt
-    m_i = tl.full([ROWS_W], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS_W], tl.float32)
-    acc = tl.zeros([ROWS_W, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = softmax_init(ROWS_W, HEAD_DIM)
     # Keys before the block's first query: visible to every row, no mask but the length.
     full_end = (prefix_len + t0) // BLOCK_N * BLOCK_N
     m_i, l_i, acc = attend_keys(
@@ -290,9 +261,7 @@ def _narrow_item(
     split_len = kv_split_len(seq_len, num_splits, BLOCK_N_NARROW)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    m_i = tl.full([ROWS_N], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS_N], tl.float32)
-    acc = tl.zeros([ROWS_N, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = softmax_init(ROWS_N, HEAD_DIM)
     # A split may lie wholly after an earlier token's position: MAY_BE_EMPTY.
     m_i, l_i, acc = attend_keys(
         q, seq_len - e + tok, block_table_ptr + b * stride_bt, k_base, v_base, stride_kt,
@@ -349,14 +318,12 @@ def mixed_attention(
     num_rows, num_q_heads, head_dim = q.shape
     num_requests = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[1]
-    check_paged_args(q, k_cache, v_cache, block_table, seq_lens, cu_extend)
-    fp8 = check_kv_scales(k_cache, kv_scales, num_kv_heads)
+    out, (k_scale, v_scale), strides, flags = paged_launch(
+        _mixed_kernel, q, k_cache, v_cache, block_table, seq_lens, kv_scales, out, cu_extend
+    )
     cfg = config or default_mixed_config(head_dim, q.element_size())
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_rows == 0 or num_requests == 0:
         return out
     gpad = group_pad(num_q_heads, num_kv_heads)
@@ -364,26 +331,20 @@ def mixed_attention(
     rows_w = max(cfg.rows_wide, gpad)  # at least one token per wide block
     items = max_work_items(num_rows, num_requests, gpad, rows_w, num_splits)
     if num_splits > 1:
-        part_o = q.new_empty(num_requests * num_kv_heads * rows_n * num_splits * head_dim,
-                             dtype=torch.float32)  # fmt: skip
-        part_lse = q.new_empty(num_requests * num_kv_heads * rows_n * num_splits,
-                               dtype=torch.float32)  # fmt: skip
+        parts = num_requests * num_kv_heads * rows_n * num_splits
+        part_o = q.new_empty(parts * head_dim, dtype=torch.float32)
+        part_lse = q.new_empty(parts, dtype=torch.float32)
         counters = split_counters(q.device, num_requests * num_kv_heads)
     else:
         part_o = part_lse = out  # unread
         counters = seq_lens
-    ieee, emulate_bf16 = dot_flags(q.dtype, _mixed_kernel, fp8)
-    k_scale, v_scale = kv_scales if kv_scales is not None else (seq_lens, seq_lens)  # unread
     _mixed_kernel[(num_kv_heads, items)](
         q, k_cache, v_cache, block_table, seq_lens, cu_extend, out, part_o, part_lse, counters,
-        k_scale, v_scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), block_table.stride(0), out.stride(0),
-        out.stride(1), num_requests, num_rows, num_splits, sm_scale * math.log2(math.e),
-        GROUP=num_q_heads // num_kv_heads, GPAD=gpad, HEAD_DIM=head_dim,
-        BLOCK_B=max(16, triton.next_power_of_2(num_requests)), ROWS_W=rows_w,
+        k_scale, v_scale, *strides, num_requests, num_rows, num_splits,
+        sm_scale * math.log2(math.e), GROUP=num_q_heads // num_kv_heads, GPAD=gpad,
+        HEAD_DIM=head_dim, BLOCK_B=max(16, triton.next_power_of_2(num_requests)), ROWS_W=rows_w,
         BLOCK_N=cfg.block_n, ROWS_N=rows_n, BLOCK_N_NARROW=cfg.block_n_narrow,
-        PAGE_SIZE=page_size, SPLIT=num_splits > 1, KV_FP8=fp8, IEEE=ieee,
-        EMULATE_BF16=emulate_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(q.device),
+        PAGE_SIZE=page_size, SPLIT=num_splits > 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **flags,
     )  # fmt: skip
     return out

@@ -72,28 +72,6 @@ def attend_ref(
     return torch.cat(out) if out else q.new_zeros(q.shape, dtype=torch.float32)
 
 
-def decode_attention_ref(
-    q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]; FP8: [pages, Hkv, D, page_size]
-    block_table: torch.Tensor,  # [B, P] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    page_size: int,
-    sm_scale: float,
-    kv_scales: KVScales | None = None,
-) -> torch.Tensor:  # [B, Hq, D] fp32; a request with no context gets zeros
-    ks, vs = kv_scales if kv_scales is not None else (None, None)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        slots = context_slots(block_table[i], seq_len, page_size)
-        q_pos = torch.full((1,), seq_len - 1, device=q.device)
-        k, v = gather_kv(k_cache, slots, ks), gather_kv(v_cache, slots, vs)
-        out[i] = attend_ref(q[i : i + 1], k, v, q_pos, sm_scale)[0]
-    return out
-
-
 def extend_attention_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D], already holding the new tokens
@@ -118,3 +96,21 @@ def extend_attention_ref(
         k, v = gather_kv(k_cache, slots, ks), gather_kv(v_cache, slots, vs)
         out[first : first + ext_len] = attend_ref(q_i, k, v, q_pos, sm_scale)
     return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]; FP8: [pages, Hkv, D, page_size]
+    block_table: torch.Tensor,  # [B, P] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    page_size: int,
+    sm_scale: float,
+    kv_scales: KVScales | None = None,
+) -> torch.Tensor:  # [B, Hq, D] fp32; a request with no context gets zeros
+    """One query a request, the last of its context: an extend of one token (none when empty)."""
+    ext = (seq_lens > 0).int()
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return extend_attention_ref(
+        q, k_cache, v_cache, block_table, seq_lens, ext, cu, page_size, sm_scale, kv_scales
+    )

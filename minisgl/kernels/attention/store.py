@@ -7,14 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.attention.common import (
-    check_kv_scales,
-    key_shift,
-    quantize_fp8,
-    v_page_size,
-    v_row_ptrs,
-)
-from minisgl.kernels.common import emulate_fp8, pdl_args, pdl_prologue
+from minisgl.kernels.attention.common import quantize_fp8, store_args, v_row_ptrs
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -64,20 +58,17 @@ def store_kv(
     num_tokens, num_heads, head_dim = k.shape
     assert v.shape == k.shape and loc.shape == (num_tokens,)
     assert k_cache.shape[1:] == (num_heads, head_dim)
-    page_size = v_page_size(k_cache, v_cache)
     for t in (k_cache, v_cache, k, v):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
     if head_dim & (head_dim - 1):
         raise ValueError(f"store_kv needs a power-of-two head_dim, got {head_dim}")
-    fp8 = check_kv_scales(k_cache, scales, num_heads)
+    page_size, fp8, k_scale, v_scale, shift = store_args(k_cache, v_cache, scales, k_shift, k)
     if num_tokens == 0:
         return
-    k_scale, v_scale = scales if scales is not None else (k, v)  # unread without KV_FP8
-    shift = key_shift(k_cache, k_shift) if fp8 else k
     _store_kv_kernel[(num_tokens,)](
         k_cache, v_cache, loc, k, v, k_scale, v_scale, shift, k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_HEADS=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
-        KV_FP8=fp8, EMULATE_FP8=fp8 and emulate_fp8(_store_kv_kernel), PAGE_SIZE=page_size,
+        KV_FP8=fp8, EMULATE_FP8=fp8 and is_interpreted(_store_kv_kernel), PAGE_SIZE=page_size,
         num_warps=4 if num_heads * head_dim >= 1024 else 1, **pdl_args(k.device),
     )  # fmt: skip

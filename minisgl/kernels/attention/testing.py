@@ -34,15 +34,11 @@ def random_paged_kv(
     spare_pages: int = 2,
     poison: bool = True,
 ) -> PagedKV:  # fmt: skip
-    """Requests get disjoint pages in random order (not contiguous).
-
-    With `poison`, every slot that is not part of some request's context (spare pages, the tail
-    of a last page, table entries past a request's pages) holds NaN, so a kernel that reads
-    outside a context produces NaN. Without it the whole pool is random (cheap for huge pools).
-    An e4m3 pool (`torch.float8_e4m3fn`) comes with per-KV-head scales (`PagedKV.kv_scales`) and
-    V in its pages-transposed layout (`KVPool`), whose kernels read whole pages: there the tails
-    of context pages hold 448 instead of NaN (finite, as in a real pool, and loud if weighed).
-    """
+    """Requests get disjoint pages in random order. With `poison`, every slot outside the
+    contexts holds NaN, so a kernel that reads outside a context produces NaN (else the pool is
+    all random: cheap for huge pools). An e4m3 pool comes with per-KV-head scales and V in its
+    pages-transposed layout, whose kernels read whole pages: there the tails of context pages
+    hold 448 instead (finite, as in a real pool, and loud if weighed)."""
     pages_per_req = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_req) + spare_pages
     perm = torch.randperm(num_pages, device=device).to(torch.int32)

@@ -44,12 +44,10 @@ def quantize_kv(
 
 
 # ---- an FP8 pool's V: each page stored [Hkv, D, page_size] -------------------------------------
-# The P V product wants each channel's keys side by side (the tensor cores' operand layout for V
-# in the dot). 16-bit V gets there through a transposing shared-memory load (ldmatrix.trans);
-# e4m3 has none, so the Triton kernels would move V byte by byte (on the H200 that held the FP8
-# decode kernel to ~0.65 of the copy bandwidth at 200 registers per thread). An FP8 pool keeps
-# its V transposed within each page instead: a [pages, Hkv, D, page_size] tensor over the same
-# memory as [slots, Hkv, D]. K keeps the row layout (q K^T wants a key's channels together).
+# The P V product wants each channel's keys side by side. 16-bit V gets there through a
+# transposing shared-memory load; e4m3 has none, so an FP8 pool keeps its V transposed within
+# each page: a [pages, Hkv, D, page_size] tensor over the memory of [slots, Hkv, D]. K keeps the
+# row layout (q K^T wants a key's channels together).
 
 
 def v_pages(v: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -163,27 +161,28 @@ class ExpertScales(NamedTuple):
     w2: torch.Tensor  # [E, H] per row, or [E, cdiv(H, 128), cdiv(I, 128)]
 
 
-def expert_scale_kind(w: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """The MoE kernels' W_SCALE for an expert stack `w` [E, N, K]: 0 for 16/32-bit experts, 1
-    for e4m3 with a scale per row ([E, N]), 2 per 128 x 128 block ([E, cdiv(N, 128),
-    cdiv(K, 128)])."""
-    assert is_fp8(w.dtype) == (scale is not None), "e4m3 experts need their scales (and only they)"
+def weight_scale_kind(w: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The kernels' W_SCALE for a weight (or expert stack) `w` [..., N, K]: 0 for 16/32-bit
+    weights, 1 for e4m3 with a scale per row ([..., N]), 2 per 128 x 128 block ([...,
+    cdiv(N, 128), cdiv(K, 128)]); fp32 scales, last dim contiguous."""
+    assert is_fp8(w.dtype) == (scale is not None), "e4m3 weights need their scales (and only they)"
     if scale is None:
         return 0
-    assert scale.dtype == torch.float32 and scale.is_contiguous()
-    e, n, k = w.shape
-    if scale.dim() == 2:
-        assert scale.shape == (e, n)
+    assert scale.dtype == torch.float32 and scale.stride(-1) == 1
+    *lead, n, k = w.shape
+    if scale.dim() == w.dim() - 1:
+        assert scale.shape == (*lead, n)
         return 1
-    assert scale.shape == (e, -(-n // BLOCK), -(-k // BLOCK))
+    assert scale.shape == (*lead, -(-n // BLOCK), -(-k // BLOCK))
     return 2
 
 
 def expert_scale_args(
-    scale: torch.Tensor | None, fallback: torch.Tensor
-) -> tuple[torch.Tensor, int, int]:
-    """(pointer, stride per expert, stride per block row) of an expert stack's scales for the
-    MoE kernels; `fallback` (never read) when there are none."""
+    w: torch.Tensor, scale: torch.Tensor | None
+) -> tuple[int, torch.Tensor, int, int]:
+    """(W_SCALE, pointer, stride per expert, stride per block row) of an expert stack's scales
+    for the MoE kernels; the stack itself (never read) when there are none."""
+    kind = weight_scale_kind(w, scale)
     if scale is None:
-        return fallback, 0, 0
-    return scale, scale.stride(0), scale.stride(1) if scale.dim() == 3 else 0
+        return 0, w, 0, 0
+    return kind, scale, scale.stride(0), scale.stride(1) if kind == 2 else 0

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue, round_e4m3
 
 BLOCK = 128  # of the block-scaled weights and the activation groups that go with them
 
@@ -73,7 +73,7 @@ def quantize_activations(
     block = min(triton.next_power_of_2(cols), 1024)
     _act_quant_kernel[(m, groups)](
         x, q, s, k, x.stride(0), GROUP=cols if group is not None else triton.next_power_of_2(k),
-        BLOCK=block, EMULATE_FP8=emulate_fp8(_act_quant_kernel), num_warps=4 if block >= 512 else 1,
+        BLOCK=block, EMULATE_FP8=is_interpreted(_act_quant_kernel), num_warps=4 if block >= 512 else 1,
         **pdl_args(x.device),
     )  # fmt: skip
     return q, s

@@ -1,72 +1,30 @@
-"""One-row linear layers for batch-1 decode on CUDA, with the work around them fused in:
-y[N] = epilogue(W[N, K] @ prologue(x[K])).
+"""Linear layers of a few rows (batch-1 decode) on CUDA cores, with the work around them fused
+in: y[M, N] = epilogue(W[N, K] @ prologue(x[M, K])).
 
-At batch 1 a linear layer is a pure read of its weight, and a decoder layer is four such reads
-with a handful of tiny kernels between them (norm, residual add, SiLU). cuBLAS reads the larger
-matrices near the copy bandwidth but every kernel boundary costs a launch and a ramp, and
-cuBLAS adds split-K reduce kernels of its own. Here:
+At batch 1 a linear layer is a pure read of its weight; what costs is every kernel boundary and
+cuBLAS's own split-K reduce kernels. So the prologue can apply RMSNorm to x (`norm_weight`: x^2
+summed on the way, the dot products scaled by the rstd at the end) or SiLU-and-multiply (`act`:
+x is [2K], gate then up); the epilogue can add a bias and a residual; each program loads its
+first weight tile before the programmatic-dependent-launch wait and double-buffers weights and x
+in registers. fp32 products and sums (the normalised x is not rounded to the model dtype first:
+results agree with the torch layers within bf16 rounding).
 
-- the prologue can apply RMSNorm to x (`norm_weight`): each program walks all of K anyway, so it
-  sums x^2 on the way and scales its dot products by the rstd at the end (no separate norm
-  kernel, no normalised copy of x);
-- or the prologue can be SiLU-and-multiply (`act`): x is [2K], gate then up, and the product
-  uses silu(x[:K]) * x[K:] (a down projection straight from the gate/up output);
-- the epilogue can add a bias and a residual (`residual`: y = W x + r, the next residual);
-- each program loads its first weight tile *before* waiting on the previous kernel (weights do
-  not depend on it), under programmatic dependent launch: the next GEMV's programs are already
-  streaming their weights while the previous kernel drains;
-- weights and x are double-buffered in registers, so two tiles per program are in flight.
+FP8 weights (`weight_scale`): e4m3 rows widened in registers, one scale per output row or per
+128 x 128 block (folded into x; a program's rows lie in one block row). At one row FP8 is bound
+by instructions: at the copy bandwidth an H200 SM takes in ~16 e4m3 weights a clock and issues
+128 thread instructions. Hence two layouts (`GemvConfig.layout`):
 
-Each program owns BLOCK_N rows and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at
-the end. Numerics: fp32 products and sums; the normalised x is not rounded to the model dtype
-before the product (the torch layers round it), so results agree with them within bf16 rounding,
-not bit for bit.
-
-FP8 weights (`weight_scale`): e4m3 rows widened in registers, with one scale per output row
-(applied to the row's sum at the end) or one per 128 x 128 block (folded into x, 128 columns at
-a time; a program's BLOCK_N rows then lie in one block row). Half the bytes of bf16 for the same
-work: the weight-only path of an FP8 linear layer at small batch.
-
-FP8 at one row is bound by instructions, not registers: at the copy bandwidth an H200 SM must
-take in ~16 weight bytes a clock, i.e. 16 e4m3 weights, and it issues 128 thread instructions
-a clock. The one-row kernel's loop spends ~6.7 a weight (compiled for sm_90: byte unpacking,
-F2FP and an f16 -> fp32 widening per weight, one FMA, plus x moved through shared memory every
-step, since x's 16-bit layout is not the e4m3 tile's), ~105 a clock at 16 weights: the 2-3
-TB/s measured. So the one-row FP8 variants (`GemvConfig.layout` "vec"; `TUNED_FP8` takes them
-for the Llama-3-8B shapes, `python -m minisgl.benchmark.tune gemv --fp8` chooses) run in the vec
-layout's kernel (below) at ROWS 1, with 16 columns a thread per step (`vec` 16: one 16-byte
-load of e4m3 per weight row, the two 16-byte loads of x joined in registers into the same
-layout, nothing through shared memory), the bytes kept packed as int32 words (`words`), each
-word's four bytes widened by the hardware conversion of its two 16-bit halves (`widen` "ptx",
-inline PTX: 1.5 instructions a weight), and one fp32 partial sum per column (`keep_vec`: one
-FMA a weight): ~3.9 instructions a weight at 8 rows a program, ~3.6 at 16. (Measured on the
-H200 and dropped, slower at every 8B shape: widening by integer ops, ~3 instructions a weight;
-K split over programs with a reduction by the last one; a persistent grid, whose faster
-kernels did not reach W2's FP8 step: 2.692-2.705 ms against 2.677 without.)
-
-In the tile layout several rows of x (small batches) run as that many programs per BLOCK_N
-weight rows, launched next to each other, so all but the first read the weight tile from L2.
-
-The "vec" layout's kernel (`_gemv_rows_kernel`) takes all M rows of x in one program for its
-BLOCK_N weight rows (FP8 weight-only layers with `fp8_gemv_max_rows` above 1 send their few rows
-there), so each weight tile is read from DRAM once, into registers, and every weight element
-meets M fp32 FMAs on the CUDA cores (rows past M up to ROWS, the next power of two, are masked
-zeros). The prologues and epilogues are the one-row kernel's, with a sum of squares and an rstd
-per row of x. The accumulator: a [BLOCK_N, BLOCK_K] fp32 partial sum per row of x would be M
-times the one-row kernel's registers, and reducing over K every step would cost shuffles (and a
-shared-memory round trip across warps) per step. Instead every tile is 4-d, [ROWS, BLOCK_N,
-BLOCK_K / VEC, VEC], where VEC columns are one or two 16-byte loads of x held by one thread:
-each step the products are summed over VEC inside the thread's registers (FMAs, no shuffles)
-into a [ROWS, BLOCK_N, BLOCK_K / VEC] fp32 accumulator (or one per column, `keep_vec`), and the
-sum over K across threads happens once, at the end. With BLOCK_K / VEC >= 32 x warps (asserted
-on CUDA), every thread and warp lies along K: a thread holds all BLOCK_N weight rows and all
-ROWS rows of x of its own columns, so the weight tile, x and their product share one layout (no
-conversion in the loop when x's rows start 16-byte aligned, as the models' do:
-`tests/kernels/test_gemv.py` checks the compiled loop) and x is read once per program, not once
-per weight row. Per thread that is ROWS x BLOCK_N partial sums per VEC columns and ROWS x VEC
-values of x (one or two steps of it: `GemvConfig.x_ahead`), which is what bounds BLOCK_N as
-ROWS grows. (As an engine option for 2..8 rows of 16-bit or FP8 weights it lost to cuBLAS and
-the skinny GEMM on the H200.)
+- "tile" (`_gemv_kernel`): a [BLOCK_N, BLOCK_K] fp32 partial sum per program and row of x,
+  reduced once at the end; several rows of x run as neighbouring programs (all but the first
+  read the weight tile from L2). The 16-bit default.
+- "vec" (`_gemv_rows_kernel`, `TUNED_FP8`): every tile is 4-d, [ROWS, BLOCK_N, BLOCK_K / VEC,
+  VEC], with all threads and warps along K (BLOCK_K / VEC >= 32 x warps, asserted on CUDA): a
+  thread holds VEC columns of all BLOCK_N weight rows and all ROWS rows of x, so weights, x and
+  their product share one layout (no conversion in the loop; `tests/kernels/test_gemv.py` checks
+  the compiled loop) and the sum over K across threads happens once, at the end. For e4m3: 16
+  columns a thread (one 16-byte load), kept packed as int32 words (`words`), each word widened
+  by the hardware conversion of its two 16-bit halves in inline PTX (`widen` "ptx"), one fp32
+  partial sum per column (`keep_vec`: one FMA a weight): ~3.6-3.9 instructions a weight.
 """
 
 from __future__ import annotations
@@ -78,6 +36,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
+from minisgl.kernels.fp8 import weight_scale_kind
 
 
 @dataclass(frozen=True)
@@ -85,33 +44,19 @@ class GemvConfig:
     block_n: int = 16
     block_k: int = 512
     num_warps: int = 4
-    # "tile" (a [BLOCK_N, BLOCK_K] fp32 partial sum per program and row of x, `_gemv_kernel`)
-    # or "vec" (`_gemv_rows_kernel`: all rows of x in one program, VEC columns summed in a
-    # thread's registers each step, a [ROWS, BLOCK_N, BLOCK_K / VEC] partial sum; what e4m3
-    # weights want, the FP8 section of the module docstring says why). The knobs below are the
-    # vec layout's.
-    layout: str = "tile"
-    # x read one K step ahead of its use (two steps of x in registers) or at its step (one;
-    # more weight rows per thread fit).
-    x_ahead: bool = True
-    # Columns of a K step one thread sums in registers (0: one 16-byte load of x, `rows_vec`);
-    # 16 with an e4m3 weight makes each weight load 16 bytes.
-    vec: int = 0
-    # e4m3 weights widened to fp32 by "cvt" (the hardware conversion to f16x2, then to fp32)
-    # or, with `words` on CUDA, "ptx" (the hardware conversion of each int32's two 16-bit
-    # halves, inline PTX: no byte extraction; the interpreter cannot run it).
+    layout: str = "tile"  # or "vec" (the module docstring); the knobs below are the vec layout's
+    x_ahead: bool = True  # x read one K step ahead (two steps in registers), else at its step
+    vec: int = 0  # columns of a K step a thread sums (0: one 16-byte load of x, `rows_vec`)
+    # e4m3 widened by "cvt" (the conversion to f16x2, then fp32) or, with `words` on CUDA, "ptx"
+    # (inline PTX on each int32's two 16-bit halves; the interpreter cannot run it).
     widen: str = "cvt"
-    # Partial sums: one per column (FMAs; VEC times the registers), not one per VEC columns (a
-    # multiply and an add tree per step).
-    keep_vec: bool = False
-    # e4m3 weights loaded as int32 words (vec 16: four per thread and row, one 16-byte load),
-    # each meeting x split by byte position: the bytes stay packed in registers.
+    keep_vec: bool = False  # a partial sum per column (FMAs, VEC x the registers), not per VEC
+    # e4m3 weights loaded as int32 words, each meeting x split by byte position (packed bytes)
     words: bool = False
 
 
-# (N, K, act) -> config measured best on an H200 (bf16, `python -m minisgl.benchmark.tune gemv`, the
-# best of 17 per shape); the default below for the rest (within 1% of the best for the
-# Llama-3-8B qkv and o_proj).
+# (N, K, act) -> config measured best on an H200 (bf16, `python -m minisgl.benchmark.tune gemv`);
+# `default_config`'s guess for the rest (within 1% of the best for the Llama-3-8B qkv, o_proj).
 TUNED: dict[tuple[int, int, bool], GemvConfig] = {
     (28672, 4096, False): GemvConfig(16, 256, 4),  # Llama-3-8B gate/up: 56.3 us
     (4096, 14336, True): GemvConfig(8, 512, 8),  # Llama-3-8B down after SiLU: 28.7 us
@@ -122,19 +67,15 @@ TUNED: dict[tuple[int, int, bool], GemvConfig] = {
 }
 
 
-# The same for FP8 (e4m3) weights, from `python -m minisgl.benchmark.tune gemv --fp8` on the H200
-# (docs/benchmarks.md); other shapes take the bf16 table's tiles. Llama-3-8B (`--fp8 --quick
-# --only 8b`): the vec layout at one row, 16-byte e4m3 loads widened by inline PTX,
-# us (TB/s of e4m3 weights; the old tiles' us): qkv 9.37 (2.69; 12.8), o_proj 5.37 (3.13;
-# 7.39), gate_up 33.2 (3.54; 40.3), down 16.6 (3.54; 26.1), LM head 134.9 (3.89; 165.3).
+# The same for FP8 (e4m3) weights (`... tune gemv --fp8` on the H200); other shapes take the bf16
+# table's. Llama-3-8B, us (TB/s of e4m3 weights): qkv 9.37 (2.69), o_proj 5.37 (3.13), gate_up
+# 33.2 (3.54), down 16.6 (3.54), LM head 134.9 (3.89); Qwen3-30B-A3B qkv 5.63, o_proj 3.64.
 TUNED_FP8: dict[tuple[int, int, bool], GemvConfig] = {
     (6144, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", keep_vec=True, words=True),
     (4096, 4096, False): GemvConfig(4, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
     (28672, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
     (4096, 14336, True): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
     (128256, 4096, False): GemvConfig(8, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
-    # Qwen3-30B-A3B (`--fp8 --quick --only 30b`): qkv 5.63 us (the tiles before:
-    # 5.97), o_proj 3.64 (4.55)
     (5120, 2048, False): GemvConfig(8, 2048, 4, layout="vec", x_ahead=False, vec=16, widen="ptx", keep_vec=True, words=True),
     (2048, 4096, False): GemvConfig(4, 2048, 4, layout="vec", vec=16, widen="ptx", words=True),
 }  # fmt: skip
@@ -179,9 +120,8 @@ def _block_scales(s_ptr, offs, K, W_SCALE: tl.constexpr):
     return s
 
 
-# `M` (rows of x) is specialized: at M == 1 (batch-1 decode) the row arithmetic folds away
-# (the H200's W2 step took 0.4 ms longer with M a plain runtime value); other M take one or two
-# more variants.
+# `M` (rows of x) is specialized: at M == 1 (batch-1 decode) the row arithmetic folds away (the
+# H200's W2 step took 0.4 ms longer with M a plain runtime value).
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K], rows `stride_xm` apart ([M, 2K] if ACT)
@@ -254,12 +194,10 @@ def _x_rows_tile(
     rows,  # [ROWS, 1, 1, 1]: rows of x below M
     ACT: tl.constexpr, NORM: tl.constexpr, W_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """(x at `cols` as multiplied: times the norm weight (NORM) and the block scales (W_SCALE
-    2), fp32 [ROWS, 1, BLOCK_K // VEC, VEC]; the sums of squares of its raw values
-    [ROWS, 1, BLOCK_K // VEC] (zeros without NORM)). Applied as x is loaded, one
-    step ahead. The norm weight and the scales are read as [ROWS, ...] tiles (one L1 read per
-    row): a [1, ...] tile is laid out on its own by the compiler, which then moves the whole
-    product to that layout, a shared-memory round trip each step."""
+    """(x at `cols` times the norm weight (NORM) and the block scales (W_SCALE 2), fp32; the
+    sums of squares of its raw values [ROWS, 1, BLOCK_K // VEC] (zeros without NORM)). The norm
+    weight and scales are read as [ROWS, ...] tiles: a [1, ...] tile would get a layout of its
+    own, and the product a shared-memory round trip each step."""
     x = _load_x(x_rows, cols, K, ACT, rows)
     if NORM:
         ss = tl.sum(x * x, 3)
@@ -298,13 +236,10 @@ def _step_sums(
     WIDEN: tl.constexpr, HALVES: tl.constexpr, KEEP_VEC: tl.constexpr, WORDS: tl.constexpr,
     ROWS: tl.constexpr, S: tl.constexpr, XV: tl.constexpr,
 ):  # fmt: skip
-    """`acc` plus the step's products: summed over each thread's VEC columns (a multiply and
-    an add tree), or with KEEP_VEC one partial sum per column (ACC_W = VEC; one FMA per weight,
-    VEC times the registers). With HALVES 2 (one 16-byte load of 16 e4m3 weights against two
-    of x) the two halves of x are joined in registers (fp32, one value a register: no
-    instructions) into the weights' layout: every operand keeps one thread's columns, so
-    nothing moves between threads. With WORDS each int32 of weights meets x split by byte
-    position (x[4i + j] for byte j of word i; ACC_W = VEC // 4 with KEEP_VEC)."""
+    """`acc` plus the step's products, summed over each thread's VEC columns or (KEEP_VEC) one
+    partial sum per column. With HALVES 2 (16 e4m3 weights against two 16-byte loads of x) the
+    halves of x are joined in registers into the weights' layout (no instructions); with WORDS
+    each int32 of weights meets x split by byte position (x[4i + j] for byte j of word i)."""
     if HALVES == 2:
         x = tl.reshape(tl.permute(tl.join(x, x2), [0, 1, 2, 4, 3]), [ROWS, 1, S, 2 * XV])
     if WORDS:
@@ -328,9 +263,8 @@ def _step_sums(
 
 @triton.jit
 def _bytes(words, WIDEN: tl.constexpr):
-    """The four e4m3 bytes of each int32 (byte j: column 4i + j) in fp32. WIDEN 2 (CUDA only,
-    inline PTX): each 16-bit half is one hardware conversion of two e4m3 to f16x2, then each
-    half to fp32: no byte extraction (1.5 instructions a weight)."""
+    """The four e4m3 bytes of each int32 (byte j: column 4i + j) in fp32. WIDEN 2 (CUDA, inline
+    PTX): one conversion of each 16-bit half to f16x2, then to fp32 (1.5 instructions a weight)."""
     if WIDEN == 2:
         b0, b1, b2, b3 = tl.inline_asm_elementwise(
             asm="""{
@@ -370,27 +304,19 @@ def _byte(words, J: tl.constexpr):
 @triton.jit
 def _steps_cols(S: tl.constexpr, W: tl.constexpr):
     """[S, W] offsets s * W + w: a K step's columns (or words) as S pieces of W, each one
-    thread's. Declared contiguous in pairs along S (they are not): the compiler lays a tile's
-    threads along its most contiguous dims first and breaks ties by dim order, which triton
-    3.6 and 3.9 take in opposite directions; this puts the threads along S in both (3.6 would
-    otherwise spread them over the weight rows and move every weight tile through shared
-    memory to meet x). Only the order comes from it: loads vectorize along W alone."""
+    thread's. Declared contiguous in pairs along S (they are not), so that triton 3.6 and 3.9
+    both lay the threads along S (ties in contiguity are broken in opposite directions), not
+    over the weight rows; loads still vectorize along W alone."""
     return tl.max_contiguous(tl.arange(0, S)[:, None] * W + tl.arange(0, W)[None, :], [2, W])
 
 
 # M only enters the masks (rows past it are zeros): one compiled variant per ROWS.
 @triton.jit(do_not_specialize=["M"])
 def _gemv_rows_kernel(
-    x_ptr,  # [M, K], rows `stride_xm` apart ([M, 2K] if ACT)
-    w_ptr,  # [N, K]
-    y_ptr,  # [M, N] contiguous
-    b_ptr,  # [N] (HAS_BIAS)
-    r_ptr,  # [M, N] residual, contiguous (HAS_RES)
-    g_ptr,  # [K] RMSNorm weight (NORM)
-    s_ptr,  # W_SCALE 1: [N] fp32 per row; 2: [cdiv(N, 128), cdiv(K, 128)] fp32 per block
-    M, N, K, stride_xm, stride_wn, stride_wk, stride_sn, eps, HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr, NORM: tl.constexpr, ACT: tl.constexpr,
-    W_SCALE: tl.constexpr,  # 0: none, 1: per row, 2: per 128 x 128 block (FP8 weights)
+    # the tensors, sizes and flags of `_gemv_kernel`
+    x_ptr, w_ptr, y_ptr, b_ptr, r_ptr, g_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_wk,
+    stride_sn, eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+    ACT: tl.constexpr, W_SCALE: tl.constexpr,
     X_AHEAD: tl.constexpr,  # x read one K step ahead of its use, else at its step
     ROWS: tl.constexpr,  # M rounded up to a power of two
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -497,9 +423,8 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> 
     )
 
 
-# The vec layout's kernel keeps every row of x in one program (registers per row): more rows
-# (`fp8_gemv_max_rows` set high) run in chunks of this many. The sm_90 build of the 8B FP8
-# tiles is at 254-255 registers from 4 rows on; larger chunks were never compiled or timed.
+# The vec layout keeps every row of x in one program's registers: more rows run in chunks of
+# this many (the sm_90 build of the 8B FP8 tiles is at 254-255 registers from 4 rows on).
 VEC_MAX_ROWS = 8
 
 
@@ -527,41 +452,57 @@ def gemv(
             for lo in range(0, m, VEC_MAX_ROWS)
         ]  # fmt: skip
         return torch.cat(chunks)
-    vec = cfg.vec or rows_vec(x)
-    assert cfg.layout in ("tile", "vec") and cfg.widen in WIDEN, cfg
-    assert rows_kernel or cfg.widen == "cvt", "the vec layout's knobs"
-    if rows_kernel:
-        assert cfg.block_k % vec == 0
-        # On the GPU every thread must own whole VEC-column pieces of a K step, no two threads
-        # the same ones (the module docstring says why); the interpreter has no threads.
-        assert not x.is_cuda or cfg.block_k // vec >= 32 * cfg.num_warps, "BLOCK_K too small"
-    if w_scale == 2:
-        assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    scale = weight_scale if weight_scale is not None else y
-    ptrs = (x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
-            norm_weight if norm_weight is not None else x, scale)  # fmt: skip
-    sizes = (m, n, k, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), eps)
-    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                 NORM=norm_weight is not None, ACT=act, W_SCALE=w_scale,
-                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                 **pdl_args(x.device))  # fmt: skip
+    tensors, sizes, flags = launch_args(x, weight, y, bias, residual, norm_weight, weight_scale,
+                                        eps, act)  # fmt: skip
+    flags |= dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    if w_scale == 2:
+        assert 128 % cfg.block_n == 0, "a program's rows must lie in one 128-row block"
     tiles = triton.cdiv(n, cfg.block_n)
     if not rows_kernel:
-        _gemv_kernel[(tiles * m,)](*ptrs, *sizes, **flags)
+        assert cfg.layout == "tile" and cfg.widen == "cvt", "the vec layout's knobs"
+        _gemv_kernel[(tiles * m,)](*tensors, *sizes, **flags)
         return y
+    _gemv_rows_kernel[(tiles,)](*tensors, *sizes, ROWS=rows, **flags, **_vec_flags(cfg, x, weight))
+    return y
+
+
+def _vec_flags(cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor) -> dict[str, int | bool]:
+    """The vec layout's launch flags (`_gemv_rows_kernel`), checked."""
     x_vec = rows_vec(x)
-    assert vec in (x_vec, 2 * x_vec), "VEC: one or two 16-byte loads of x"
+    vec = cfg.vec or x_vec
+    assert cfg.block_k % vec == 0 and vec in (x_vec, 2 * x_vec), "VEC: one or two loads of x"
+    # On the GPU every thread must own whole VEC-column pieces of a K step, no two threads the
+    # same ones (the module docstring says why); the interpreter has no threads.
+    assert not x.is_cuda or cfg.block_k // vec >= 32 * cfg.num_warps, "BLOCK_K too small"
     if cfg.words:
-        assert w_scale and vec == 16 and k % 4 == 0 and weight.stride(1) == 1, "words: e4m3 rows"
+        assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1, "words: e4m3 rows"
+        assert vec == 16 and weight.shape[1] % 4 == 0, "words: 16 columns a thread"
     assert cfg.widen != "ptx" or (cfg.words and not is_interpreted(_gemv_rows_kernel)), "ptx"
     acc_w = (vec // 4 if cfg.words else vec) if cfg.keep_vec else 1
-    _gemv_rows_kernel[(tiles,)](*ptrs, *sizes, X_AHEAD=cfg.x_ahead, ROWS=rows, VEC=vec, XV=x_vec,
-                    HALVES=vec // x_vec, KEEP_VEC=cfg.keep_vec, WORDS=cfg.words, ACC_W=acc_w,
-                    WIDEN=WIDEN[cfg.widen], **flags)  # fmt: skip
-    return y
+    return dict(X_AHEAD=cfg.x_ahead, VEC=vec, XV=x_vec, HALVES=vec // x_vec,
+                KEEP_VEC=cfg.keep_vec, WORDS=cfg.words, ACC_W=acc_w, WIDEN=WIDEN[cfg.widen])  # fmt: skip
+
+
+def launch_args(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+    weight_scale: torch.Tensor | None, eps: float, act: bool,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int | float, ...], dict[str, int | bool]]:  # fmt: skip
+    """The arguments a fused linear kernel of a few rows (`gemv`, `skinny.skinny`) starts with:
+    (its tensors, `y` where one is absent (never read); its sizes and strides; its flags)."""
+    scale = weight_scale if weight_scale is not None else y
+    tensors = (x, weight, y, bias if bias is not None else y,
+               residual if residual is not None else y,
+               norm_weight if norm_weight is not None else x, scale)  # fmt: skip
+    sizes = (x.shape[0], *weight.shape, x.stride(0), weight.stride(0), weight.stride(1),
+             scale.stride(0), eps)  # fmt: skip
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                 NORM=norm_weight is not None, ACT=act,
+                 W_SCALE=weight_scale_kind(weight, weight_scale), **pdl_args(x.device))  # fmt: skip
+    return tensors, sizes, flags
 
 
 def check_fused_linear(
@@ -578,19 +519,4 @@ def check_fused_linear(
     assert bias is None or bias.shape == (n,)
     assert residual is None or (residual.shape == (m, n) and residual.is_contiguous())
     assert norm_weight is None or norm_weight.shape == (k,)
-    return m, n, k, _check_weight_scale(weight, weight_scale)
-
-
-def _check_weight_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """The W_SCALE variant: 0 for a 16/32-bit weight, 1 (per row) or 2 (per block) for e4m3."""
-    fp8 = weight.dtype == torch.float8_e4m3fn
-    assert fp8 == (scale is not None), "an e4m3 weight needs its scales (and only it)"
-    if scale is None:
-        return 0
-    n, k = weight.shape
-    assert scale.dtype == torch.float32 and scale.stride(-1) == 1
-    if scale.dim() == 1:
-        assert scale.shape == (n,)
-        return 1
-    assert scale.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128))
-    return 2
+    return m, n, k, weight_scale_kind(weight, weight_scale)

@@ -1,35 +1,21 @@
 """Skinny GEMMs: linear layers with a few rows of x (M = 1..16) on tensor cores, reading each
-weight tile from DRAM exactly once for all M rows: y[M, N] = epilogue(prologue(x)[M, K] W[N, K]^T).
+weight tile from DRAM once for all M rows: y[M, N] = epilogue(prologue(x)[M, K] W[N, K]^T).
 
-Where it sits. The fused GEMV (`gemv.py`) costs a program (and a pass over the tile) per row of
-x; cuBLAS at 2..16 rows (a speculative verify step, a small decode batch) is a GEMM sized for
-large M. Here one
-program owns BLOCK_N weight rows and all (<= 16) rows of x: each K step is one
-`tl.dot(w [BLOCK_N, BLOCK_K], x^T [BLOCK_K, 16])` (rows of x past M are zeros) into a
-[BLOCK_N, 16] fp32 accumulator, a few registers per thread, so tiles can be large and Triton's
-software pipeline (`num_stages`) keeps several of them in flight. The weights are the MMA's wide
-operand (its M side), x its narrow one (N = 16): the same tensor-core work at any M <= 16.
+The fused GEMV (`gemv.py`) costs a pass over the tile per row of x; cuBLAS at 2..16 rows (a
+speculative verify step, a small decode batch) is a GEMM sized for large M. Here one program
+owns BLOCK_N weight rows and all rows of x: each K step is one `tl.dot(w [BLOCK_N, BLOCK_K],
+x^T [BLOCK_K, 16])` (rows past M are zeros) into a [BLOCK_N, 16] fp32 accumulator, so tiles can
+be large and Triton's software pipeline keeps several in flight.
 
-- Prologue, as in the GEMV: RMSNorm of x (`norm_weight`; each row's sum of squares is
-  gathered on the way and its rstd scales that row's outputs at the end) or SiLU-and-multiply
-  (`act`: x is [M, 2K], gate then up). The normalised (or SiLU'd) x is rounded to the operand
-  dtype for the dot, as the torch layers round it.
-- Epilogue: per-row FP8 scales, the rstd, bias, residual (y = W x + r), one store.
-- FP8 (e4m3) weights: widened to x's dtype in registers (exact) before the dot. A scale per
-  output row multiplies the output columns at the end; 128 x 128 block scales multiply each
-  128-column K step's dot (BLOCK_K = 128), whose fp32 sum is added to the accumulator (as in
-  `minisgl.kernels.fp8.gemm`).
-- Split-K (`SkinnyConfig.split_k`) for shapes with too few BLOCK_N tiles to fill the SMs: each
-  split writes its fp32 partial (and its rows' partial sums of squares) to a scratch buffer; the
-  last split of a tile to finish (a counter per tile, zeroed again by it) adds the splits in a
-  fixed order and runs the epilogue. No second kernel, no atomics on the data, deterministic.
-- Programmatic dependent launch: a program's first weight tile is loaded before the PDL wait
-  and multiplied after the pipelined loop over the rest, so its latency overlaps the
-  previous kernel's tail and the whole loop.
+Prologue and epilogue as in the GEMV (x rounded to the operand dtype for the dot, as the torch
+layers round it); e4m3 weights widened to x's dtype in registers, block scales on each
+128-column step's dot. Split-K (`SkinnyConfig.split_k`) for shapes with too few tiles: the last
+split of a tile to finish (a counter per tile, zeroed again by it) adds the splits' fp32
+partials in a fixed order and runs the epilogue (one kernel, deterministic). A program's first
+weight tile is loaded before the PDL wait and multiplied after the loop.
 
-Nothing depends on the values of M beyond the masks, nothing syncs with the host, and the only
-allocations are the output and, with split-K, a scratch buffer of a size fixed by the shape:
-CUDA-graph capturable (run once before capturing: the split counters are allocated then).
+No host sync; the allocations are the output and the split-K scratch, of sizes fixed by the
+shape: CUDA-graph capturable (run once before capturing: the split counters).
 """
 
 from __future__ import annotations
@@ -40,16 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.common import (
-    dot,
-    dot_flags,
-    num_sms,
-    pdl_args,
-    pdl_prologue,
-    round_bf16,
-    split_counters,
-)
-from minisgl.kernels.gemv.gemv import check_fused_linear, gemv_supported
+from minisgl.kernels.common import dot, dot_flags, num_sms, pdl_prologue, round_bf16, split_counters
+from minisgl.kernels.gemv.gemv import check_fused_linear, gemv_supported, launch_args
 
 BLOCK_M = 16  # rows of x per program: tl.dot's smallest side
 MAX_ROWS = BLOCK_M
@@ -68,9 +46,8 @@ class SkinnyConfig:
 # Weight formats: 16-bit, e4m3 with a scale per row, e4m3 with 128 x 128 block scales.
 FORMATS = ("bf16", "row", "block")
 # (N, K, act, format) -> config measured best on an H200 (`python -m minisgl.benchmark.tune
-# skinny --quick`; us at M = 5, cuBLAS beside it). Slower than cuBLAS on the
-# Llama-3-8B shapes (gate_up 68.8 vs 63.1, down 50.8 vs 32.7), faster on small ones (0.6B
-# o_proj 4.2 vs 8.3); e4m3 weights ran at 1.1-1.6 TB/s, behind the FP8 GEMV: not tabled.
+# skinny --quick`; us at M = 5, cuBLAS beside it): faster than cuBLAS on small layers, slower on
+# Llama-3-8B's (down 50.8 vs 32.7); e4m3 weights ran behind the FP8 GEMV: not tabled.
 TUNED: dict[tuple[int, int, bool, str], SkinnyConfig] = {
     (6144, 4096, False, "bf16"): SkinnyConfig(64, 256, 4, 3, 1),  # 8b qkv: 16.1 (15.8)
     (4096, 4096, False, "bf16"): SkinnyConfig(64, 256, 4, 3, 1),  # 8b o_proj: 12.6 (13.5)
@@ -278,17 +255,13 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_
 
 
 def skinny(
-    x: torch.Tensor,  # [M, K] ([M, 2K] gate then up with act), 1 <= M <= 16
-    weight: torch.Tensor,  # [N, K], x's dtype or e4m3 (with weight_scale)
-    bias: torch.Tensor | None = None,  # [N]
-    residual: torch.Tensor | None = None,  # [M, N] added to the result
-    norm_weight: torch.Tensor | None = None,  # [K]: x is RMS-normalised and scaled by it first
-    eps: float = 1e-6,
-    act: bool = False,  # x is gate then up: the product uses silu(gate) * up
-    config: SkinnyConfig | None = None,
-    weight_scale: torch.Tensor | None = None,  # e4m3 weight: [N] per row, or [N/128, K/128]
-) -> torch.Tensor:  # [M, N], dtype of x
-    """The same call as `minisgl.kernels.gemv.gemv.gemv` (a drop-in for its few-row uses)."""
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6, act: bool = False, config: SkinnyConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`minisgl.kernels.gemv.gemv.gemv`'s call (the same arguments, 1 <= M <= 16 rows; a drop-in
+    for its few-row uses)."""
     assert skinny_supported(x, weight, x.shape[0])
     m, n, k, w_scale = check_fused_linear(x, weight, bias, residual, norm_weight, act, weight_scale)
     cfg = config or default_config(n, k, act, FORMATS[w_scale], num_sms(x.device))
@@ -303,15 +276,12 @@ def skinny(
         counters = split_counters(x.device, tiles)
     else:
         part = ss = counters = y  # unread
-    scale = weight_scale if weight_scale is not None else y
+    tensors, sizes, flags = launch_args(x, weight, y, bias, residual, norm_weight, weight_scale,
+                                        eps, act)  # fmt: skip
     ieee, emulate_bf16 = dot_flags(x.dtype, _skinny_kernel)
     _skinny_kernel[(tiles, split)](
-        x, weight, y, bias if bias is not None else y, residual if residual is not None else y,
-        norm_weight if norm_weight is not None else x, scale, part, ss, counters, m, n, k,
-        x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), eps,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None,
-        ACT=act, W_SCALE=w_scale, SPLIT_K=split, IEEE=ieee,
-        EMULATE_BF16=emulate_bf16, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        *tensors, part, ss, counters, *sizes, SPLIT_K=split, IEEE=ieee, EMULATE_BF16=emulate_bf16,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **flags,
     )  # fmt: skip
     return y

@@ -7,28 +7,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from minisgl.kernels.common import pdl_args, pdl_prologue
-from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
-from minisgl.kernels.moe.common import row_block_scales, sorted_block
+from minisgl.kernels.common import dot_flags, pdl_args, pdl_prologue
+from minisgl.kernels.fp8 import expert_scale_args
+from minisgl.kernels.moe.common import block_done, row_block_scales, sorted_block
 from minisgl.kernels.moe.routing import AlignedRows
-from minisgl.kernels.moe.tiles import (
-    GemmTile,
-    _block_tile,
-)
-
-
-def _flags(dtype: torch.dtype, kernel: object) -> tuple[bool, bool]:
-    """(IEEE, UPCAST) for the dots: exact fp32 products (no TF32) for fp32 inputs; Triton's
-    CPU interpreter multiplies 16-bit operands wrongly, so there they are widened first."""
-    upcast = dtype != torch.float32 and isinstance(kernel, InterpretedFunction)
-    return dtype == torch.float32, upcast
+from minisgl.kernels.moe.tiles import GemmTile, _block_tile
 
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a [M, K] @ b [K, N] with fp32 accumulation."""
+    """acc + a [M, K] @ b [K, N] with fp32 accumulation (UPCAST: the interpreter's bf16, as
+    `common.dot`'s EMULATE_BF16)."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -37,9 +27,6 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-# ---- 3, 4. grouped GEMMs -----------------------------------------------------------------------
 
 
 # `numel` (tokens x top_k) changes every step: no variant per "% 16" (a JIT compile mid-serving).
@@ -51,25 +38,20 @@ def _gate_up_kernel(
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     s_ptr,  # e4m3 w: [E, 2I] fp32 per row (W_SCALE 1), [E, 2I/128, H/128] per block (2)
     numel,
-    inter,  # I
-    hidden,  # H
+    inter, hidden,  # I, H
     stride_xt, stride_we, stride_wn, stride_wk, stride_at, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # Program (m, n): block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I. The
-    # grid runs m fastest, so neighbouring programs share an expert's weight tile in L2.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    # Block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I. The grid runs m
+    # fastest, so neighbouring programs share an expert's weight tile in L2.
+    pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
+    if done:
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
-    token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < inter
+    rows, pair, valid, expert, token, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, TOP_K, BLOCK_M, BLOCK_N,
+        BLOCK_K)  # fmt: skip
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn  # [BLOCK_K, BLOCK_N]
@@ -116,22 +98,18 @@ def _down_kernel(
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     s_ptr,  # e4m3 w: [E, H] fp32 per row (W_SCALE 1), [E, H/128, I/128] per block (2)
     numel,
-    hidden,  # H (the output columns)
-    inter,  # I (the reduction)
+    hidden, inter,  # H (the output columns), I (the reduction)
     stride_at, stride_we, stride_wn, stride_wk, stride_ot, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)  # block m x columns n of H
+    if done:
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < hidden
+    rows, pair, valid, expert, _, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, 1, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     s_expert = s_ptr + expert * stride_se
@@ -157,6 +135,20 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
+def _launch(
+    kernel: object, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor | None,
+    tile: GemmTile, rows: AlignedRows,
+) -> tuple[int, torch.Tensor, tuple[int, int], dict[str, int | bool]]:  # fmt: skip
+    """(BLOCK_N, the scales' pointer and strides, the launch flags) of a grouped GEMM."""
+    w_scale, s, stride_se, stride_sn = expert_scale_args(w, scale)
+    tile = _block_tile(tile, w_scale)
+    ieee, upcast = dot_flags(dtype, kernel)
+    flags = dict(BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE=ieee,
+                 UPCAST=upcast, W_SCALE=w_scale, num_warps=tile.num_warps,
+                 num_stages=tile.num_stages, **pdl_args(w.device))  # fmt: skip
+    return tile.block_n, s, (stride_se, stride_sn), flags
+
+
 def gate_up_gemm(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -166,18 +158,12 @@ def gate_up_gemm(
     scale: torch.Tensor | None = None,  # e4m3 w13: ExpertScales.w13
 ) -> torch.Tensor:  # [max_blocks * block_m, I]
     inter = w13.shape[1] // 2
-    w_scale = expert_scale_kind(w13, scale)
-    tile = _block_tile(tile, w_scale)
+    block_n, s, scale_strides, flags = _launch(_gate_up_kernel, x.dtype, w13, scale, tile, rows)
     act = torch.empty(rows.sorted_ids.shape[0], inter, dtype=x.dtype, device=x.device)
-    s, stride_se, stride_sn = expert_scale_args(scale, act)
-    ieee, upcast = _flags(x.dtype, _gate_up_kernel)
-    grid = (rows.max_blocks, triton.cdiv(inter, tile.block_n))
-    _gate_up_kernel[grid](
+    _gate_up_kernel[(rows.max_blocks, triton.cdiv(inter, block_n))](
         x, w13, act, rows.sorted_ids, rows.block_expert, rows.num_padded, s,
         x.shape[0] * top_k, inter, x.shape[1], x.stride(0), w13.stride(0), w13.stride(1),
-        w13.stride(2), act.stride(0), stride_se, stride_sn, TOP_K=top_k, BLOCK_M=rows.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE=ieee, UPCAST=upcast, W_SCALE=w_scale,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x.device),
+        w13.stride(2), act.stride(0), *scale_strides, TOP_K=top_k, **flags,
     )  # fmt: skip
     return act
 
@@ -192,17 +178,11 @@ def down_gemm(
 ) -> torch.Tensor:  # [T * K, H]
     numel = topk_weights.numel()
     hidden, inter = w2.shape[1], w2.shape[2]
-    w_scale = expert_scale_kind(w2, scale)
-    tile = _block_tile(tile, w_scale)
+    block_n, s, scale_strides, flags = _launch(_down_kernel, act.dtype, w2, scale, tile, rows)
     out = torch.empty(numel, hidden, dtype=act.dtype, device=act.device)
-    s, stride_se, stride_sn = expert_scale_args(scale, out)
-    ieee, upcast = _flags(act.dtype, _down_kernel)
-    grid = (rows.max_blocks, triton.cdiv(hidden, tile.block_n))
-    _down_kernel[grid](
+    _down_kernel[(rows.max_blocks, triton.cdiv(hidden, block_n))](
         act, w2, out, topk_weights, rows.sorted_ids, rows.block_expert, rows.num_padded, s,
         numel, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        out.stride(0), stride_se, stride_sn, BLOCK_M=rows.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, IEEE=ieee, UPCAST=upcast, W_SCALE=w_scale,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(act.device),
+        out.stride(0), *scale_strides, **flags,
     )  # fmt: skip
     return out

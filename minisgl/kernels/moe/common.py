@@ -15,10 +15,26 @@ def row_block_scales(s_ptr, rows, block_col, stride_sn, mask):
 
 
 @triton.jit
-def sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel, BLOCK_M: tl.constexpr):
-    """Block `pid_m` of a blocked MoE grouped GEMM (`routing.moe_align`'s sorted
-    (token, k) pairs): (its rows in the sorted buffers [BLOCK_M], their pair ids, which of them
-    are real pairs (not padding), and the block's expert as int64)."""
+def block_done(num_padded_ptr, BLOCK_M: tl.constexpr):
+    """(pid_m, pid_n, whether block pid_m lies past the padded rows in use: nothing to do)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    return pid_m, pid_n, pid_m * BLOCK_M >= tl.load(num_padded_ptr)
+
+
+@triton.jit
+def sorted_block(
+    sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, n_cols, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program (pid_m, pid_n) of a blocked MoE grouped GEMM: block pid_m of `routing.moe_align`'s
+    sorted (token, k) pairs x columns [pid_n * BLOCK_N, +BLOCK_N) of `n_cols`. Returns (its rows
+    in the sorted buffers [BLOCK_M], their pair ids, which of them are real pairs (not padding),
+    the block's expert as int64, the pairs' tokens as int64 (TOP_K per token), the output
+    columns [BLOCK_N], the K step's offsets [BLOCK_K], which columns are below n_cols)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + rows)
-    return rows, pair, pair < numel, tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    valid = pair < numel
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, pair, valid, expert, token, offs_n, tl.arange(0, BLOCK_K), offs_n < n_cols

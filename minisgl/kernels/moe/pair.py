@@ -11,14 +11,10 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue
-from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
+from minisgl.kernels.fp8 import expert_scale_args
 from minisgl.kernels.gemv.gemv import WIDEN, _block_scales, _bytes, _steps_cols, _x_step
 from minisgl.kernels.moe.routing import _route, _topk_block
-from minisgl.kernels.moe.tiles import (
-    GemmTile,
-    PairConfig,
-    VecTile,
-)
+from minisgl.kernels.moe.tiles import GemmTile, PairConfig, VecTile
 
 # ---- pair path: one GEMV per (token, k) pair, no sort --------------------------------------------
 
@@ -64,9 +60,8 @@ def _pair_gate_up_kernel(
 ):  # fmt: skip
     pdl_prologue(PDL)
     # Program (p, n): pair p = t * K + k x columns [n * BLOCK_N, +BLOCK_N) of I. With ROUTE every
-    # program of token t routes t again (a few hundred cycles; cheaper than a launch) and the
-    # n == 0 programs publish the result for the down kernel. The programs of one kernel run
-    # the same code on the same logits, so they agree on every pair's expert.
+    # program of token t routes t again (cheaper than a launch; all agree: the same code on the
+    # same logits) and the n == 0 programs publish the result for the down kernel.
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
@@ -88,9 +83,8 @@ def _pair_gate_up_kernel(
     s_expert = s_ptr + expert.to(tl.int64) * stride_se
     sg_row = s_expert + (pid_n * BLOCK_N // 128) * stride_sn
     su_row = s_expert + ((inter + pid_n * BLOCK_N) // 128) * stride_sn
-    # Products summed per lane in fp32, reduced across the K lanes once at the end. Triton
-    # pipelines only loads that feed a tl.dot, so the loop prefetches by hand: tile k + 1's
-    # loads are in flight while tile k is multiplied (at k + 1 == n_k they are all masked off).
+    # Products summed per lane in fp32, reduced across K once at the end. Triton pipelines only
+    # a tl.dot's loads, so the loop prefetches tile k + 1 by hand while tile k is multiplied.
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     mask_k = offs_k < hidden
@@ -188,9 +182,7 @@ def _pair_down_kernel(
 ):  # fmt: skip
     pdl_prologue(PDL)
     # Program (t, n): columns [n * BLOCK_N, +BLOCK_N) of token t's output, summed over its K
-    # experts in registers (no atomics, no separate sum). One flat loop over (k, I tile) steps
-    # with the next step's loads in flight during this one's products (see the gate/up kernel);
-    # the token's experts and weights sit in registers, so no load waits on another.
+    # experts in registers (no atomics): one flat loop over (k, I tile) steps, prefetching.
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,15 +224,11 @@ def _pair_down_kernel(
 
 # ---- pair path, e4m3 experts: the one-row GEMV's vec layout -------------------------------------
 #
-# The kernels above widen a [BLOCK_N, BLOCK_K] e4m3 tile with `.to(tl.float32)`, ~7-9 sm_90
-# instructions a weight: instruction-bound on the H200 (gate/up 15.8 us, down 10.5 us per
-# Qwen3-30B-A3B layer, ~0.37 of the copy bandwidth). These two take the scheme of the one-row
-# FP8 GEMV (`minisgl.kernels.gemv.gemv`, its FP8 section), whose helpers they call: threads
-# along the reduction, 16 e4m3 columns of each weight row a thread per step kept as int32 words
-# and widened by inline PTX, the activations joined in registers into the same layout. A loop
-# step compiles (`test_pair_fp8_kernels_compile_for_sm90`) to 3.4-4.1 instructions a weight for
-# gate/up, ~5.1 for down (2 rows a program; 8 rows: ~4, but slower on the H200). The
-# Qwen3-30B-A3B layer's experts at one token: 19.2 us against 28.8 with the kernels above.
+# The kernels above widen an e4m3 tile with `.to(tl.float32)`, ~7-9 sm_90 instructions a weight
+# (instruction-bound). These two take the one-row FP8 GEMV's scheme and helpers
+# (`minisgl.kernels.gemv.gemv`): threads along the reduction, 16 e4m3 columns a thread and step
+# kept as int32 words widened by inline PTX, x joined in registers into the same layout; 3.4-5.1
+# instructions a weight (`test_pair_fp8_kernels_compile_for_sm90`).
 
 
 @triton.jit
@@ -271,10 +259,8 @@ def _chunk_dots(
     WIDEN: tl.constexpr,
 ):  # fmt: skip
     """d + each row's 16 products of a chunk, [1, R, S]: one FMA chain per row and chunk, one
-    FMA a weight (`_step_sums` of the one-row GEMV sums a word's four products, then the words,
-    then adds: a multiply and four adds more per chunk and row, which the down kernel's scales
-    per chunk would pay every step). x is joined in registers into the weights' layout and
-    split by word and byte position, as there: renames, no instructions."""
+    FMA a weight. x is joined in registers into the weights' layout and split by word and byte
+    position (renames, no instructions)."""
     S: tl.constexpr = w.shape[2]
     xs = tl.reshape(tl.permute(tl.join(x, x2), [0, 1, 2, 4, 3]), [1, S, 4, 4])  # [1, S, i, j]
     xj0, xj1, xj2, xj3 = _words4(xs)  # x at byte j of every word: [1, S, 4 words]
@@ -293,11 +279,10 @@ def _chunk_dots(
 @triton.jit
 def _along_chunks(rows, chunks):
     """rows [R] + chunks [S] as [1, R, S] offsets of a value per weight row and 16-column
-    chunk (the scales), declared contiguous along the chunks alone (in pairs; they are not):
-    the compiler lays a load's threads along its most contiguous dim, and for the scales of
-    consecutive rows that would be the rows, where each thread of the products holds all of
-    its rows of its own chunks: a shared-memory round trip every step to meet them. (A hint
-    holds only on a value computed in the function that gives it, hence the sum here.)"""
+    chunk (the scales), declared contiguous along the chunks (they are not), so the compiler
+    lays the load's threads as the products' (along the chunks), not along the rows: no
+    shared-memory round trip each step. (A hint holds only on a value computed in the function
+    that gives it, hence the sum here.)"""
     offs = tl.max_contiguous(rows[:, None] + chunks[None, :], [1, 2])
     return offs[None]
 
@@ -342,16 +327,8 @@ def _gate_up_fp8_dots(acc, w, sb, x, x2, W_SCALE: tl.constexpr, WIDEN: tl.conste
 
 @triton.jit
 def _pair_gate_up_fp8_kernel(
-    x_ptr,  # [T, H] 16-bit, rows 16-byte aligned
-    w_ptr,  # [E, 2I, H] e4m3: gate rows [0, I), up rows [I, 2I); H % 16 == 0
-    act_ptr,  # [T * K, I]: silu(gate) * up of pair t * K + k
-    ids_ptr,  # [T * K] int32: read, or written when ROUTE
-    weights_ptr,  # [T * K] fp32: written when ROUTE
-    logits_ptr,  # [T, E] router logits, read when ROUTE
-    norm_ptr,  # [H] RMSNorm weight (NORM)
-    s_ptr,  # [E, 2I] fp32 per row (W_SCALE 1), [E, cdiv(2I, 128), cdiv(H, 128)] per block (2)
-    inter,  # I
-    hidden,  # H
+    # `_pair_gate_up_kernel`'s; x 16-bit with rows 16-byte aligned, w e4m3 with H % 16 == 0
+    x_ptr, w_ptr, act_ptr, ids_ptr, weights_ptr, logits_ptr, norm_ptr, s_ptr, inter, hidden,
     num_experts, eps, stride_xt, stride_we, stride_wn, stride_at, stride_l, stride_se, stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,  # columns of I: BLOCK_N gate rows and the BLOCK_N matching up rows
@@ -364,12 +341,8 @@ def _pair_gate_up_fp8_kernel(
     EVEN: tl.constexpr,  # not AHEAD, I % BLOCK_N == 0, H % BLOCK_K == 0: unmasked weights
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """`_pair_gate_up_kernel` for e4m3 experts: program (p, n) is pair p = t * K + k x columns
-    [n * BLOCK_N, +BLOCK_N) of I, its 2 x BLOCK_N weight rows (gate, then the matching up) one
-    [1, 2 * BLOCK_N, BLOCK_K // 16, 4] int32 tile a step. Routing, NORM and the output are
-    that kernel's. At Qwen3-30B-A3B's H = 2048 = BLOCK_K there is one step: all of a
-    program's loads are in flight at once, and AHEAD (a second step's buffers) only costs
-    registers; it is for larger H."""
+    """`_pair_gate_up_kernel` for e4m3 experts: program (p, n)'s 2 x BLOCK_N weight rows (gate,
+    then the matching up) are one [1, 2 * BLOCK_N, BLOCK_K // 16, 4] int32 tile a step."""
     pdl_prologue(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -446,12 +419,10 @@ def _pair_down_fp8_loads(
 ):  # fmt: skip
     """The operands of one step of the down kernel: (weights [1, BLOCK_N, S, 4] int32, the
     activations at each thread's first and last 8 columns [1, 1, S, 8] fp32, the scale of each
-    row and chunk times the chunk's routing weight [1, BLOCK_N, S]). Chunk j (16 columns)
-    of the token's TOP_K * I is columns [16 p, +16) of the down rows of slot j // (I / 16),
-    p = j % (I / 16): a step's chunks may span two experts, so no column is masked off unless
-    the last step overruns TOP_K * I. Past the last step, nothing loads. EVEN (whole steps and
-    BLOCK_N rows, no step past the last): no masks, so no zeroing of the registers that masked
-    loads would leave (~5% of the loop's instructions at the Qwen3-30B-A3B shape)."""
+    row and chunk times the chunk's routing weight [1, BLOCK_N, S]). Chunk j of the token's
+    TOP_K * I is columns [16 p, +16) of slot j // (I / 16)'s rows, p = j % (I / 16); past the
+    last step nothing loads. EVEN (whole steps and rows): no masks, so no zeroing of masked-off
+    registers (~5% of the loop's instructions)."""
     S: tl.constexpr = BLOCK_K // 16
     j = step * S + tl.arange(0, S)
     valid = j < TOP_K * pieces
@@ -494,16 +465,8 @@ def _pair_down_fp8_loads(
 
 @triton.jit
 def _pair_down_fp8_kernel(
-    act_ptr,  # [T * K, I] 16-bit, rows 16-byte aligned
-    w_ptr,  # [E, H, I] e4m3, I % 16 == 0
-    out_ptr,  # [T, H]
-    ids_ptr,  # [T * K] int32
-    weights_ptr,  # [T * K] fp32
-    r_ptr,  # [T, H] residual (HAS_RES)
-    s_ptr,  # [E, H] fp32 per row (W_SCALE 1), [E, cdiv(H, 128), cdiv(I, 128)] per block (2)
-    hidden,  # H (the output columns)
-    inter,  # I (the reduction)
-    stride_at, stride_we, stride_wn, stride_ot, stride_rt, stride_se, stride_sn,
+    # `_pair_down_kernel`'s; act 16-bit with rows 16-byte aligned, w e4m3 with I % 16 == 0
+    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, r_ptr, s_ptr, hidden, inter, stride_at, stride_we, stride_wn, stride_ot, stride_rt, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # chunk columns a step (of TOP_K * I); BLOCK_K // 16 >= 32 * warps
     HAS_RES: tl.constexpr, W_SCALE: tl.constexpr, WIDEN: tl.constexpr,
@@ -511,16 +474,11 @@ def _pair_down_fp8_kernel(
     EVEN: tl.constexpr,  # not AHEAD, H % BLOCK_N == 0, TOP_K * I a multiple of BLOCK_K: no masks
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """`_pair_down_kernel` for e4m3 experts: program (t, n) is columns [n * BLOCK_N, +BLOCK_N)
-    of token t's output. The reduction is the token's TOP_K experts' I columns end to end,
-    TOP_K * I, in 16-column chunks (one per thread and step, `_pair_down_fp8_loads`): at
-    Qwen3-30B-A3B's I = 768 that is 384 chunks, 3 steps of 128 threads with none masked, where
-    a BLOCK_K over I (768 = 48 chunks of 16, not a multiple of 128 threads) would leave most
-    threads idle or masked. Each chunk's 16 products are summed in a thread's registers, then
-    scaled by its row's scale (per expert) times its routing weight, and added to the thread's
-    partial sum of the row. With AHEAD the next step's loads are in flight during a step's
-    products (two steps of registers, and a copy of each at the end of every step; without,
-    the other resident programs hide the loads' latency)."""
+    """`_pair_down_kernel` for e4m3 experts. The reduction is the token's TOP_K experts' I
+    columns end to end, TOP_K * I, in 16-column chunks (one per thread and step): at
+    Qwen3-30B-A3B's I = 768 that is 3 steps of 128 threads with none masked, where a BLOCK_K
+    over I would leave most threads idle. Each chunk's 16 products are summed in a thread's
+    registers, then scaled by its row's scale times its routing weight."""
     pdl_prologue(PDL)
     # 32-bit offsets (`pair_down` checks that the stack and the activations fit): the address
     # arithmetic of every chunk in the loop is half the instructions of 64-bit.
@@ -613,13 +571,12 @@ def pair_gate_up(
     assert norm_weight is None or norm_weight.shape == (x.shape[1],)
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    w_scale = expert_scale_kind(w13, scale)
+    w_scale, s, stride_se, stride_sn = expert_scale_args(w13, scale)
     vec = isinstance(tile, VecTile)
     assert not vec or pair_fp8_supported(x, w13), "the vec-layout kernel takes e4m3 experts"
     if w_scale == 2 and not vec:  # a program's gate and up rows must each lie in one block row
         assert inter % 128 == 0 and 128 % tile.block_n == 0
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    s, stride_se, stride_sn = expert_scale_args(scale, act)
     route = routing is None
     if routing is None:
         if logits is None:
@@ -665,13 +622,12 @@ def pair_down(
     num_tokens = act.shape[0] // top_k
     hidden, inter = w2.shape[1], w2.shape[2]
     assert residual is None or (residual.shape == (num_tokens, hidden) and residual.stride(1) == 1)
-    w_scale = expert_scale_kind(w2, scale)
+    w_scale, s, stride_se, stride_sn = expert_scale_args(w2, scale)
     vec = isinstance(tile, VecTile)
     assert not vec or pair_fp8_supported(act, w2), "the vec-layout kernel takes e4m3 experts"
     assert vec or w_scale != 2 or 128 % tile.block_n == 0, "a program's rows in one block row"
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     res = residual if residual is not None else out
-    s, stride_se, stride_sn = expert_scale_args(scale, out)
     grid = (num_tokens, triton.cdiv(hidden, tile.block_n))
     args = (act, w2, out, routing.ids, routing.weights, res, s, hidden, inter, act.stride(0),
             w2.stride(0), w2.stride(1))  # fmt: skip

@@ -1,6 +1,5 @@
 """MoE routing in Triton: top-k over the router logits (`fused_topk`), and the (token, k) pairs
-sorted by expert and padded to blocks for the grouped GEMMs (`moe_align`, with its torch
-specification `align_reference`)."""
+sorted by expert and padded to blocks for the grouped GEMMs (`moe_align`)."""
 
 from __future__ import annotations
 
@@ -174,27 +173,4 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned
         CHUNK=128 if numel <= 128 else 1024,  # two variants to compile, not one per batch size
         **pdl_args(dev),
     )  # fmt: skip
-    return AlignedRows(sorted_ids, block_expert, num_padded, block_m)
-
-
-def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRows:
-    """The specification of `moe_align` in torch ops (positions past num_padded left 0)."""
-    flat = topk_ids.reshape(-1).long()  # [N]
-    numel, dev = flat.numel(), flat.device
-    n_blocks = max_blocks(numel, num_experts, block_m)
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    run_start = torch.cumsum(padded, 0) - padded  # [E]
-    order = torch.argsort(flat, stable=True)  # [N] pairs grouped by expert, in original order
-    experts = flat[order]
-    rank = torch.arange(numel, device=dev) - (torch.cumsum(counts, 0) - counts)[experts]
-    sorted_ids = torch.zeros(n_blocks * block_m, dtype=torch.int32, device=dev)
-    total = int(padded.sum())
-    sorted_ids[:total] = numel
-    sorted_ids[run_start[experts] + rank] = order.int()
-    block_expert = torch.zeros(n_blocks, dtype=torch.int32, device=dev)
-    block_expert[: total // block_m] = torch.repeat_interleave(
-        torch.arange(num_experts, device=dev, dtype=torch.int32), padded // block_m
-    )
-    num_padded = torch.tensor([total], dtype=torch.int32, device=dev)
     return AlignedRows(sorted_ids, block_expert, num_padded, block_m)

@@ -1,37 +1,22 @@
 """The blocked MoE path with FP8 activations too (W8A8; imports Triton).
 
-At decode batch 256 of Qwen3-30B-A3B (128 experts, top 8) an expert gets ~16 rows, so the
-blocked path's grouped GEMMs (`minisgl.kernels.moe`) run tl.dot on 16-row blocks. On sm_90
-Triton lowers an M=16 dot to mma.sync, which has no e4m3 form there: FP8 experts are widened to
-bf16 element by element in registers and barely beat bf16 experts, though they read half the
-bytes. Hopper's warpgroup MMA (wgmma) multiplies e4m3 x e4m3 natively, but its M side is 64
-rows. Here both operands are e4m3 and A/B are swapped: each program computes the transposed
-tile out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @ A^T [BLOCK_K, BLOCK_M], so the weights
-fill wgmma's M side and the few gathered token rows are its N side (8..256, any multiple of 8).
-Both operands are K-major in shared memory (W rows and A rows are K-contiguous), which is what
-FP8 wgmma requires.
+At decode batch 256 of Qwen3-30B-A3B an expert gets ~16 rows; on sm_90 an M=16 dot is
+mma.sync, which has no e4m3 form. Hopper's wgmma multiplies e4m3 natively but its M side is 64
+rows, so A and B are swapped: out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @ A^T, the weights
+on wgmma's M side, the gathered token rows on its N side, both K-major in shared memory.
 
-Activations are quantized per token and group of 128 columns (the DeepSeek-V3 / vLLM
-"per-token-group" scheme): each K step of 128 columns is one e4m3 dot started from zero, then
-added to the fp32 accumulator times the activation group's scale (and a 128 x 128 weight block's
-scale). Promoting every 128 columns also bounds the reduced precision of Hopper's FP8 MMA
-accumulator (`minisgl.kernels.fp8.gemm`); per-row weight scales are applied once at the end.
+Activations are quantized per token and 128-column group: each 128-column K step is one e4m3
+dot from zero, added to the fp32 accumulator times the group's scale (and the weight block's),
+which also bounds the reduced precision of Hopper's FP8 accumulator.
 
-Launches per layer after `fused_topk` and `moe_align` (shared with the weight-only path):
+Launches after `fused_topk` and `moe_align`: `quantize_activations` (x -> e4m3 + [T, H/128]
+scales); `_w8a8_gate_up_kernel` (silu(gate) * up; with BLOCK_N == 128 a program holds whole
+groups of I and quantizes its output itself, else a separate `quantize_activations` follows);
+`_w8a8_down_kernel` (times the routing weight, per (token, k) row); the sum over k.
 
-1. `quantize_activations` (`minisgl.kernels.fp8.gemm`): x [T, H] -> e4m3 + [T, H/128] scales.
-2. `_w8a8_gate_up_kernel`: silu(gate) * up of each sorted row. With BLOCK_N == 128 a program
-   holds whole 128-column groups of I, so its epilogue quantizes the result itself (e4m3 +
-   one scale per row and group); narrower tiles write 16-bit activations and a separate
-   `quantize_activations` launch follows (a group would span two programs).
-3. `_w8a8_down_kernel`: the down projection times the routing weight, per (token, k) row.
-4. the sum over k (as the weight-only path).
-
-On by default since measured on the H200 (Qwen3-30B-A3B shape, dummy weights, decode batch
-256: 16,041 tok/s against 10,964 with bf16 experts, 1.46x; the weight-only path: 1.05x):
-e4m3 experts on CUDA take it (`use_w8a8`) on rows `moe_align` pads to its own BLOCK_M
-(`w8a8_block_m`); `MINISGL_MOE_W8A8=0` keeps them on the weight-only grouped GEMMs. Its
-accuracy on a real MoE checkpoint is not measured.
+On by default (H200, Qwen3-30B-A3B shape, decode batch 256: 16,041 tok/s against 10,964 with
+bf16 experts; the weight-only path 1.05x): e4m3 experts on CUDA take it (`use_w8a8`) on rows
+`moe_align` pads to `w8a8_block_m`; `MINISGL_MOE_W8A8=0` keeps the weight-only GEMMs.
 """
 
 from __future__ import annotations
@@ -44,56 +29,37 @@ import triton
 import triton.language as tl
 
 from minisgl.config import env
-from minisgl.kernels.common import emulate_fp8, is_interpreted, pdl_args, pdl_prologue, round_e4m3
-from minisgl.kernels.fp8 import expert_scale_args, expert_scale_kind
+from minisgl.kernels.common import is_interpreted, pdl_args, pdl_prologue, round_e4m3
+from minisgl.kernels.fp8 import expert_scale_args
 from minisgl.kernels.fp8.gemm import quantize_activations
-from minisgl.kernels.moe.common import row_block_scales, sorted_block
+from minisgl.kernels.moe.common import block_done, row_block_scales, sorted_block
+from minisgl.kernels.moe.tiles import GemmTile
 
 if TYPE_CHECKING:
     from minisgl.kernels.moe.routing import AlignedRows
 
 GROUP = 128  # columns per activation scale (and the weights' block size)
-ENV_W8A8 = env.MOE_W8A8.name
-# The switch: read once at import; the benchmark's `--moe-fp8-weight-only` clears both.
-ENABLED = env.MOE_W8A8.get()
 MAX_BLOCK_M = 64  # taller blocks (prefill) keep the weight-only path: tiles not sized for them
-# The W8A8 path's own floor on BLOCK_M (`w8a8_block_m`). The token rows are wgmma's N side, so
-# a taller block costs no MMA throughput while the step is memory-bound: at ~16 rows per expert
-# (decode batch 256) BLOCK_M 32 holds most experts' rows in one block, which reads each weight
-# tile once rather than leaning on L2 for the second block. 16 (the weight-only table's) until
-# measured; `MINISGL_MOE_W8A8_BLOCK_M=32` (or `--w8a8-block-m 32` in benchmark.moe) tries it.
-ENV_W8A8_BLOCK_M = env.MOE_W8A8_BLOCK_M.name
-MIN_BLOCK_M = env.MOE_W8A8_BLOCK_M.get()
-
-
-@dataclass(frozen=True)
-class W8A8Tile:
-    block_n: int  # weight rows per program: wgmma's M side, a multiple of 64
-    block_k: int = GROUP  # must divide 128: one activation scale per row and K step
-    num_warps: int = 4
-    num_stages: int = 4
+# The least BLOCK_M is `MINISGL_MOE_W8A8_BLOCK_M` (16 until 32 is measured: token rows are
+# wgmma's N side, so a taller block costs no MMA work and reads each weight tile once).
 
 
 @dataclass(frozen=True)
 class W8A8Config:
-    gate_up: W8A8Tile
-    down: W8A8Tile
+    """The two kernels' tiles: block_n (weight rows per program) is wgmma's M side, a multiple of
+    64; block_k must divide 128 (one activation scale per row and K step)."""
+
+    gate_up: GemmTile
+    down: GemmTile
 
 
-# Tiles by the blocked path's BLOCK_M (`FusedMoEConfig.block_m`, up to MAX_BLOCK_M): starting
-# points for an H200 at the Qwen3-30B-A3B shape, not swept yet (the BLOCK_M 16 entry gave the
-# 1.46x decode figure above at batch 256; `python -m minisgl.benchmark.tune w8a8` times them
-# against the weight-only kernels and a few other tiles). Gate/up at
-# 128 columns of I quantizes its output in its epilogue; 4 stages of its 2 x 128 x 128 + 16 x
-# 128 bytes fill 136 KiB of shared memory (one program per SM, ~100 KiB of loads in flight).
-# Down at 64 columns of H spreads an expert's weights over more programs (its K loop is only
-# I / 128 = 6 steps). Taller blocks take 8 warps: two warpgroups split the weight rows, which
-# keeps the 2 x [128, BLOCK_M] fp32 accumulators of gate/up in registers (4 warps at BLOCK_M
-# 32 reach 255 registers).
+# Tiles by the blocked path's BLOCK_M (up to MAX_BLOCK_M), for an H200 at the Qwen3-30B-A3B
+# shape (`python -m minisgl.benchmark.tune w8a8`): gate/up at 128 columns quantizes in its
+# epilogue; taller blocks take 8 warps (gate/up's two fp32 accumulators stay in registers).
 W8A8_CONFIGS: dict[int, W8A8Config] = {
-    16: W8A8Config(W8A8Tile(128, 128, 4, 4), W8A8Tile(64, 128, 4, 4)),
-    32: W8A8Config(W8A8Tile(128, 128, 8, 4), W8A8Tile(64, 128, 4, 4)),
-    64: W8A8Config(W8A8Tile(128, 128, 8, 3), W8A8Tile(128, 128, 8, 3)),
+    16: W8A8Config(GemmTile(128, 128, 4, 4), GemmTile(64, 128, 4, 4)),
+    32: W8A8Config(GemmTile(128, 128, 8, 4), GemmTile(64, 128, 4, 4)),
+    64: W8A8Config(GemmTile(128, 128, 8, 3), GemmTile(128, 128, 8, 3)),
 }
 
 
@@ -103,18 +69,19 @@ def w8a8_config(block_m: int) -> W8A8Config:
 
 
 def w8a8_block_m(block_m: int) -> int:
-    """The W8A8 path's BLOCK_M for a call the table gives `block_m`: at least MIN_BLOCK_M."""
-    return min(max(block_m, MIN_BLOCK_M), MAX_BLOCK_M)
+    """The W8A8 path's BLOCK_M for a call the table gives `block_m`: at least
+    `MINISGL_MOE_W8A8_BLOCK_M` (read now)."""
+    return min(max(block_m, env.MOE_W8A8_BLOCK_M.get()), MAX_BLOCK_M)
 
 
 def use_w8a8(x: torch.Tensor, w13: torch.Tensor, block_m: int) -> bool:
-    """Whether the blocked path takes the W8A8 kernels: switched on, e4m3 experts, decode-sized
-    blocks, on CUDA (or in the CPU interpreter, for the tests)."""
+    """Whether the blocked path takes the W8A8 kernels: switched on (`MINISGL_MOE_W8A8`, read
+    now), e4m3 experts, decode-sized blocks, on CUDA (or in the CPU interpreter, for the tests)."""
     return (
-        ENABLED
-        and w13.dtype == torch.float8_e4m3fn
+        w13.dtype == torch.float8_e4m3fn
         and block_m <= MAX_BLOCK_M
         and (x.device.type == "cuda" or is_interpreted(_w8a8_gate_up_kernel))
+        and env.MOE_W8A8.get()
     )
 
 
@@ -135,8 +102,7 @@ def _w8a8_gate_up_kernel(
     act_ptr,  # [max_blocks * BLOCK_M, I] in sorted order: e4m3 (QUANT_OUT) or 16-bit
     acts_ptr,  # [max_blocks * BLOCK_M, cdiv(I, 128)] fp32 (QUANT_OUT)
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, numel,
-    inter,  # I
-    hidden,  # H
+    inter, hidden,  # I, H
     stride_xt, stride_xst, stride_we, stride_wn, stride_at, stride_ast, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_SCALE: tl.constexpr,
@@ -144,18 +110,14 @@ def _w8a8_gate_up_kernel(
     EMULATE_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # Program (m, n): block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I, as the
-    # transposed tiles gate^T, up^T [BLOCK_N, BLOCK_M] (see the module docstring).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    # Block m of the sorted pairs x columns [n * BLOCK_N, +BLOCK_N) of I, as the transposed
+    # tiles gate^T, up^T [BLOCK_N, BLOCK_M] (see the module docstring).
+    pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
+    if done:
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
-    token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < inter
+    rows, pair, valid, expert, token, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, inter, TOP_K, BLOCK_M, BLOCK_N,
+        BLOCK_K)  # fmt: skip
     # Both tiles K-contiguous, as FP8 wgmma wants them in shared memory.
     a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -219,24 +181,19 @@ def _w8a8_down_kernel(
     out_ptr,  # [T * K, H]: row t * K + k
     topk_weights_ptr,  # [T * K] fp32
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, numel,
-    hidden,  # H (the output columns)
-    inter,  # I (the reduction)
+    hidden, inter,  # H (the output columns), I (the reduction)
     stride_at, stride_ast, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
-    # Program (m, n): block m of the sorted rows x columns [n * BLOCK_N, +BLOCK_N) of H, as the
-    # transposed tile out^T [BLOCK_N, BLOCK_M].
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    # Block m of the sorted rows x columns [n * BLOCK_N, +BLOCK_N) of H, as out^T.
+    pid_m, pid_n, done = block_done(num_padded_ptr, BLOCK_M)
+    if done:
         return
-    rows, pair, valid, expert = sorted_block(sorted_ids_ptr, block_expert_ptr, pid_m, numel,
-                                             BLOCK_M)  # fmt: skip
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < hidden
+    rows, pair, valid, expert, _, offs_n, offs_k, mask_n = sorted_block(
+        sorted_ids_ptr, block_expert_ptr, pid_m, pid_n, numel, hidden, 1, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
     as_rows = as_ptr + rows.to(tl.int64) * stride_ast  # [BLOCK_M]
@@ -267,7 +224,7 @@ def _w8a8_down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[None, :] & mask_n[:, None])
 
 
-def _check_tile(tile: W8A8Tile) -> None:
+def _check_tile(tile: GemmTile) -> None:
     assert GROUP % tile.block_k == 0, "a K step must lie in one 128-column group"
 
 
@@ -278,7 +235,7 @@ def w8a8_gate_up(
     scale: torch.Tensor,  # ExpertScales.w13
     rows: AlignedRows,
     top_k: int,
-    tile: W8A8Tile,
+    tile: GemmTile,
     out_dtype: torch.dtype = torch.bfloat16,  # of the activations when BLOCK_N != 128
 ) -> tuple[torch.Tensor, torch.Tensor]:  # e4m3 [max_blocks * block_m, I], fp32 [.., I/128]
     """silu(gate) * up of every sorted row, quantized per 128-column group."""
@@ -286,20 +243,19 @@ def w8a8_gate_up(
     assert xq.dtype == torch.float8_e4m3fn and xq.stride(1) == 1 and xq.shape[1] == hidden
     assert xs.shape == (xq.shape[0], triton.cdiv(hidden, GROUP)) and xs.stride(1) == 1
     _check_tile(tile)
-    w_scale = expert_scale_kind(w13, scale)
+    w_scale, _, stride_se, stride_sn = expert_scale_args(w13, scale)
     n_rows, groups = rows.sorted_ids.shape[0], triton.cdiv(inter, GROUP)
     fused = tile.block_n == GROUP  # a program holds exactly one group of I: quantize in place
     dev = xq.device
     act = torch.empty(n_rows, inter, dtype=torch.float8_e4m3fn if fused else out_dtype, device=dev)
     acts = torch.empty(n_rows, groups, dtype=torch.float32, device=dev)
-    _, stride_se, stride_sn = expert_scale_args(scale, act)
     grid = (rows.max_blocks, triton.cdiv(inter, tile.block_n))
     _w8a8_gate_up_kernel[grid](
         xq, xs, w13, scale, act, acts, rows.sorted_ids, rows.block_expert, rows.num_padded,
         xq.shape[0] * top_k, inter, hidden, xq.stride(0), xs.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), acts.stride(0), stride_se, stride_sn, TOP_K=top_k,
         BLOCK_M=rows.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, W_SCALE=w_scale,
-        QUANT_OUT=fused, EMULATE_FP8=emulate_fp8(_w8a8_gate_up_kernel),
+        QUANT_OUT=fused, EMULATE_FP8=is_interpreted(_w8a8_gate_up_kernel),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(dev),
     )  # fmt: skip
     if fused:
@@ -316,7 +272,7 @@ def w8a8_down(
     scale: torch.Tensor,  # ExpertScales.w2
     topk_weights: torch.Tensor,  # [T, K] fp32
     rows: AlignedRows,
-    tile: W8A8Tile,
+    tile: GemmTile,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [T * K, H]
     numel = topk_weights.numel()
@@ -324,9 +280,8 @@ def w8a8_down(
     assert aq.shape == (rows.sorted_ids.shape[0], inter) and aq.stride(1) == 1
     assert a_scale.shape == (aq.shape[0], triton.cdiv(inter, GROUP)) and a_scale.stride(1) == 1
     _check_tile(tile)
-    w_scale = expert_scale_kind(w2, scale)
+    w_scale, _, stride_se, stride_sn = expert_scale_args(w2, scale)
     out = torch.empty(numel, hidden, dtype=out_dtype, device=aq.device)
-    _, stride_se, stride_sn = expert_scale_args(scale, out)
     grid = (rows.max_blocks, triton.cdiv(hidden, tile.block_n))
     _w8a8_down_kernel[grid](
         aq, a_scale, w2, scale, out, topk_weights, rows.sorted_ids, rows.block_expert,
