@@ -179,6 +179,84 @@ def test_enforced_keywords_pass(compiler: GrammarCompiler, tokenizer: Any, name:
     compiler.compile(Constraint("json_schema", json.dumps(schema)))
 
 
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
+STR = {"type": "string"}
+# (schema, an instance it takes, one it rejects): schemas of kinds real ones hold (draft-4 and
+# draft-7 schemas from GitHub, a forbidden property written `not: {}`, `oneOf` of object shapes)
+# that were once refused: each keyword constrains nothing, or is served in 2020-12's words.
+LIFTED = {
+    "draft 4 boolean exclusiveMinimum": (
+        {
+            "$schema": DRAFT4,
+            **obj({"a": {"type": "integer", "minimum": 3, "exclusiveMinimum": True}}),
+        },
+        '{"a": 4}',
+        '{"a": 3}',
+    ),
+    "draft 7 list of items": (
+        {
+            "$schema": DRAFT7,
+            **obj({"a": {"type": "array", "items": [INT, STR], "additionalItems": False}}),
+        },
+        '{"a": [1, "x"]}',
+        '{"a": [1, "x", 2]}',
+    ),
+    "additionalItems beside one schema of items": (
+        obj({"a": {"type": "array", "items": INT, "additionalItems": False}}),
+        '{"a": [1, 2]}',
+        '{"a": ["x"]}',
+    ),
+    "uniqueItems false": (
+        obj({"a": {"type": "array", "items": INT, "uniqueItems": False}}),
+        '{"a": [1, 1]}',
+        '{"a": ["x"]}',
+    ),
+    "not {}": (obj({"a": INT, "b": {"not": {}}}, ["a"]), '{"a": 1}', '{"a": 1, "b": 2}'),
+    "oneOf of objects told apart by a required property": (
+        obj({"s": {"oneOf": [obj({"a": STR}), obj({"b": INT})]}}),
+        '{"s": {"b": 1}}',
+        '{"s": {"a": "x", "b": 1}}',
+    ),
+    "oneOf of untyped choices under an object type": (
+        {
+            "type": "object",
+            "properties": {"a": STR, "b": INT},
+            "oneOf": [
+                {"required": ["a"], "properties": {"a": STR}},
+                {"required": ["b"], "properties": {"b": INT}},
+            ],
+        },  # fmt: skip
+        '{"a": "x"}',
+        '{"a": "x", "b": 1}',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LIFTED))
+def test_schemas_once_refused_are_enforced(
+    compiler: GrammarCompiler, tokenizer: Any, name: str
+) -> None:
+    schema, good, bad = LIFTED[name]
+    jsonschema.validate(json.loads(good), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(bad), schema)
+    compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    assert prepared_accepts(compiler, tokenizer, schema, good)
+    assert not prepared_accepts(compiler, tokenizer, schema, bad)
+
+
+def test_what_llguidance_alone_refuses_is_rewritten() -> None:
+    """`not: {}` and `uniqueItems: false` are refused by llguidance itself (so rewritten, not
+    passed on); draft 3 is refused."""
+    from llguidance import LLMatcher
+
+    for name in ("not {}", "uniqueItems false"):
+        grammar = LLMatcher.grammar_from_json_schema(LIFTED[name][0])
+        assert LLMatcher.validate_grammar_with_warnings(grammar)[0], name
+    with pytest.raises(UnenforceableSchema, match="draft 3"):
+        prepare({"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"})
+
+
 def test_an_object_naming_its_properties_takes_no_others(
     compiler: GrammarCompiler, tokenizer: Any
 ) -> None:
