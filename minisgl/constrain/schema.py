@@ -14,6 +14,8 @@ what it would let through half-enforced, and writes down this project's own sema
 - `additionalItems` beside `prefixItems` would be silently ignored: refused; elsewhere (no list
   of `items`) it constrains nothing in any draft and is dropped, as is `uniqueItems: false`;
 - `not: {}` (or `not: true`) matches nothing: the schema is written `false`;
+- `dependencies`, `dependentRequired` and `dependentSchemas` are written as `allOf`/`anyOf`
+  (each property named absent, or present with what it needs);
 - an object schema with `properties` or `patternProperties` and no `additionalProperties` takes
   no other properties (`additionalProperties: false` is written in), so `required` names must
   be among its `properties`;
@@ -123,7 +125,7 @@ class _Preparer:
         where = path or "/"
         if s.get("not") in ({}, True):
             return False
-        s = _in_2020_12(s, self.draft)
+        s = _dependencies(_in_2020_12(s, self.draft))
         if "additionalItems" in s:
             raise _refuse(where, "`additionalItems` is not a 2020-12 keyword and is not enforced "
                           "beside `prefixItems`; use `items` (or a draft-7 `$schema`)")  # fmt: skip
@@ -199,6 +201,36 @@ def _in_2020_12(s: dict[str, Any], draft: Any) -> dict[str, Any]:
             if s.pop(exclusive, False) is True and bound in s:
                 s[exclusive] = s.pop(bound)
     return s
+
+
+def _dependencies(s: dict[str, Any]) -> dict[str, Any]:
+    """`s` with `dependencies`, `dependentRequired` and `dependentSchemas` written as what
+    llguidance enforces: for each property named, `allOf` the choice of its absence or of its
+    presence with the names it needs (or the schema it brings, which describes the object
+    around it and so does not close it)."""
+    keys = [k for k in ("dependencies", "dependentRequired", "dependentSchemas") if k in s]
+    if not keys:
+        return s
+    s, extra = dict(s), []
+    for name, need in (item for k in keys for item in s.pop(k).items()):
+        absent = {"properties": {name: False}, "additionalProperties": True}
+        if isinstance(need, list):
+            extra.append({"anyOf": [absent, {"required": [name, *need]}]})
+        elif need is not True:
+            extra.append({"anyOf": [absent, {"required": [name], "allOf": [_opened(need)]}]})
+    s["allOf"] = [*s.get("allOf", []), *extra]
+    return s
+
+
+def _opened(s: Any) -> Any:
+    """A schema of the object around it, and its `anyOf`/`oneOf`/`allOf` choices, open to
+    other properties where they say nothing of them."""
+    if not isinstance(s, dict):
+        return s
+    s = {
+        k: [_opened(c) for c in v] if k in ("anyOf", "oneOf", "allOf") else v for k, v in s.items()
+    }
+    return {**s, "additionalProperties": True} if _closed_by_default(s) else s
 
 
 def _closed_by_default(s: dict[str, Any]) -> bool:

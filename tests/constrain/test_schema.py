@@ -107,9 +107,6 @@ BACKEND_REFUSES = {
         obj({"a": {"type": "array", "items": INT, "contains": {"const": 3}}}),
         "/properties/a",
     ),
-    "dependentRequired": ({**obj({"a": INT}, []), "dependentRequired": {"a": ["a"]}}, "/"),
-    "dependentSchemas": ({**obj({"a": INT}, []), "dependentSchemas": {"a": {}}}, "/"),
-    "dependencies": ({**obj({"a": INT}, []), "dependencies": {"a": ["a"]}}, "/"),
     "unevaluatedProperties": (
         {"type": "object", "properties": {"a": INT}, "unevaluatedProperties": False},
         "/",
@@ -217,6 +214,45 @@ LIFTED = {
         '{"s": {"b": 1}}',
         '{"s": {"a": "x", "b": 1}}',
     ),
+    "dependentRequired": (
+        {**obj({"a": INT, "b": INT}, []), "dependentRequired": {"a": ["b"]}},
+        '{"a": 1, "b": 2}',
+        '{"a": 1}',
+    ),
+    "dependentSchemas": (
+        {**obj({"a": INT, "b": INT}, []), "dependentSchemas": {"a": {"required": ["b"]}}},
+        '{"b": 2}',
+        '{"a": 1}',
+    ),
+    "draft 7 dependencies: properties that exclude each other": (
+        {
+            "$schema": DRAFT7,
+            **obj({"x": STR, "y": STR}, []),
+            "dependencies": {
+                "x": {"properties": {"y": {"not": {}}}},
+                "y": {"properties": {"x": {"not": {}}}},
+                "z": ["x"],
+            },
+        },  # fmt: skip
+        '{"y": "q"}',
+        '{"x": "p", "y": "q"}',
+    ),
+    "dependencies: a choice of the object around it": (
+        {
+            "$schema": DRAFT7,
+            **obj({"f": {"type": "boolean"}, "n": INT, "s": STR}, []),
+            "dependencies": {
+                "f": {
+                    "anyOf": [
+                        {"properties": {"n": {"not": {}}}, "required": ["s"]},
+                        {"properties": {"f": {"const": False}}},
+                    ]
+                }
+            },
+        },  # fmt: skip
+        '{"f": true, "s": "x"}',
+        '{"f": true, "n": 1}',
+    ),
     "oneOf of untyped choices under an object type": (
         {
             "type": "object",
@@ -246,11 +282,11 @@ def test_schemas_once_refused_are_enforced(
 
 
 def test_what_llguidance_alone_refuses_is_rewritten() -> None:
-    """`not: {}` and `uniqueItems: false` are refused by llguidance itself (so rewritten, not
-    passed on); draft 3 is refused."""
+    """`not: {}`, `uniqueItems: false` and the dependency keywords are refused by llguidance
+    itself (so rewritten, not passed on); draft 3 is refused."""
     from llguidance import LLMatcher
 
-    for name in ("not {}", "uniqueItems false"):
+    for name in ("not {}", "uniqueItems false", "dependentRequired", "dependentSchemas"):
         grammar = LLMatcher.grammar_from_json_schema(LIFTED[name][0])
         assert LLMatcher.validate_grammar_with_warnings(grammar)[0], name
     with pytest.raises(UnenforceableSchema, match="draft 3"):
