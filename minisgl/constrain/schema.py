@@ -162,8 +162,9 @@ class _Preparer:
                     raise _refuse(
                         where,
                         f"`oneOf` choices {i} and {j} may both match, and `oneOf` is enforced "
-                        "as `anyOf`: use `anyOf`, or make the choices differ in type or in the "
-                        "`const` of a property they all require",
+                        "as `anyOf`: use `anyOf`, or make the choices differ in type, in the "
+                        "`const` of a property they all require, or in a property one requires "
+                        "and the other (closed) lacks",
                     )
 
     def _resolve(self, s: Any) -> Any:
