@@ -1,9 +1,9 @@
 """JSON schemas made ready for the grammar engine (llguidance), or refused with a reason.
 
-A schema is first checked against the JSON Schema 2020-12 meta-schema (with the `jsonschema`
-package), so that a malformed one is refused with the place and the reason rather than
-compiled into something else. llguidance itself refuses the keywords it does not implement
-(`not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `dependentRequired`, `dependencies`,
+A schema is first checked against its draft's meta-schema (2020-12 unless `$schema` names an
+earlier one; with the `jsonschema` package), so that a malformed one is refused with the place
+and the reason rather than compiled into something else. llguidance itself refuses the keywords
+it does not implement (`not`, `if`/`then`/`else`, `uniqueItems`, `contains`,
 `unevaluatedProperties`, ...) and schemas it finds unsatisfiable, so `prepare` refuses only
 what it would let through half-enforced, and writes down this project's own semantics:
 
