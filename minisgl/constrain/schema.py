@@ -15,7 +15,8 @@ what it would let through half-enforced, and writes down this project's own sema
   of `items`) it constrains nothing in any draft and is dropped, as is `uniqueItems: false`;
 - `not: {}` (or `not: true`) matches nothing: the schema is written `false`;
 - `dependencies`, `dependentRequired` and `dependentSchemas` are written as `allOf`/`anyOf`
-  (each property named absent, or present with what it needs);
+  (each property named absent, or present with what it needs), and a `oneOf` of choices that
+  each require one name alone as the choice of one name present and the others absent;
 - an object schema with `properties` or `patternProperties` and no `additionalProperties` takes
   no other properties (`additionalProperties: false` is written in), so `required` names must
   be among its `properties`;
@@ -125,7 +126,7 @@ class _Preparer:
         where = path or "/"
         if s.get("not") in ({}, True):
             return False
-        s = _dependencies(_in_2020_12(s, self.draft))
+        s = _one_name_of(_dependencies(_in_2020_12(s, self.draft)))
         if "additionalItems" in s:
             raise _refuse(where, "`additionalItems` is not a 2020-12 keyword and is not enforced "
                           "beside `prefixItems`; use `items` (or a draft-7 `$schema`)")  # fmt: skip
@@ -221,6 +222,28 @@ def _dependencies(s: dict[str, Any]) -> dict[str, Any]:
             extra.append({"anyOf": [absent, {"required": [name], "allOf": [_opened(need)]}]})
     s["allOf"] = [*s.get("allOf", []), *extra]
     return s
+
+
+def _one_name_of(s: dict[str, Any]) -> dict[str, Any]:
+    """`s` with a `oneOf` whose choices each require one name alone (exactly one of these
+    properties) written as what llguidance enforces: `allOf` the choice of one name present and
+    the others absent."""
+    choices = s.get("oneOf")
+    if not (isinstance(choices, list) and choices and all(_one_name(c) for c in choices)):
+        return s
+    names = [c["required"][0] for c in choices]
+    if len(set(names)) < len(names):
+        return s
+    one = [{"required": [n], "properties": {m: False for m in names if m != n},
+            "additionalProperties": True} for n in names]  # fmt: skip
+    rest = {k: v for k, v in s.items() if k != "oneOf"}
+    return {**rest, "allOf": [*s.get("allOf", []), {"anyOf": one}]}
+
+
+def _one_name(s: Any) -> bool:
+    """A schema that requires one property and says nothing else (annotations aside)."""
+    notes = {"required", "title", "description", "$comment"}
+    return isinstance(s, dict) and set(s) <= notes and len(s.get("required", ())) == 1
 
 
 def _opened(s: Any) -> Any:

@@ -253,6 +253,14 @@ LIFTED = {
         '{"f": true, "s": "x"}',
         '{"f": true, "n": 1}',
     ),
+    "oneOf of choices that each require one name": (
+        {
+            **obj({"a": STR, "b": STR, "c": INT}, []),
+            "oneOf": [{"required": ["a"]}, {"required": ["b"], "description": "or b"}],
+        },  # fmt: skip
+        '{"b": "y", "c": 1}',
+        '{"a": "x", "b": "y"}',
+    ),
     "oneOf of untyped choices under an object type": (
         {
             "type": "object",
