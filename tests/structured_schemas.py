@@ -560,11 +560,6 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         "if",
     ),
     (
-        "dependent_required",
-        {**obj({"a": INT, "b": INT}, required=[]), "dependentRequired": {"a": ["b"]}},
-        "dependentRequired",
-    ),
-    (
         "additional_items",
         {"type": "array", "prefixItems": [INT], "additionalItems": False},
         "`additionalItems` is not a 2020-12 keyword",
@@ -595,6 +590,11 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
 # Schemas an earlier engine (xgrammar) half-enforced and so were refused, enforced in full now:
 # (name, schema, an instance the schema rejects).
 ACCEPTED: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "dependent_required",
+        {**obj({"a": INT, "b": INT}, required=[]), "dependentRequired": {"a": ["b"]}},
+        '{"a": 1}',
+    ),
     ("all_of", {"allOf": [obj({"a": INT}), {"required": ["a"]}]}, '{"b": 1}'),
     ("number_multiple_of", obj({"x": {"type": "number", "multipleOf": 0.5}}), '{"x": 0.3}'),
     (

@@ -1,18 +1,28 @@
 """JSON schemas made ready for the grammar engine (llguidance), or refused with a reason.
 
-A schema is first checked against the JSON Schema 2020-12 meta-schema (with the `jsonschema`
-package), so that a malformed one is refused with the place and the reason rather than
-compiled into something else. llguidance itself refuses the keywords it does not implement
-(`not`, `if`/`then`/`else`, `uniqueItems`, `contains`, `dependentRequired`, `dependencies`,
+A schema is first checked against its draft's meta-schema (2020-12 unless `$schema` names an
+earlier one; with the `jsonschema` package), so that a malformed one is refused with the place
+and the reason rather than compiled into something else. llguidance itself refuses the keywords
+it does not implement (`not`, `if`/`then`/`else`, `uniqueItems`, `contains`,
 `unevaluatedProperties`, ...) and schemas it finds unsatisfiable, so `prepare` refuses only
 what it would let through half-enforced, and writes down this project's own semantics:
 
-- `additionalItems` (a draft-7 keyword, gone from 2020-12) would be silently ignored: refused;
+- a schema of an earlier draft (`$schema` of draft 4 to 2019-09) is checked against its own
+  meta-schema and written in 2020-12's words: a list of `items` (with `additionalItems`) as
+  `prefixItems` (and `items`), draft 4's boolean `exclusiveMinimum`/`exclusiveMaximum` as
+  numbers; draft 3 is refused;
+- `additionalItems` beside `prefixItems` would be silently ignored: refused; elsewhere (no list
+  of `items`) it constrains nothing in any draft and is dropped, as is `uniqueItems: false`;
+- `not: {}` (or `not: true`) matches nothing: the schema is written `false`;
+- `dependencies`, `dependentRequired` and `dependentSchemas` are written as `allOf`/`anyOf`
+  (each property named absent, or present with what it needs), and a `oneOf` of choices that
+  each require one name alone as the choice of one name present and the others absent;
 - an object schema with `properties` or `patternProperties` and no `additionalProperties` takes
   no other properties (`additionalProperties: false` is written in), so `required` names must
   be among its `properties`;
 - `oneOf` is enforced as `anyOf`, which is the same only when no value can match two choices:
-  its choices must differ in type or in the `const`/`enum` of a property they all require;
+  its choices must differ in type, in the `const`/`enum` of a property they all require, or
+  in a property one requires and the other (an object taking no other properties) has not;
 - `propertyNames` is enforced as `patternProperties` (a `pattern`) or as named properties (an
   `enum` or `const`);
 - a `format` llguidance does not know is an annotation, as JSON Schema 2020-12 has every format
@@ -35,6 +45,9 @@ from minisgl.constrain.base import JSON_MAX_WHITESPACE
 KNOWN_FORMATS = frozenset(
     {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 )
+LATEST = jsonschema.Draft202012Validator
+_DRAFTS = {jsonschema.Draft4Validator: "draft 4", jsonschema.Draft6Validator: "draft 6",
+           jsonschema.Draft7Validator: "draft 7", jsonschema.Draft201909Validator: "2019-09"}  # fmt: skip
 # Keywords whose values are schemas (maps of them, lists of them, or one).
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -61,15 +74,20 @@ class UnenforceableSchema(ValueError):
 
 def prepare(schema: Any) -> Any:
     """`schema` as llguidance is to compile it (a copy), or UnenforceableSchema."""
+    named = isinstance(schema, dict) and isinstance(schema.get("$schema"), str)
+    draft = jsonschema.validators.validator_for(schema, default=LATEST) if named else LATEST
+    if draft is jsonschema.Draft3Validator:
+        raise _refuse("/$schema", "draft 3 is not supported; write JSON Schema 2020-12")
     try:
         # Without format checks: formats are enforced (or dropped) by the grammar.
-        jsonschema.Draft202012Validator.check_schema(schema, format_checker=None)
+        draft.check_schema(schema, format_checker=None)
     except jsonschema.SchemaError as e:
-        where = "/" + "/".join(str(p) for p in e.path)
-        raise _refuse(where, f"not a valid JSON Schema (2020-12): {e.message}") from None
-    if schema is False:
-        raise _refuse("/", "the schema `false` matches nothing")
-    return _Preparer(schema).prepare(schema, "")
+        where, name = "/" + "/".join(str(p) for p in e.path), _DRAFTS.get(draft, "2020-12")
+        raise _refuse(where, f"not a valid JSON Schema ({name}): {e.message}") from None
+    out = _Preparer(schema, draft).prepare(schema, "")
+    if out is False:
+        raise _refuse("/", "the schema matches nothing")
+    return out
 
 
 def for_llguidance(schema: Any) -> dict[str, Any]:
@@ -98,18 +116,22 @@ def json_grammar(schema: Any) -> str:
 
 
 class _Preparer:
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, draft: Any = LATEST) -> None:
         self.root = root
+        self.draft = draft
 
     def prepare(self, s: Any, path: str) -> Any:
         if not isinstance(s, dict):
             return s
         where = path or "/"
+        if s.get("not") in ({}, True):
+            return False
+        s = _one_name_of(_dependencies(_in_2020_12(s, self.draft)))
         if "additionalItems" in s:
-            raise _refuse(where, "`additionalItems` is not a 2020-12 keyword and is not enforced; "
-                          "use `items` (with `prefixItems`)")  # fmt: skip
+            raise _refuse(where, "`additionalItems` is not a 2020-12 keyword and is not enforced "
+                          "beside `prefixItems`; use `items` (or a draft-7 `$schema`)")  # fmt: skip
         if "oneOf" in s:
-            self._one_of(s["oneOf"], where)
+            self._one_of(s["oneOf"], where, _types_of(s))
         out = dict(s)
         if s.get("format") is not None and s["format"] not in KNOWN_FORMATS:
             del out["format"]
@@ -133,16 +155,17 @@ class _Preparer:
                 out[key] = self.prepare(out[key], f"{path}/{key}")
         return out
 
-    def _one_of(self, branches: Any, where: str) -> None:
+    def _one_of(self, branches: Any, where: str, types: set[str] | None) -> None:
         resolved = [self._resolve(b) for b in branches]
         for i in range(len(resolved)):
             for j in range(i + 1, len(resolved)):
-                if not _disjoint(resolved[i], resolved[j]):
+                if not _disjoint(resolved[i], resolved[j], types):
                     raise _refuse(
                         where,
                         f"`oneOf` choices {i} and {j} may both match, and `oneOf` is enforced "
-                        "as `anyOf`: use `anyOf`, or make the choices differ in type or in the "
-                        "`const` of a property they all require",
+                        "as `anyOf`: use `anyOf`, or make the choices differ in type, in the "
+                        "`const` of a property they all require, or in a property one requires "
+                        "and the other (closed) lacks",
                     )
 
     def _resolve(self, s: Any) -> Any:
@@ -158,6 +181,80 @@ class _Preparer:
                 node = node[part]
             s = node
         return None
+
+
+def _in_2020_12(s: dict[str, Any], draft: Any) -> dict[str, Any]:
+    """`s` (a copy where it changes) in the words of 2020-12: an earlier draft's list of
+    `items` and draft 4's boolean exclusive bounds; an `additionalItems` that constrains
+    nothing, and `uniqueItems: false`, dropped."""
+    s = dict(s)
+    if draft is not LATEST:  # (llguidance would read the rest by the draft named)
+        s.pop("$schema", None)
+    if draft is not LATEST and isinstance(s.get("items"), list):
+        s["prefixItems"] = s.pop("items")
+        if "additionalItems" in s:
+            s["items"] = s.pop("additionalItems")
+    if "prefixItems" not in s or "items" in s:
+        s.pop("additionalItems", None)  # without a list of items, ignored by every draft
+    if s.get("uniqueItems") is False:
+        del s["uniqueItems"]
+    if draft is jsonschema.Draft4Validator:
+        for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            if s.pop(exclusive, False) is True and bound in s:
+                s[exclusive] = s.pop(bound)
+    return s
+
+
+def _dependencies(s: dict[str, Any]) -> dict[str, Any]:
+    """`s` with `dependencies`, `dependentRequired` and `dependentSchemas` written as what
+    llguidance enforces: for each property named, `allOf` the choice of its absence or of its
+    presence with the names it needs (or the schema it brings, which describes the object
+    around it and so does not close it)."""
+    keys = [k for k in ("dependencies", "dependentRequired", "dependentSchemas") if k in s]
+    if not keys:
+        return s
+    s, extra = dict(s), []
+    for name, need in (item for k in keys for item in s.pop(k).items()):
+        absent = {"properties": {name: False}, "additionalProperties": True}
+        if isinstance(need, list):
+            extra.append({"anyOf": [absent, {"required": [name, *need]}]})
+        elif need is not True:
+            extra.append({"anyOf": [absent, {"required": [name], "allOf": [_opened(need)]}]})
+    s["allOf"] = [*s.get("allOf", []), *extra]
+    return s
+
+
+def _one_name_of(s: dict[str, Any]) -> dict[str, Any]:
+    """`s` with a `oneOf` whose choices each require one name alone (exactly one of these
+    properties) written as what llguidance enforces: `allOf` the choice of one name present and
+    the others absent."""
+    choices = s.get("oneOf")
+    if not (isinstance(choices, list) and choices and all(_one_name(c) for c in choices)):
+        return s
+    names = [c["required"][0] for c in choices]
+    if len(set(names)) < len(names):
+        return s
+    one = [{"required": [n], "properties": {m: False for m in names if m != n},
+            "additionalProperties": True} for n in names]  # fmt: skip
+    rest = {k: v for k, v in s.items() if k != "oneOf"}
+    return {**rest, "allOf": [*s.get("allOf", []), {"anyOf": one}]}
+
+
+def _one_name(s: Any) -> bool:
+    """A schema that requires one property and says nothing else (annotations aside)."""
+    notes = {"required", "title", "description", "$comment"}
+    return isinstance(s, dict) and set(s) <= notes and len(s.get("required", ())) == 1
+
+
+def _opened(s: Any) -> Any:
+    """A schema of the object around it, and its `anyOf`/`oneOf`/`allOf` choices, open to
+    other properties where they say nothing of them."""
+    if not isinstance(s, dict):
+        return s
+    s = {
+        k: [_opened(c) for c in v] if k in ("anyOf", "oneOf", "allOf") else v for k, v in s.items()
+    }
+    return {**s, "additionalProperties": True} if _closed_by_default(s) else s
 
 
 def _closed_by_default(s: dict[str, Any]) -> bool:
@@ -245,12 +342,30 @@ def _types_of(s: Any) -> set[str] | None:
     return None
 
 
-def _disjoint(a: Any, b: Any) -> bool:
-    """True when no value can match both schemas (judged by type or by a discriminator)."""
+def _disjoint(a: Any, b: Any, within: set[str] | None = None) -> bool:
+    """True when no value (of the types `within`, when given) can match both schemas: judged
+    by type, by a discriminator, or by a property one requires and the other cannot have."""
     ta, tb = _types_of(a), _types_of(b)
+    if within is not None:
+        ta, tb = (within if t is None else t & within for t in (ta, tb))
     if ta is not None and tb is not None and not ta & tb:
         return True
-    return ta == tb == {"object"} and _discriminated(a, b)
+    objects = ta == tb == {"object"} and isinstance(a, dict) and isinstance(b, dict)
+    return objects and (_discriminated(a, b) or _excludes(a, b) or _excludes(b, a))
+
+
+def _excludes(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """`a` requires a property that `b` cannot have (`b` names its properties and takes no
+    other, or says `false` for it)."""
+    props = b.get("properties", {})
+    closed = _closed_by_default(b) or b.get("additionalProperties") is False
+    patterns = list(b.get("patternProperties", {}))
+    for name in a.get("required", ()):
+        if props.get(name) is False:
+            return True
+        if closed and name not in props and not any(_search(p, name) for p in patterns):
+            return True
+    return False
 
 
 def _discriminated(a: dict[str, Any], b: dict[str, Any]) -> bool:

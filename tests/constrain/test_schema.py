@@ -107,9 +107,6 @@ BACKEND_REFUSES = {
         obj({"a": {"type": "array", "items": INT, "contains": {"const": 3}}}),
         "/properties/a",
     ),
-    "dependentRequired": ({**obj({"a": INT}, []), "dependentRequired": {"a": ["a"]}}, "/"),
-    "dependentSchemas": ({**obj({"a": INT}, []), "dependentSchemas": {"a": {}}}, "/"),
-    "dependencies": ({**obj({"a": INT}, []), "dependencies": {"a": ["a"]}}, "/"),
     "unevaluatedProperties": (
         {"type": "object", "properties": {"a": INT}, "unevaluatedProperties": False},
         "/",
@@ -177,6 +174,131 @@ def test_enforced_keywords_pass(compiler: GrammarCompiler, tokenizer: Any, name:
         jsonschema.validate(json.loads(text), schema)
     assert not prepared_accepts(compiler, tokenizer, schema, text)
     compiler.compile(Constraint("json_schema", json.dumps(schema)))
+
+
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
+STR = {"type": "string"}
+# (schema, an instance it takes, one it rejects): schemas of kinds real ones hold (draft-4 and
+# draft-7 schemas from GitHub, a forbidden property written `not: {}`, `oneOf` of object shapes)
+# that were once refused: each keyword constrains nothing, or is served in 2020-12's words.
+LIFTED = {
+    "draft 4 boolean exclusiveMinimum": (
+        {
+            "$schema": DRAFT4,
+            **obj({"a": {"type": "integer", "minimum": 3, "exclusiveMinimum": True}}),
+        },
+        '{"a": 4}',
+        '{"a": 3}',
+    ),
+    "draft 7 list of items": (
+        {
+            "$schema": DRAFT7,
+            **obj({"a": {"type": "array", "items": [INT, STR], "additionalItems": False}}),
+        },
+        '{"a": [1, "x"]}',
+        '{"a": [1, "x", 2]}',
+    ),
+    "additionalItems beside one schema of items": (
+        obj({"a": {"type": "array", "items": INT, "additionalItems": False}}),
+        '{"a": [1, 2]}',
+        '{"a": ["x"]}',
+    ),
+    "uniqueItems false": (
+        obj({"a": {"type": "array", "items": INT, "uniqueItems": False}}),
+        '{"a": [1, 1]}',
+        '{"a": ["x"]}',
+    ),
+    "not {}": (obj({"a": INT, "b": {"not": {}}}, ["a"]), '{"a": 1}', '{"a": 1, "b": 2}'),
+    "oneOf of objects told apart by a required property": (
+        obj({"s": {"oneOf": [obj({"a": STR}), obj({"b": INT})]}}),
+        '{"s": {"b": 1}}',
+        '{"s": {"a": "x", "b": 1}}',
+    ),
+    "dependentRequired": (
+        {**obj({"a": INT, "b": INT}, []), "dependentRequired": {"a": ["b"]}},
+        '{"a": 1, "b": 2}',
+        '{"a": 1}',
+    ),
+    "dependentSchemas": (
+        {**obj({"a": INT, "b": INT}, []), "dependentSchemas": {"a": {"required": ["b"]}}},
+        '{"b": 2}',
+        '{"a": 1}',
+    ),
+    "draft 7 dependencies: properties that exclude each other": (
+        {
+            "$schema": DRAFT7,
+            **obj({"x": STR, "y": STR}, []),
+            "dependencies": {
+                "x": {"properties": {"y": {"not": {}}}},
+                "y": {"properties": {"x": {"not": {}}}},
+                "z": ["x"],
+            },
+        },  # fmt: skip
+        '{"y": "q"}',
+        '{"x": "p", "y": "q"}',
+    ),
+    "dependencies: a choice of the object around it": (
+        {
+            "$schema": DRAFT7,
+            **obj({"f": {"type": "boolean"}, "n": INT, "s": STR}, []),
+            "dependencies": {
+                "f": {
+                    "anyOf": [
+                        {"properties": {"n": {"not": {}}}, "required": ["s"]},
+                        {"properties": {"f": {"const": False}}},
+                    ]
+                }
+            },
+        },  # fmt: skip
+        '{"f": true, "s": "x"}',
+        '{"f": true, "n": 1}',
+    ),
+    "oneOf of choices that each require one name": (
+        {
+            **obj({"a": STR, "b": STR, "c": INT}, []),
+            "oneOf": [{"required": ["a"]}, {"required": ["b"], "description": "or b"}],
+        },  # fmt: skip
+        '{"b": "y", "c": 1}',
+        '{"a": "x", "b": "y"}',
+    ),
+    "oneOf of untyped choices under an object type": (
+        {
+            "type": "object",
+            "properties": {"a": STR, "b": INT},
+            "oneOf": [
+                {"required": ["a"], "properties": {"a": STR}},
+                {"required": ["b"], "properties": {"b": INT}},
+            ],
+        },  # fmt: skip
+        '{"a": "x"}',
+        '{"a": "x", "b": 1}',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LIFTED))
+def test_schemas_once_refused_are_enforced(
+    compiler: GrammarCompiler, tokenizer: Any, name: str
+) -> None:
+    schema, good, bad = LIFTED[name]
+    jsonschema.validate(json.loads(good), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(bad), schema)
+    compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    assert prepared_accepts(compiler, tokenizer, schema, good)
+    assert not prepared_accepts(compiler, tokenizer, schema, bad)
+
+
+def test_what_llguidance_alone_refuses_is_rewritten() -> None:
+    """`not: {}`, `uniqueItems: false` and the dependency keywords are refused by llguidance
+    itself (so rewritten, not passed on); draft 3 is refused."""
+    from llguidance import LLMatcher
+
+    for name in ("not {}", "uniqueItems false", "dependentRequired", "dependentSchemas"):
+        grammar = LLMatcher.grammar_from_json_schema(LIFTED[name][0])
+        assert LLMatcher.validate_grammar_with_warnings(grammar)[0], name
+    with pytest.raises(UnenforceableSchema, match="draft 3"):
+        prepare({"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"})
 
 
 def test_an_object_naming_its_properties_takes_no_others(
