@@ -22,7 +22,7 @@ from minisgl.runtime.ranks import TPLaunch, start_scheduler
 from minisgl.tokenizer.output import OutputDelta, OutputOptions, RequestOutput
 from minisgl.tokenizer.parsers import THINK_END, detect_tool_call_parser
 from minisgl.tokenizer.tokenize import chat_ids, message_from_dict, single_token
-from minisgl.tokenizer.tools import ToolPlan, assistant_message, output_parser, tool_plan
+from minisgl.tokenizer.tools import ToolPlan, assistant_message, choice_parsers, tool_plan
 from minisgl.weights import fetch_model, load_tokenizer, resolve_source
 
 Prompt = str | list[int]
@@ -173,15 +173,13 @@ class LLM:
         plan = tool_plan(list(tools or ()), tool_choice, parallel_tool_calls,
                          self.tool_call_parser, other)  # fmt: skip
         kwargs = dict(chat_template_kwargs or {})
-        thinking = kwargs.get("enable_thinking", True) is not False
+        chat = replace(self.chat_config, tool_call_parser=self.tool_call_parser)
+        thinking, make_parser = choice_parsers(plan, chat, kwargs)
         prompts = [self.apply_chat_template(c, plan.template_tools, kwargs) for c in convs]
         params = [self._chat_params(p, plan, thinking) for p in params]
         outs = self.generate(prompts, params, use_tqdm)
-        reasoning = self.chat_config.reasoning_parser
         for out in outs:
-            parser = None
-            if plan.parse or reasoning is not None:
-                parser = output_parser(plan.parse, self.tool_call_parser, reasoning, thinking)
+            parser = make_parser() if make_parser is not None else None
             out.update(assistant_message(out["text"], out["finish_reason"], parser))
         return outs
 

@@ -9,7 +9,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,9 +25,8 @@ from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
 from minisgl.server import responses as openai_responses
-from minisgl.server.chat import ChatParsing
 from minisgl.server.content_type import FormAsJson
-from minisgl.server.engine_client import EngineClient, EngineUnavailable
+from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import error_body, error_response, install_error_handlers
 from minisgl.server.limits import BodyLimit, Limits
 from minisgl.server.metrics import Metrics
@@ -185,8 +184,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         state.info.max_context,
         int(time.time()),
     )
-    parsing = ChatParsing(
-        state.chat.tool_call_parser or state.info.tool_call_parser, state.chat.reasoning_parser
+    # The tool-call format: the flag's, or the one the tokenizer worker detected.
+    chat = replace(
+        state.chat, tool_call_parser=state.chat.tool_call_parser or state.info.tool_call_parser
     )
     auth = (401,) if state.api_key is not None else ()
     got = (*auth, 503)  # what every GET route can answer besides 200 (503: shutting down)
@@ -196,13 +196,13 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *modeled, stream=True))
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         model = served.check(body.model)
-        return await openai_api.chat_completions(request, body, _client(state), model, parsing)
+        return await openai_api.chat_completions(request, body, _client(state), model, chat)
 
     @app.post("/v1/responses", responses=responses(ResponseObject, *modeled, stream=True))
     async def create_response(request: Request, body: ResponsesRequest) -> Response:
         """The Responses API, stateless (`store` only false)."""
         model = served.check(body.model)
-        return await openai_responses.create_response(request, body, _client(state), model, parsing)
+        return await openai_responses.create_response(request, body, _client(state), model, chat)
 
     @app.post("/v1/completions", responses=responses(Completion, *modeled, stream=True))
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -229,8 +229,6 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         with 400 while requests are in flight: they hold cache pages."""
         try:
             in_flight = await asyncio.wait_for(_client(state).flush_cache(), FLUSH_TIMEOUT_S)
-        except EngineUnavailable as e:
-            return error_response(503, f"the engine is unavailable: {e}")
         except asyncio.TimeoutError:
             return error_response(503, f"the scheduler did not answer in {FLUSH_TIMEOUT_S} s")
         if in_flight:

@@ -31,28 +31,36 @@ from minisgl.message import (
     WorkerDied,
 )
 from minisgl.message.transport import MAX_API_SERVERS, AsyncReceiver, IpcPaths, Sender, own_rid
-from minisgl.server.errors import error_param
+from minisgl.server.errors import ApiError, error_param
 from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
+# What a 503 for a full queue asks the client to wait: about one prefill of a full batch.
+RETRY_AFTER_S = 1
 
-class RequestRejected(Exception):
+
+class RequestRejected(ApiError):
     """The tokenizer or scheduler refused a request (its message names the field)."""
 
     def __init__(self, message: str, param: str | None, status: int) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
+        super().__init__(status, message, param)
 
 
-class EngineUnavailable(Exception):
+class EngineUnavailable(ApiError):
     """A worker process died or the server is shutting down: no answer will come."""
 
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, f"the engine is unavailable: {reason}")
+        self.reason = reason
 
-class ServerBusy(Exception):
+
+class ServerBusy(ApiError):
     """Too many sequences wait for their first token; the request was not sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass

@@ -47,10 +47,6 @@ class ApiError(Exception):
         self.headers = headers
         self.code = code
 
-    @staticmethod
-    def from_invalid(e: InvalidRequestError) -> ApiError:
-        return ApiError(400, str(e), error_param(str(e)))
-
 
 def error_param(message: str) -> str | None:
     """The field an InvalidRequestError's message names: they start with it ("top_p: must be
@@ -132,6 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.headers, exc.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _refused(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc), error_param(str(exc)))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -9,7 +9,6 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.config.server import Limits
-from minisgl.core import InvalidRequestError
 from minisgl.message import EngineInfo, GenerateReq
 from minisgl.server.errors import ApiError, error_response
 from minisgl.tokenizer.tokenize import resolve_max_tokens
@@ -95,10 +94,7 @@ def check_prompts(reqs: list[GenerateReq], info: EngineInfo) -> None:
                 param,
             )
         if req.input_ids is not None:
-            try:
-                resolve_max_tokens(len(req.input_ids), req.max_tokens, info)
-            except InvalidRequestError as e:
-                raise ApiError.from_invalid(e) from e
+            resolve_max_tokens(len(req.input_ids), req.max_tokens, info)
 
 
 def check_seqs(reqs: list[GenerateReq], limits: Limits) -> None:

@@ -6,35 +6,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from minisgl.message import GenerateReq, StrOut
-from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
+from minisgl.server.engine_client import EngineClient
 from minisgl.server.protocol import GenerateRequest
-from minisgl.server.sampling import choice_seeds, new_rid, sampling_params
-from minisgl.server.streaming import (
-    DONE,
-    ChoiceResult,
-    EventStreamResponse,
-    first_batch,
-    run_to_completion,
-    sse,
-    submit,
-)
+from minisgl.server.sampling import generate_req, sampling_params
+from minisgl.server.streaming import DONE, Batches, ChoiceResult, answer, sse
 
 
 def _request(body: GenerateRequest) -> GenerateReq:
     sp = body.sampling_params
     params, grammar_field = sampling_params(sp, sp.logprobs or sp.top_logprobs > 0, sp.top_logprobs)
-    return GenerateReq(
-        rids=[new_rid()],
-        seeds=choice_seeds(sp.seed, 1),
-        params=params,
-        max_tokens=sp.max_new_tokens,
-        text=body.text,
-        input_ids=body.input_ids,
-        grammar_field=grammar_field,
-    )
+    prompt = {"text": body.text, "input_ids": body.input_ids}
+    return generate_req(1, sp.seed, params, sp.max_new_tokens, grammar_field, **prompt)
 
 
 def _meta(
@@ -67,36 +52,20 @@ def _meta(
 async def generate(request: Request, body: GenerateRequest, client: EngineClient) -> Response:
     req = _request(body)
     want_lp, want_times = req.params.logprobs, body.return_token_times
-    if body.stream:
-        stream = submit(client, [req])  # the request's id is final once submitted
-        first = await first_batch(request, stream)
-        events = _events(stream, first, req.rids[0], want_lp, want_times)
-        return EventStreamResponse(events, stream)
-    r = (await run_to_completion(request, client, [req], 1))[0]
-    meta = _meta(req.rids[0], r, want_lp, r.token_times if want_times else None)
-    return JSONResponse({"text": r.text, "output_ids": r.ids, "meta_info": meta})
 
+    def whole(results: list[ChoiceResult]) -> dict[str, Any]:
+        [r] = results
+        meta = _meta(req.rids[0], r, want_lp, r.token_times if want_times else None)
+        return {"text": r.text, "output_ids": r.ids, "meta_info": meta}
 
-async def _events(
-    stream: RequestStream,
-    first: list[ChoiceOutput],
-    rid: str,
-    want_lp: bool,
-    want_times: bool,
-) -> AsyncIterator[bytes]:
-    batch, times = first, []
-    while True:
-        for co in batch:
-            times += co.out.token_times
-            last = want_times and co.out.finished
-            yield sse(
-                {
-                    "text": co.out.text,
-                    "output_ids": co.out.new_ids,
-                    "meta_info": _meta(rid, co.out, want_lp, times if last else None),
-                }
-            )
-        if stream.finished:
-            break
-        batch = await stream.next_batch()
-    yield DONE
+    async def events(batches: Batches) -> AsyncIterator[bytes]:
+        times: list[float] = []
+        async for batch in batches:
+            for co in batch:
+                times += co.out.token_times
+                last = want_times and co.out.finished
+                meta = _meta(req.rids[0], co.out, want_lp, times if last else None)
+                yield sse({"text": co.out.text, "output_ids": co.out.new_ids, "meta_info": meta})
+        yield DONE
+
+    return await answer(request, client, [req], 1, body.stream, events, whole)

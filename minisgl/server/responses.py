@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
-from minisgl.server.chat import ChatParsing
-from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
+from minisgl.config import ChatConfig
+from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import ApiError
 from minisgl.server.openai_api import chat_request
 from minisgl.server.protocol import (
@@ -26,14 +26,7 @@ from minisgl.server.protocol import (
     ResponsesRequest,
 )
 from minisgl.server.sampling import new_rid
-from minisgl.server.streaming import (
-    ChoiceResult,
-    EventStreamResponse,
-    first_batch,
-    run_to_completion,
-    sse,
-    submit,
-)
+from minisgl.server.streaming import Batches, ChoiceResult, answer, sse
 from minisgl.tokenizer.parsers import ChatDelta, ChatOutputParser, ParsedCall
 
 # ---- request -------------------------------------------------------------------------------
@@ -197,21 +190,20 @@ def _usage(r: ChoiceResult) -> dict[str, Any]:
 
 
 async def create_response(
-    request: Request,
-    body: ResponsesRequest,
-    client: EngineClient,
-    model: str,
-    parsing: ChatParsing,
+    request: Request, body: ResponsesRequest, client: EngineClient, model: str, chat: ChatConfig
 ) -> Response:
-    req, make_parser = chat_request(chat_body(body), parsing)
+    req, make_parser = chat_request(chat_body(body), chat)
     env = Envelope(body, new_id("resp"), model)
-    if body.stream:
-        stream = submit(client, [req])
-        first = await first_batch(request, stream)
-        return EventStreamResponse(_events(stream, first, env, make_parser), stream)
-    [r] = await run_to_completion(request, client, [req], 1)
-    d = make_parser().parse(r.text) if make_parser is not None else ChatDelta(content=r.text)
-    return JSONResponse(env.response("completed", output_items(d), r))
+
+    def whole(results: list[ChoiceResult]) -> dict[str, Any]:
+        [r] = results
+        d = make_parser().parse(r.text) if make_parser is not None else ChatDelta(content=r.text)
+        return env.response("completed", output_items(d), r)
+
+    def events(batches: Batches) -> AsyncIterator[bytes]:
+        return _events(batches, env, make_parser)
+
+    return await answer(request, client, [req], 1, body.stream, events, whole)
 
 
 # ---- streaming -----------------------------------------------------------------------------
@@ -352,16 +344,13 @@ class ResponseEvents:
 
 
 async def _events(
-    stream: RequestStream,
-    first: list[ChoiceOutput],
-    env: Envelope,
-    make_parser: Callable[[], ChatOutputParser] | None,
+    batches: Batches, env: Envelope, make_parser: Callable[[], ChatOutputParser] | None
 ) -> AsyncIterator[bytes]:
     events = ResponseEvents(env)
     parser = make_parser() if make_parser is not None else None
     result = ChoiceResult()
     yield b"".join(events.start())
-    async for batch in _chain(first, stream):
+    async for batch in batches:
         out: list[bytes] = []
         for co in batch:
             result.add(co.out)
@@ -372,11 +361,3 @@ async def _events(
             if co.out.finished:
                 out += events.finish(result)
         yield b"".join(out)
-
-
-async def _chain(
-    first: list[ChoiceOutput], stream: RequestStream
-) -> AsyncIterator[list[ChoiceOutput]]:
-    yield first
-    async for batch in stream:
-        yield batch
