@@ -107,7 +107,7 @@ def api_main(ipc: IpcPaths, index: int, port: int, queued: Any, profile: str | N
 
     import uvicorn
 
-    from minisgl.runtime.api import listening_socket
+    from minisgl.runtime.launch import listening_socket
     from minisgl.runtime.child import freeze_gc
     from minisgl.server.app import ServerState, build_app
     from minisgl.server.connection import Deadlines, uvicorn_options

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.config.server import MAX_API_SERVERS  # an API process index rides in request ids
-from minisgl.message.codec import decode, encode
+from minisgl.message import decode, encode
 from minisgl.message.types import DetokOut, FlushCacheOut, RequestError
 
 

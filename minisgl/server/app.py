@@ -1,5 +1,10 @@
-"""The FastAPI application: routes, authentication, the link to the engine processes and the
-gate that closes on shutdown."""
+"""The FastAPI application: routes, authentication, the names it serves, the link to the engine
+processes and the gate that closes on shutdown.
+
+The names a server answers to (`--served-model-name`): a request naming a model this server
+does not serve gets OpenAI's 404 `model_not_found`, as vLLM answers. A request without `model`,
+and one naming `default`, take the first served name: `default` stays an alias so that clients
+written for the server's earlier answers keep working."""
 
 from __future__ import annotations
 
@@ -10,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +29,21 @@ from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
 from minisgl.server import responses as openai_responses
-from minisgl.server.content_type import FormAsJson
 from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import error_body, error_response, install_error_handlers
+from minisgl.server.errors import ApiError, error_body, error_response, install_error_handlers
 from minisgl.server.limits import BodyLimit, Limits
 from minisgl.server.metrics import Metrics
-from minisgl.server.models import ServedModels, add_model_routes
 from minisgl.server.openapi import (
     ChatCompletion,
     Completion,
+    Detokenized,
     Generated,
     ModelCard,
     ModelList,
     ResponseObject,
     Status,
+    Tokenized,
+    Version,
     openapi_schema,
     responses,
 )
@@ -49,7 +54,6 @@ from minisgl.server.protocol import (
     ResponsesRequest,
 )
 from minisgl.server.shutdown import Gate, GateMiddleware, drain
-from minisgl.server.tokenize_api import TokenizerHost, add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,61 @@ class ServerState:
     served_model_names: tuple[str, ...] = ()
     # The tokenizer worker's saved tokenizer, for /tokenize and /detokenize (None: no routes).
     tokenizer_dir: Path | None = None
+
+
+FORM = b"application/x-www-form-urlencoded"
+
+
+class FormAsJson:
+    """Bodies sent as a form read as JSON: `curl -d '{...}'` labels its JSON
+    `application/x-www-form-urlencoded` unless told otherwise, and no route of this API takes a
+    form, so such a body is read as the JSON it is (as llama.cpp's server does)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            if any(k == b"content-type" and v.startswith(FORM) for k, v in headers):
+                headers = [(k, v) for k, v in headers if k != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+DEFAULT_ALIAS = "default"
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    names: tuple[str, ...]  # the first is the id of answers to requests that name none
+    max_context: int
+    created: int
+
+    def check(self, requested: str | None) -> str:
+        """The name an answer carries: the one asked for, or the first served name for none
+        and `default`. Any other name raises the 404 `model_not_found`."""
+        if requested in self.names:
+            assert requested is not None
+            return requested
+        if requested is None or requested == DEFAULT_ALIAS:
+            return self.names[0]
+        raise ApiError(
+            404,
+            f"The model `{requested}` does not exist; this server serves "
+            f"{', '.join(repr(n) for n in self.names)} (`{DEFAULT_ALIAS}` names the first)",
+            "model",
+            code="model_not_found",
+        )
+
+    def card(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "minisgl",
+            "max_model_len": self.max_context,
+        }
 
 
 class BearerAuth:
@@ -212,16 +271,18 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     async def generate(request: Request, body: GenerateRequest) -> Response:
         return await native_api.generate(request, body, _client(state))
 
-    add_model_routes(
-        partial(_get_and_head, app),
-        served,
-        responses(ModelList, *got),
-        responses(ModelCard, *got, 404),
-    )
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [served.card(n) for n in served.names]})
 
+    async def model_card(model_id: str) -> JSONResponse:
+        """One model (the SDK's `models.retrieve`); ids may hold slashes."""
+        return JSONResponse(served.card(served.check(model_id)))
+
+    _get_and_head(app, "/v1/models", models, responses=responses(ModelList, *got))
+    path = "/v1/models/{model_id:path}"
+    _get_and_head(app, path, model_card, responses=responses(ModelCard, *got, 404))
     if state.tokenizer_dir is not None:
-        host = TokenizerHost(state.tokenizer_dir)
-        add_tokenize_routes(app, host, served, modeled, got)
+        _add_tokenizer_routes(app, native_api.TokenizerHost(state.tokenizer_dir), served, got)
 
     @app.post("/flush_cache", responses=responses(Status, *posted))
     async def flush_cache() -> JSONResponse:
@@ -256,3 +317,25 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         response_class=PlainTextResponse,
         responses=responses(None, *got),
     )
+
+
+def _add_tokenizer_routes(
+    app: FastAPI, host: native_api.TokenizerHost, served: ServedModels, got: tuple[int, ...]
+) -> None:
+    """`got`: the error codes of a GET route."""
+    posted = (*got, 400, 404, 408, 413)
+
+    @app.post("/tokenize", responses=responses(Tokenized, *posted))
+    async def tokenize(body: native_api.TokenizeRequest) -> JSONResponse:
+        served.check(body.model)
+        return JSONResponse(await native_api.tokenized(host, body, served.max_context))
+
+    @app.post("/detokenize", responses=responses(Detokenized, *posted))
+    async def detokenize(body: native_api.DetokenizeRequest) -> JSONResponse:
+        served.check(body.model)
+        text = await host.run(lambda tok: native_api.detokenize(tok, body.tokens))
+        return JSONResponse({"prompt": text})
+
+    @app.get("/version", responses=responses(Version, *got))
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
