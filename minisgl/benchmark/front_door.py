@@ -101,14 +101,14 @@ def fake_engine_main(ipc: IpcPaths, step_s: float) -> None:
 
 def api_main(ipc: IpcPaths, index: int, port: int, queued: Any, profile: str | None) -> None:
     """API server process `index` as `python -m minisgl` runs it, on `port`, with no worker to
-    watch (`minisgl.runtime.api`)."""
+    watch (`minisgl.runtime.launch`)."""
     import cProfile
     import signal
 
     import uvicorn
 
-    from minisgl.runtime.launch import listening_socket
     from minisgl.runtime.child import freeze_gc
+    from minisgl.runtime.launch import listening_socket
     from minisgl.server.app import ServerState, build_app
     from minisgl.server.connection import Deadlines, uvicorn_options
 

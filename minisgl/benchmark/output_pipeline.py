@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from minisgl.message import TokenOut
-from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.output import OutputOptions, RequestOutput
+from minisgl.tokenizer.workers import Detokenizer
 from minisgl.weights import load_tokenizer, resolve_source
 
 PROSE = (

@@ -23,11 +23,9 @@ from minisgl.message.transport import ApiSenders, IpcPaths, Receiver, Sender, wo
 from minisgl.runtime.child import ChildReady
 from minisgl.runtime.ranks import start_scheduler
 from minisgl.scheduler.process import SchedulerProcess
-from minisgl.tokenizer.detokenizer import Detokenizer
-from minisgl.tokenizer.loading import load_and_save, load_saved
 from minisgl.tokenizer.parsers import detect_tool_call_parser
-from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars
-from minisgl.tokenizer.workers import DetokenizerWorker, TokenizerWorker
+from minisgl.tokenizer.tokenize import RequestTokenizer, load_and_save, load_saved, max_token_chars
+from minisgl.tokenizer.workers import Detokenizer, DetokenizerWorker, TokenizerWorker
 from minisgl.weights import resolve_source
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from minisgl.server.errors import ApiError
 from minisgl.server.protocol import GenerateRequest
 from minisgl.server.sampling import generate_req, sampling_params
 from minisgl.server.streaming import DONE, Batches, ChoiceResult, answer, sse
-from minisgl.tokenizer.loading import load_saved
+from minisgl.tokenizer.tokenize import load_saved
 
 
 def _request(body: GenerateRequest) -> GenerateReq:

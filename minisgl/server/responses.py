@@ -197,7 +197,7 @@ async def create_response(
 
     def whole(results: list[ChoiceResult]) -> dict[str, Any]:
         [r] = results
-        d = make_parser().parse(r.text) if make_parser is not None else ChatDelta(content=r.text)
+        d = make_parser().parse(r.text) if make_parser is not None else ChatDelta(r.text)
         return env.response("completed", output_items(d), r)
 
     def events(batches: Batches) -> AsyncIterator[bytes]:
@@ -354,7 +354,7 @@ async def _events(
         out: list[bytes] = []
         for co in batch:
             result.add(co.out)
-            d = parser.feed(co.out.text) if parser is not None else ChatDelta(content=co.out.text)
+            d = parser.feed(co.out.text) if parser is not None else ChatDelta(co.out.text)
             if co.out.finished and parser is not None:
                 d += parser.finish()
             out += events.add(d)

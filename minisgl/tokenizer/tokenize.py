@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -19,6 +20,7 @@ from minisgl.message import (
     TokenizedReq,
     ToolCall,
 )
+from minisgl.weights import load_tokenizer, resolve_source
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, info: EngineInfo) -> int:
@@ -182,3 +184,28 @@ def max_token_chars(tokenizer: Any) -> int | None:
     # A token's string spells its bytes (byte-level BPE) or its characters (SentencePiece,
     # with "<0xNN>" byte tokens): never fewer characters than it decodes to.
     return max(len(token) for token in tokenizer.get_vocab())
+
+
+# ---- loading the tokenizer once, and handing it to sibling processes cheaply ---------------------
+# Loading the model's tokenizer once and handing it to sibling processes cheaply.
+#
+# Building a tokenizer from a GGUF file converts its vocabulary (seconds); a saved copy in HF
+# format loads in a fraction of that, so the tokenizer worker saves one for the detokenizer.
+
+
+def load_and_save(
+    model: str | None, directory: str | Path, chat_template: str | None = None
+) -> Any:
+    """The model's tokenizer (with `chat_template` in place of its own, when given), also
+    saved in `directory`."""
+    tokenizer = load_tokenizer(resolve_source(model))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def load_saved(directory: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
