@@ -130,30 +130,30 @@ _GAUGES: dict[str, tuple[str, str, str | None]] = {
     ),
 }
 _COMPUTED = {"queued_seqs", "kv_usage", "prefix_hit_rate", "spec_accept_length"}
-# Histograms: attribute -> (metric name, help, buckets, by priority)
-_HISTOGRAMS = {
-    "ttft": ("minisgl_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS, 0),
-    "itl": ("minisgl_inter_token_latency_seconds", "Time between tokens", _LATENCY_BUCKETS, 0),
-    "e2e": ("minisgl_e2e_request_latency_seconds", "Request latency", _LATENCY_BUCKETS, 0),
-    "queue_time": (
+# Histograms: (metric name, help, buckets, by priority), in `Metrics`'s attribute order
+_HISTOGRAMS = (
+    ("minisgl_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS, 0),
+    ("minisgl_inter_token_latency_seconds", "Time between tokens", _LATENCY_BUCKETS, 0),
+    ("minisgl_e2e_request_latency_seconds", "Request latency", _LATENCY_BUCKETS, 0),
+    (
         "minisgl_queue_time_seconds",
         "Time from arrival at the scheduler to admission (first admission only)",
         _LATENCY_BUCKETS,
         1,
     ),
-    "ttft_by_priority": (
+    (
         "minisgl_time_to_first_token_by_priority_seconds",
         "Time to first token, by request priority",
         _LATENCY_BUCKETS,
         1,
     ),
-    "itl_by_priority": (
+    (
         "minisgl_inter_token_latency_by_priority_seconds",
         "Time between tokens on the scheduler's clock, by request priority",
         _ITL_BUCKETS,
         1,
     ),
-}
+)
 
 
 def observe_many(hist: Histogram, value: float, n: int) -> None:
@@ -174,10 +174,18 @@ class Metrics:
             for attr, (name, doc, label) in _GAUGES.items()
         }
         self.queued_seqs = self.gauges["queued_seqs"]
-        self.hist = {
-            attr: Histogram(name, doc, ["priority"] * by, buckets=buckets, registry=r)
-            for attr, (name, doc, buckets, by) in _HISTOGRAMS.items()
-        }
+        hist = (
+            Histogram(name, doc, ["priority"] * by, buckets=buckets, registry=r)
+            for name, doc, buckets, by in _HISTOGRAMS
+        )
+        (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.ttft_by_priority,
+            self.itl_by_priority,
+        ) = hist
         self.prompt_tokens = Counter(
             "minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -218,24 +226,24 @@ class Metrics:
         for priority, count in s.retractions_by_priority:
             g["retractions_by_priority"].labels(self.priority_label(priority)).set(count)
         for prio, seconds in s.queue_times:
-            self.hist["queue_time"].labels(self.priority_label(prio)).observe(seconds)
+            self.queue_time.labels(self.priority_label(prio)).observe(seconds)
 
     def on_first_token(self, ttft: float, priority: int) -> None:
-        self.hist["ttft"].observe(ttft)
-        self.hist["ttft_by_priority"].labels(self.priority_label(priority)).observe(ttft)
+        self.ttft.observe(ttft)
+        self.ttft_by_priority.labels(self.priority_label(priority)).observe(ttft)
 
     def on_tokens(self, gaps: Mapping[tuple[float, int], int]) -> None:
         """`gaps[gap, priority]` tokens of that priority arrived `gap` seconds apart each."""
         for (gap, priority), n in gaps.items():
-            observe_many(self.hist["itl"], gap, n)
-            by = self.hist["itl_by_priority"].labels(self.priority_label(priority))
+            observe_many(self.itl, gap, n)
+            by = self.itl_by_priority.labels(self.priority_label(priority))
             observe_many(by, gap, n)
 
     def on_finished(self, out: StrOut, latency: float) -> None:
         self.prompt_tokens.inc(out.prompt_tokens)
         self.generation_tokens.inc(out.completion_tokens)
         self.requests.labels(out.finish_reason or "error").inc()
-        self.hist["e2e"].observe(latency)
+        self.e2e.observe(latency)
 
     def render(self) -> bytes:
         folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
