@@ -12,12 +12,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from minisgl.config import ChatConfig
-from minisgl.message import ChatMessage, ChatOptions, GenerateReq, TokenLogprob, ToolCall
+from minisgl.message import ChatOptions, GenerateReq, TokenLogprob
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import (
     ChatCompletionRequest,
-    ChatMessageIn,
     CompletionRequest,
     NamedToolChoice,
 )
@@ -39,6 +38,7 @@ from minisgl.server.streaming import (
     sse,
 )
 from minisgl.tokenizer.parsers import THINK_END, ChatDelta, ChatOutputParser
+from minisgl.tokenizer.tokenize import message_from_dict
 from minisgl.tokenizer.tools import assistant_message, calls_finish, choice_parsers, tool_plan
 
 # ---- requests ------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def chat_request(body: ChatCompletionRequest, chat: ChatConfig) -> ChatPlan:
     params, grammar_field = sampling_params(body, body.logprobs, top, forced)
     options = chat_options(body, plan.template_tools)
     thinking, parsers = choice_parsers(plan, chat, options.template_kwargs)
-    messages = [chat_message(m) for m in body.messages]
+    messages = [message_from_dict(m.model_dump(exclude_none=True)) for m in body.messages]
     req = generate_req(
         body.n, body.seed, params, body.max_completion_tokens or body.max_tokens, grammar_field,
         messages=messages, chat=options,
@@ -108,11 +108,6 @@ def chat_request(body: ChatCompletionRequest, chat: ChatConfig) -> ChatPlan:
     if thinking and chat.reasoning_parser is not None and params.constraint is not None:
         req.grammar_after = THINK_END  # the answer follows the grammar, not the thinking
     return ChatPlan(req, parsers)
-
-
-def chat_message(m: ChatMessageIn) -> ChatMessage:
-    calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
-    return ChatMessage(m.role, m.text, m.name, calls, m.tool_call_id)
 
 
 def chat_options(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ChatOptions:

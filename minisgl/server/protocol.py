@@ -118,13 +118,6 @@ class TextPart(_OpenAI):
     text: str
 
 
-def text_of(content: str | list[TextPart] | list[InputText] | None) -> str:
-    """A message's text: its string, or its parts' texts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(p.text for p in content)
-
-
 class FunctionCall(_OpenAI):
     name: str = Field(min_length=1)
     arguments: str  # JSON text, as the model wrote it
@@ -162,10 +155,6 @@ class ChatMessageIn(_OpenAI):
         if self.annotations:
             raise ValueError("annotations: only null or [] in a request")
         return self
-
-    @property
-    def text(self) -> str:
-        return text_of(self.content)
 
 
 LOGIT_BIAS = "Token id (a numeral) -> a bias in [-100, 100] added to its logit at every step."
@@ -403,7 +392,8 @@ class MessageItem(_Item):
 
     @property
     def text(self) -> str:
-        return text_of(self.content)
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
 
 
 class FunctionCallItem(_Item):

@@ -2,25 +2,12 @@
 finish reason, the stop that matched, usage and log-probs out. The server's detokenizer worker
 and the offline `LLM` both run it, so a request answers the same through either front door.
 
-Semantics (vLLM's, as its users expect):
-
-- Text is decoded incrementally (`IncrementalDetokenizer`) with the request's
-  `skip_special_tokens`; a character split across tokens waits for its last byte.
-- A stop string ends the request with "stop" at the token whose text completes it: the text
-  ends before the stop string (or after it, with `include_stop_str_in_output`), and that
-  token is the last one kept in `token_ids` and counted in `completion_tokens`. Tokens after
-  it (with overlap scheduling the scheduler computes one or more before the abort reaches it)
-  are dropped. This holds also when the last token `max_tokens` allows completes it.
-- A stop token (EOS unless `ignore_eos`, or one of `stop_token_ids`) ends the request with
-  "stop" (the scheduler decides it): the token is kept in `token_ids` and counted, but its
-  text is not part of the answer (unless `include_stop_str_in_output`).
-- `matched_stop` is the stop string or stop token id that ended the request; None when it
-  ended for length or was aborted.
-- `min_tokens`: stop strings count only when a token after the first `min_tokens` completes
-  them (the sampler keeps stop tokens from being sampled before that, see
-  `engine.sampler.StopMask`); text held back as a possible stop string start is still held.
-- The answer's text then passes through an `OutputParser` (the default leaves it as it is):
-  the place where tool-call and reasoning parsers plug in.
+Its semantics are vLLM's, as the README's "Output semantics" states them. Two follow from
+how the engine runs: the tokens after the one that completes a stop string are dropped (with
+overlap scheduling the scheduler computes one or more before the abort reaches it), and stop
+tokens cannot be sampled before `min_tokens` (the sampler's `StopMask`), while stop strings
+before it are only held back. The answer's text then passes through an `OutputParser` (the
+default leaves it as it is): the place where tool-call and reasoning parsers plug in.
 """
 
 from __future__ import annotations
