@@ -30,7 +30,7 @@ from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
 from minisgl.server import responses as openai_responses
 from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import ApiError, error_body, error_response, install_error_handlers
+from minisgl.server.errors import ApiError, error_body, install_error_handlers
 from minisgl.server.limits import BodyLimit, Limits
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import (
@@ -153,12 +153,12 @@ class BearerAuth:
         if secrets.compare_digest(given, self._expected):
             await self.app(scope, receive, send)
             return
-        response = error_response(
+        response = ApiError(
             401,
             "missing or wrong API key: send `Authorization: Bearer "
             "<key>` with the key the server was started with",
             code="invalid_api_key",
-        )
+        ).response()
         await response(scope, receive, send)
 
 
@@ -291,9 +291,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         try:
             in_flight = await asyncio.wait_for(_client(state).flush_cache(), FLUSH_TIMEOUT_S)
         except asyncio.TimeoutError:
-            return error_response(503, f"the scheduler did not answer in {FLUSH_TIMEOUT_S} s")
+            raise ApiError(503, f"the scheduler did not answer in {FLUSH_TIMEOUT_S} s") from None
         if in_flight:
-            return error_response(
+            raise ApiError(
                 400, f"the prefix cache was not flushed: requests in flight: {in_flight}"
             )
         return JSONResponse({"status": "flushed"})

@@ -37,7 +37,7 @@ class ApiError(Exception):
         status: int,
         message: str,
         param: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
         code: str | None = None,
     ) -> None:
         super().__init__(message)
@@ -46,6 +46,10 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers
         self.code = code
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.status, self.message, self.param, self.code)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def error_param(message: str) -> str | None:
@@ -72,18 +76,6 @@ def error_body(
             "code": code,
         }
     }
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        error_body(status, message, param, code), status_code=status, headers=headers
-    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -117,38 +109,38 @@ def _method_not_allowed(request: Request) -> JSONResponse:
         if match is not Match.NONE:
             allowed |= getattr(route, "methods", None) or set()
     allow = ", ".join(sorted(allowed))
-    return error_response(
+    return ApiError(
         405,
         f"{request.method} is not allowed on {request.url.path}; use {allow}",
         headers={"Allow": allow},
-    )
+    ).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers, exc.code)
+        return exc.response()
 
     @app.exception_handler(InvalidRequestError)
     async def _refused(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc), error_param(str(exc)))
+        return ApiError(400, str(exc), error_param(str(exc))).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, *_validation_message(exc))
+        return ApiError(400, *_validation_message(exc)).response()
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 405:
             return _method_not_allowed(request)
         # The headers carry what the status needs, such as `Connection: close` with a 413.
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
-        return error_response(499, "client disconnected")
+        return ApiError(499, "client disconnected").response()
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()

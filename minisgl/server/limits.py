@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.config.server import Limits
 from minisgl.message import EngineInfo, GenerateReq
-from minisgl.server.errors import ApiError, error_response
+from minisgl.server.errors import ApiError
 from minisgl.tokenizer.tokenize import resolve_max_tokens
 
 CLOSE = {"Connection": "close"}  # the rest of a refused body is never read
@@ -64,7 +64,7 @@ class BodyLimit:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         e = BodyTooLarge(self.max_bytes)
-        await error_response(413, e.detail, headers=CLOSE)(scope, receive, send)
+        await ApiError(413, e.detail, headers=CLOSE).response()(scope, receive, send)
 
 
 # ---- prompts and sequences -----------------------------------------------------------------

@@ -23,7 +23,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import error_response
+from minisgl.server.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         if self.gate.closed:
-            refusal = error_response(503, SHUTTING_DOWN, headers={"Connection": "close"})
+            refusal = ApiError(503, SHUTTING_DOWN, headers={"Connection": "close"}).response()
             await refusal(scope, receive, send)
             return
         self.gate.enter()
