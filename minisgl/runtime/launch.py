@@ -190,21 +190,6 @@ def running_workers(config: ServerConfig) -> Iterator[tuple[Workers, EngineInfo]
         signal.signal(signal.SIGINT, previous_int)
 
 
-def exit_now(workers: Workers) -> Callable[[int], None]:
-    """What a second signal during the drain does: stop the workers, remove their folder and
-    leave, dropping the requests still in flight (exit code 128 + the signal's number)."""
-
-    def leave(signum: int) -> None:
-        for sig in STOP_SIGNALS:  # a third one must not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
-        logger.warning("%s again: exiting at once", signal.Signals(signum).name)
-        workers.stop()
-        logging.shutdown()
-        os._exit(128 + signum)
-
-    return leave
-
-
 def run_server(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM, then drain (see `minisgl.server.shutdown`) and stop; returns
     the exit code (1: the API processes exited by themselves)."""
@@ -237,11 +222,15 @@ def watch(workers: Workers, apis: list[Child]) -> int:
     drains, then exits), a second stops everything at once; a process that dies meanwhile fails
     every request of every API process."""
     stopping: list[int] = []
-    leave = exit_now(workers)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stopping:
-            leave(signum)
+        if stopping:  # stop the workers, remove their folder, drop what is in flight and leave
+            for sig in STOP_SIGNALS:  # a third signal must not cut the cleanup short
+                signal.signal(sig, signal.SIG_IGN)
+            logger.warning("%s again: exiting at once", signal.Signals(signum).name)
+            workers.stop()
+            logging.shutdown()
+            os._exit(128 + signum)
         stopping.append(signum)
         logger.info(
             "%s: shutting down (a second signal exits at once)", signal.Signals(signum).name

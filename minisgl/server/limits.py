@@ -29,11 +29,6 @@ class BodyTooLarge(HTTPException):
         )
 
 
-def _content_length(scope: Scope) -> int | None:
-    value = Headers(scope=scope).get("content-length")
-    return int(value) if value is not None and value.isdigit() else None
-
-
 class BodyLimit:
     """413 for a body over `max_bytes`: before reading any of it when Content-Length announces
     the size, else (chunked bodies) as soon as the bytes read pass the limit."""
@@ -46,9 +41,10 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            e = BodyTooLarge(self.max_bytes)
+            await ApiError(413, e.detail, headers=CLOSE).response()(scope, receive, send)
             return
         seen = 0
 
@@ -62,29 +58,18 @@ class BodyLimit:
 
         await self.app(scope, counting_receive, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        e = BodyTooLarge(self.max_bytes)
-        await ApiError(413, e.detail, headers=CLOSE).response()(scope, receive, send)
-
 
 # ---- prompts and sequences -----------------------------------------------------------------
 
 
-def max_prompt_chars(info: EngineInfo) -> int | None:
-    """No legal prompt has more characters than the context has tokens times the longest
-    token's characters; None while the tokenizer has not said how long that is."""
-    if info.max_token_chars is None:
-        return None
-    return info.max_context * info.max_token_chars
-
-
 def check_prompts(reqs: list[GenerateReq], info: EngineInfo) -> None:
     """Refuse a prompt too long for the context before anyone tokenizes it: text by its
-    characters, token ids by their count (with the tokenizer's own check)."""
-    limit = max_prompt_chars(info)
+    characters (no legal prompt has more than the context has tokens times the longest token's
+    characters, once the tokenizer has said how long that is), token ids by their count (with
+    the tokenizer's own check)."""
     for req in reqs:
         chars = req.prompt_chars
-        if limit is not None and chars > limit:
+        if info.max_token_chars is not None and chars > info.max_context * info.max_token_chars:
             param = "messages" if req.messages is not None else "prompt"
             raise ApiError(
                 400,
