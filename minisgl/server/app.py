@@ -57,7 +57,6 @@ from minisgl.server.shutdown import Gate, GateMiddleware, drain
 
 logger = logging.getLogger(__name__)
 
-SUPERVISE_PERIOD_S = 0.2
 FLUSH_TIMEOUT_S = 60.0  # the scheduler answers between two steps
 
 
@@ -160,33 +159,6 @@ class BearerAuth:
             code="invalid_api_key",
         ).response()
         await response(scope, receive, send)
-
-
-async def supervise(check_workers: Callable[[], str | None], client: EngineClient) -> None:
-    """Fail every request in flight, and every later one, once a worker process dies
-    (`check_workers`: why the engine cannot serve, or None while all are alive). The HTTP
-    server's launcher watches its workers itself and tells the engine client (`WorkerDied`)."""
-    while True:
-        reason = check_workers()
-        if reason is not None:
-            logger.error("%s; failing every request", reason)
-            client.fail_all(reason)
-            return
-        await asyncio.sleep(SUPERVISE_PERIOD_S)
-
-
-def start_supervisor(
-    check_workers: Callable[[], str | None], client: EngineClient
-) -> asyncio.Task[None]:
-    task = asyncio.get_running_loop().create_task(supervise(check_workers, client))
-    task.add_done_callback(_log_crash)
-    return task
-
-
-def _log_crash(task: asyncio.Task[None]) -> None:
-    # A supervisor that died silently would leave requests hanging when a worker dies.
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("the worker supervisor crashed", exc_info=task.exception())
 
 
 def build_app(state: ServerState) -> FastAPI:
