@@ -197,12 +197,6 @@ class ChildProcess:
             self.proc.join(timeout)
         return self.exit_code
 
-    def terminate(self) -> None:
-        self.proc.terminate()
-
-    def kill(self) -> None:
-        self.proc.kill()
-
 
 def first_exited(children: Iterable[ChildProcess]) -> ChildProcess | None:
     """A child that is no longer running, if any."""
@@ -218,12 +212,12 @@ def stop_processes(
     _wait_all(children, wait_s)
     for c in children:
         if c.exit_code is None:
-            c.terminate()
+            c.proc.terminate()
     _wait_all(children, term_s)
     for c in children:
         if c.exit_code is None:
             logger.warning("%s did not stop in %.0f s; killing it", c.name, term_s)
-            c.kill()
+            c.proc.kill()
             c.wait()
 
 

@@ -237,7 +237,7 @@ def watch(workers: Workers, apis: list[Child]) -> int:
         )
         for api in apis:
             if api.process.exit_code is None:
-                api.process.terminate()
+                api.process.proc.terminate()
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)

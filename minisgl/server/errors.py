@@ -16,16 +16,9 @@ from minisgl.core import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
+# OpenAI's error types; any other status below 500 is an "invalid_request_error".
+_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "internal_error",
+          503: "service_unavailable"}  # fmt: skip
 
 
 class ApiError(Exception):
