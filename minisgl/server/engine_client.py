@@ -292,10 +292,7 @@ class EngineClient:
             elif isinstance(msg, RequestError):
                 self._unqueue(self._waiting.intersection(msg.rids))
                 for rid in msg.rids:
-                    stream = self._streams.pop(rid, None)
-                    if stream is not None:
-                        stream.choices.pop(rid, None)
-                        stream.put(RequestRejected(msg.message, msg.param, msg.status))
+                    self._reject(rid, RequestRejected(msg.message, msg.param, msg.status))
             elif isinstance(msg, WorkerDied):
                 logger.error("%s; failing every request", msg.reason)
                 self.fail_all(msg.reason)
@@ -311,15 +308,20 @@ class EngineClient:
         if stream is None:  # aborted: its last outputs are still on their way
             return
         if out.error is not None:
-            del self._streams[out.rid]
-            stream.choices.pop(out.rid, None)
-            stream.put(RequestRejected(out.error, error_param(out.error), 400))
+            self._reject(out.rid, RequestRejected(out.error, error_param(out.error), 400))
             return
         out.token_times = [time_s] * len(out.new_ids)
         self._record(stream.choices[out.rid], out, time_s, gaps)
         if out.finished:
             del self._streams[out.rid]
         stream.put(out)
+
+    def _reject(self, rid: str, error: RequestRejected) -> None:
+        """End choice `rid` (if still live) with `error`."""
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream.choices.pop(rid, None)
+            stream.put(error)
 
     def _record(
         self, choice: _Choice, out: StrOut, time_s: float, gaps: Counter[tuple[float, int]]
