@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -130,21 +131,28 @@ def single_token(tokenizer: Any, text: str | None) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
+def prompt_ids(tokenizer: Callable[[], Any], prompt: str | list[int], vocab: int) -> list[int]:
+    """A text prompt's token ids (`tokenizer()` gives the tokenizer), or token ids checked
+    against the vocabulary."""
+    if isinstance(prompt, str):
+        return list(tokenizer()(prompt)["input_ids"])
+    ids = [int(t) for t in prompt]
+    if any(not 0 <= t < vocab for t in ids):
+        raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
+    return ids
+
+
 class RequestTokenizer:
     def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
 
     def prompt_ids(self, req: GenerateReq) -> list[int]:
-        if req.text is not None:
-            return list(self.tokenizer(req.text)["input_ids"])
         if req.messages is not None:
             return chat_ids(self.tokenizer, req.messages, req.chat)
-        assert req.input_ids is not None
-        vocab = self.info.vocab_size
-        if any(not 0 <= t < vocab for t in req.input_ids):
-            raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
-        return list(req.input_ids)
+        prompt = req.text if req.text is not None else req.input_ids
+        assert prompt is not None
+        return prompt_ids(lambda: self.tokenizer, prompt, self.info.vocab_size)
 
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
         req.params.check_vocab(self.info.vocab_size)
