@@ -211,17 +211,12 @@ async def create_response(
 
 @dataclass
 class _Open:
-    kind: str  # "reasoning" | "message"
-    id: str
-    index: int
-    text: str = ""
+    """An output item being written."""
 
-
-@dataclass
-class _OpenCall:
+    kind: str  # "reasoning" | "message" | "function_call"
     id: str
     index: int  # in the output
-    call: ParsedCall
+    text: str = ""
 
 
 class ResponseEvents:
@@ -232,11 +227,15 @@ class ResponseEvents:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: _Open | None = None
-        self.calls: dict[int, _OpenCall] = {}  # by the call's index: those being written
+        self.calls: dict[int, _Open] = {}  # by the call's index: those being written
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
         return sse({"type": f"response.{kind}", "sequence_number": self.seq - 1, **fields})
+
+    def item(self, what: str, o: _Open, item: dict[str, Any]) -> bytes:
+        """`output_item.added` or `output_item.done`, of item `o`."""
+        return self.event(f"output_item.{what}", output_index=o.index, item=item)
 
     def start(self) -> list[bytes]:
         snapshot = self.env.response("in_progress", [], None)
@@ -266,11 +265,9 @@ class ResponseEvents:
             if f.id is not None:
                 out += self._close()
                 call = ParsedCall(f.index, f.id, f.name or "", "")
-                o = self.calls[f.index] = _OpenCall(new_id("fc"), len(self.output), call)
+                o = self.calls[f.index] = _Open("function_call", new_id("fc"), len(self.output))
                 self.output.append(call_item(o.id, call, "in_progress"))
-                out.append(
-                    self.event("output_item.added", output_index=o.index, item=self.output[-1])
-                )
+                out.append(self.item("added", o, self.output[-1]))
                 continue
             o = self.calls[f.index]
             ids = {"item_id": o.id, "output_index": o.index}
@@ -284,7 +281,7 @@ class ResponseEvents:
                     "function_call_arguments.done", **ids, arguments=c.arguments, name=c.name
                 )
             )
-            out.append(self.event("output_item.done", output_index=o.index, item=item))
+            out.append(self.item("done", o, item))
         return out
 
     def _text(self, kind: str, text: str) -> list[bytes]:
@@ -307,14 +304,11 @@ class ResponseEvents:
         )
         self.output.append({})  # filled in when the item closes
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": o.id, "summary": []}
-            return [self.event("output_item.added", output_index=o.index, item=item)]
+            return [self.item("added", o, {"type": "reasoning", "id": o.id, "summary": []})]
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         ids = {"item_id": o.id, "output_index": o.index, "content_index": 0}
         return [
-            self.event(
-                "output_item.added", output_index=o.index, item=text_item(o.id, "", "in_progress")
-            ),
+            self.item("added", o, text_item(o.id, "", "in_progress")),
             self.event("content_part.added", **ids, part=part),
         ]
 
@@ -326,12 +320,12 @@ class ResponseEvents:
         if o.kind == "reasoning":
             item = self.output[o.index] = reasoning_item(o.id, o.text)
             done = self.event("reasoning_text.done", **ids, text=o.text)
-            return [done, self.event("output_item.done", output_index=o.index, item=item)]
+            return [done, self.item("done", o, item)]
         item = self.output[o.index] = text_item(o.id, o.text, "completed")
         return [
             self.event("output_text.done", **ids, text=o.text, logprobs=[]),
             self.event("content_part.done", **ids, part=item["content"][0]),
-            self.event("output_item.done", output_index=o.index, item=item),
+            self.item("done", o, item),
         ]
 
     def finish(self, result: ChoiceResult) -> list[bytes]:
