@@ -31,7 +31,7 @@ from minisgl.server import native_api, openai_api
 from minisgl.server import responses as openai_responses
 from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import ApiError, error_body, install_error_handlers
-from minisgl.server.limits import BodyLimit, Limits
+from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import (
     ChatCompletion,
@@ -183,10 +183,8 @@ def build_app(state: ServerState) -> FastAPI:
     if state.api_key is not None:
         app.add_middleware(BearerAuth, key=state.api_key)
     app.add_middleware(FormAsJson)  # curl -d's JSON
-    # A body too large is refused before anything else looks at the request.
-    app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes)
-    # Outermost: while shutting down, nothing new gets in.
-    app.add_middleware(GateMiddleware, gate=state.gate)
+    # Outermost: while shutting down nothing new gets in, nor a body too large.
+    app.add_middleware(GateMiddleware, gate=state.gate, max_bytes=state.limits.max_request_bytes)
     _add_routes(app, state, metrics)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app

@@ -1,12 +1,10 @@
 """What one request may ask of the server, checked before any expensive work: the body's bytes
-(before it is read), the prompts' characters (before they are tokenized), the sequences it
+(before it is read, by `shutdown.GateMiddleware`), the prompts' characters (before they are tokenized), the sequences it
 asks for, and (in `EngineClient.submit`) the sequences queued server-wide."""
 
 from __future__ import annotations
 
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.config.server import Limits
 from minisgl.message import EngineInfo, GenerateReq
@@ -27,36 +25,6 @@ class BodyTooLarge(HTTPException):
             "(--max-request-bytes)",
             headers=CLOSE,
         )
-
-
-class BodyLimit:
-    """413 for a body over `max_bytes`: before reading any of it when Content-Length announces
-    the size, else (chunked bodies) as soon as the bytes read pass the limit."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            e = BodyTooLarge(self.max_bytes)
-            await ApiError(413, e.detail, headers=CLOSE).response()(scope, receive, send)
-            return
-        seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise BodyTooLarge(self.max_bytes)
-            return message
-
-        await self.app(scope, counting_receive, send)
 
 
 # ---- prompts and sequences -----------------------------------------------------------------
