@@ -136,27 +136,6 @@ def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
 # ---- results -------------------------------------------------------------------------------
 
 
-def usage(
-    results: list[ChoiceResult], n: int, token_times: bool = False, received: float = 0.0
-) -> dict[str, Any]:
-    """Prompts count once however many choices share them. `token_times`: add, per choice,
-    when the scheduler had each output token (the server's own token timestamps), and
-    `received_at`, when the API server took the request (`received`)."""
-    firsts = results[::n]
-    prompt = sum(r.prompt_tokens for r in firsts)
-    completion = sum(r.completion_tokens for r in results)
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
-    }
-    if token_times:
-        out["token_times"] = [r.token_times for r in results]
-        out["received_at"] = received
-    return out
-
-
 def _bytes(s: str) -> list[int]:
     return list(s.encode("utf-8"))
 
@@ -220,7 +199,22 @@ class ResponseMeta:
         return {**self.envelope(choices), "usage": self.usage(results)}
 
     def usage(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        return usage(results, self.n, self.token_times, self.received)
+        """Prompts count once however many choices share them. With `token_times`, per choice
+        when the scheduler had each output token (the server's own token timestamps), and
+        `received_at`, when the API server took the request."""
+        firsts = results[:: self.n]
+        prompt = sum(r.prompt_tokens for r in firsts)
+        completion = sum(r.completion_tokens for r in results)
+        out: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+        }
+        if self.token_times:
+            out["token_times"] = [r.token_times for r in results]
+            out["received_at"] = self.received
+        return out
 
     def chunks(self, include_usage: bool) -> Envelope:
         """A stream chunk's body around its choice (`usage` null when the stream ends with

@@ -120,28 +120,31 @@ class TokenizerWorker:
 
     def _grammar_checked(self, pending: _Pending, job: Future[Any]) -> None:
         """(On a compile thread.) Refuse the request, or tokenize it next."""
-        req = pending.req
         try:
             job.result()
-        except GrammarError as e:
-            param = req.grammar_field or e.kind
-            self._finish(pending, RequestError(req.rids, f"{param}: {e.reason}", param, 400))
-            return
-        except Exception as e:  # a bug of ours must not leave the request hanging
-            logger.exception("compiling the grammar of request %s failed", req.rids[0])
-            self._finish(pending, RequestError(req.rids, f"grammar: {e}", None, status=500))
+        except Exception as e:
+            self._finish(pending, self._refusal(pending.req, e, "the grammar check"))
             return
         self._pool.submit(self._tokenize_in_thread, pending)
 
     def _tokenize(self, req: GenerateReq) -> Outcome:
         try:
             return self.tokenizer.tokenize(req)
-        except InvalidRequestError as e:
-            param = str(e).split(":", 1)[0]
-            return RequestError(req.rids, str(e), param, status=400)
-        except Exception as e:  # a bug of ours must not take the worker down with it
-            logger.exception("tokenizer failed on request %s", req.rids[0])
-            return RequestError(req.rids, f"tokenizer failed: {e}", None, status=500)
+        except Exception as e:
+            return self._refusal(req, e, "the tokenizer")
+
+    @staticmethod
+    def _refusal(req: GenerateReq, e: Exception, what: str) -> RequestError:
+        """The answer to a request that `what` failed on: 400 naming the field to change for the
+        user's mistake; 500 for a bug of ours, which must neither leave the request hanging nor
+        take the worker down."""
+        if isinstance(e, GrammarError):
+            param = req.grammar_field or e.kind
+            return RequestError(req.rids, f"{param}: {e.reason}", param, 400)
+        if isinstance(e, InvalidRequestError):
+            return RequestError(req.rids, str(e), str(e).split(":", 1)[0], 400)
+        logger.error("%s failed on request %s", what, req.rids[0], exc_info=e)
+        return RequestError(req.rids, f"{what} failed: {e}", None, 500)
 
     def _tokenize_in_thread(self, pending: _Pending) -> None:
         self._finish(pending, self._tokenize(pending.req))
