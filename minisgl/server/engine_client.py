@@ -91,7 +91,9 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
-        return not self.choices
+        """No choice runs and nothing is left to take (a refusal that ended the last choice
+        before anyone waited is still raised by `next_batch`)."""
+        return not self.choices and not self._items
 
     def put(self, item: StrOut | Exception) -> None:
         self._items.append(item)
