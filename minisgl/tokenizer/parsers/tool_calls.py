@@ -162,8 +162,8 @@ class BlockParser(ToolCallParser):
                 text, self._gap = self._gap, ""
             elif step == "wait":
                 return ""
-            elif step == "end":
-                self._in_block = False
+            elif step == "end":  # its calls stand, whatever a later block does
+                self._in_block, self._mark = False, None
                 text, self._gap = self._gap, ""
                 return text
             else:
