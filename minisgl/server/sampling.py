@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from minisgl.core import JSON_OBJECT, InvalidRequestError, SamplingParams
 from minisgl.message import GenerateReq
-from minisgl.server.errors import ApiError
+from minisgl.server.errors import ApiError, error_param
 from minisgl.server.protocol import NativeSamplingParams, SamplingFields
 
 MAX_STOPS = 16
@@ -132,7 +132,7 @@ def sampling_params(
     except InvalidRequestError as e:  # a grammar's error names the request field it came from
         if grammar is not None and str(e).startswith(f"{grammar.kind}:"):
             raise ApiError(400, grammar.field + str(e)[len(grammar.kind) :], grammar.field) from e
-        raise
+        raise ApiError(400, str(e), error_param(str(e))) from e
     return Sampling(params, grammar.field if grammar is not None else None)
 
 
