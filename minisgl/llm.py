@@ -21,8 +21,8 @@ from minisgl.message import ChatOptions
 from minisgl.runtime.ranks import TPLaunch, start_scheduler
 from minisgl.tokenizer.output import OutputDelta, OutputOptions, RequestOutput
 from minisgl.tokenizer.parsers import THINK_END, detect_tool_call_parser
-from minisgl.tokenizer.tokenize import chat_ids, message_from_dict, single_token
-from minisgl.tokenizer.tools import ToolPlan, assistant_message, output_parser, tool_plan
+from minisgl.tokenizer.tokenize import chat_ids, message_from_dict, prompt_ids, single_token
+from minisgl.tokenizer.tools import ToolPlan, assistant_message, choice_parsers, tool_plan
 from minisgl.weights import fetch_model, load_tokenizer, resolve_source
 
 Prompt = str | list[int]
@@ -173,15 +173,13 @@ class LLM:
         plan = tool_plan(list(tools or ()), tool_choice, parallel_tool_calls,
                          self.tool_call_parser, other)  # fmt: skip
         kwargs = dict(chat_template_kwargs or {})
-        thinking = kwargs.get("enable_thinking", True) is not False
+        chat = replace(self.chat_config, tool_call_parser=self.tool_call_parser)
+        thinking, make_parser = choice_parsers(plan, chat, kwargs)
         prompts = [self.apply_chat_template(c, plan.template_tools, kwargs) for c in convs]
         params = [self._chat_params(p, plan, thinking) for p in params]
         outs = self.generate(prompts, params, use_tqdm)
-        reasoning = self.chat_config.reasoning_parser
         for out in outs:
-            parser = None
-            if plan.parse or reasoning is not None:
-                parser = output_parser(plan.parse, self.tool_call_parser, reasoning, thinking)
+            parser = make_parser() if make_parser is not None else None
             out.update(assistant_message(out["text"], out["finish_reason"], parser))
         return outs
 
@@ -219,16 +217,11 @@ class LLM:
         return [_sampling_params(p) for p in sp]
 
     def _make_req(self, prompt: Prompt, params: SamplingParams) -> Req:
-        params.check_vocab(self.engine.model_config.vocab_size)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt: must not be empty")
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = self.engine.model_config.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
+        vocab = self.engine.model_config.vocab_size
+        params.check_vocab(vocab)
+        if prompt == "":
+            raise InvalidRequestError("prompt: must not be empty")
+        ids = prompt_ids(lambda: self.tokenizer, prompt, vocab)
         self._next_id += 1
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Req(rid=f"offline-{self._next_id}", prompt_ids=ids, params=params, seed=seed)

@@ -13,15 +13,15 @@ from typing import TextIO
 
 from minisgl.config import ServerConfig
 from minisgl.core import SamplingParams
-from minisgl.message import ChatMessage, EngineInfo, GenerateReq
+from minisgl.message import ChatMessage, EngineInfo
 from minisgl.runtime.launch import Workers, running_workers
-from minisgl.server.app import start_supervisor
 from minisgl.server.engine_client import EngineClient, EngineUnavailable, RequestRejected
 from minisgl.server.metrics import Metrics
-from minisgl.server.sampling import choice_seeds, new_rid
+from minisgl.server.sampling import generate_req
 
 HELP = "Type a message. /history shows the conversation, /reset clears it, /exit quits."
 PROMPT = ">>> "
+WATCH_PERIOD_S = 0.2
 
 
 class Shell:
@@ -35,9 +35,7 @@ class Shell:
     async def reply(self, text: str) -> str:
         """Send one user turn; stream the answer to `out` and keep both in the history."""
         self.history.append(ChatMessage("user", text))
-        req = GenerateReq(
-            [new_rid()], choice_seeds(None, 1), self.params, None, messages=list(self.history)
-        )
+        req = generate_req(1, None, self.params, None, None, messages=list(self.history))
         stream = self.client.submit([req])
         parts: list[str] = []
         try:
@@ -84,15 +82,22 @@ class Shell:
             self.out.write(f"{m.role}: {m.content}\n")
 
 
+async def _watch(workers: Workers, client: EngineClient) -> None:
+    """Fail the turn in flight, and every later one, once a worker process dies."""
+    while (reason := workers.failure()) is None:
+        await asyncio.sleep(WATCH_PERIOD_S)
+    client.fail_all(reason)
+
+
 async def _main(workers: Workers, info: EngineInfo) -> None:
     client = EngineClient(workers.ipc, Metrics())
     client.start()
-    watch = start_supervisor(workers.failure, client)
+    watch = asyncio.create_task(_watch(workers, client))
     try:
         print(f"minisgl shell: {info.model_name}", file=sys.stdout)
         await Shell(client, sys.stdout).run(sys.stdin)
     except EngineUnavailable as e:
-        print(f"\nminisgl: the engine stopped: {e}", file=sys.stderr)
+        print(f"\nminisgl: the engine stopped: {e.reason}", file=sys.stderr)
     finally:
         watch.cancel()
         await client.stop()

@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The real SmolLM2 tokenizer (converted from the embedded GGUF once per session)."""
-    from minisgl.tokenizer.loading import load_and_save
+    from minisgl.tokenizer.tokenize import load_and_save
 
     return load_and_save(None, tmp_path_factory.mktemp("tokenizer"))
 

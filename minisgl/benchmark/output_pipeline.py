@@ -23,8 +23,8 @@ from typing import Any
 
 from minisgl.benchmark.common import emit_json, print_table
 from minisgl.message import TokenOut
-from minisgl.tokenizer.detokenizer import Detokenizer
 from minisgl.tokenizer.output import OutputOptions, RequestOutput
+from minisgl.tokenizer.workers import Detokenizer
 from minisgl.weights import load_tokenizer, resolve_source
 
 PROSE = (

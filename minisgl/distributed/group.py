@@ -2,7 +2,7 @@
 
 All ranks meet at rank 0's TCPStore (`dist_init_addr`, torch.distributed's own rendezvous), so
 ranks on several hosts are no different from ranks on one. What the ranks tell each other
-through the store outside the model is the runtime's (`minisgl.runtime.rendezvous`).
+through the store outside the model is the runtime's (`minisgl.runtime.ranks`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.config.server import MAX_API_SERVERS  # an API process index rides in request ids
-from minisgl.message.codec import decode, encode
+from minisgl.message import decode, encode
 from minisgl.message.types import DetokOut, FlushCacheOut, RequestError
 
 
@@ -60,20 +60,25 @@ def worker_context() -> zmq.Context:
     return ctx
 
 
-def _configure(sock: zmq.Socket) -> None:
+def _socket(ctx: zmq.Context, kind: int, addr: str) -> Any:
+    """A PUSH socket connected to `addr`, or a PULL socket bound there (its reader's)."""
+    sock = ctx.socket(kind)
     # Unbounded queues: a full queue would block the scheduler loop or drop requests.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        sock.connect(addr)
+    else:
+        sock.bind(addr)
+    return sock
 
 
 class Sender:
     """The writing end of a pipe. Sends never block (queues are unbounded)."""
 
     def __init__(self, ctx: zmq.Context, addr: str) -> None:
-        self._sock: zmq.Socket = ctx.socket(zmq.PUSH)
-        _configure(self._sock)
-        self._sock.connect(addr)
+        self._sock: zmq.Socket = _socket(ctx, zmq.PUSH, addr)
 
     def send(self, msg: Any) -> None:
         self._sock.send(encode(msg), copy=False)
@@ -123,9 +128,7 @@ class Receiver:
     """The reading end of a pipe (blocking, for the worker processes)."""
 
     def __init__(self, ctx: zmq.Context, addr: str) -> None:
-        self._sock: zmq.Socket = ctx.socket(zmq.PULL)
-        _configure(self._sock)
-        self._sock.bind(addr)
+        self._sock: zmq.Socket = _socket(ctx, zmq.PULL, addr)
 
     def recv(self) -> Any:
         """Wait for the next message (signal handlers still run while it waits)."""
@@ -159,9 +162,7 @@ class AsyncReceiver:
     """The reading end of a pipe for an asyncio event loop (the API server)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
-        self._sock: zmq.asyncio.Socket = ctx.socket(zmq.PULL)
-        _configure(self._sock)
-        self._sock.bind(addr)
+        self._sock: zmq.asyncio.Socket = _socket(ctx, zmq.PULL, addr)
 
     async def recv(self) -> Any:
         return decode(await self._sock.recv())

@@ -17,13 +17,15 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -37,6 +39,12 @@ PARENT_POLL_S = 0.5
 # exits, which need not be the parent's last.
 PARENT_DEATH_SIGNAL = signal.SIGHUP
 _PR_SET_NAME = 15
+# What `ps`, `top` and /proc/PID/comm show for each worker (Linux keeps 15 bytes).
+WORKER_NAMES = {
+    "scheduler": "minisgl:sched",
+    "tokenizer": "minisgl:tok",
+    "detokenizer": "minisgl:detok",
+}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -69,12 +77,6 @@ def _prctl(option: int, arg: int | bytes) -> None:
 def set_process_name(name: str) -> None:
     """The OS-level name of this process (Linux; elsewhere nothing happens)."""
     _prctl(_PR_SET_NAME, name.encode()[:15])
-
-
-def named_main(os_name: str, target: Callable[..., None], *args: Any) -> None:
-    """A spawned child's first call: name the process, then run `target(*args)`."""
-    set_process_name(os_name)
-    target(*args)
 
 
 def ignore_sigint() -> None:
@@ -139,14 +141,87 @@ def freeze_gc() -> None:
 
 
 def run_child(
-    name: str, link: ParentLink, start: Callable[[Connection], Callable[[], None]]
+    name: str, link: ParentLink, start: Callable[..., Callable[[], None]], *args: Any
 ) -> None:
-    """Run a child: `start(link.conn)` loads what it needs (it may talk to the launcher on the
-    pipe) and returns the serving loop; a failure before the loop runs is sent to the launcher."""
+    """A spawned child's first call: name the process and set it up; then `start(*args,
+    link.conn)` loads what it needs (it may talk to the launcher on the pipe) and returns the
+    serving loop. A failure before the loop runs is sent to the launcher."""
+    set_process_name(WORKER_NAMES.get(name, f"minisgl:{name}"))
     setup_child(link.parent_pid, link.log_level, name, link.folder)
     try:
-        loop = start(link.conn)
+        loop = start(*args, link.conn)
     except BaseException:
         link.conn.send(ChildFailed(traceback.format_exc()))
         raise
+    freeze_gc()
     loop()
+
+
+# ---- watching and stopping children --------------------------------------------------------------
+# Child processes as the runtime sees them, and the one way they are stopped.
+#
+# The server's workers start through multiprocessing (spawn, with a pipe for the ready handshake)
+# and the tensor-parallel ranks as fresh interpreters through subprocess; `ChildProcess` gives
+# both one face, so that watching and stopping are written once, here.
+
+
+TERM_GRACE_S = 5.0  # after SIGTERM, how long a child may take to leave before SIGKILL
+
+
+@dataclass
+class ChildProcess:
+    """One started child process (multiprocessing or subprocess), by a name for messages."""
+
+    name: str
+    proc: BaseProcess | subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        pid = self.proc.pid
+        assert pid is not None  # started
+        return pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs."""
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.poll()
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its exit code once it has exited, waiting up to `timeout` seconds (None: forever)."""
+        if isinstance(self.proc, subprocess.Popen):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        else:
+            self.proc.join(timeout)
+        return self.exit_code
+
+
+def first_exited(children: Iterable[ChildProcess]) -> ChildProcess | None:
+    """A child that is no longer running, if any."""
+    return next((c for c in children if c.exit_code is not None), None)
+
+
+def stop_processes(
+    children: Iterable[ChildProcess], wait_s: float, term_s: float = TERM_GRACE_S
+) -> None:
+    """Stop every child: wait up to `wait_s` for them to leave by themselves (they were told
+    to), then SIGTERM, up to `term_s` more, then SIGKILL. Returns once all have exited."""
+    children = list(children)
+    _wait_all(children, wait_s)
+    for c in children:
+        if c.exit_code is None:
+            c.proc.terminate()
+    _wait_all(children, term_s)
+    for c in children:
+        if c.exit_code is None:
+            logger.warning("%s did not stop in %.0f s; killing it", c.name, term_s)
+            c.proc.kill()
+            c.wait()
+
+
+def _wait_all(children: list[ChildProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        c.wait(max(0.0, deadline - time.monotonic()))

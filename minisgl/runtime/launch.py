@@ -4,7 +4,7 @@
 Start order: the scheduler and the tokenizer load in parallel; the detokenizer starts once the
 tokenizer has saved a fast-loading copy of the tokenizer; the tokenizer gets the scheduler's
 limits (context, pool size) before it reports ready; then this process binds the port and
-starts the API server processes (`minisgl.runtime.api`), which all accept on it. This process
+starts the API server processes (`start_api`), which all accept on it. This process
 only watches: a process that dies fails every request (each API process is told), and the
 first SIGINT/SIGTERM drains the API processes before the workers stop.
 
@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,21 +33,20 @@ from typing import Any
 from minisgl.config import ServerConfig
 from minisgl.message import EngineInfo, WorkerDied
 from minisgl.message.transport import ApiSenders, IpcPaths, worker_context
-from minisgl.runtime.api import api_main, listening_socket
-from minisgl.runtime.child import ChildFailed, ChildReady, ParentLink, named_main
+from minisgl.runtime.child import (
+    ChildFailed,
+    ChildProcess,
+    ChildReady,
+    ParentLink,
+    first_exited,
+    run_child,
+    stop_processes,
+)
 from minisgl.runtime.ranks import NodeMemory
 from minisgl.runtime.ranks import run_node as run_node_ranks
-from minisgl.runtime.supervise import ChildProcess, first_exited, stop_processes
-from minisgl.runtime.workers import detokenizer_main, scheduler_main, tokenizer_main
+from minisgl.runtime.workers import start_detokenizer, start_scheduler_process, start_tokenizer
 
 logger = logging.getLogger(__name__)
-
-# What `ps`, `top` and /proc/PID/comm show for each worker (Linux keeps 15 bytes).
-WORKER_NAMES = {
-    "scheduler": "minisgl:sched",
-    "tokenizer": "minisgl:tok",
-    "detokenizer": "minisgl:detok",
-}
 
 
 class StartupError(RuntimeError):
@@ -75,17 +75,12 @@ class Workers:
         self.children: dict[str, Child] = {}
         self._mp = mp.get_context("spawn")
 
-    def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> Child:
+    def _spawn(self, name: str, start: Callable[..., Callable[[], None]], *args: Any) -> Child:
+        """A child process that runs `start(*args, conn)`'s loop (see `run_child`)."""
         parent_conn, child_conn = self._mp.Pipe()
+        link = ParentLink(child_conn, os.getpid(), self.config.log_level, self.tmpdir)
         proc = self._mp.Process(
-            target=named_main,
-            args=(
-                WORKER_NAMES.get(name, f"minisgl:{name}"),
-                target,
-                *args,
-                ParentLink(child_conn, os.getpid(), self.config.log_level, self.tmpdir),
-            ),
-            name=f"minisgl-{name}",
+            target=run_child, args=(name, link, start, *args), name=f"minisgl-{name}"
         )
         proc.start()
         child_conn.close()
@@ -98,12 +93,12 @@ class Workers:
         engine = self.config.engine
         logger.info("the workers' sockets and saved tokenizer: %s", self.tmpdir)
         tokenizer_dir = self.tokenizer_dir
-        sched = self._spawn("scheduler", scheduler_main, engine, self.ipc)
+        sched = self._spawn("scheduler", start_scheduler_process, engine, self.ipc)
         tok = self._spawn(
-            "tokenizer", tokenizer_main, engine.model, tokenizer_dir, self.ipc, self.config.chat
+            "tokenizer", start_tokenizer, engine.model, tokenizer_dir, self.ipc, self.config.chat
         )
         self._await_ready(tok)  # the tokenizer is saved
-        detok = self._spawn("detokenizer", detokenizer_main, tokenizer_dir, self.ipc)
+        detok = self._spawn("detokenizer", start_detokenizer, tokenizer_dir, self.ipc)
         info = self._await_ready(sched).payload
         assert isinstance(info, EngineInfo)
         tok.conn.send(info)
@@ -124,7 +119,7 @@ class Workers:
         try:
             apis = [
                 self._spawn(
-                    f"api{k}", api_main, config, info, self.ipc, k, queued, self.tokenizer_dir
+                    f"api{k}", start_api, config, info, self.ipc, k, queued, self.tokenizer_dir
                 )
                 for k in range(config.api_server_count)
             ]
@@ -195,21 +190,6 @@ def running_workers(config: ServerConfig) -> Iterator[tuple[Workers, EngineInfo]
         signal.signal(signal.SIGINT, previous_int)
 
 
-def exit_now(workers: Workers) -> Callable[[int], None]:
-    """What a second signal during the drain does: stop the workers, remove their folder and
-    leave, dropping the requests still in flight (exit code 128 + the signal's number)."""
-
-    def leave(signum: int) -> None:
-        for sig in STOP_SIGNALS:  # a third one must not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
-        logger.warning("%s again: exiting at once", signal.Signals(signum).name)
-        workers.stop()
-        logging.shutdown()
-        os._exit(128 + signum)
-
-    return leave
-
-
 def run_server(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM, then drain (see `minisgl.server.shutdown`) and stop; returns
     the exit code (1: the API processes exited by themselves)."""
@@ -242,18 +222,22 @@ def watch(workers: Workers, apis: list[Child]) -> int:
     drains, then exits), a second stops everything at once; a process that dies meanwhile fails
     every request of every API process."""
     stopping: list[int] = []
-    leave = exit_now(workers)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stopping:
-            leave(signum)
+        if stopping:  # stop the workers, remove their folder, drop what is in flight and leave
+            for sig in STOP_SIGNALS:  # a third signal must not cut the cleanup short
+                signal.signal(sig, signal.SIG_IGN)
+            logger.warning("%s again: exiting at once", signal.Signals(signum).name)
+            workers.stop()
+            logging.shutdown()
+            os._exit(128 + signum)
         stopping.append(signum)
         logger.info(
             "%s: shutting down (a second signal exits at once)", signal.Signals(signum).name
         )
         for api in apis:
             if api.process.exit_code is None:
-                api.process.terminate()
+                api.process.proc.terminate()
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
@@ -294,3 +278,70 @@ def run_node(config: ServerConfig) -> int:
         return run_node_ranks(e.dist_init_addr, e.node_rank, e.nnodes, e.tp_size, memory)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ---- API server processes ------------------------------------------------------------------------
+# The API server processes (`--api-server-count`): each runs the HTTP app (`minisgl.server`) on
+# a listening socket of its own on the server's port (SO_REUSEPORT: the kernel spreads the
+# connections over them, a burst too), with its own pipes to the tokenizer and from the
+# detokenizer. They count queued sequences together (`--max-queued-seqs` holds server-wide) and
+# write their metrics where each one's /metrics reads them all (prometheus_client's multiprocess
+# mode: the launcher points `PROMETHEUS_MULTIPROC_DIR` at a folder before it starts them).
+
+# Once the drain has answered every request: how long uvicorn may take to close the connections
+# before it cancels what still runs (a client that does not read its answer).
+CLOSE_GRACE_S = 2
+
+
+def start_api(
+    config: ServerConfig,
+    info: EngineInfo,
+    ipc: IpcPaths,
+    index: int,
+    queued: Any,
+    tokenizer_dir: Path,
+    conn: Connection,
+) -> Callable[[], None]:
+    """API server process `index`: `queued` is a shared `multiprocessing.Value` of the
+    sequences queued server-wide; `tokenizer_dir` the tokenizer worker's saved tokenizer (for
+    /tokenize, /detokenize)."""
+    import uvicorn
+
+    from minisgl.server.app import ServerState, build_app, drain_requests
+    from minisgl.server.connection import uvicorn_options
+    from minisgl.server.shutdown import GracefulServer
+
+    state = ServerState(
+        info,
+        ipc,
+        api_key=config.api_key,
+        limits=config.limits,
+        shutdown_timeout=config.shutdown_timeout,
+        chat=config.chat,
+        index=index,
+        queued=queued,
+        served_model_names=config.served_model_names,
+        tokenizer_dir=tokenizer_dir,
+    )
+    uv_config = uvicorn.Config(
+        build_app(state),
+        log_level=config.log_level,
+        timeout_graceful_shutdown=CLOSE_GRACE_S,
+        **uvicorn_options(config.deadlines),
+    )
+    # A second SIGTERM (the launcher's second signal, passed on) leaves at once.
+    server = GracefulServer(uv_config, lambda: drain_requests(state), _leave)
+    listener = listening_socket(config.host, config.port, share=True)
+    conn.send(ChildReady())
+    return lambda: server.run(sockets=[listener])
+
+
+def listening_socket(host: str, port: int, share: bool) -> socket.socket:
+    """A socket listening on `host:port`; `share`: one of several (SO_REUSEPORT). Raises
+    OSError when the port is taken (by anything else, with `share`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048, reuse_port=share)
+
+
+def _leave(signum: int) -> None:
+    os._exit(128 + signum)

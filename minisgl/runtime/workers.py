@@ -1,5 +1,6 @@
-"""Entry points of the server's worker processes (spawned by `minisgl.runtime.launch`): each
-loads what it serves, tells the launcher it is ready over its pipe, then runs its loop.
+"""How the server's worker processes start (spawned by `minisgl.runtime.launch`, through
+`run_child`): each loads what it serves, tells the launcher it is ready over its pipe, and
+returns its loop.
 
 The loops themselves are their packages': `SchedulerProcess` (scheduler), `TokenizerWorker` and
 `DetokenizerWorker` (tokenizer).
@@ -19,14 +20,12 @@ from minisgl.config import ChatConfig, EngineConfig
 from minisgl.engine.startup import summarize
 from minisgl.message import EngineInfo
 from minisgl.message.transport import ApiSenders, IpcPaths, Receiver, Sender, worker_context
-from minisgl.runtime.child import ChildReady, ParentLink, freeze_gc, run_child
+from minisgl.runtime.child import ChildReady
 from minisgl.runtime.ranks import start_scheduler
 from minisgl.scheduler.process import SchedulerProcess
-from minisgl.tokenizer.detokenizer import Detokenizer
-from minisgl.tokenizer.loading import load_and_save, load_saved
 from minisgl.tokenizer.parsers import detect_tool_call_parser
-from minisgl.tokenizer.tokenize import RequestTokenizer, max_token_chars
-from minisgl.tokenizer.workers import DetokenizerWorker, TokenizerWorker
+from minisgl.tokenizer.tokenize import RequestTokenizer, load_and_save, load_saved, max_token_chars
+from minisgl.tokenizer.workers import Detokenizer, DetokenizerWorker, TokenizerWorker
 from minisgl.weights import resolve_source
 
 logger = logging.getLogger(__name__)
@@ -35,12 +34,10 @@ logger = logging.getLogger(__name__)
 # ---- scheduler ---------------------------------------------------------------------------------
 
 
-def scheduler_main(config: EngineConfig, ipc: IpcPaths, link: ParentLink) -> None:
+def start_scheduler_process(
+    config: EngineConfig, ipc: IpcPaths, conn: Connection
+) -> Callable[[], None]:
     """At tp > 1 this process is rank 0: it starts ranks 1..N-1, which stop when it exits."""
-    run_child("scheduler", link, lambda c: _start_scheduler(config, ipc, c))
-
-
-def _start_scheduler(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
     started = time.perf_counter()
     scheduler, tp = start_scheduler(config)
     if tp is not None:
@@ -57,7 +54,6 @@ def _start_scheduler(config: EngineConfig, ipc: IpcPaths, conn: Connection) -> C
     )
     conn.send(ChildReady(info))
     logger.info("%s", summarize(scheduler.engine, name, started).text())
-    freeze_gc()
     return proc.run_forever
 
 
@@ -70,13 +66,7 @@ def _exit_on_rank_failure(reason: str) -> None:
 # ---- tokenizer and detokenizer -----------------------------------------------------------------
 
 
-def tokenizer_main(
-    model: str | None, tokenizer_dir: Path, ipc: IpcPaths, chat: ChatConfig, link: ParentLink
-) -> None:
-    run_child("tokenizer", link, lambda c: _start_tokenizer(model, tokenizer_dir, ipc, chat, c))
-
-
-def _start_tokenizer(
+def start_tokenizer(
     model: str | None, tokenizer_dir: Path, ipc: IpcPaths, chat: ChatConfig, conn: Connection
 ) -> Callable[[], None]:
     tokenizer = load_and_save(model, tokenizer_dir, chat.template)
@@ -98,11 +88,7 @@ def _start_tokenizer(
     return worker.run_forever
 
 
-def detokenizer_main(tokenizer_dir: Path, ipc: IpcPaths, link: ParentLink) -> None:
-    run_child("detokenizer", link, lambda c: _start_detokenizer(tokenizer_dir, ipc, c))
-
-
-def _start_detokenizer(tokenizer_dir: Path, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
+def start_detokenizer(tokenizer_dir: Path, ipc: IpcPaths, conn: Connection) -> Callable[[], None]:
     ctx = worker_context()
     worker = DetokenizerWorker(
         Detokenizer(load_saved(tokenizer_dir)),

@@ -1,5 +1,10 @@
-"""The FastAPI application: routes, authentication, the link to the engine processes and the
-gate that closes on shutdown."""
+"""The FastAPI application: routes, authentication, the names it serves, the link to the engine
+processes and the gate that closes on shutdown.
+
+The names a server answers to (`--served-model-name`): a request naming a model this server
+does not serve gets OpenAI's 404 `model_not_found`, as vLLM answers. A request without `model`,
+and one naming `default`, take the first served name: `default` stays an alias so that clients
+written for the server's earlier answers keep working."""
 
 from __future__ import annotations
 
@@ -9,8 +14,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +29,21 @@ from minisgl.message import EngineInfo
 from minisgl.message.transport import IpcPaths
 from minisgl.server import native_api, openai_api
 from minisgl.server import responses as openai_responses
-from minisgl.server.chat import ChatParsing
-from minisgl.server.content_type import FormAsJson
-from minisgl.server.engine_client import EngineClient, EngineUnavailable
-from minisgl.server.errors import error_body, error_response, install_error_handlers
-from minisgl.server.limits import BodyLimit, Limits
+from minisgl.server.engine_client import EngineClient
+from minisgl.server.errors import ApiError, error_body, install_error_handlers
+from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
-from minisgl.server.models import ServedModels, add_model_routes
 from minisgl.server.openapi import (
     ChatCompletion,
     Completion,
+    Detokenized,
     Generated,
     ModelCard,
     ModelList,
     ResponseObject,
     Status,
+    Tokenized,
+    Version,
     openapi_schema,
     responses,
 )
@@ -50,11 +54,9 @@ from minisgl.server.protocol import (
     ResponsesRequest,
 )
 from minisgl.server.shutdown import Gate, GateMiddleware, drain
-from minisgl.server.tokenize_api import TokenizerHost, add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
-SUPERVISE_PERIOD_S = 0.2
 FLUSH_TIMEOUT_S = 60.0  # the scheduler answers between two steps
 
 
@@ -78,6 +80,61 @@ class ServerState:
     tokenizer_dir: Path | None = None
 
 
+FORM = b"application/x-www-form-urlencoded"
+
+
+class FormAsJson:
+    """Bodies sent as a form read as JSON: `curl -d '{...}'` labels its JSON
+    `application/x-www-form-urlencoded` unless told otherwise, and no route of this API takes a
+    form, so such a body is read as the JSON it is (as llama.cpp's server does)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            if any(k == b"content-type" and v.startswith(FORM) for k, v in headers):
+                headers = [(k, v) for k, v in headers if k != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+DEFAULT_ALIAS = "default"
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    names: tuple[str, ...]  # the first is the id of answers to requests that name none
+    max_context: int
+    created: int
+
+    def check(self, requested: str | None) -> str:
+        """The name an answer carries: the one asked for, or the first served name for none
+        and `default`. Any other name raises the 404 `model_not_found`."""
+        if requested in self.names:
+            assert requested is not None
+            return requested
+        if requested is None or requested == DEFAULT_ALIAS:
+            return self.names[0]
+        raise ApiError(
+            404,
+            f"The model `{requested}` does not exist; this server serves "
+            f"{', '.join(repr(n) for n in self.names)} (`{DEFAULT_ALIAS}` names the first)",
+            "model",
+            code="model_not_found",
+        )
+
+    def card(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "minisgl",
+            "max_model_len": self.max_context,
+        }
+
+
 class BearerAuth:
     """Every path but /health needs `Authorization: Bearer <key>`."""
 
@@ -95,40 +152,13 @@ class BearerAuth:
         if secrets.compare_digest(given, self._expected):
             await self.app(scope, receive, send)
             return
-        response = error_response(
+        response = ApiError(
             401,
             "missing or wrong API key: send `Authorization: Bearer "
             "<key>` with the key the server was started with",
             code="invalid_api_key",
-        )
+        ).response()
         await response(scope, receive, send)
-
-
-async def supervise(check_workers: Callable[[], str | None], client: EngineClient) -> None:
-    """Fail every request in flight, and every later one, once a worker process dies
-    (`check_workers`: why the engine cannot serve, or None while all are alive). The HTTP
-    server's launcher watches its workers itself and tells the engine client (`WorkerDied`)."""
-    while True:
-        reason = check_workers()
-        if reason is not None:
-            logger.error("%s; failing every request", reason)
-            client.fail_all(reason)
-            return
-        await asyncio.sleep(SUPERVISE_PERIOD_S)
-
-
-def start_supervisor(
-    check_workers: Callable[[], str | None], client: EngineClient
-) -> asyncio.Task[None]:
-    task = asyncio.get_running_loop().create_task(supervise(check_workers, client))
-    task.add_done_callback(_log_crash)
-    return task
-
-
-def _log_crash(task: asyncio.Task[None]) -> None:
-    # A supervisor that died silently would leave requests hanging when a worker dies.
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("the worker supervisor crashed", exc_info=task.exception())
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -153,10 +183,8 @@ def build_app(state: ServerState) -> FastAPI:
     if state.api_key is not None:
         app.add_middleware(BearerAuth, key=state.api_key)
     app.add_middleware(FormAsJson)  # curl -d's JSON
-    # A body too large is refused before anything else looks at the request.
-    app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes)
-    # Outermost: while shutting down, nothing new gets in.
-    app.add_middleware(GateMiddleware, gate=state.gate)
+    # Outermost: while shutting down nothing new gets in, nor a body too large.
+    app.add_middleware(GateMiddleware, gate=state.gate, max_bytes=state.limits.max_request_bytes)
     _add_routes(app, state, metrics)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
@@ -185,8 +213,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         state.info.max_context,
         int(time.time()),
     )
-    parsing = ChatParsing(
-        state.chat.tool_call_parser or state.info.tool_call_parser, state.chat.reasoning_parser
+    # The tool-call format: the flag's, or the one the tokenizer worker detected.
+    chat = replace(
+        state.chat, tool_call_parser=state.chat.tool_call_parser or state.info.tool_call_parser
     )
     auth = (401,) if state.api_key is not None else ()
     got = (*auth, 503)  # what every GET route can answer besides 200 (503: shutting down)
@@ -196,13 +225,13 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions", responses=responses(ChatCompletion, *modeled, stream=True))
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         model = served.check(body.model)
-        return await openai_api.chat_completions(request, body, _client(state), model, parsing)
+        return await openai_api.chat_completions(request, body, _client(state), model, chat)
 
     @app.post("/v1/responses", responses=responses(ResponseObject, *modeled, stream=True))
     async def create_response(request: Request, body: ResponsesRequest) -> Response:
         """The Responses API, stateless (`store` only false)."""
         model = served.check(body.model)
-        return await openai_responses.create_response(request, body, _client(state), model, parsing)
+        return await openai_responses.create_response(request, body, _client(state), model, chat)
 
     @app.post("/v1/completions", responses=responses(Completion, *modeled, stream=True))
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -212,16 +241,18 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
     async def generate(request: Request, body: GenerateRequest) -> Response:
         return await native_api.generate(request, body, _client(state))
 
-    add_model_routes(
-        partial(_get_and_head, app),
-        served,
-        responses(ModelList, *got),
-        responses(ModelCard, *got, 404),
-    )
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [served.card(n) for n in served.names]})
 
+    async def model_card(model_id: str) -> JSONResponse:
+        """One model (the SDK's `models.retrieve`); ids may hold slashes."""
+        return JSONResponse(served.card(served.check(model_id)))
+
+    _get_and_head(app, "/v1/models", models, responses=responses(ModelList, *got))
+    path = "/v1/models/{model_id:path}"
+    _get_and_head(app, path, model_card, responses=responses(ModelCard, *got, 404))
     if state.tokenizer_dir is not None:
-        host = TokenizerHost(state.tokenizer_dir)
-        add_tokenize_routes(app, host, served, modeled, got)
+        _add_tokenizer_routes(app, native_api.TokenizerHost(state.tokenizer_dir), served, got)
 
     @app.post("/flush_cache", responses=responses(Status, *posted))
     async def flush_cache() -> JSONResponse:
@@ -229,12 +260,10 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         with 400 while requests are in flight: they hold cache pages."""
         try:
             in_flight = await asyncio.wait_for(_client(state).flush_cache(), FLUSH_TIMEOUT_S)
-        except EngineUnavailable as e:
-            return error_response(503, f"the engine is unavailable: {e}")
         except asyncio.TimeoutError:
-            return error_response(503, f"the scheduler did not answer in {FLUSH_TIMEOUT_S} s")
+            raise ApiError(503, f"the scheduler did not answer in {FLUSH_TIMEOUT_S} s") from None
         if in_flight:
-            return error_response(
+            raise ApiError(
                 400, f"the prefix cache was not flushed: requests in flight: {in_flight}"
             )
         return JSONResponse({"status": "flushed"})
@@ -258,3 +287,25 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         response_class=PlainTextResponse,
         responses=responses(None, *got),
     )
+
+
+def _add_tokenizer_routes(
+    app: FastAPI, host: native_api.TokenizerHost, served: ServedModels, got: tuple[int, ...]
+) -> None:
+    """`got`: the error codes of a GET route."""
+    posted = (*got, 400, 404, 408, 413)
+
+    @app.post("/tokenize", responses=responses(Tokenized, *posted))
+    async def tokenize(body: native_api.TokenizeRequest) -> JSONResponse:
+        served.check(body.model)
+        return JSONResponse(await native_api.tokenized(host, body, served.max_context))
+
+    @app.post("/detokenize", responses=responses(Detokenized, *posted))
+    async def detokenize(body: native_api.DetokenizeRequest) -> JSONResponse:
+        served.check(body.model)
+        text = await host.run(lambda tok: native_api.detokenize(tok, body.tokens))
+        return JSONResponse({"prompt": text})
+
+    @app.get("/version", responses=responses(Version, *got))
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})

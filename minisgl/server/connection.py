@@ -150,14 +150,10 @@ class DeadlineProtocol(H11Protocol):
         self.transport.abort()  # close() would wait for the buffer to drain, which it never will
 
 
-def protocol_with(deadlines: Deadlines) -> type[DeadlineProtocol]:
-    """The protocol class for uvicorn's `http=` (uvicorn builds one per connection)."""
-    return type("DeadlineProtocol", (DeadlineProtocol,), {"deadlines": deadlines})
-
-
 def uvicorn_options(deadlines: Deadlines) -> dict[str, Any]:
     """What `uvicorn.run` needs to enforce `deadlines`."""
     return {
-        "http": protocol_with(deadlines),
+        # The protocol class (uvicorn builds one per connection), with these deadlines.
+        "http": type("DeadlineProtocol", (DeadlineProtocol,), {"deadlines": deadlines}),
         "timeout_keep_alive": deadlines.keep_alive_timeout,
     }

@@ -31,28 +31,36 @@ from minisgl.message import (
     WorkerDied,
 )
 from minisgl.message.transport import MAX_API_SERVERS, AsyncReceiver, IpcPaths, Sender, own_rid
-from minisgl.server.errors import error_param
+from minisgl.server.errors import ApiError, error_param
 from minisgl.server.limits import Limits
 from minisgl.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
+# What a 503 for a full queue asks the client to wait: about one prefill of a full batch.
+RETRY_AFTER_S = 1
 
-class RequestRejected(Exception):
+
+class RequestRejected(ApiError):
     """The tokenizer or scheduler refused a request (its message names the field)."""
 
     def __init__(self, message: str, param: str | None, status: int) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
+        super().__init__(status, message, param)
 
 
-class EngineUnavailable(Exception):
+class EngineUnavailable(ApiError):
     """A worker process died or the server is shutting down: no answer will come."""
 
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, f"the engine is unavailable: {reason}")
+        self.reason = reason
 
-class ServerBusy(Exception):
+
+class ServerBusy(ApiError):
     """Too many sequences wait for their first token; the request was not sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass
@@ -83,7 +91,9 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
-        return not self.choices
+        """No choice runs and nothing is left to take (a refusal that ended the last choice
+        before anyone waited is still raised by `next_batch`)."""
+        return not self.choices and not self._items
 
     def put(self, item: StrOut | Exception) -> None:
         self._items.append(item)
@@ -284,10 +294,7 @@ class EngineClient:
             elif isinstance(msg, RequestError):
                 self._unqueue(self._waiting.intersection(msg.rids))
                 for rid in msg.rids:
-                    stream = self._streams.pop(rid, None)
-                    if stream is not None:
-                        stream.choices.pop(rid, None)
-                        stream.put(RequestRejected(msg.message, msg.param, msg.status))
+                    self._reject(rid, RequestRejected(msg.message, msg.param, msg.status))
             elif isinstance(msg, WorkerDied):
                 logger.error("%s; failing every request", msg.reason)
                 self.fail_all(msg.reason)
@@ -303,15 +310,20 @@ class EngineClient:
         if stream is None:  # aborted: its last outputs are still on their way
             return
         if out.error is not None:
-            del self._streams[out.rid]
-            stream.choices.pop(out.rid, None)
-            stream.put(RequestRejected(out.error, error_param(out.error), 400))
+            self._reject(out.rid, RequestRejected(out.error, error_param(out.error), 400))
             return
         out.token_times = [time_s] * len(out.new_ids)
         self._record(stream.choices[out.rid], out, time_s, gaps)
         if out.finished:
             del self._streams[out.rid]
         stream.put(out)
+
+    def _reject(self, rid: str, error: RequestRejected) -> None:
+        """End choice `rid` (if still live) with `error`."""
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream.choices.pop(rid, None)
+            stream.put(error)
 
     def _record(
         self, choice: _Choice, out: StrOut, time_s: float, gaps: Counter[tuple[float, int]]

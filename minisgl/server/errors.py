@@ -16,16 +16,9 @@ from minisgl.core import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
+# OpenAI's error types; any other status below 500 is an "invalid_request_error".
+_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "internal_error",
+          503: "service_unavailable"}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -37,7 +30,7 @@ class ApiError(Exception):
         status: int,
         message: str,
         param: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
         code: str | None = None,
     ) -> None:
         super().__init__(message)
@@ -47,9 +40,9 @@ class ApiError(Exception):
         self.headers = headers
         self.code = code
 
-    @staticmethod
-    def from_invalid(e: InvalidRequestError) -> ApiError:
-        return ApiError(400, str(e), error_param(str(e)))
+    def response(self) -> JSONResponse:
+        body = error_body(self.status, self.message, self.param, self.code)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def error_param(message: str) -> str | None:
@@ -76,18 +69,6 @@ def error_body(
             "code": code,
         }
     }
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        error_body(status, message, param, code), status_code=status, headers=headers
-    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -121,34 +102,38 @@ def _method_not_allowed(request: Request) -> JSONResponse:
         if match is not Match.NONE:
             allowed |= getattr(route, "methods", None) or set()
     allow = ", ".join(sorted(allowed))
-    return error_response(
+    return ApiError(
         405,
         f"{request.method} is not allowed on {request.url.path}; use {allow}",
         headers={"Allow": allow},
-    )
+    ).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers, exc.code)
+        return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _refused(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return ApiError(400, str(exc), error_param(str(exc))).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, *_validation_message(exc))
+        return ApiError(400, *_validation_message(exc)).response()
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 405:
             return _method_not_allowed(request)
         # The headers carry what the status needs, such as `Connection: close` with a 413.
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
-        return error_response(499, "client disconnected")
+        return ApiError(499, "client disconnected").response()
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,17 +1,14 @@
 """What one request may ask of the server, checked before any expensive work: the body's bytes
-(before it is read), the prompts' characters (before they are tokenized), the sequences it
+(before it is read, by `shutdown.GateMiddleware`), the prompts' characters (before they are tokenized), the sequences it
 asks for, and (in `EngineClient.submit`) the sequences queued server-wide."""
 
 from __future__ import annotations
 
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.config.server import Limits
-from minisgl.core import InvalidRequestError
 from minisgl.message import EngineInfo, GenerateReq
-from minisgl.server.errors import ApiError, error_response
+from minisgl.server.errors import ApiError
 from minisgl.tokenizer.tokenize import resolve_max_tokens
 
 CLOSE = {"Connection": "close"}  # the rest of a refused body is never read
@@ -30,62 +27,17 @@ class BodyTooLarge(HTTPException):
         )
 
 
-def _content_length(scope: Scope) -> int | None:
-    value = Headers(scope=scope).get("content-length")
-    return int(value) if value is not None and value.isdigit() else None
-
-
-class BodyLimit:
-    """413 for a body over `max_bytes`: before reading any of it when Content-Length announces
-    the size, else (chunked bodies) as soon as the bytes read pass the limit."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await self._refuse(scope, receive, send)
-            return
-        seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise BodyTooLarge(self.max_bytes)
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        e = BodyTooLarge(self.max_bytes)
-        await error_response(413, e.detail, headers=CLOSE)(scope, receive, send)
-
-
 # ---- prompts and sequences -----------------------------------------------------------------
-
-
-def max_prompt_chars(info: EngineInfo) -> int | None:
-    """No legal prompt has more characters than the context has tokens times the longest
-    token's characters; None while the tokenizer has not said how long that is."""
-    if info.max_token_chars is None:
-        return None
-    return info.max_context * info.max_token_chars
 
 
 def check_prompts(reqs: list[GenerateReq], info: EngineInfo) -> None:
     """Refuse a prompt too long for the context before anyone tokenizes it: text by its
-    characters, token ids by their count (with the tokenizer's own check)."""
-    limit = max_prompt_chars(info)
+    characters (no legal prompt has more than the context has tokens times the longest token's
+    characters, once the tokenizer has said how long that is), token ids by their count (with
+    the tokenizer's own check)."""
     for req in reqs:
         chars = req.prompt_chars
-        if limit is not None and chars > limit:
+        if info.max_token_chars is not None and chars > info.max_context * info.max_token_chars:
             param = "messages" if req.messages is not None else "prompt"
             raise ApiError(
                 400,
@@ -95,10 +47,7 @@ def check_prompts(reqs: list[GenerateReq], info: EngineInfo) -> None:
                 param,
             )
         if req.input_ids is not None:
-            try:
-                resolve_max_tokens(len(req.input_ids), req.max_tokens, info)
-            except InvalidRequestError as e:
-                raise ApiError.from_invalid(e) from e
+            resolve_max_tokens(len(req.input_ids), req.max_tokens, info)
 
 
 def check_seqs(reqs: list[GenerateReq], limits: Limits) -> None:

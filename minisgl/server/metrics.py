@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -28,6 +28,133 @@ _ITL_BUCKETS = (
     0.5, 1.0, 5.0,
 )  # fmt: skip
 
+# Gauges set from `SchedulerStats`: attribute -> (metric name, help, label). A gauge without a
+# label shows the stats field of its attribute's name unless `set_scheduler_stats` computes it.
+_GAUGES: dict[str, tuple[str, str, str | None]] = {
+    "running": ("minisgl_num_running_reqs", "Requests being decoded", None),
+    "waiting": ("minisgl_num_waiting_reqs", "Requests queued for admission", None),
+    "queued_seqs": (
+        "minisgl_num_queued_seqs",
+        "Sequences accepted without their first token yet (--max-queued-seqs caps them)",
+        None,
+    ),
+    "kv_usage": ("minisgl_kv_cache_usage", "Share of KV pages held by running requests", None),
+    "kv_pages": (
+        "minisgl_kv_pages",
+        "KV pages by state: free, held (by requests), protected (cached, in use), evictable "
+        "(cached, unused), total",
+        "state",
+    ),
+    "prefix_hit_rate": (
+        "minisgl_prefix_cache_hit_rate",
+        "Prompt tokens served from the prefix cache / prompt tokens, since start",
+        None,
+    ),
+    "generated_tokens": (
+        "minisgl_engine_generated_tokens",
+        "Tokens the engine sampled since start, also those dropped after a stop string matched "
+        "or the request was aborted",
+        None,
+    ),
+    "constrained_requests": (
+        "minisgl_constrained_requests",
+        "Requests with a grammar (JSON schema, regex, EBNF) the scheduler took, since start",
+        None,
+    ),
+    "grammar_compiles": (
+        "minisgl_grammar_compiles",
+        "Grammars the scheduler compiled (cache misses), since start",
+        None,
+    ),
+    "grammar_compile_seconds": (
+        "minisgl_grammar_compile_seconds",
+        "Time the scheduler's grammar compiles took, since start",
+        None,
+    ),
+    "grammar_cache_hits": (
+        "minisgl_grammar_cache_hits",
+        "Grammars the scheduler took from its compile cache, since start",
+        None,
+    ),
+    "kv_tier": (
+        "minisgl_kv_tier",
+        "KV host tier: slots per tier (host_used, disk_total, ...), pages hit on the host / on "
+        "disk, bytes saved / loaded / spilled / fetched, load copy and wait seconds, since start",
+        "stat",
+    ),
+    "retractions": (
+        "minisgl_retractions",
+        "Requests retracted (KV pages ran short, or a more urgent request needed them), since "
+        "start",
+        None,
+    ),
+    "spec_tokens": (
+        "minisgl_spec_tokens",
+        "Speculative decoding since start: draft tokens proposed (verified) and accepted",
+        "kind",
+    ),
+    "spec_accept_length": (
+        "minisgl_spec_mean_accepted_length",
+        "Tokens a speculating request gained per verify step on average, since start (accepted "
+        "drafts plus the target's own token; 0 before any)",
+        None,
+    ),
+    "spec_missed_waits": (
+        "minisgl_spec_missed_waits",
+        "Speculative decoding since start: times the overlapped loop waited for a step's "
+        "tokens to speculate and the request then had no draft",
+        None,
+    ),
+    "retractions_by_priority": (
+        "minisgl_retractions_by_priority",
+        "Retractions since start, by the retracted request's priority",
+        "priority",
+    ),
+    "steps_timed": ("minisgl_steps_timed", "Steps whose period the scheduler measured", None),
+    "step_time": (
+        "minisgl_step_time_seconds",
+        "Sum over the steps timed of their period: measured, as predicted by the step-time "
+        "model just before, and the absolute difference",
+        "kind",
+    ),
+    "step_model": (
+        "minisgl_step_model_coefficient_seconds",
+        "The step-time model's coefficients: seconds per step (base), per step that prefills "
+        "(mixed), per 64 decode rows, per 1024 prefill tokens, per 65536 KV tokens",
+        "term",
+    ),
+    "itl_target_s": (
+        "minisgl_itl_target_seconds",
+        "The inter-token latency target of the last step planned (0: none applied)",
+        None,
+    ),
+}
+_COMPUTED = {"queued_seqs", "kv_usage", "prefix_hit_rate", "spec_accept_length"}
+# Histograms: (metric name, help, buckets, by priority), in `Metrics`'s attribute order
+_HISTOGRAMS = (
+    ("minisgl_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS, 0),
+    ("minisgl_inter_token_latency_seconds", "Time between tokens", _LATENCY_BUCKETS, 0),
+    ("minisgl_e2e_request_latency_seconds", "Request latency", _LATENCY_BUCKETS, 0),
+    (
+        "minisgl_queue_time_seconds",
+        "Time from arrival at the scheduler to admission (first admission only)",
+        _LATENCY_BUCKETS,
+        1,
+    ),
+    (
+        "minisgl_time_to_first_token_by_priority_seconds",
+        "Time to first token, by request priority",
+        _LATENCY_BUCKETS,
+        1,
+    ),
+    (
+        "minisgl_inter_token_latency_by_priority_seconds",
+        "Time between tokens on the scheduler's clock, by request priority",
+        _ITL_BUCKETS,
+        1,
+    ),
+)
+
 
 def observe_many(hist: Histogram, value: float, n: int) -> None:
     """`hist.observe(value)` `n` times, at the cost of one (a step's tokens share their gap).
@@ -39,46 +166,26 @@ def observe_many(hist: Histogram, value: float, n: int) -> None:
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = self._gauge("minisgl_num_running_reqs", "Requests being decoded")
-        self.waiting = self._gauge("minisgl_num_waiting_reqs", "Requests queued for admission")
-        self.queued_seqs = self._gauge(
-            "minisgl_num_queued_seqs",
-            "Sequences accepted without their first token yet (--max-queued-seqs caps them)",
+        # Under several processes /metrics shows the value last set by any of them.
+        self.gauges = {
+            attr: Gauge(
+                name, doc, [label] if label else [], registry=r, multiprocess_mode="mostrecent"
+            )
+            for attr, (name, doc, label) in _GAUGES.items()
+        }
+        self.queued_seqs = self.gauges["queued_seqs"]
+        hist = (
+            Histogram(name, doc, ["priority"] * by, buckets=buckets, registry=r)
+            for name, doc, buckets, by in _HISTOGRAMS
         )
-        self.kv_usage = self._gauge(
-            "minisgl_kv_cache_usage", "Share of KV pages held by running requests"
-        )
-        self.kv_pages = self._gauge(
-            "minisgl_kv_pages",
-            "KV pages by state: free, held (by requests), "
-            "protected (cached, in use), evictable (cached, unused), total",
-            ["state"],
-        )
-        self.prefix_hit_rate = self._gauge(
-            "minisgl_prefix_cache_hit_rate",
-            "Prompt tokens served from the prefix cache / prompt tokens, since start",
-        )
-        self.engine_generated = self._gauge(
-            "minisgl_engine_generated_tokens",
-            "Tokens the engine sampled since start, also those dropped after a stop string "
-            "matched or the request was aborted",
-        )
-        self.constrained = self._gauge(
-            "minisgl_constrained_requests",
-            "Requests with a grammar (JSON schema, regex, EBNF) the scheduler took, since start",
-        )
-        self.grammar_compiles = self._gauge(
-            "minisgl_grammar_compiles",
-            "Grammars the scheduler compiled (cache misses), since start",
-        )
-        self.grammar_compile_seconds = self._gauge(
-            "minisgl_grammar_compile_seconds",
-            "Time the scheduler's grammar compiles took, since start",
-        )
-        self.grammar_cache_hits = self._gauge(
-            "minisgl_grammar_cache_hits",
-            "Grammars the scheduler took from its compile cache, since start",
-        )
+        (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.ttft_by_priority,
+            self.itl_by_priority,
+        ) = hist
         self.prompt_tokens = Counter(
             "minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -88,106 +195,7 @@ class Metrics:
         self.requests = Counter(
             "minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
         )
-        self.ttft = Histogram(
-            "minisgl_time_to_first_token_seconds",
-            "Time to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "minisgl_inter_token_latency_seconds",
-            "Time between tokens",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "minisgl_e2e_request_latency_seconds",
-            "Request latency",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
         self._labels: set[str] = set()
-        self._scheduling_metrics()
-
-    def _scheduling_metrics(self) -> None:
-        r = self.registry
-        by_priority = ["priority"]
-        self.queue_time = Histogram(
-            "minisgl_queue_time_seconds",
-            "Time from arrival at the scheduler to admission (first admission only)",
-            by_priority,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft_by_priority = Histogram(
-            "minisgl_time_to_first_token_by_priority_seconds",
-            "Time to first token, by request priority",
-            by_priority,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl_by_priority = Histogram(
-            "minisgl_inter_token_latency_by_priority_seconds",
-            "Time between tokens on the scheduler's clock, by request priority",
-            by_priority,
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.kv_tier = self._gauge(
-            "minisgl_kv_tier",
-            "KV host tier: slots per tier (host_used, disk_total, ...), pages hit on the host / "
-            "on disk, bytes saved / loaded / spilled / fetched, load copy and wait seconds, "
-            "since start",
-            ["stat"],
-        )
-        self.retractions = self._gauge(
-            "minisgl_retractions",
-            "Requests retracted (KV pages ran short, or a more urgent request needed them), "
-            "since start",
-        )
-        self.spec_tokens = self._gauge(
-            "minisgl_spec_tokens",
-            "Speculative decoding since start: draft tokens proposed (verified) and accepted",
-            ["kind"],
-        )
-        self.spec_accept_length = self._gauge(
-            "minisgl_spec_mean_accepted_length",
-            "Tokens a speculating request gained per verify step on average, since start "
-            "(accepted drafts plus the target's own token; 0 before any)",
-        )
-        self.spec_missed_waits = self._gauge(
-            "minisgl_spec_missed_waits",
-            "Speculative decoding since start: times the overlapped loop waited for a step's "
-            "tokens to speculate and the request then had no draft",
-        )
-        self.retractions_by_priority = self._gauge(
-            "minisgl_retractions_by_priority",
-            "Retractions since start, by the retracted request's priority",
-            by_priority,
-        )
-        self.steps_timed = self._gauge(
-            "minisgl_steps_timed", "Steps whose period the scheduler measured"
-        )
-        self.step_time = self._gauge(
-            "minisgl_step_time_seconds",
-            "Sum over the steps timed of their period: measured, as predicted by the step-time "
-            "model just before, and the absolute difference",
-            ["kind"],
-        )
-        self.step_model = self._gauge(
-            "minisgl_step_model_coefficient_seconds",
-            "The step-time model's coefficients: seconds per step (base), per step that "
-            "prefills (mixed), per 64 decode rows, per 1024 prefill tokens, per 65536 KV tokens",
-            ["term"],
-        )
-        self.itl_target = self._gauge(
-            "minisgl_itl_target_seconds",
-            "The inter-token latency target of the last step planned (0: none applied)",
-        )
-
-    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
-        """Under several processes /metrics shows the value last set by any of them."""
-        return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent")
 
     def priority_label(self, priority: int | float) -> str:
         """The label of a priority (a bounded set, whatever the clients send)."""
@@ -198,46 +206,27 @@ class Metrics:
         return "other"
 
     def set_scheduler_stats(self, s: SchedulerStats) -> None:
-        self.running.set(s.running)
-        self.waiting.set(s.waiting)
-        in_use = s.kv_held + s.kv_protected
-        self.kv_usage.set(in_use / s.kv_total if s.kv_total else 0.0)
-        for state, pages in (
-            ("free", s.kv_free),
-            ("held", s.kv_held),
-            ("protected", s.kv_protected),
-            ("evictable", s.kv_evictable),
-            ("total", s.kv_total),
-        ):
-            self.kv_pages.labels(state).set(pages)
-        self.prefix_hit_rate.set(s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
-        self.engine_generated.set(s.generated_tokens)
-        self.constrained.set(s.constrained_requests)
-        self.grammar_compiles.set(s.grammar_compiles)
-        self.grammar_compile_seconds.set(s.grammar_compile_seconds)
-        self.grammar_cache_hits.set(s.grammar_cache_hits)
-        self._set_scheduling_stats(s)
-
-    def _set_scheduling_stats(self, s: SchedulerStats) -> None:
-        for priority, seconds in s.queue_times:
-            self.queue_time.labels(self.priority_label(priority)).observe(seconds)
-        self.retractions.set(s.retractions)
-        self.spec_tokens.labels("proposed").set(s.spec_proposed)
-        self.spec_tokens.labels("accepted").set(s.spec_accepted)
+        g = self.gauges
+        for attr, (_, _, label) in _GAUGES.items():
+            if label is None and attr not in _COMPUTED:
+                g[attr].set(getattr(s, attr))
+        g["kv_usage"].set((s.kv_held + s.kv_protected) / s.kv_total if s.kv_total else 0.0)
+        kv: dict[str, float] = {"free": s.kv_free, "held": s.kv_held, "protected": s.kv_protected,
+              "evictable": s.kv_evictable, "total": s.kv_total}  # fmt: skip
+        g["prefix_hit_rate"].set(s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
         rows = s.spec_verify_rows
-        self.spec_accept_length.set((s.spec_accepted + rows) / rows if rows else 0.0)
-        self.spec_missed_waits.set(s.spec_missed_waits)
+        g["spec_accept_length"].set((s.spec_accepted + rows) / rows if rows else 0.0)
+        times = {"measured": s.step_measured_s, "predicted": s.step_predicted_s,
+                 "abs_error": s.step_abs_error_s}  # fmt: skip
+        spec: dict[str, float] = {"proposed": s.spec_proposed, "accepted": s.spec_accepted}
+        for attr, values in (("kv_pages", kv), ("spec_tokens", spec), ("step_time", times),
+                             ("step_model", s.step_model), ("kv_tier", s.kv_tier)):  # fmt: skip
+            for key, value in values.items():
+                g[attr].labels(key).set(value)
         for priority, count in s.retractions_by_priority:
-            self.retractions_by_priority.labels(self.priority_label(priority)).set(count)
-        self.steps_timed.set(s.steps_timed)
-        self.step_time.labels("measured").set(s.step_measured_s)
-        self.step_time.labels("predicted").set(s.step_predicted_s)
-        self.step_time.labels("abs_error").set(s.step_abs_error_s)
-        for term, value in s.step_model.items():
-            self.step_model.labels(term).set(value)
-        self.itl_target.set(s.itl_target_s)
-        for stat, value in s.kv_tier.items():
-            self.kv_tier.labels(stat).set(value)
+            g["retractions_by_priority"].labels(self.priority_label(priority)).set(count)
+        for prio, seconds in s.queue_times:
+            self.queue_time.labels(self.priority_label(prio)).observe(seconds)
 
     def on_first_token(self, ttft: float, priority: int) -> None:
         self.ttft.observe(ttft)
@@ -247,7 +236,8 @@ class Metrics:
         """`gaps[gap, priority]` tokens of that priority arrived `gap` seconds apart each."""
         for (gap, priority), n in gaps.items():
             observe_many(self.itl, gap, n)
-            observe_many(self.itl_by_priority.labels(self.priority_label(priority)), gap, n)
+            by = self.itl_by_priority.labels(self.priority_label(priority))
+            observe_many(by, gap, n)
 
     def on_finished(self, out: StrOut, latency: float) -> None:
         self.prompt_tokens.inc(out.prompt_tokens)

@@ -9,16 +9,20 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from minisgl.message import ChatMessage, ChatOptions, GenerateReq, TokenLogprob, ToolCall
-from minisgl.server.chat import ChatParsing, parser_factory, tool_plan
-from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
+from minisgl.config import ChatConfig
+from minisgl.message import ChatOptions, GenerateReq, TokenLogprob
+from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import ApiError
-from minisgl.server.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from minisgl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+)
 from minisgl.server.sampling import (
     GrammarField,
-    choice_seeds,
+    generate_req,
     new_rid,
     request_grammar,
     sampling_params,
@@ -26,22 +30,22 @@ from minisgl.server.sampling import (
 from minisgl.server.streaming import (
     CHOICE,
     DONE,
+    Batches,
     ChoiceResult,
     Envelope,
-    EventStreamResponse,
-    first_batch,
+    answer,
     json_str,
-    run_to_completion,
     sse,
-    submit,
 )
 from minisgl.tokenizer.parsers import THINK_END, ChatDelta, ChatOutputParser
-from minisgl.tokenizer.tools import assistant_message, calls_finish
+from minisgl.tokenizer.tokenize import message_from_dict
+from minisgl.tokenizer.tools import assistant_message, calls_finish, choice_parsers, tool_plan
 
 # ---- requests ------------------------------------------------------------------------------
 
 
-def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
+def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse the fields this server cannot honour, and stream options without a stream."""
     bad = body.unsupported()
     if bad:
         raise ApiError(
@@ -50,17 +54,13 @@ def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
             "would answer in a different shape than you asked for)",
             bad[0],
         )
-
-
-def check_stream_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.stream_options is not None and not body.stream:
         raise ApiError(
             400,
             "stream_options: only allowed when stream is true; remove it or set stream",
             "stream_options",
         )
-    include = body.stream_options is not None and body.stream_options.include_usage
-    if body.return_token_times and body.stream and not include:
+    if body.return_token_times and body.stream and not include_usage(body):
         raise ApiError(
             400,
             "return_token_times: a stream carries the token times in its usage chunk; set "
@@ -69,49 +69,45 @@ def check_stream_fields(body: ChatCompletionRequest | CompletionRequest) -> None
         )
 
 
+def include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
 class ChatPlan(NamedTuple):
     req: GenerateReq
     parser: Callable[[], ChatOutputParser] | None  # one per choice; None: no parsing
 
 
-def chat_request(body: ChatCompletionRequest, parsing: ChatParsing) -> ChatPlan:
-    check_supported(body)
-    check_stream_fields(body)
+def chat_request(body: ChatCompletionRequest, chat: ChatConfig) -> ChatPlan:
+    """`chat`: the server's parsers (the tool-call format, flag or detected, and the reasoning
+    one)."""
+    check_fields(body)
     if body.store:
         raise ApiError(400, "store: this server keeps no answers; leave it out or false", "store")
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
     other = request_grammar(body)
+    choice = body.tool_choice
     plan = tool_plan(
-        body.tools or [],
-        body.tool_choice,
+        [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
         body.parallel_tool_calls,
-        parsing.tool_call_parser,
+        chat.tool_call_parser,
         other.field.split(".")[0] if other is not None else None,
     )
     forced = GrammarField("tool_calls", plan.grammar, "tools") if plan.grammar else None
     params, grammar_field = sampling_params(body, body.logprobs, top, forced)
-    base = new_rid()
     options = chat_options(body, plan.template_tools)
-    req = GenerateReq(
-        rids=[f"{base}-{i}" for i in range(body.n)],
-        seeds=choice_seeds(body.seed, body.n),
-        params=params,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        messages=[chat_message(m) for m in body.messages],
-        chat=options,
-        grammar_field=grammar_field,
-    )
-    thinking = options.template_kwargs.get("enable_thinking", True) is not False
-    if thinking and parsing.reasoning_parser is not None and params.constraint is not None:
+    thinking, parsers = choice_parsers(plan, chat, options.template_kwargs)
+    messages = [message_from_dict(m.model_dump(exclude_none=True)) for m in body.messages]
+    req = generate_req(
+        body.n, body.seed, params, body.max_completion_tokens or body.max_tokens, grammar_field,
+        messages=messages, chat=options,
+    )  # fmt: skip
+    if thinking and chat.reasoning_parser is not None and params.constraint is not None:
         req.grammar_after = THINK_END  # the answer follows the grammar, not the thinking
-    return ChatPlan(req, parser_factory(plan, parsing, thinking))
-
-
-def chat_message(m: ChatMessageIn) -> ChatMessage:
-    calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
-    return ChatMessage(m.role, m.text, m.name, calls, m.tool_call_id)
+    return ChatPlan(req, parsers)
 
 
 def chat_options(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ChatOptions:
@@ -123,52 +119,21 @@ def chat_options(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> Ch
 
 
 def completion_requests(body: CompletionRequest) -> list[GenerateReq]:
-    check_supported(body)
-    check_stream_fields(body)
+    check_fields(body)
     prompts = body.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ApiError(400, "prompt: must not be empty", "prompt")
-    k = body.logprobs
-    params, grammar_field = sampling_params(body, k is not None, k or 0)
-    reqs = []
-    for prompt in prompts:
-        base = new_rid()
-        reqs.append(
-            GenerateReq(
-                rids=[f"{base}-{i}" for i in range(body.n)],
-                seeds=choice_seeds(body.seed, body.n),
-                params=params,
-                max_tokens=body.max_tokens or 16,  # OpenAI's documented default
-                text=prompt if isinstance(prompt, str) else None,
-                input_ids=None if isinstance(prompt, str) else prompt,
-                grammar_field=grammar_field,
-            )
-        )
-    return reqs
+    params, grammar_field = sampling_params(body, body.logprobs is not None, body.logprobs or 0)
+    max_tokens = body.max_tokens or 16  # OpenAI's documented default
+    return [
+        generate_req(body.n, body.seed, params, max_tokens, grammar_field, text=p)
+        if isinstance(p, str)
+        else generate_req(body.n, body.seed, params, max_tokens, grammar_field, input_ids=p)
+        for p in prompts
+    ]
 
 
 # ---- results -------------------------------------------------------------------------------
-
-
-def usage(
-    results: list[ChoiceResult], n: int, token_times: bool = False, received: float = 0.0
-) -> dict[str, Any]:
-    """Prompts count once however many choices share them. `token_times`: add, per choice,
-    when the scheduler had each output token (the server's own token timestamps), and
-    `received_at`, when the API server took the request (`received`)."""
-    firsts = results[::n]
-    prompt = sum(r.prompt_tokens for r in firsts)
-    completion = sum(r.completion_tokens for r in results)
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
-    }
-    if token_times:
-        out["token_times"] = [r.token_times for r in results]
-        out["received_at"] = received
-    return out
 
 
 def _bytes(s: str) -> list[int]:
@@ -192,9 +157,9 @@ def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(lps: list[TokenLogprob], offset: int, top: bool) -> dict[str, Any]:
-    """`top`: each token's top alternatives (the request's `logprobs` of them) and the sampled
-    token itself, as OpenAI gives them: up to logprobs + 1 entries."""
+def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """Each token's `top_logprobs`: its top alternatives (the request's `logprobs` of them) and
+    the sampled token itself, as OpenAI gives them: up to logprobs + 1 entries."""
     offsets = []
     for t in lps:
         offsets.append(offset)
@@ -202,7 +167,7 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int, top: bool) -> dict
     return {
         "tokens": [t.token for t in lps],
         "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [_top_with_sampled(t) for t in lps] if top else None,
+        "top_logprobs": [_top_with_sampled(t) for t in lps],
         "text_offset": offsets,
     }
 
@@ -215,41 +180,53 @@ def _top_with_sampled(t: TokenLogprob) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class ResponseMeta:
+    """What every body and chunk of one answer repeats, and what its usage reports."""
+
     id: str
     model: str
-    received: float  # when the handler took the request (seconds since the epoch)
+    obj: str  # the whole answer's `object`; a chunk's is "chat.completion.chunk" for a chat
+    n: int
+    token_times: bool
+    received: float = 0.0  # when the handler took the request (seconds since the epoch)
 
-    @property
-    def created(self) -> int:
-        return int(self.received)
+    def envelope(self, choices: list[Any], chunk: bool = False) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if chunk and self.obj == "chat.completion" else self.obj
+        created = int(self.received)
+        return {"id": self.id, "object": obj, "created": created, "model": self.model,
+                "choices": choices}  # fmt: skip
 
-    def envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
+    def whole(self, choices: list[Any], results: list[ChoiceResult]) -> dict[str, Any]:
+        return {**self.envelope(choices), "usage": self.usage(results)}
+
+    def usage(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        """Prompts count once however many choices share them. With `token_times`, per choice
+        when the scheduler had each output token (the server's own token timestamps), and
+        `received_at`, when the API server took the request."""
+        firsts = results[:: self.n]
+        prompt = sum(r.prompt_tokens for r in firsts)
+        completion = sum(r.completion_tokens for r in results)
+        out: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
         }
+        if self.token_times:
+            out["token_times"] = [r.token_times for r in results]
+            out["received_at"] = self.received
+        return out
 
-    def chunk(self, obj: str, include_usage: bool) -> dict[str, Any]:
+    def chunks(self, include_usage: bool) -> Envelope:
         """A stream chunk's body around its choice (`usage` null when the stream ends with
         it)."""
-        body = self.envelope(obj, [CHOICE])
-        return {**body, "usage": None} if include_usage else body
+        body = self.envelope([CHOICE], chunk=True)
+        return Envelope({**body, "usage": None} if include_usage else body)
+
+    def usage_event(self, results: list[ChoiceResult]) -> bytes:
+        return sse({**self.envelope([], chunk=True), "usage": self.usage(results)})
 
 
 # ---- endpoints -----------------------------------------------------------------------------
-
-
-async def _run(
-    request: Request,
-    client: EngineClient,
-    reqs: list[GenerateReq],
-    num_choices: int,
-    respond: Callable[[list[ChoiceResult]], dict[str, Any]],
-) -> Response:
-    return JSONResponse(respond(await run_to_completion(request, client, reqs, num_choices)))
 
 
 async def chat_completions(
@@ -257,20 +234,15 @@ async def chat_completions(
     body: ChatCompletionRequest,
     client: EngineClient,
     model: str,
-    parsing: ChatParsing,
+    chat: ChatConfig,
 ) -> Response:
-    req, make_parser = chat_request(body, parsing)
-    meta = ResponseMeta(f"chatcmpl-{new_rid()}", model, time.time())
-    if body.stream:
-        include = body.stream_options is not None and body.stream_options.include_usage
-        stream = submit(client, [req])
-        first = await first_batch(request, stream)
-        opts = ChatStreamOptions(
-            body.n, body.logprobs, include, body.return_token_times, make_parser, parsing
-        )
-        return EventStreamResponse(_chat_events(stream, first, meta, opts), stream)
+    req, make_parser = chat_request(body, chat)
+    meta = ResponseMeta(
+        f"chatcmpl-{new_rid()}", model, "chat.completion", body.n, body.return_token_times,
+        time.time(),
+    )  # fmt: skip
 
-    def respond(results: list[ChoiceResult]) -> dict[str, Any]:
+    def whole(results: list[ChoiceResult]) -> dict[str, Any]:
         choices = [
             {
                 "index": i,
@@ -281,12 +253,12 @@ async def chat_completions(
             }
             for i, r in enumerate(results)
         ]
-        return {
-            **meta.envelope("chat.completion", choices),
-            "usage": usage(results, body.n, body.return_token_times, meta.received),
-        }
+        return meta.whole(choices, results)
 
-    return await _run(request, client, [req], body.n, respond)
+    def events(batches: Batches) -> AsyncIterator[bytes]:
+        return _chat_events(batches, meta, body.logprobs, include_usage(body), make_parser)
+
+    return await answer(request, client, [req], body.n, body.stream, events, whole)
 
 
 def chat_deltas(d: ChatDelta) -> list[dict[str, Any]]:
@@ -317,52 +289,29 @@ async def completions(
     request: Request, body: CompletionRequest, client: EngineClient, model: str
 ) -> Response:
     reqs = completion_requests(body)
-    meta = ResponseMeta(f"cmpl-{new_rid()}", model, time.time())
+    meta = ResponseMeta(
+        f"cmpl-{new_rid()}", model, "text_completion", body.n, body.return_token_times,
+        time.time(),
+    )  # fmt: skip
     num_choices = len(reqs) * body.n
-    want_lp = top = body.logprobs is not None
-    if body.stream:
-        include = body.stream_options is not None and body.stream_options.include_usage
-        stream = submit(client, reqs)
-        first = await first_batch(request, stream)
-        events = _completion_events(
-            stream, first, meta, num_choices, body.n, want_lp, top, include, body.return_token_times
-        )
-        return EventStreamResponse(events, stream)
+    want_lp = body.logprobs is not None
 
-    def respond(results: list[ChoiceResult]) -> dict[str, Any]:
+    def whole(results: list[ChoiceResult]) -> dict[str, Any]:
         choices = [
             {
                 "index": i,
                 "text": r.text,
-                "logprobs": completion_logprobs(r.logprobs, 0, top) if want_lp else None,
+                "logprobs": completion_logprobs(r.logprobs, 0) if want_lp else None,
                 "finish_reason": r.finish_reason,
             }
             for i, r in enumerate(results)
         ]
-        return {
-            **meta.envelope("text_completion", choices),
-            "usage": usage(results, body.n, body.return_token_times, meta.received),
-        }
+        return meta.whole(choices, results)
 
-    return await _run(request, client, reqs, num_choices, respond)
+    def events(batches: Batches) -> AsyncIterator[bytes]:
+        return _completion_events(batches, meta, num_choices, want_lp, include_usage(body))
 
-
-async def _batches(
-    stream: RequestStream, first: list[ChoiceOutput]
-) -> AsyncIterator[list[ChoiceOutput]]:
-    yield first
-    async for batch in stream:
-        yield batch
-
-
-@dataclass(frozen=True)
-class ChatStreamOptions:
-    n: int
-    logprobs: bool
-    include_usage: bool
-    token_times: bool
-    make_parser: Callable[[], ChatOutputParser] | None
-    parsing: ChatParsing
+    return await answer(request, client, reqs, num_choices, body.stream, events, whole)
 
 
 # The most common choices of stream chunks, written as `json.dumps` writes them.
@@ -380,12 +329,13 @@ def _text_choice(index: int, text: str, reason: str | None) -> str:
 
 
 async def _chat_events(
-    stream: RequestStream,
-    first: list[ChoiceOutput],
+    batches: Batches,
     meta: ResponseMeta,
-    opts: ChatStreamOptions,
+    logprobs: bool,
+    include_usage: bool,
+    make_parser: Callable[[], ChatOutputParser] | None,
 ) -> AsyncIterator[bytes]:
-    envelope = Envelope(meta.chunk("chat.completion.chunk", opts.include_usage))
+    envelope = meta.chunks(include_usage)
 
     def chunk(index: int, delta: dict[str, Any], lps: Any, reason: str | None) -> bytes:
         if lps is None and reason is None and delta.keys() == {"content"}:  # most events
@@ -394,16 +344,16 @@ async def _chat_events(
             {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
         )
 
-    n = opts.n
+    n = meta.n
     results = [ChoiceResult() for _ in range(n)]
-    parsers = [opts.make_parser() if opts.make_parser else None for _ in range(n)]
+    parsers = [make_parser() if make_parser else None for _ in range(n)]
     yield b"".join(chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(n))
-    async for batch in _batches(stream, first):
+    async for batch in batches:
         events = []
         for co in batch:
             out, parser = co.out, parsers[co.index]
             results[co.index].add(out)
-            lps = chat_logprobs(out.logprobs) if opts.logprobs and out.logprobs else None
+            lps = chat_logprobs(out.logprobs) if logprobs and out.logprobs else None
             if parser is None:
                 deltas = [{"content": out.text}] if out.text or lps else []
             else:
@@ -418,27 +368,18 @@ async def _chat_events(
                 reason = calls_finish(out.finish_reason, called)
                 events.append(chunk(co.index, {}, None, reason))
         yield b"".join(events)
-    if opts.include_usage:
-        body = meta.envelope("chat.completion.chunk", [])
-        yield sse({**body, "usage": usage(results, n, opts.token_times, meta.received)})
+    if include_usage:
+        yield meta.usage_event(results)
     yield DONE
 
 
 async def _completion_events(
-    stream: RequestStream,
-    first: list[ChoiceOutput],
-    meta: ResponseMeta,
-    num_choices: int,
-    n: int,
-    want_lp: bool,
-    top: bool,
-    include_usage: bool,
-    token_times: bool,
+    batches: Batches, meta: ResponseMeta, num_choices: int, want_lp: bool, include_usage: bool
 ) -> AsyncIterator[bytes]:
     results = [ChoiceResult() for _ in range(num_choices)]
     offsets = [0] * num_choices
-    envelope = Envelope(meta.chunk("text_completion", include_usage))
-    async for batch in _batches(stream, first):
+    envelope = meta.chunks(include_usage)
+    async for batch in batches:
         events = []
         for co in batch:
             out, i = co.out, co.index
@@ -447,12 +388,11 @@ async def _completion_events(
             if not want_lp:  # most events
                 events.append(envelope.event(_text_choice(i, out.text, reason)))
                 continue
-            lps = completion_logprobs(out.logprobs, offsets[i], top)
+            lps = completion_logprobs(out.logprobs, offsets[i])
             offsets[i] += sum(len(t.token) for t in out.logprobs)
             choice = {"index": i, "text": out.text, "logprobs": lps, "finish_reason": reason}
             events.append(envelope.event(choice))
         yield b"".join(events)
     if include_usage:
-        final = usage(results, n, token_times, meta.received)
-        yield sse({**meta.envelope("text_completion", []), "usage": final})
+        yield meta.usage_event(results)
     yield DONE

@@ -39,36 +39,34 @@ class AssistantMessage(_Open):
     content: str | None
 
 
-class ChatChoice(_Open):
+class _Choice(_Open):
     index: int
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatChoice(_Choice):
     message: AssistantMessage
-    logprobs: dict[str, Any] | None
-    finish_reason: str | None
 
 
-class ChatCompletion(_Open):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class CompletionChoice(_Open):
-    index: int
+class CompletionChoice(_Choice):
     text: str
-    logprobs: dict[str, Any] | None
-    finish_reason: str | None
 
 
-class Completion(_Open):
+class _Answer(_Open):
     id: str
     object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage
+
+
+class ChatCompletion(_Answer):
+    choices: list[ChatChoice]
+
+
+class Completion(_Answer):
+    choices: list[CompletionChoice]
 
 
 class Generated(_Open):

@@ -156,14 +156,6 @@ class ChatMessageIn(_OpenAI):
             raise ValueError("annotations: only null or [] in a request")
         return self
 
-    @property
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
 
 LOGIT_BIAS = "Token id (a numeral) -> a bias in [-100, 100] added to its logit at every step."
 REGEX = "The whole output matches this regular expression."
@@ -200,7 +192,31 @@ class ResponseFormat(_OpenAI):
         return self
 
 
-class SamplingFields(_OpenAI):
+class EngineSampling(_Strict):
+    """The sampling fields the OpenAI and the native endpoints share (vLLM / SGLang spelling
+    for those OpenAI lacks)."""
+
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    skip_special_tokens: bool = True
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    include_stop_str_in_output: bool = False
+    priority: Priority = Field(default=0, description=PRIORITY)
+    logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
+    # SGLang's grammars; at most one of them, `response_format` (other than text) and the
+    # native `json_schema`.
+    regex: str | None = Field(default=None, description=REGEX)
+    ebnf: str | None = Field(default=None, description=EBNF)
+
+
+class SamplingFields(_OpenAI, EngineSampling):
     """Fields both OpenAI endpoints share."""
 
     model: str | None = None
@@ -208,31 +224,13 @@ class SamplingFields(_OpenAI):
     temperature: Temperature | None = None
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: Stop | None = None
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
-    # Extensions (vLLM / SGLang spelling).
-    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
-    include_stop_str_in_output: bool = False
-    priority: Priority = Field(default=0, description=PRIORITY)
     return_token_times: bool = Field(default=False, description=TOKEN_TIMES)
-    logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
     response_format: ResponseFormat | None = Field(
         default=None, description="The output follows this JSON schema, or is any JSON object."
     )
-    # SGLang's extensions; at most one of them and `response_format` (other than text).
-    regex: str | None = Field(default=None, description=REGEX)
-    ebnf: str | None = Field(default=None, description=EBNF)
 
     def unsupported(self) -> list[str]:
         """The fields set to something this server cannot honour yet."""
@@ -341,33 +339,16 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class NativeSamplingParams(_Strict):
+class NativeSamplingParams(EngineSampling):
     max_new_tokens: MaxTokens | None = 128
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    stop: Stop | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
-    skip_special_tokens: bool = True
-    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = Field(default=None, description=LOGIT_BIAS)
-    # At most one grammar the output must follow: a JSON schema (as JSON text, SGLang's
-    # spelling, or as an object), a regex, or an EBNF grammar.
+    # A JSON schema as JSON text (SGLang's spelling) or as an object.
     json_schema: (
         Annotated[str | dict[str, Any], one_of("a JSON schema: JSON text or an object")] | None
     ) = Field(default=None, description="The output is JSON that this JSON schema accepts.")
-    regex: str | None = Field(default=None, description=REGEX)
-    ebnf: str | None = Field(default=None, description=EBNF)
-    priority: Priority = Field(default=0, description=PRIORITY)
 
 
 class GenerateRequest(_Strict):
@@ -411,9 +392,8 @@ class MessageItem(_Item):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
 
 
 class FunctionCallItem(_Item):
@@ -441,17 +421,12 @@ InputItem = Annotated[
 ]
 
 
-class ResponseTool(_OpenAI):
+class ResponseTool(FunctionDef):
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class ResponseNamedTool(_OpenAI):
+class ResponseNamedTool(NamedFunction):
     type: Literal["function"]
-    name: str
 
 
 class TextFormat(_OpenAI):

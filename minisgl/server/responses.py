@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
-from minisgl.server.chat import ChatParsing
-from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
+from minisgl.config import ChatConfig
+from minisgl.server.engine_client import EngineClient
 from minisgl.server.errors import ApiError
 from minisgl.server.openai_api import chat_request
 from minisgl.server.protocol import (
@@ -26,14 +26,7 @@ from minisgl.server.protocol import (
     ResponsesRequest,
 )
 from minisgl.server.sampling import new_rid
-from minisgl.server.streaming import (
-    ChoiceResult,
-    EventStreamResponse,
-    first_batch,
-    run_to_completion,
-    sse,
-    submit,
-)
+from minisgl.server.streaming import Batches, ChoiceResult, answer, sse
 from minisgl.tokenizer.parsers import ChatDelta, ChatOutputParser, ParsedCall
 
 # ---- request -------------------------------------------------------------------------------
@@ -197,21 +190,20 @@ def _usage(r: ChoiceResult) -> dict[str, Any]:
 
 
 async def create_response(
-    request: Request,
-    body: ResponsesRequest,
-    client: EngineClient,
-    model: str,
-    parsing: ChatParsing,
+    request: Request, body: ResponsesRequest, client: EngineClient, model: str, chat: ChatConfig
 ) -> Response:
-    req, make_parser = chat_request(chat_body(body), parsing)
+    req, make_parser = chat_request(chat_body(body), chat)
     env = Envelope(body, new_id("resp"), model)
-    if body.stream:
-        stream = submit(client, [req])
-        first = await first_batch(request, stream)
-        return EventStreamResponse(_events(stream, first, env, make_parser), stream)
-    [r] = await run_to_completion(request, client, [req], 1)
-    d = make_parser().parse(r.text) if make_parser is not None else ChatDelta(content=r.text)
-    return JSONResponse(env.response("completed", output_items(d), r))
+
+    def whole(results: list[ChoiceResult]) -> dict[str, Any]:
+        [r] = results
+        d = make_parser().parse(r.text) if make_parser is not None else ChatDelta(r.text)
+        return env.response("completed", output_items(d), r)
+
+    def events(batches: Batches) -> AsyncIterator[bytes]:
+        return _events(batches, env, make_parser)
+
+    return await answer(request, client, [req], 1, body.stream, events, whole)
 
 
 # ---- streaming -----------------------------------------------------------------------------
@@ -219,17 +211,12 @@ async def create_response(
 
 @dataclass
 class _Open:
-    kind: str  # "reasoning" | "message"
-    id: str
-    index: int
-    text: str = ""
+    """An output item being written."""
 
-
-@dataclass
-class _OpenCall:
+    kind: str  # "reasoning" | "message" | "function_call"
     id: str
     index: int  # in the output
-    call: ParsedCall
+    text: str = ""
 
 
 class ResponseEvents:
@@ -240,11 +227,15 @@ class ResponseEvents:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: _Open | None = None
-        self.calls: dict[int, _OpenCall] = {}  # by the call's index: those being written
+        self.calls: dict[int, _Open] = {}  # by the call's index: those being written
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
         return sse({"type": f"response.{kind}", "sequence_number": self.seq - 1, **fields})
+
+    def item(self, what: str, o: _Open, item: dict[str, Any]) -> bytes:
+        """`output_item.added` or `output_item.done`, of item `o`."""
+        return self.event(f"output_item.{what}", output_index=o.index, item=item)
 
     def start(self) -> list[bytes]:
         snapshot = self.env.response("in_progress", [], None)
@@ -274,11 +265,9 @@ class ResponseEvents:
             if f.id is not None:
                 out += self._close()
                 call = ParsedCall(f.index, f.id, f.name or "", "")
-                o = self.calls[f.index] = _OpenCall(new_id("fc"), len(self.output), call)
+                o = self.calls[f.index] = _Open("function_call", new_id("fc"), len(self.output))
                 self.output.append(call_item(o.id, call, "in_progress"))
-                out.append(
-                    self.event("output_item.added", output_index=o.index, item=self.output[-1])
-                )
+                out.append(self.item("added", o, self.output[-1]))
                 continue
             o = self.calls[f.index]
             ids = {"item_id": o.id, "output_index": o.index}
@@ -292,7 +281,7 @@ class ResponseEvents:
                     "function_call_arguments.done", **ids, arguments=c.arguments, name=c.name
                 )
             )
-            out.append(self.event("output_item.done", output_index=o.index, item=item))
+            out.append(self.item("done", o, item))
         return out
 
     def _text(self, kind: str, text: str) -> list[bytes]:
@@ -315,14 +304,11 @@ class ResponseEvents:
         )
         self.output.append({})  # filled in when the item closes
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": o.id, "summary": []}
-            return [self.event("output_item.added", output_index=o.index, item=item)]
+            return [self.item("added", o, {"type": "reasoning", "id": o.id, "summary": []})]
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         ids = {"item_id": o.id, "output_index": o.index, "content_index": 0}
         return [
-            self.event(
-                "output_item.added", output_index=o.index, item=text_item(o.id, "", "in_progress")
-            ),
+            self.item("added", o, text_item(o.id, "", "in_progress")),
             self.event("content_part.added", **ids, part=part),
         ]
 
@@ -334,12 +320,12 @@ class ResponseEvents:
         if o.kind == "reasoning":
             item = self.output[o.index] = reasoning_item(o.id, o.text)
             done = self.event("reasoning_text.done", **ids, text=o.text)
-            return [done, self.event("output_item.done", output_index=o.index, item=item)]
+            return [done, self.item("done", o, item)]
         item = self.output[o.index] = text_item(o.id, o.text, "completed")
         return [
             self.event("output_text.done", **ids, text=o.text, logprobs=[]),
             self.event("content_part.done", **ids, part=item["content"][0]),
-            self.event("output_item.done", output_index=o.index, item=item),
+            self.item("done", o, item),
         ]
 
     def finish(self, result: ChoiceResult) -> list[bytes]:
@@ -352,31 +338,20 @@ class ResponseEvents:
 
 
 async def _events(
-    stream: RequestStream,
-    first: list[ChoiceOutput],
-    env: Envelope,
-    make_parser: Callable[[], ChatOutputParser] | None,
+    batches: Batches, env: Envelope, make_parser: Callable[[], ChatOutputParser] | None
 ) -> AsyncIterator[bytes]:
     events = ResponseEvents(env)
     parser = make_parser() if make_parser is not None else None
     result = ChoiceResult()
     yield b"".join(events.start())
-    async for batch in _chain(first, stream):
+    async for batch in batches:
         out: list[bytes] = []
         for co in batch:
             result.add(co.out)
-            d = parser.feed(co.out.text) if parser is not None else ChatDelta(content=co.out.text)
+            d = parser.feed(co.out.text) if parser is not None else ChatDelta(co.out.text)
             if co.out.finished and parser is not None:
                 d += parser.finish()
             out += events.add(d)
             if co.out.finished:
                 out += events.finish(result)
         yield b"".join(out)
-
-
-async def _chain(
-    first: list[ChoiceOutput], stream: RequestStream
-) -> AsyncIterator[list[ChoiceOutput]]:
-    yield first
-    async for batch in stream:
-        yield batch

@@ -8,7 +8,8 @@ import uuid
 from typing import Any, NamedTuple
 
 from minisgl.core import JSON_OBJECT, InvalidRequestError, SamplingParams
-from minisgl.server.errors import ApiError
+from minisgl.message import GenerateReq
+from minisgl.server.errors import ApiError, error_param
 from minisgl.server.protocol import NativeSamplingParams, SamplingFields
 
 MAX_STOPS = 16
@@ -23,6 +24,22 @@ def choice_seeds(seed: int | None, n: int) -> list[int]:
     if seed is None:
         return [random.getrandbits(63) for _ in range(n)]
     return [(seed + i + 2**63) % 2**64 - 2**63 for i in range(n)]
+
+
+def generate_req(
+    n: int,
+    seed: int | None,
+    params: SamplingParams,
+    max_tokens: int | None,
+    grammar_field: str | None,
+    **prompt: Any,
+) -> GenerateReq:
+    """One prompt's request for `n` choices; `prompt`: its `text`, `input_ids` or `messages`
+    (and `chat`)."""
+    base = new_rid()
+    rids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+    return GenerateReq(rids, choice_seeds(seed, n), params, max_tokens, **prompt,
+                       grammar_field=grammar_field)  # fmt: skip
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -112,10 +129,10 @@ def sampling_params(
             **constraint,
             priority=body.priority,
         )
-    except InvalidRequestError as e:
+    except InvalidRequestError as e:  # a grammar's error names the request field it came from
         if grammar is not None and str(e).startswith(f"{grammar.kind}:"):
             raise ApiError(400, grammar.field + str(e)[len(grammar.kind) :], grammar.field) from e
-        raise ApiError.from_invalid(e) from e
+        raise ApiError(400, str(e), error_param(str(e))) from e
     return Sampling(params, grammar.field if grammar is not None else None)
 
 

@@ -20,10 +20,12 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import error_response
+from minisgl.server.errors import ApiError
+from minisgl.server.limits import CLOSE, BodyTooLarge
 
 logger = logging.getLogger(__name__)
 
@@ -61,25 +63,46 @@ class Gate:
 
 class GateMiddleware:
     """Counts requests through the gate; once it is closed, answers 503 and closes the
-    connection (a client holding a keep-alive connection learns to go elsewhere)."""
+    connection (a client holding a keep-alive connection learns to go elsewhere). A body over
+    `max_bytes` gets 413 before anything else looks at the request: before any of it is read
+    when Content-Length announces the size, else (chunked bodies) as soon as the bytes read
+    pass the limit."""
 
-    def __init__(self, app: ASGIApp, gate: Gate) -> None:
+    def __init__(self, app: ASGIApp, gate: Gate, max_bytes: int) -> None:
         self.app = app
         self.gate = gate
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        declared = Headers(scope=scope).get("content-length", "")
         if self.gate.closed:
-            refusal = error_response(503, SHUTTING_DOWN, headers={"Connection": "close"})
-            await refusal(scope, receive, send)
+            refusal = ApiError(503, SHUTTING_DOWN, headers=CLOSE).response()
+        elif declared.isdigit() and int(declared) > self.max_bytes:
+            refusal = ApiError(413, BodyTooLarge(self.max_bytes).detail, headers=CLOSE).response()
+        else:
+            self.gate.enter()
+            try:
+                await self.app(scope, self._counting(receive), send)
+            finally:
+                self.gate.leave()
             return
-        self.gate.enter()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.gate.leave()
+        await refusal(scope, receive, send)
+
+    def _counting(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
+            return message
+
+        return counting_receive
 
 
 async def drain(gate: Gate, client: EngineClient, timeout_s: float) -> None:

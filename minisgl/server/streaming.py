@@ -11,26 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from minisgl.message import GenerateReq, StrOut, TokenLogprob
-from minisgl.server.engine_client import (
-    ChoiceOutput,
-    EngineClient,
-    EngineUnavailable,
-    RequestRejected,
-    RequestStream,
-    ServerBusy,
-)
+from minisgl.server.engine_client import ChoiceOutput, EngineClient, RequestStream
 from minisgl.server.errors import ApiError, ClientDisconnected, error_body
 from minisgl.server.limits import check_prompts, check_seqs
 
 T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
-# What a 503 for a full queue asks the client to wait: about one prefill of a full batch.
-RETRY_AFTER_S = 1
 
 
 def sse(obj: Any) -> bytes:
@@ -55,15 +47,6 @@ class Envelope:
         return self._head + text.encode() + self._tail
 
 
-def api_error(e: Exception) -> ApiError:
-    """The HTTP answer for an exception a request stream raised."""
-    if isinstance(e, RequestRejected):
-        return ApiError(e.status, str(e), e.param)
-    if isinstance(e, EngineUnavailable):
-        return ApiError(503, f"the engine is unavailable: {e}")
-    raise e
-
-
 async def _wait_disconnect(request: Request) -> None:
     # The body is read already, so the next ASGI message is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
@@ -86,30 +69,42 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def submit(client: EngineClient, reqs: list[GenerateReq]) -> RequestStream:
-    """Send `reqs` once they pass the request limits."""
+Batches = AsyncIterator[list[ChoiceOutput]]
+
+
+async def answer(
+    request: Request,
+    client: EngineClient,
+    reqs: list[GenerateReq],
+    num_choices: int,
+    stream: bool,
+    events: Callable[[Batches], AsyncIterator[bytes]],
+    whole: Callable[[list[ChoiceResult]], dict[str, Any]],
+) -> Response:
+    """The answer to `reqs` (once they pass the request limits): server-sent `events` of their
+    outputs, or the JSON body `whole` makes of every choice's result; their choices are aborted
+    if the client leaves first. A stream waits for its first output, so that a refused request
+    still gets a 4xx status (an SSE response commits to 200 when it starts)."""
     check_seqs(reqs, client.limits)
     if client.info is not None:
         check_prompts(reqs, client.info)
+    outputs = client.submit(reqs)
     try:
-        return client.submit(reqs)
-    except EngineUnavailable as e:
-        raise api_error(e) from e
-    except ServerBusy as e:
-        raise ApiError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-
-
-async def first_batch(request: Request, stream: RequestStream) -> list[ChoiceOutput]:
-    """Wait for a stream's first output so that a refused request still gets a 4xx status
-    (an SSE response commits to 200 when it starts). Closes the stream if that fails."""
-    try:
-        return await until_disconnect(request, stream.next_batch())
-    except (RequestRejected, EngineUnavailable) as e:
-        stream.close()
-        raise api_error(e) from e
+        if not stream:
+            return JSONResponse(
+                whole(await until_disconnect(request, collect(outputs, num_choices)))
+            )
+        first = await until_disconnect(request, outputs.next_batch())
     except BaseException:
-        stream.close()
+        outputs.close()
         raise
+    return EventStreamResponse(events(_batches(first, outputs)), outputs)
+
+
+async def _batches(first: list[ChoiceOutput], stream: RequestStream) -> Batches:
+    yield first
+    async for batch in stream:
+        yield batch
 
 
 async def with_errors(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -118,8 +113,7 @@ async def with_errors(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     try:
         async for event in events:
             yield event
-    except (RequestRejected, EngineUnavailable) as e:
-        err = api_error(e)
+    except ApiError as err:
         yield sse(error_body(err.status, err.message, err.param))
         yield DONE
 
@@ -174,20 +168,10 @@ class ChoiceResult:
 
 async def collect(stream: RequestStream, num_choices: int) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in range(num_choices)]
-    async for batch in stream:
-        for co in batch:
-            results[co.index].add(co.out)
-    return results
-
-
-async def run_to_completion(
-    request: Request, client: EngineClient, reqs: list[GenerateReq], num_choices: int
-) -> list[ChoiceResult]:
-    """Every choice's whole answer (a non-streaming request); aborted if the client leaves."""
-    stream = submit(client, reqs)
     try:
-        return await until_disconnect(request, collect(stream, num_choices))
-    except (RequestRejected, EngineUnavailable) as e:
-        raise api_error(e) from e
+        async for batch in stream:
+            for co in batch:
+                results[co.index].add(co.out)
     finally:
         stream.close()
+    return results

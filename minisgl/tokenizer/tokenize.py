@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -19,6 +21,7 @@ from minisgl.message import (
     TokenizedReq,
     ToolCall,
 )
+from minisgl.weights import load_tokenizer, resolve_source
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, info: EngineInfo) -> int:
@@ -128,21 +131,28 @@ def single_token(tokenizer: Any, text: str | None) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
+def prompt_ids(tokenizer: Callable[[], Any], prompt: str | list[int], vocab: int) -> list[int]:
+    """A text prompt's token ids (`tokenizer()` gives the tokenizer), or token ids checked
+    against the vocabulary."""
+    if isinstance(prompt, str):
+        return list(tokenizer()(prompt)["input_ids"])
+    ids = [int(t) for t in prompt]
+    if any(not 0 <= t < vocab for t in ids):
+        raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
+    return ids
+
+
 class RequestTokenizer:
     def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
 
     def prompt_ids(self, req: GenerateReq) -> list[int]:
-        if req.text is not None:
-            return list(self.tokenizer(req.text)["input_ids"])
         if req.messages is not None:
             return chat_ids(self.tokenizer, req.messages, req.chat)
-        assert req.input_ids is not None
-        vocab = self.info.vocab_size
-        if any(not 0 <= t < vocab for t in req.input_ids):
-            raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
-        return list(req.input_ids)
+        prompt = req.text if req.text is not None else req.input_ids
+        assert prompt is not None
+        return prompt_ids(lambda: self.tokenizer, prompt, self.info.vocab_size)
 
     def tokenize(self, req: GenerateReq) -> list[TokenizedReq]:
         req.params.check_vocab(self.info.vocab_size)
@@ -182,3 +192,28 @@ def max_token_chars(tokenizer: Any) -> int | None:
     # A token's string spells its bytes (byte-level BPE) or its characters (SentencePiece,
     # with "<0xNN>" byte tokens): never fewer characters than it decodes to.
     return max(len(token) for token in tokenizer.get_vocab())
+
+
+# ---- loading the tokenizer once, and handing it to sibling processes cheaply ---------------------
+# Loading the model's tokenizer once and handing it to sibling processes cheaply.
+#
+# Building a tokenizer from a GGUF file converts its vocabulary (seconds); a saved copy in HF
+# format loads in a fraction of that, so the tokenizer worker saves one for the detokenizer.
+
+
+def load_and_save(
+    model: str | None, directory: str | Path, chat_template: str | None = None
+) -> Any:
+    """The model's tokenizer (with `chat_template` in place of its own, when given), also
+    saved in `directory`."""
+    tokenizer = load_tokenizer(resolve_source(model))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def load_saved(directory: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))

@@ -5,8 +5,11 @@ that output becomes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
+from minisgl.config import ChatConfig
 from minisgl.constrain import GrammarError
 from minisgl.constrain.tools import CallLayout, ForcedCalls, FunctionSchema
 from minisgl.core import InvalidRequestError
@@ -81,6 +84,18 @@ def _function(tool: dict[str, Any]) -> FunctionSchema:
         raise InvalidRequestError(
             'tools: each is {"type": "function", "function": {"name": ..., "parameters": ...}}'
         ) from None
+
+
+def choice_parsers(
+    plan: ToolPlan, chat: ChatConfig, template_kwargs: dict[str, Any]
+) -> tuple[bool, Callable[[], ChatOutputParser] | None]:
+    """Whether the model thinks (its template's `enable_thinking`, on unless turned off), and
+    a maker of one fresh output parser per choice (None when nothing is split off)."""
+    thinking = template_kwargs.get("enable_thinking", True) is not False
+    if not plan.parse and chat.reasoning_parser is None:
+        return thinking, None
+    parsers = (chat.tool_call_parser, chat.reasoning_parser, thinking)
+    return thinking, partial(output_parser, plan.parse, *parsers)
 
 
 def output_parser(

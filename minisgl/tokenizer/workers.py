@@ -22,9 +22,12 @@ from minisgl.message import (
     SchedulerOut,
     StrOut,
     TokenizedReq,
+    TokenLogprob,
+    TokenOut,
+    TopLogprob,
 )
 from minisgl.message.transport import Receiver, Sender
-from minisgl.tokenizer.detokenizer import Detokenizer
+from minisgl.tokenizer.output import OutputDelta, OutputOptions, RequestOutput
 from minisgl.tokenizer.tokenize import RequestTokenizer
 
 logger = logging.getLogger(__name__)
@@ -117,28 +120,31 @@ class TokenizerWorker:
 
     def _grammar_checked(self, pending: _Pending, job: Future[Any]) -> None:
         """(On a compile thread.) Refuse the request, or tokenize it next."""
-        req = pending.req
         try:
             job.result()
-        except GrammarError as e:
-            param = req.grammar_field or e.kind
-            self._finish(pending, RequestError(req.rids, f"{param}: {e.reason}", param, 400))
-            return
-        except Exception as e:  # a bug of ours must not leave the request hanging
-            logger.exception("compiling the grammar of request %s failed", req.rids[0])
-            self._finish(pending, RequestError(req.rids, f"grammar: {e}", None, status=500))
+        except Exception as e:
+            self._finish(pending, self._refusal(pending.req, e, "the grammar check"))
             return
         self._pool.submit(self._tokenize_in_thread, pending)
 
     def _tokenize(self, req: GenerateReq) -> Outcome:
         try:
             return self.tokenizer.tokenize(req)
-        except InvalidRequestError as e:
-            param = str(e).split(":", 1)[0]
-            return RequestError(req.rids, str(e), param, status=400)
-        except Exception as e:  # a bug of ours must not take the worker down with it
-            logger.exception("tokenizer failed on request %s", req.rids[0])
-            return RequestError(req.rids, f"tokenizer failed: {e}", None, status=500)
+        except Exception as e:
+            return self._refusal(req, e, "the tokenizer")
+
+    @staticmethod
+    def _refusal(req: GenerateReq, e: Exception, what: str) -> RequestError:
+        """The answer to a request that `what` failed on: 400 naming the field to change for the
+        user's mistake; 500 for a bug of ours, which must neither leave the request hanging nor
+        take the worker down."""
+        if isinstance(e, GrammarError):
+            param = req.grammar_field or e.kind
+            return RequestError(req.rids, f"{param}: {e.reason}", param, 400)
+        if isinstance(e, InvalidRequestError):
+            return RequestError(req.rids, str(e), str(e).split(":", 1)[0], 400)
+        logger.error("%s failed on request %s", what, req.rids[0], exc_info=e)
+        return RequestError(req.rids, f"{what} failed: {e}", None, 500)
 
     def _tokenize_in_thread(self, pending: _Pending) -> None:
         self._finish(pending, self._tokenize(pending.req))
@@ -178,6 +184,82 @@ class TokenizerWorker:
     def run_forever(self) -> None:
         while True:
             self.step()
+
+
+# ---- the detokenizer's bookkeeping ---------------------------------------------------------------
+# The detokenizer's bookkeeping: scheduler token outputs in, text outputs for the API out.
+class Detokenizer:
+    """Keeps one `RequestOutput` (the output pipeline) per live request id.
+
+    `process` returns the text output for the API (None when there is nothing to tell) and
+    whether the scheduler must be told to abort the request (a stop string matched).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestOutput] = {}
+        self._token_text: dict[int, str] = {}
+
+    def process(self, out: TokenOut) -> tuple[StrOut | None, bool]:
+        state = self.states.get(out.rid)
+        if state is None:
+            options = OutputOptions(
+                tuple(out.stop),
+                out.skip_special_tokens,
+                out.min_tokens,
+                out.include_stop_str_in_output,
+            )
+            state = self.states[out.rid] = RequestOutput(self.tokenizer, options)
+        if out.finished:  # the scheduler's last word on it (the pipeline may have ended sooner)
+            del self.states[out.rid]
+        delta = state.add(
+            out.new_ids,
+            out.finished,
+            out.finish_reason,
+            out.logprobs,
+            out.top_ids,
+            out.top_logprobs,
+        )
+        if delta is None:  # the answer already ended at its stop string
+            return None, False
+        return self._str_out(out, delta), delta.abort
+
+    def _str_out(self, out: TokenOut, delta: OutputDelta) -> StrOut:
+        return StrOut(
+            rid=out.rid,
+            text=delta.text,
+            new_ids=delta.token_ids,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            completion_tokens=delta.completion_tokens,
+            logprobs=self._logprobs(delta),
+            error=out.error,
+            matched_stop=delta.matched_stop,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprobs(self, delta: OutputDelta) -> list[TokenLogprob]:
+        if not delta.logprobs:
+            return []
+        ids = delta.token_ids
+        tops = delta.top_ids or [[] for _ in ids]
+        top_lps = delta.top_logprobs or [[] for _ in ids]
+        return [
+            TokenLogprob(
+                self.token_text(tid),
+                tid,
+                lp,
+                [TopLogprob(self.token_text(t), v) for t, v in zip(tids, lps, strict=True)],
+            )
+            for tid, lp, tids, lps in zip(ids, delta.logprobs, tops, top_lps, strict=True)
+        ]
 
 
 class DetokenizerWorker:

@@ -18,7 +18,7 @@ from minisgl.__main__ import main
 from minisgl.config import EngineConfig
 from minisgl.distributed.group import host_store, store_address
 from minisgl.runtime import ranks
-from minisgl.runtime.rendezvous import publish_config
+from minisgl.runtime.ranks import publish_config
 
 VOCAB = 385
 MAX_TOKENS = 8

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from minisgl.runtime.supervise import ChildProcess, first_exited, stop_processes
+from minisgl.runtime.child import ChildProcess, first_exited, stop_processes
 
 
 def python(code: str) -> ChildProcess:

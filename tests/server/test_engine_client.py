@@ -111,6 +111,23 @@ def test_refusals_and_failures_raise_in_the_stream(ipc: IpcPaths, ctx: zmq.Conte
     asyncio.run(with_client(ipc, body))
 
 
+def test_a_refusal_that_lands_before_anyone_waits_is_still_raised(
+    ipc: IpcPaths, ctx: zmq.Context
+) -> None:
+    refuser = Sender(ctx, ipc.api)
+
+    async def body(client: EngineClient) -> None:
+        refused = client.submit([req("a")])
+        refuser.send(RequestError(["a"], "min_tokens: above max_tokens", "min_tokens", 400))
+        while client.num_live_requests:  # the refusal lands before the stream is read
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestRejected, match="min_tokens"):
+            async for _ in refused:
+                pass
+
+    asyncio.run(with_client(ipc, body))
+
+
 def test_a_step_of_gaps_counts_as_that_many_observations() -> None:
     one_by_one, batched = Metrics(), Metrics()
     gaps = {(0.0042, 0): 3, (0.25, 1): 2, (0.002, 0): 1}  # (gap, priority): tokens

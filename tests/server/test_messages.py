@@ -12,6 +12,7 @@ from minisgl.core import SamplingParams
 from minisgl.message import (
     AbortReq,
     ChatMessage,
+    DecodeError,
     DetokOut,
     EngineInfo,
     FlushCacheOut,
@@ -28,7 +29,6 @@ from minisgl.message import (
     decode,
     encode,
 )
-from minisgl.message.codec import DecodeError
 
 STATS = SchedulerStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 EXAMPLES = [

@@ -8,8 +8,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from minisgl.message import TokenOut
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer, StopMatcher
-from minisgl.tokenizer.detokenizer import Detokenizer
+from minisgl.tokenizer.output import IncrementalDetokenizer, StopMatcher
+from minisgl.tokenizer.workers import Detokenizer
 
 # Characters the byte-level BPE splits across several tokens (emoji, CJK, accents).
 TEXTS = [

@@ -44,6 +44,12 @@ CASES: list[tuple[str | None, str, str, list[tuple[str, dict[str, Any]]]]] = [
         [("a", {"x": 1})],
     ),
     ("hermes", '<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),
+    (
+        "hermes",  # a second call cut off (a length limit) leaves the first one standing
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "b", "argu',
+        '\n<tool_call>\n{"name": "b", "argu',
+        [("a", {"x": 1})],
+    ),
     ("hermes", '<tool_call>{"arguments": {"x": 1}, "name": "a"}</tool_call>', "", [("a", {"x": 1})]),
     ("hermes", '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("a", {"x": 1})]),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),

@@ -93,7 +93,7 @@ def test_no_token_stands_for_more_characters_than_the_bound(tokenizer: Any) -> N
 def test_a_tokenizer_that_loses_text_has_no_bound(tmp_path: Path) -> None:
     # Word-level: whitespace runs vanish and any unknown word becomes one token.
     from minisgl.benchmark.serving import synthetic_tokenizer_model
-    from minisgl.tokenizer.loading import load_saved
+    from minisgl.tokenizer.tokenize import load_saved
 
     config_dir = Path(__file__).parents[2] / "minisgl/benchmark/models/qwen3-0.6b"
     words = load_saved(synthetic_tokenizer_model(str(config_dir), tmp_path))

@@ -1,7 +1,6 @@
 """Low-bit weights on the CPU through torch's `_weight_int4pack_mm_for_cpu`: bf16 activations
 and bf16 scales (its fast path; fp32 and fp16 activations take a reference loop 15-30x slower
-than fp32 `F.linear`), accumulated in fp32, output rounded to bf16. On a 2-core AVX-512 VM
-(`python -m minisgl.benchmark.lowbit_cpu`) it reads SmolLM2-135M's layers at 1.0-1.9x the speed
+than fp32 `F.linear`), accumulated in fp32, output rounded to bf16. On a 2-core AVX-512 VM it reads SmolLM2-135M's layers at 1.0-1.9x the speed
 of fp32 `F.linear` for 1-8 rows, 0.85-0.95x at 64-256, and its LM head 4.6x faster at one row.
 8-bit values run as two 4-bit halves in one call (q = 16 hi + lo: the rows [W_hi; W_lo] summed),
 the same bytes as int8 with group scales, which `_weight_int8pack_mm` (per channel) lacks.

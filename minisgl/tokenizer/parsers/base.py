@@ -53,16 +53,12 @@ class ParsedDelta:
         return self
 
 
-def call_fields(item: Any, args_keys: tuple[str, ...]) -> tuple[str, Any] | None:
-    """(name, arguments) of a call object, or None when `item` is not one."""
+def call_fields(item: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call object, or None when `item` is not one."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
         return None
-    args: Any = {}
-    for key in args_keys:
-        if key in item:
-            args = item[key]
-            break
-    return (item["name"], args) if _arguments_text(args) is not None else None
+    args = _arguments_text(next((item[k] for k in args_keys if k in item), {}))
+    return (item["name"], args) if args is not None else None
 
 
 def _arguments_text(args: Any) -> str | None:
@@ -153,11 +149,7 @@ class CallText:
         if self.bare:
             args = _arguments_text(value)
             return (self.name, args) if self.name is not None and args is not None else None
-        fields = call_fields(value, self.args_keys)
-        if fields is None:
-            return None
-        args = _arguments_text(fields[1])
-        return (fields[0], args) if args is not None else None
+        return call_fields(value, self.args_keys)
 
 
 class Mark(NamedTuple):
@@ -255,12 +247,9 @@ class ToolCallParser(ABC):
             self._mark = None
         out.content += text
 
-    def new_call(self, name: str, arguments: Any) -> ParsedCall:
+    def new_call(self, name: str, arguments: str) -> ParsedCall:
         """The next call of this choice, with a fresh id."""
-        text = (
-            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        )
-        call = ParsedCall(self.num_calls, self.new_id(), name, text)
+        call = ParsedCall(self.num_calls, self.new_id(), name, arguments)
         self.num_calls += 1
         return call
 

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from minisgl.tokenizer.parsers.base import CallFragment, ParsedCall, ParsedDelta, ToolCallParser
-from minisgl.tokenizer.parsers.reasoning import ReasoningSplitter
+from minisgl.tokenizer.parsers.base import ParsedDelta, ToolCallParser
+from minisgl.tokenizer.parsers.reasoning import ReasoningDelta, ReasoningSplitter
 
 
 @dataclass
-class ChatDelta:
+class ChatDelta(ParsedDelta):
     reasoning: str = ""
-    content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)  # completed by this piece
-    fragments: list[CallFragment] = field(default_factory=list)  # of calls being written
 
-    def __iadd__(self, other: ChatDelta) -> ChatDelta:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.calls += other.calls
-        self.fragments += other.fragments
+    def __iadd__(self, other: ParsedDelta) -> ChatDelta:
+        super().__iadd__(other)
+        self.reasoning += other.reasoning if isinstance(other, ChatDelta) else ""
         return self
 
     def __bool__(self) -> bool:
@@ -36,37 +32,31 @@ class ChatOutputParser:
         self.num_calls = 0
 
     def feed(self, text: str) -> ChatDelta:
-        if self.reasoning is None:
-            return self._answer("", text, final=False)
-        r = self.reasoning.feed(text)
-        return self._answer(r.reasoning, r.content, final=False)
+        r = self.reasoning.feed(text) if self.reasoning else ReasoningDelta("", text)
+        return self._answer(r, final=False)
 
     def finish(self) -> ChatDelta:
-        out = ChatDelta()
-        if self.reasoning is not None:
-            r = self.reasoning.finish()
-            out += self._answer(r.reasoning, r.content, final=False)
-        out += self._answer("", "", final=True)
-        return out
-
-    def _answer(self, reasoning: str, content: str, final: bool) -> ChatDelta:
-        if self.tools is None:
-            return ChatDelta(reasoning, content)
-        d = self.tools.feed(content) if content else ParsedDelta()
-        if final:
-            d += self.tools.finish()
-        return self._with_calls(reasoning, d)
-
-    def _with_calls(self, reasoning: str, d: ParsedDelta) -> ChatDelta:
-        self.num_calls += len(d.calls)
-        return ChatDelta(reasoning, d.content, d.calls, d.fragments)
+        """What is held at the end of the output."""
+        r = self.reasoning.finish() if self.reasoning else ReasoningDelta("", "")
+        return self._answer(r, final=True)
 
     def parse(self, text: str) -> ChatDelta:
         """A whole output at once."""
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.split(text)
-        else:
-            reasoning = ""
+        r = self.reasoning.split(text) if self.reasoning else ReasoningDelta("", text)
+        return self._answer(r, final=True, read=self.tools.parse if self.tools else None)
+
+    def _answer(
+        self, r: ReasoningDelta, final: bool, read: Callable[[str], ParsedDelta] | None = None
+    ) -> ChatDelta:
+        """The thinking `r` split off, the calls parsed from its answer (`read`, default: fed
+        to the call parser, which ends with it when `final`)."""
         if self.tools is None:
-            return ChatDelta(reasoning, text)
-        return self._with_calls(reasoning, self.tools.parse(text))
+            return ChatDelta(r.content, reasoning=r.reasoning)
+        if read is not None:
+            d = read(r.content)
+        else:
+            d = self.tools.feed(r.content) if r.content else ParsedDelta()
+            if final:
+                d += self.tools.finish()
+        self.num_calls += len(d.calls)
+        return ChatDelta(d.content, d.calls, d.fragments, r.reasoning)

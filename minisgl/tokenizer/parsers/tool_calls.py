@@ -97,72 +97,6 @@ def detect_tool_call_parser(template: str | None) -> str | None:
 _BLANKS = " \t\r\n"
 
 
-class HermesParser(ToolCallParser):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    ARGS_KEYS = ("arguments", "parameters")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._buf = ""  # text outside the tags not given out yet
-        self._call: CallText | None = None  # after an OPEN whose CLOSE has not come yet
-        self._tail = ""  # after the call object, before CLOSE
-
-    def _read(self, text: str, final: bool) -> ParsedDelta:
-        out = ParsedDelta()
-        while True:
-            if self._call is None:
-                text = self._outside(out, text, final)
-                if self._call is None:
-                    return out
-            text = self._inside(out, text, final)
-            if self._call is not None:
-                return out
-
-    def _outside(self, out: ParsedDelta, text: str, final: bool) -> str:
-        self._buf += text
-        i = self._buf.find(self.OPEN)
-        if i < 0:
-            keep = 0 if final else held_prefix(self._buf, self.OPEN)
-            out.content += self._buf[: len(self._buf) - keep]
-            self._buf = self._buf[len(self._buf) - keep :]
-            return ""
-        out.content += self._buf[:i]
-        rest, self._buf = self._buf[i + len(self.OPEN) :], ""
-        self._call, self._tail = CallText(self.ARGS_KEYS), ""
-        return rest
-
-    def _inside(self, out: ParsedDelta, text: str, final: bool) -> str:
-        """The text after the call, once it has ended ("" while it goes on)."""
-        call = self._call
-        assert call is not None
-        if not call.done:
-            n = call.feed(text)
-            text = text[n:]
-            self.stream(out, call)
-            if call.broken or final and not call.done:
-                return self._drop(out, call, text)
-            if not call.done:
-                return ""
-        self._tail += text
-        rest = self._tail.lstrip(_BLANKS)
-        if not final and self.CLOSE.startswith(rest) and rest != self.CLOSE:
-            return ""  # the closing tag may be coming
-        # (without the closing tag when a stop string took it)
-        if (rest.startswith(self.CLOSE) or not rest) and self.end_call(out, call):
-            self._call, self._mark = None, None
-            return rest[len(self.CLOSE) :]
-        return self._drop(out, call, self._tail)
-
-    def _drop(self, out: ParsedDelta, call: CallText, following: str) -> str:
-        """Ends a call that broke off; what follows it is read as text outside the tags."""
-        self._call = None
-        if call.committed:
-            self.end_call(out, call)
-        else:
-            self.take_back(out, self.OPEN + call.text)
-        return following
-
-
 class BlockParser(ToolCallParser):
     """Calls written as one block: the text before it is content; the block holds calls and
     what separates them (blanks, tags, brackets), read by `_between`. A block that breaks
@@ -228,8 +162,8 @@ class BlockParser(ToolCallParser):
                 text, self._gap = self._gap, ""
             elif step == "wait":
                 return ""
-            elif step == "end":
-                self._in_block = False
+            elif step == "end":  # its calls stand, whatever a later block does
+                self._in_block, self._mark = False, None
                 text, self._gap = self._gap, ""
                 return text
             else:
@@ -257,6 +191,42 @@ class BlockParser(ToolCallParser):
 
     def _after_fail(self) -> None:
         """What a format does once a block broke (the rest of the output is content)."""
+
+    def _find_tag(self, tag: str, final: bool) -> tuple[str, str | None]:
+        """`_find_block` for a block that opens with `tag`."""
+        i = self._buf.find(tag)
+        if i >= 0:
+            text, self._buf = self._buf[:i], self._buf[i + len(tag) :]
+            return text, tag
+        keep = 0 if final else held_prefix(self._buf, tag)
+        text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+        return text, None
+
+
+class HermesParser(BlockParser):
+    """One block per `<tool_call>` tag, anywhere in the output: a call object, then the closing
+    tag (or the output's end, when a stop string took it)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    ARGS_KEYS = ("arguments", "parameters")
+
+    def _find_block(self, final: bool) -> tuple[str, str | None]:
+        return self._find_tag(self.OPEN, final)
+
+    def _between(self, final: bool) -> str:
+        g = self._gap.lstrip(_BLANKS)
+        if not self._calls:  # just after the opening tag
+            if g.startswith("{"):
+                self._consume(len(self._gap) - len(g))
+                self._start()
+                return "call"
+            return "wait" if not g and not final else "fail"
+        if g.startswith(self.CLOSE):
+            self._consume(len(self._gap) - len(g) + len(self.CLOSE))
+            return "end"
+        if not final and self.CLOSE.startswith(g):
+            return "wait"  # the closing tag may be coming
+        return "end" if not g else "fail"
 
 
 class JsonCallsParser(BlockParser):
@@ -362,13 +332,7 @@ class DeepSeekParser(BlockParser):
     _NAME = re.compile(r"[\w.\-]+")
 
     def _find_block(self, final: bool) -> tuple[str, str | None]:
-        i = self._buf.find(self.CALLS_BEGIN)
-        if i >= 0:
-            text, self._buf = self._buf[:i], self._buf[i + len(self.CALLS_BEGIN) :]
-            return text, self.CALLS_BEGIN
-        keep = 0 if final else held_prefix(self._buf, self.CALLS_BEGIN)
-        text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
-        return text, None
+        return self._find_tag(self.CALLS_BEGIN, final)
 
     def _between(self, final: bool) -> str:
         while True:
