@@ -2,14 +2,14 @@
 # The GPU check, in one device call: the GPU tests, then the engine benchmarks; a summary last.
 #   OUT=/dir bash scripts/gpu_check.sh
 #   OUT=/dir STEPS="w1 w1_fp8 w3_fp8 moe moe_fp8 accuracy" bash scripts/gpu_check.sh   # FP8
-# STEPS (default "tests w1 w2 w2_fp8 w3"), any of: tests (TESTS, default tests/gpu), w1, w1_fp8
-# (an FP8 KV cache), w1_det and w2_det (--deterministic, this tree only), w1_int4, w2, w2_fp8 (FP8 weights), w2_int4 (int4 weights), w2_tp2 (2+ GPUs),
-# w3, w3_fp8 (an e4m3 pool), moe,
-# moe_fp8 (FP8 experts), accuracy (FP8 perplexity and KL; ACC_MODEL, default the embedded
-# SmolLM2), hf (W1 against transformers), spec (W8 with SmolLM2, K = 15), verify (W8's verify
-# step on W2's shape), structured (W9; TOKENIZER=a tokenizer GGUF such as ggml-vocab-qwen2.gguf),
-# w10 (multi-turn with the KV host tier), profile (scripts/gpu_profile.py: where W1's and W2's
-# step time goes).
+# STEPS (default "tests w1 w2 w2_fp8 w3"), any of: tests (TESTS, default tests/gpu; XDIST, pytest-xdist
+# flags), w1, w1_fp8 (an FP8 KV cache), w1_det and w2_det (--deterministic, this tree only),
+# w1_int4, w2, w2_fp8 (FP8 weights), w2_int4 (int4 weights), w2_tp2 (2+ GPUs), w3, w3_fp8 (an e4m3
+# pool), moe, moe_fp8 (FP8 experts), accuracy (FP8 perplexity and KL; ACC_MODEL, default the
+# embedded SmolLM2), hf (W1 against transformers), spec (W8 with SmolLM2, K = 15), verify (W8's
+# verify step on W2's shape), structured (W9; TOKENIZER=a tokenizer GGUF such as
+# ggml-vocab-qwen2.gguf), w10 (multi-turn with the KV host tier), profile (scripts/gpu_profile.py:
+# where W1's and W2's step time goes).
 # A/B, every benchmark run REPEAT times (default 1) on each side, alternating:
 #   BASE=DIR   the other side runs from another tree (git archive COMMIT | tar -x -C DIR)
 #   AB="NAME=VALUE ..."   the other side runs with these variables set (e.g. MINISGL_DISABLE_PDL=1)
