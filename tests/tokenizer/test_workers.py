@@ -144,7 +144,7 @@ def test_a_slow_grammar_check_holds_up_no_other_request(pipes: Pipes) -> None:
 def test_a_bad_grammar_is_a_400_that_never_reaches_the_scheduler(pipes: Pipes) -> None:
     pipes.grammar_gate.set()
     pipes.to_worker.send(req(["r0", "r1"], "Hi", regex="([a-z"))
-    schema = '{"type": "object", "properties": {"a": {"not": {}}}}'
+    schema = '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}'
     pipes.to_worker.send(req(["s"], "Hi", "response_format.json_schema.schema", json_schema=schema))
     pipes.to_worker.send(req(["ok"], "Hi", regex="[a-z]+"))
     errors = {e.rids[0]: e for e in (pipes.api.recv(), pipes.api.recv())}
